@@ -1,0 +1,186 @@
+"""`kimi`: run the pipeline, inspect and check recipes, run single stages."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from kimi_pipeline.recipes import RecipeError, check_recipe, load_recipe, pipeline_layers, preset_names, recipe_to_yaml
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Kimi-K2-family RL post-training pipeline.")
+recipe_app = typer.Typer(no_args_is_help=True, help="List, show and check recipes.")
+data_app = typer.Typer(no_args_is_help=True, help="Project data: the tiny recipe's shipped assets.")
+app.add_typer(recipe_app, name="recipe")
+app.add_typer(data_app, name="data")
+console = Console()
+err = Console(stderr=True)
+
+SET_HELP = "Override a recipe field: section.field=value (repeatable)."
+RECIPE_HELP = "Preset name or YAML file (which may `extends:` a preset)."
+
+
+def _load(recipe: str, overrides: list[str], check: bool = True):
+    try:
+        return load_recipe(recipe, overrides, check=check)
+    except RecipeError as e:
+        err.print(f"[red]error:[/red] {e}", markup=True, highlight=False)
+        raise typer.Exit(2) from None
+
+
+def configure_prefect_env(project_root: Path | None = None) -> None:
+    """In-process Prefect: project-local PREFECT_HOME, analytics off; ephemeral API unless one is set."""
+    root = project_root or Path.cwd()
+    os.environ.setdefault("PREFECT_HOME", str(root / ".prefect"))
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("DO_NOT_TRACK", "1")
+    os.environ.setdefault("PREFECT_SERVER_ALLOW_EPHEMERAL_MODE", "true")
+    os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "kimi_pipeline")
+
+
+@app.command()
+def run(
+    recipe: str = typer.Option("tiny", "--recipe", "-r", help=RECIPE_HELP),
+    set_: list[str] = typer.Option([], "--set", help=SET_HELP),
+    run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="Run directory (default: <base_dir>/<time>-<recipe>)."),
+    until: Optional[str] = typer.Option(None, "--until", help="Stop after this stage."),
+) -> None:
+    """Run the whole pipeline in-process (Prefect flow `kimi`, ephemeral API)."""
+    r = _load(recipe, set_)
+    from kimi_pipeline.stages import STAGES
+
+    if until is not None and until not in STAGES:
+        err.print(f"error: --until must be one of {', '.join(STAGES)}")
+        raise typer.Exit(2)
+    configure_prefect_env()
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from flows.kimi import kimi
+
+    console.print(f"recipe [bold]{r.name}[/bold]; Prefect home {os.environ['PREFECT_HOME']}")
+    state = kimi(recipe=recipe, overrides=list(set_), run_dir=str(run_dir) if run_dir else None, until=until, return_state=True)
+    result = state.result(raise_on_failure=False)
+    out = result if isinstance(result, dict) else {}
+    rd = out.get("run_dir") or (str(run_dir) if run_dir else None)
+    if rd:
+        console.print(f"run directory: {rd}\nsummary: {Path(rd) / 'summary.json'}\nreport:  {Path(rd) / 'summary.md'}")
+    if not state.is_completed():
+        err.print(f"[red]flow {state.name}:[/red] {result}", markup=True, highlight=False)
+        raise typer.Exit(1)
+
+
+@app.command()
+def download(
+    recipe: str = typer.Option("tiny", "--recipe", "-r", help=RECIPE_HELP),
+    set_: list[str] = typer.Option([], "--set", help=SET_HELP),
+    run_dir: Path = typer.Option(..., "--run-dir"),
+) -> None:
+    """Stage `download` alone (HF token from HF_TOKEN)."""
+    from kimi_pipeline.stages import prepare_run, stage_download
+
+    r = _load(recipe, set_)
+    console.print_json(json.dumps(stage_download(r, prepare_run(r, run_dir))))
+
+
+@app.command()
+def validate(
+    recipe: str = typer.Option("tiny", "--recipe", "-r", help=RECIPE_HELP),
+    set_: list[str] = typer.Option([], "--set", help=SET_HELP),
+    run_dir: Path = typer.Option(..., "--run-dir"),
+) -> None:
+    """Stage `validate` alone (after `download` in the same run dir)."""
+    from kimi_pipeline.errors import PermanentError
+    from kimi_pipeline.stages import prepare_run, stage_validate
+
+    r = _load(recipe, set_)
+    try:
+        section = stage_validate(r, prepare_run(r, run_dir))
+    except PermanentError as e:
+        err.print(f"error: {e}", highlight=False)
+        raise typer.Exit(1) from None
+    console.print_json(json.dumps({k: v for k, v in section.items() if k not in ("train", "eval")}))
+
+
+@recipe_app.command("list")
+def recipe_list() -> None:
+    """The presets."""
+    table = Table("name", "description")
+    for name in preset_names():
+        table.add_row(name, load_recipe(name, check=False).description)
+    console.print(table)
+
+
+@recipe_app.command("show")
+def recipe_show(
+    name: str = typer.Argument(..., help=RECIPE_HELP),
+    set_: list[str] = typer.Option([], "--set", help=SET_HELP),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Print the fully resolved recipe (YAML, or JSON with --json)."""
+    r = _load(name, set_, check=False)
+    if as_json:
+        print(json.dumps(r.model_dump(mode="json", exclude={"hub": {"token"}}), indent=2))
+    else:
+        print(recipe_to_yaml(r), end="")
+
+
+@recipe_app.command("check")
+def recipe_check(
+    name: str = typer.Argument(..., help=RECIPE_HELP),
+    set_: list[str] = typer.Option([], "--set", help=SET_HELP),
+) -> None:
+    """Validate a recipe's layout and consistency; exit 1 naming each bad field."""
+    r = _load(name, set_, check=False)
+    problems = check_recipe(r)
+    if problems:
+        err.print(f"[red]recipe {r.name} is invalid:[/red]", markup=True)
+        for p in problems:
+            err.print(f"  - {p}", highlight=False, markup=False)
+        raise typer.Exit(1)
+    p = r.parallel
+    stages = pipeline_layers(r.model.num_layers, p.pp, p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers)
+    console.print(
+        f"[green]ok[/green] {r.name}: {r.cluster.nodes}×{r.cluster.gpus_per_node} {r.cluster.device}, "
+        f"TP{p.tp} PP{p.pp} CP{p.cp} DP{r.data_parallel_size} EP{p.ep} ETP{p.etp}, layers per stage {stages}, "
+        f"global batch {r.global_batch_size}",
+        highlight=False,
+    )
+
+
+@data_app.command("make-tiny")
+def data_make_tiny(
+    out: Path = typer.Option(Path("data/tiny"), "--out"),
+    check: bool = typer.Option(False, "--check", help="Rebuild in a temp dir and compare with --out."),
+) -> None:
+    """(Re)build the tiny recipe's datasets, tokenizer and config.json (deterministic)."""
+    import filecmp
+    import tempfile
+
+    from kimi_pipeline.data.tiny_assets import build_tiny_assets
+
+    r = load_recipe("tiny", check=False)
+    if not check:
+        build_tiny_assets(out, r.model)
+        console.print(f"wrote {out}")
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        build_tiny_assets(Path(tmp), r.model)
+        fresh = [p.relative_to(tmp) for p in Path(tmp).rglob("*") if p.is_file()]
+        diffs = [str(rel) for rel in fresh if not (out / rel).is_file() or not filecmp.cmp(Path(tmp) / rel, out / rel, shallow=False)]
+    if diffs:
+        err.print(f"differs from a fresh build: {', '.join(diffs)}")
+        raise typer.Exit(1)
+    console.print("shipped tiny assets match a fresh build")
+
+
+def main() -> None:  # console-script entry point
+    app()
+
+
+if __name__ == "__main__":
+    main()

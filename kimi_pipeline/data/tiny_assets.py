@@ -1,0 +1,44 @@
+"""Builds everything the tiny recipe reads from data/tiny (no network): the synthetic DAPO/AIME-format
+sets, the tokenizer and the model's config.json. Deterministic, so the shipped files can be
+re-derived and checked (`kimi data make-tiny --check`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kimi_pipeline.data.synthetic import MathGenConfig, generate, write_tiny_datasets
+from kimi_pipeline.data.tokenizer import train_tiny_tokenizer
+from kimi_pipeline.model.hf_config import hf_config_dict
+from kimi_pipeline.recipes.models import ModelSpec
+from kimi_pipeline.hub.manifest import build_manifest, list_files, write_sha256sums
+from kimi_pipeline.util.files import atomic_write_json, atomic_write_text
+
+
+def tokenizer_corpus(cfg: MathGenConfig) -> list[str]:
+    train, evals = generate(cfg)
+    texts = []
+    for row in train + evals:
+        p = row["prompt"]
+        texts.append(p if isinstance(p, str) else " ".join(m["content"] for m in p))
+        texts.append(f"The answer is \\boxed{{{row['label']}}}. Answer: \\boxed{{{row['label']}}}")
+    texts += ["user assistant system tool", "Solve the following math problem step by step."] * 32
+    return texts
+
+
+def build_tiny_assets(out_dir: Path, model: ModelSpec, cfg: MathGenConfig = MathGenConfig()) -> dict[str, Path]:
+    out_dir = Path(out_dir)
+    paths = write_tiny_datasets(out_dir, cfg)
+    model_dir = out_dir / "model"
+    train_tiny_tokenizer(tokenizer_corpus(cfg), model_dir, vocab_size=min(360, model.vocab_size))
+    atomic_write_json(model_dir / "config.json", hf_config_dict(model))
+    paths["model"] = model_dir
+    write_manifests(out_dir)
+    return paths
+
+
+def write_manifests(out_dir: Path) -> None:
+    """MANIFEST.sha256 in data/tiny and data/tiny/model: the download stage verifies local sources against them."""
+    out_dir = Path(out_dir)
+    for root, patterns in ((out_dir, ["*.jsonl"]), (out_dir / "model", None)):
+        files = build_manifest(root, list_files(root, patterns))
+        atomic_write_text(root / "MANIFEST.sha256", write_sha256sums(root, files))

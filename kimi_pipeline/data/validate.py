@@ -1,0 +1,230 @@
+"""Stage `validate`: DAPO/AIME rows through pandera; bad rows quarantined with a reason, never dropped silently.
+
+Files load through `datasets` (jsonl as text lines, so one malformed line is one bad row and not a
+crash of the JSON loader; parquet as-is). Clean rows are written to DIR/validate/{train,eval}.jsonl
+for the later stages; bad rows to DIR/validate/quarantine-{split}.jsonl with the file, line, field
+and reason. The stage fails (after writing its report) when a split's bad fraction exceeds
+`data.max_bad_fraction` or train/eval contamination exceeds `data.max_contamination`.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import pandera.errors as pa_errors
+
+from kimi_pipeline.data.rows import as_messages, label_value_problem, normalize_problem, prompt_problem
+from kimi_pipeline.data.schemas import row_schema
+from kimi_pipeline.errors import PermanentError
+from kimi_pipeline.recipes import Recipe
+from kimi_pipeline.util.files import atomic_write_json, atomic_write_jsonl
+
+RAW_PREVIEW_CHARS = 2000
+
+
+class DataValidationError(PermanentError):
+    """Too many bad rows / contamination / unreadable file. `section` carries the report."""
+
+    def __init__(self, message: str, section: dict[str, Any] | None = None):
+        super().__init__(message)
+        self.section = section or {}
+
+
+def load_rows(path: Path, cache_dir: Path | None = None) -> list[tuple[int, Any, str | None, str]]:
+    """(line, parsed object or None, json error or None, raw text) per row, via `datasets`."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    path = Path(path)
+    if not path.is_file():
+        raise DataValidationError(f"data file {path} does not exist; run the download stage first")
+    suffix = "".join(path.suffixes[-2:]) if path.suffix == ".gz" else path.suffix
+    kw = {"split": "train", "cache_dir": str(cache_dir) if cache_dir else None, "keep_in_memory": True}
+    try:
+        if suffix in (".parquet",):
+            ds = datasets.load_dataset("parquet", data_files=str(path), **kw)
+            return [(i + 1, row, None, json.dumps(row, default=str)[:RAW_PREVIEW_CHARS]) for i, row in enumerate(ds)]
+        if suffix not in (".jsonl", ".json", ".jsonl.gz", ".json.gz"):
+            raise DataValidationError(f"{path}: unsupported data format {suffix!r}; use .jsonl or .parquet")
+        ds = datasets.load_dataset("text", data_files=str(path), **kw)
+    except DataValidationError:
+        raise
+    except Exception as e:  # a corrupt parquet/gzip: name the file, not the arrow internals
+        raise DataValidationError(f"{path}: cannot be read as {suffix} ({type(e).__name__}: {str(e)[:200]})") from None
+    out = []
+    for i, rec in enumerate(ds):
+        line = rec["text"]
+        if not line.strip():
+            continue  # blank lines are not rows
+        try:
+            obj = json.loads(line)
+            err = None if isinstance(obj, dict) else f"not a JSON object (got {type(obj).__name__})"
+        except json.JSONDecodeError as e:
+            obj, err = None, f"not valid JSON ({e.msg} at column {e.colno})"
+        out.append((i + 1, obj if err is None else None, err, line[:RAW_PREVIEW_CHARS]))
+    return out
+
+
+def _render(prompts: list[Any], tokenizer, apply_chat_template: bool) -> list[int]:
+    if apply_chat_template and getattr(tokenizer, "chat_template", None):
+        texts = [tokenizer.apply_chat_template(as_messages(p), tokenize=False, add_generation_prompt=True) for p in prompts]
+    else:
+        texts = [p if isinstance(p, str) else "\n".join(m["content"] for m in p) for p in prompts]
+    enc = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    return [len(x) for x in enc]
+
+
+def validate_split(
+    split: str, path: Path, recipe: Recipe, tokenizer, cache_dir: Path | None = None
+) -> tuple[list[dict], list[dict], dict[str, Any]]:
+    """(clean rows, quarantined rows, stats) for one data file."""
+    ikey, lkey = recipe.data.input_key, recipe.data.label_key
+    path = Path(path)
+    rows = load_rows(path, cache_dir)
+    frame = []
+    for line, obj, err, _raw in rows:
+        prompt = obj.get(ikey) if obj is not None else None
+        label = obj.get(lkey) if obj is not None else None
+        ok_prompt = err is None and prompt_problem(prompt) is None
+        frame.append(
+            {
+                "json_error": err,
+                "prompt": prompt,
+                "label": label,
+                "problem_key": normalize_problem(prompt) if ok_prompt else f"<invalid prompt, line {line}>",
+                "prompt_tokens": math.nan,
+            }
+        )
+    cols = ["json_error", "prompt", "label", "problem_key"]
+    df = pd.DataFrame({c: pd.Series([r[c] for r in frame], dtype=object) for c in cols})
+    df["prompt_tokens"] = pd.Series([math.nan] * len(frame), dtype=float)
+    valid_idx = [i for i, r in enumerate(frame) if r["json_error"] is None and prompt_problem(r["prompt"]) is None]
+    if valid_idx:
+        lengths = _render([frame[i]["prompt"] for i in valid_idx], tokenizer, recipe.data.apply_chat_template)
+        df.loc[valid_idx, "prompt_tokens"] = [float(n) for n in lengths]
+    reasons: dict[int, list[tuple[str, str]]] = collections.defaultdict(list)
+    max_tokens = recipe.rollout.max_prompt_len
+    try:
+        row_schema(f"{split}:{path.name}", max_tokens).validate(df, lazy=True)
+    except pa_errors.SchemaErrors as e:
+        first_seen: dict[str, int] = {}
+        for i, r in enumerate(frame):
+            first_seen.setdefault(r["problem_key"], rows[i][0])
+        for fc in e.failure_cases.itertuples():
+            if fc.index is None or (isinstance(fc.index, float) and math.isnan(fc.index)):
+                raise DataValidationError(f"{path}: schema error in column {fc.column}: {fc.check}") from None
+            i = int(fc.index)
+            r = frame[i]
+            if fc.column == "json_error":
+                reasons[i].append(("<line>", r["json_error"]))
+            elif fc.column == "prompt":
+                reasons[i].append((ikey, prompt_problem(r["prompt"]) or "invalid prompt"))
+            elif fc.column == "label":
+                reasons[i].append((lkey, label_value_problem(r["label"]) or "invalid label"))
+            elif fc.column == "problem_key":
+                reasons[i].append((ikey, f"duplicate prompt (same problem as line {first_seen[r['problem_key']]})"))
+            elif fc.column == "prompt_tokens":
+                n_tokens = int(df.at[i, "prompt_tokens"])
+                reasons[i].append((ikey, f"prompt is {n_tokens} tokens with the chat template, over rollout.max_prompt_len={max_tokens}"))
+            else:
+                reasons[i].append((str(fc.column), str(fc.check)))
+    # a JSON error also fails the prompt/label checks (they are None); report only the root cause
+    for i, rs in reasons.items():
+        if any(f == "<line>" for f, _ in rs):
+            reasons[i] = [x for x in rs if x[0] == "<line>"]
+    clean, bad = [], []
+    for i, (line, obj, _err, raw) in enumerate(rows):
+        if i in reasons:
+            rs = reasons[i]
+            bad.append(
+                {
+                    "file": str(path),
+                    "line": line,
+                    "fields": sorted({f for f, _ in rs}),
+                    "reasons": [m for _, m in rs],
+                    "raw": raw,
+                }
+            )
+        else:
+            clean.append({**obj, "_source_line": line})
+    counts = collections.Counter(_reason_kind(m) for b in bad for m in b["reasons"])
+    stats = {
+        "file": str(path),
+        "rows": len(rows),
+        "bad_rows": len(bad),
+        "bad_fraction": round(len(bad) / len(rows), 6) if rows else 0.0,
+        "reasons": dict(counts.most_common()),
+        "max_prompt_tokens": int(df["prompt_tokens"].max()) if valid_idx else 0,
+    }
+    return clean, bad, stats
+
+
+def _reason_kind(message: str) -> str:
+    for key in ("not valid JSON", "not a JSON object", "duplicate prompt", "tokens with the chat template", "empty prompt",
+                "invalid role", "missing prompt", "missing label", "empty label", "no user message"):
+        if key in message:
+            return key.replace("tokens with the chat template", "overlong prompt")
+    return message.split("(")[0].strip()[:60]
+
+
+def contamination(train_rows: list[dict], eval_rows: list[dict], key: str) -> dict[str, Any]:
+    """Eval problems whose normalized text also appears in train (prompt overlap)."""
+    train_keys = {normalize_problem(r[key]) for r in train_rows}
+    hits = [r for r in eval_rows if normalize_problem(r[key]) in train_keys]
+    return {
+        "overlap": len(hits),
+        "eval_rows": len(eval_rows),
+        "fraction": round(len(hits) / len(eval_rows), 6) if eval_rows else 0.0,
+        "examples": [{"line": r["_source_line"], "prompt": normalize_problem(r[key])[:200]} for r in hits[:5]],
+    }
+
+
+def run_validate(recipe: Recipe, run_dir: Path, train_path: Path, eval_path: Path, tokenizer) -> dict[str, Any]:
+    """Validate both splits, write clean + quarantine files and a report; return the summary section."""
+    out = Path(run_dir) / "validate"
+    cache = Path(run_dir) / ".cache" / "datasets"
+    splits: dict[str, dict[str, Any]] = {}
+    clean: dict[str, list[dict]] = {}
+    for split, path in (("train", Path(train_path)), ("eval", Path(eval_path))):
+        rows, bad, stats = validate_split(split, path, recipe, tokenizer, cache)
+        atomic_write_jsonl(out / f"quarantine-{split}.jsonl", bad)
+        stats["quarantine"] = str(out / f"quarantine-{split}.jsonl")
+        stats["examples"] = [{"line": b["line"], "reasons": b["reasons"], "raw": b["raw"][:300]} for b in bad[:5]]
+        splits[split] = stats
+        clean[split] = rows
+    cont = contamination(clean["train"], clean["eval"], recipe.data.input_key)
+    section = {
+        "rows": sum(s["rows"] for s in splits.values()),
+        "bad_rows": sum(s["bad_rows"] for s in splits.values()),
+        "contamination": cont,
+        **splits,
+    }
+    failures = []
+    for split, s in splits.items():
+        if s["rows"] - s["bad_rows"] == 0:
+            failures.append(f"{split}: no valid rows in {s['file']}")
+        elif s["bad_fraction"] > recipe.data.max_bad_fraction:
+            failures.append(
+                f"{split}: {s['bad_rows']}/{s['rows']} rows bad ({s['bad_fraction']:.2%}) > data.max_bad_fraction="
+                f"{recipe.data.max_bad_fraction:.2%}; reasons {s['reasons']}; see {s['quarantine']}"
+            )
+    if cont["fraction"] > recipe.data.max_contamination:
+        failures.append(
+            f"contamination: {cont['overlap']}/{cont['eval_rows']} eval prompts also appear in train "
+            f"({cont['fraction']:.2%} > data.max_contamination={recipe.data.max_contamination:.2%})"
+        )
+    section["passed"] = not failures
+    atomic_write_json(out / "report.json", section)
+    if failures:
+        raise DataValidationError("data validation failed:\n" + "\n".join(f"  - {f}" for f in failures), section)
+    # clean files last: their presence means validation passed
+    for split, rows in clean.items():
+        atomic_write_jsonl(out / f"{split}.jsonl", rows)
+        section[split]["clean"] = str(out / f"{split}.jsonl")
+    atomic_write_json(out / "report.json", section)
+    return section

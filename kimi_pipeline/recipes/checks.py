@@ -1,0 +1,235 @@
+"""Layout and consistency checks that run before any GPU is touched.
+
+Each problem names the recipe field and says how to fix it, because the alternative is a
+256-GPU job dying minutes into start-up with an assertion deep inside Megatron.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kimi_pipeline.recipes.recipe import Recipe
+
+
+@dataclass(frozen=True)
+class Problem:
+    field: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.field}: {self.message}"
+
+
+class PipelineSplitError(ValueError):
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+def pipeline_layers(
+    num_layers: int, pp: int, first: int | None = None, last: int | None = None, prefix: str = "parallel"
+) -> list[int]:
+    """Layers per pipeline stage, Megatron's rule: first/last stages as given, the rest split evenly.
+
+    61 layers, pp 8, last 5 -> [8, 8, 8, 8, 8, 8, 8, 5].
+    """
+    if pp == 1:
+        if first not in (None, num_layers) or last not in (None, num_layers):
+            raise PipelineSplitError(
+                f"{prefix}.decoder_last_pipeline_num_layers",
+                f"pipeline size is 1, so first/last stage layer counts must be unset (got first={first}, last={last})",
+            )
+        return [num_layers]
+    fixed = [x for x in (first, last) if x is not None]
+    for name, x in (("first", first), ("last", last)):
+        if x is not None and x <= 0:
+            raise PipelineSplitError(f"{prefix}.decoder_{name}_pipeline_num_layers", f"must be > 0 (got {x})")
+    middle_stages = pp - len(fixed)
+    rest = num_layers - sum(fixed)
+    if middle_stages == 0:
+        if rest != 0:
+            raise PipelineSplitError(
+                f"{prefix}.decoder_last_pipeline_num_layers",
+                f"first ({first}) + last ({last}) = {sum(fixed)} layers but the model has {num_layers}",
+            )
+        return [first, last]  # type: ignore[list-item]
+    if rest <= 0 or rest % middle_stages:
+        which = "last" if last is not None else "first" if first is not None else "last"
+        hint = _split_hint(num_layers, pp)
+        raise PipelineSplitError(
+            f"{prefix}.decoder_{which}_pipeline_num_layers",
+            f"{num_layers} layers over pp={pp} stages does not split: with first={first}, last={last} the "
+            f"remaining {rest} layers do not divide evenly over {middle_stages} stage(s). {hint}",
+        )
+    per = rest // middle_stages
+    stages = [per] * middle_stages
+    if first is not None:
+        stages.insert(0, first)
+    if last is not None:
+        stages.append(last)
+    return stages
+
+
+def _split_hint(num_layers: int, pp: int) -> str:
+    if num_layers % pp == 0:
+        return f"Unset it for an even split of {num_layers // pp} per stage."
+    options = [
+        f"decoder_last_pipeline_num_layers={last}"
+        for last in range(1, num_layers)
+        if (num_layers - last) % (pp - 1) == 0 and (num_layers - last) // (pp - 1) > 0
+    ]
+    return "Valid choices: " + ", ".join(options[:4]) if options else "Choose another pipeline size."
+
+
+def check_recipe(r: Recipe) -> list[Problem]:
+    """All problems with a recipe (empty list = valid)."""
+    out: list[Problem] = []
+    add = lambda f, m: out.append(Problem(f, m))  # noqa: E731
+    m, p, c = r.model, r.parallel, r.cluster
+    world = c.world_size
+
+    # --- model shape ---
+    if m.first_k_dense >= m.num_layers:
+        add("model.first_k_dense", f"{m.first_k_dense} dense layers leaves no MoE layer of {m.num_layers}")
+    if m.moe_router_topk > m.num_experts:
+        add("model.moe_router_topk", f"top-{m.moe_router_topk} of only {m.num_experts} experts; lower it")
+    if m.num_experts % m.moe_router_num_groups:
+        add("model.moe_router_num_groups", f"must divide num_experts={m.num_experts}")
+    if m.moe_router_group_topk > m.moe_router_num_groups:
+        add("model.moe_router_group_topk", f"cannot exceed moe_router_num_groups={m.moe_router_num_groups}")
+    if m.max_position_embeddings < m.original_max_position_embeddings:
+        add("model.max_position_embeddings", "is below original_max_position_embeddings; check the YaRN settings")
+
+    # --- training layout ---
+    mp = p.tp * p.pp * p.cp
+    if p.dp is not None:
+        if mp * p.dp != world:
+            add(
+                "parallel.dp",
+                f"TP·PP·CP·DP = {p.tp}·{p.pp}·{p.cp}·{p.dp} = {mp * p.dp} but the cluster has "
+                f"{c.nodes} nodes × {c.gpus_per_node} GPUs = {world}; set parallel.dp={world // mp if world % mp == 0 else '?'} "
+                "or change cluster.nodes / cluster.gpus_per_node",
+            )
+    elif world % mp:
+        add(
+            "cluster.gpus_per_node",
+            f"the cluster has {c.nodes} × {c.gpus_per_node} = {world} GPUs, not a multiple of TP·PP·CP = "
+            f"{p.tp}·{p.pp}·{p.cp} = {mp}; use a GPU count that is a multiple of {mp} or shrink parallel.tp/pp/cp",
+        )
+    if m.num_experts % p.ep:
+        divisors = [d for d in range(1, min(m.num_experts, 512) + 1) if m.num_experts % d == 0]
+        near = sorted(divisors, key=lambda d: abs(d - p.ep))[:3]
+        add(
+            "parallel.ep",
+            f"expert parallel size {p.ep} does not divide the {m.num_experts} routed experts; "
+            f"choose a divisor such as {', '.join(map(str, sorted(near)))}",
+        )
+    if world % mp == 0 or p.dp is not None:
+        dp = r.data_parallel_size
+        expert_group = p.ep * p.etp
+        dense_group = p.tp * p.cp * dp
+        if expert_group > dense_group or dense_group % expert_group:
+            add(
+                "parallel.ep",
+                f"EP·expert-TP = {p.ep}·{p.etp} = {expert_group} must divide TP·CP·DP = {p.tp}·{p.cp}·{dp} = "
+                f"{dense_group} (the GPUs of one pipeline stage); lower parallel.ep or parallel.etp",
+            )
+    if m.num_attention_heads % p.tp:
+        add("parallel.tp", f"{m.num_attention_heads} attention heads are not divisible by TP={p.tp}")
+    if p.sequence_parallel and p.tp == 1:
+        add("parallel.sequence_parallel", "needs TP > 1; set it to false")
+    try:
+        pipeline_layers(m.num_layers, p.pp, p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers)
+    except PipelineSplitError as e:
+        add(e.field, str(e))
+    if p.recompute_granularity == "full" and (p.recompute_method is None or p.recompute_num_layers is None):
+        add("parallel.recompute_method", "full recompute needs recompute_method and recompute_num_layers")
+
+    # --- conversion layout ---
+    cv = r.convert
+    if cv.mode == "torch_dist":
+        cworld = cv.nodes * cv.gpus_per_node
+        cmp = cv.tp * cv.pp
+        if cworld % cmp:
+            add("convert.pp", f"conversion world {cv.nodes}×{cv.gpus_per_node}={cworld} is not a multiple of TP·PP={cmp}")
+        elif (cworld // cmp * cv.tp) % (cv.ep * cv.etp):
+            add("convert.ep", f"conversion EP·expert-TP={cv.ep * cv.etp} must divide TP·DP={cworld // cmp * cv.tp}")
+        if m.num_experts % cv.ep:
+            add("convert.ep", f"{cv.ep} does not divide the {m.num_experts} routed experts")
+        try:
+            pipeline_layers(
+                m.num_layers, cv.pp, cv.decoder_first_pipeline_num_layers, cv.decoder_last_pipeline_num_layers, "convert"
+            )
+        except PipelineSplitError as e:
+            add(e.field, str(e))
+
+    # --- rollout / batch ---
+    ro = r.rollout
+    if ro.global_batch_size is not None:
+        if ro.samples_per_rollout % ro.global_batch_size and not ro.use_dynamic_global_batch_size:
+            add(
+                "rollout.global_batch_size",
+                f"rollout_batch_size × n_samples_per_prompt = {ro.rollout_batch_size}×{ro.n_samples_per_prompt} = "
+                f"{ro.samples_per_rollout} samples is not a multiple of global_batch_size={ro.global_batch_size}; "
+                f"use a divisor (e.g. {ro.samples_per_rollout // ro.num_steps_per_rollout})",
+            )
+        elif ro.samples_per_rollout // ro.global_batch_size != ro.num_steps_per_rollout and not ro.use_dynamic_global_batch_size:
+            add(
+                "rollout.num_steps_per_rollout",
+                f"{ro.samples_per_rollout} samples / global_batch_size {ro.global_batch_size} = "
+                f"{ro.samples_per_rollout // ro.global_batch_size} steps, but num_steps_per_rollout="
+                f"{ro.num_steps_per_rollout}; make them agree or unset rollout.global_batch_size",
+            )
+    elif ro.samples_per_rollout % ro.num_steps_per_rollout:
+        add(
+            "rollout.num_steps_per_rollout",
+            f"{ro.samples_per_rollout} samples per rollout do not split into {ro.num_steps_per_rollout} equal steps",
+        )
+    gbs = r.global_batch_size
+    if (world % mp == 0 or p.dp is not None) and gbs % r.data_parallel_size:
+        add("rollout.global_batch_size", f"global batch {gbs} is not divisible by data-parallel size {r.data_parallel_size}")
+    if ro.over_sampling_batch_size is not None and ro.over_sampling_batch_size < ro.rollout_batch_size:
+        add("rollout.over_sampling_batch_size", f"must be ≥ rollout_batch_size={ro.rollout_batch_size}")
+    if ro.max_prompt_len + ro.max_response_len > m.max_position_embeddings:
+        add(
+            "rollout.max_response_len",
+            f"max_prompt_len + max_response_len = {ro.max_prompt_len}+{ro.max_response_len} exceeds the "
+            f"context length model.max_position_embeddings={m.max_position_embeddings}",
+        )
+    if ro.max_response_len > m.max_position_embeddings:
+        pass  # already covered above
+    if r.eval.max_response_len + ro.max_prompt_len > m.max_position_embeddings:
+        add("eval.max_response_len", f"prompt + eval response exceed the context length {m.max_position_embeddings}")
+    if r.eval.interval > ro.num_rollout:
+        add(
+            "eval.interval",
+            f"eval every {r.eval.interval} rollouts never fires within rollout.num_rollout={ro.num_rollout}; "
+            f"set eval.interval ≤ {ro.num_rollout}",
+        )
+    if r.grpo.eps_clip_high < r.grpo.eps_clip:
+        add("grpo.eps_clip_high", f"should be ≥ eps_clip={r.grpo.eps_clip} (asymmetric clip-higher)")
+    if r.grpo.kl_loss_coef > 0 and not r.grpo.use_kl_loss:
+        add("grpo.use_kl_loss", "kl_loss_coef > 0 has no effect unless use_kl_loss is true")
+    if r.optimizer.optimizer_cpu_offload and not r.optimizer.use_distributed_optimizer:
+        add("optimizer.use_distributed_optimizer", "Megatron's CPU-offloaded optimizer requires the distributed optimizer")
+
+    # --- rollout engines ---
+    sg = r.sglang
+    if ro.engine == "sglang":
+        if c.device != "cuda":
+            add("rollout.engine", "sglang needs CUDA GPUs; use rollout.engine=embedded on CPU")
+        if world % sg.gpus_per_engine:
+            add("sglang.gpus_per_engine", f"{world} GPUs cannot be split into engines of {sg.gpus_per_engine}")
+        if sg.gpus_per_engine % sg.ep_size:
+            add("sglang.ep_size", f"must divide gpus_per_engine={sg.gpus_per_engine}")
+        if m.num_experts % sg.ep_size:
+            add("sglang.ep_size", f"{sg.ep_size} does not divide the {m.num_experts} routed experts")
+        if sg.enable_dp_attention and sg.gpus_per_engine % sg.dp_size:
+            add("sglang.dp_size", f"must divide gpus_per_engine={sg.gpus_per_engine}")
+
+    # --- quantization ---
+    if r.quant.int4_qat or r.quant.export_format == "int4":
+        for name, dim in (("model.hidden_size", m.hidden_size), ("model.moe_ffn_hidden_size", m.moe_ffn_hidden_size)):
+            if dim % r.quant.group_size:
+                add("quant.group_size", f"{name}={dim} is not a multiple of the INT4 group size {r.quant.group_size}")
+    return out

@@ -1,0 +1,254 @@
+"""Typed recipe sections.
+
+A recipe is everything a run needs to know, in one validated object: the model shape, where the
+weights and data come from, the conversion and training layouts, the GRPO algorithm, eval,
+optimizer, quantization and paths. Field names follow the Megatron/miles flags they stand for so
+that users can map a launcher script onto a recipe line by line.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
+
+
+class Section(BaseModel):
+    """Base for every section: unknown keys are errors (a typo must not be silently ignored)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelSpec(Section):
+    """DeepSeek-V3-shaped model (MLA attention, sigmoid-routed MoE with expert bias)."""
+
+    model_type: str = Field("kimi_k2", description="config.json model_type as the checkpoint ships it")
+    num_layers: int = Field(gt=0)
+    first_k_dense: int = Field(1, ge=0, description="leading dense (non-MoE) layers")
+    hidden_size: int = Field(gt=0)
+    ffn_hidden_size: int = Field(gt=0, description="intermediate size of the dense layers")
+    num_attention_heads: int = Field(gt=0)
+    q_lora_rank: int | None = Field(gt=0)
+    kv_lora_rank: int = Field(gt=0)
+    qk_head_dim: int = Field(gt=0, description="no-rope part of the q/k head (qk_nope_head_dim)")
+    qk_pos_emb_head_dim: int = Field(gt=0, description="rope part of the q/k head (qk_rope_head_dim)")
+    v_head_dim: int = Field(gt=0)
+    vocab_size: int = Field(gt=0)
+    num_experts: int = Field(gt=0, description="routed experts per MoE layer")
+    moe_router_topk: int = Field(gt=0)
+    moe_ffn_hidden_size: int = Field(gt=0)
+    num_shared_experts: int = Field(1, ge=0)
+    moe_router_score_function: Literal["sigmoid", "softmax"] = "sigmoid"
+    moe_router_enable_expert_bias: bool = True
+    moe_router_dtype: Literal["fp32", "fp64", "bf16"] = "fp32"
+    moe_router_topk_scaling_factor: float = Field(gt=0)
+    moe_router_num_groups: int = Field(1, gt=0)
+    moe_router_group_topk: int = Field(1, gt=0)
+    norm_epsilon: float = Field(gt=0)
+    rotary_base: float = Field(gt=0)
+    rotary_scaling_factor: float = Field(gt=0, description="YaRN factor")
+    original_max_position_embeddings: int = Field(4096, gt=0)
+    max_position_embeddings: int = Field(gt=0, description="context length")
+    mscale: float = 1.0
+    mscale_all_dim: float = 1.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    tie_word_embeddings: bool = False
+    params_dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.num_layers - self.first_k_dense
+
+
+SourceFormat = Literal["bf16", "fp8", "int4"]
+
+
+class Source(Section):
+    """Where a model or dataset comes from: the HF hub (pinned revision) or a local directory/file.
+
+    Local paths are relative to the project root unless absolute.
+    """
+
+    kind: Literal["hub", "local"]
+    repo_id: str | None = None
+    revision: str = "main"
+    repo_type: Literal["model", "dataset"] = "model"
+    allow_patterns: list[str] | None = None
+    path: str | None = Field(None, description="local directory or file (kind=local)")
+    filename: str | None = Field(None, description="the file to use inside a dataset repo/dir")
+
+    def describe(self) -> str:
+        if self.kind == "hub":
+            return f"hf://{self.repo_id}@{self.revision}" + (f"/{self.filename}" if self.filename else "")
+        return f"local:{self.path}" + (f"/{self.filename}" if self.filename and self.path and not self.path.endswith(self.filename) else "")
+
+
+class HubSpec(Section):
+    """Model sources: the policy checkpoint, an optional separate reference checkpoint, and access."""
+
+    model: Source
+    ref_model: Source | None = Field(None, description="separate reference checkpoint (K2.5: BF16 ref)")
+    source_format: SourceFormat = Field("bf16", description="weight format of the policy checkpoint")
+    text_config_key: str | None = Field(
+        None, description="config.json key holding the language model config (K2.5: text_config)"
+    )
+    trust_remote_code: bool = Field(False, description="needed only for Kimi's tiktoken tokenizer")
+    token: SecretStr | None = Field(None, description="HF token; prefer HF_TOKEN env or a Prefect Secret")
+    offline: bool = Field(False, description="only use local files / the HF cache, never the network")
+    verify: Literal["sha256", "size"] = Field("sha256", description="how reused files are re-verified")
+
+
+class DataSpec(Section):
+    train: Source
+    eval: Source
+    input_key: str = "prompt"
+    label_key: str = "label"
+    max_bad_fraction: float = Field(0.01, ge=0, le=1, description="validate fails above this")
+    max_contamination: float = Field(0.0, ge=0, le=1, description="train/eval prompt overlap allowed")
+    apply_chat_template: bool = True
+
+
+class ConvertSpec(Section):
+    """HF -> Megatron torch_dist conversion job layout (a torch.distributed job over N nodes)."""
+
+    mode: Literal["torch_dist", "bridge"] = "torch_dist"
+    nodes: int = Field(4, gt=0)
+    gpus_per_node: int = Field(8, gt=0, description="ranks per node (GPUs, or CPU processes)")
+    tp: int = Field(1, gt=0)
+    pp: int = Field(1, gt=0)
+    ep: int = Field(1, gt=0)
+    etp: int = Field(1, gt=0)
+    decoder_first_pipeline_num_layers: int | None = None
+    decoder_last_pipeline_num_layers: int | None = None
+    verify: bool = Field(True, description="reload + compare every tensor; skip only for huge models")
+
+
+class ParallelSpec(Section):
+    """Training (actor) parallel layout, as Megatron flags."""
+
+    tp: int = Field(1, gt=0)
+    pp: int = Field(1, gt=0)
+    cp: int = Field(1, gt=0)
+    ep: int = Field(1, gt=0)
+    etp: int = Field(1, gt=0)
+    dp: int | None = Field(None, gt=0, description="data parallel size; derived from the GPU count if unset")
+    decoder_first_pipeline_num_layers: int | None = None
+    decoder_last_pipeline_num_layers: int | None = None
+    sequence_parallel: bool = False
+    use_dynamic_batch_size: bool = True
+    max_tokens_per_gpu: int = Field(16384, gt=0)
+    recompute_granularity: Literal["full", "selective"] | None = None
+    recompute_method: Literal["uniform", "block"] | None = None
+    recompute_num_layers: int | None = None
+
+
+class ClusterSpec(Section):
+    nodes: int = Field(1, gt=0, description="actor nodes (--actor-num-nodes)")
+    gpus_per_node: int = Field(8, gt=0, description="GPUs per node; on device=cpu, trainer ranks per node")
+    device: Literal["cuda", "cpu"] = "cuda"
+    colocate: bool = True
+    address: str | None = Field(None, description="existing Ray cluster address; None = embedded local head")
+    keep: bool = Field(False, description="keep the embedded cluster running after the flow")
+    cpus_per_node: int | None = Field(None, gt=0, description="required CPUs per node (health check)")
+    memory_gb_per_node: float | None = Field(None, gt=0, description="required RAM per node (health check)")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+class RolloutSpec(Section):
+    engine: Literal["sglang", "embedded"] = "sglang"
+    num_rollout: int = Field(gt=0)
+    rollout_batch_size: int = Field(gt=0, description="prompts per rollout")
+    n_samples_per_prompt: int = Field(gt=0)
+    max_prompt_len: int = Field(2048, gt=0)
+    max_response_len: int = Field(gt=0)
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(-1, description="-1 = disabled (RL needs the untruncated distribution)")
+    global_batch_size: int | None = Field(None, gt=0, description="samples per optimizer step")
+    num_steps_per_rollout: int = Field(1, gt=0)
+    use_dynamic_global_batch_size: bool = False
+    over_sampling_batch_size: int | None = Field(None, gt=0)
+    dynamic_sampling: bool = Field(False, description="keep only groups with reward std > 1e-8")
+    shuffle: bool = True
+    balance_data: bool = True
+    rm_type: Literal["math", "deepscaler"] = "math"
+    update_weight_buffer_size: int = Field(4 * 512 * 1024 * 1024, gt=0, description="bytes per weight-sync chunk")
+    routing_replay: bool = False
+    use_router: bool = False
+    seed: int = 42
+
+    @property
+    def samples_per_rollout(self) -> int:
+        return self.rollout_batch_size * self.n_samples_per_prompt
+
+
+class SGLangSpec(Section):
+    gpus_per_engine: int = Field(8, gt=0)
+    mem_fraction_static: float = Field(0.7, gt=0, le=1)
+    ep_size: int = Field(1, gt=0)
+    dp_size: int = Field(1, gt=0)
+    enable_dp_attention: bool = False
+    moe_dense_tp_size: int | None = None
+    enable_dp_lm_head: bool = False
+    disable_radix_cache: bool = False
+    server_concurrency: int = Field(512, gt=0)
+    cuda_graph_bs: list[int] | None = None
+    host: str = Field("127.0.0.1", description="bind address; loopback unless you mean it")
+
+
+class GRPOSpec(Section):
+    advantage_estimator: Literal["grpo"] = "grpo"
+    eps_clip: float = Field(0.2, gt=0)
+    eps_clip_high: float = Field(0.28, gt=0)
+    use_kl_loss: bool = False
+    kl_loss_coef: float = Field(0.0, ge=0)
+    kl_loss_type: Literal["low_var_kl", "k1", "k2"] = "low_var_kl"
+    entropy_coef: float = Field(0.0, ge=0)
+    use_tis: bool = False
+    tis_clip: float = Field(2.0, gt=0)
+    tis_clip_low: float = Field(0.0, ge=0)
+
+
+class EvalSpec(Section):
+    name: str = "aime"
+    interval: int = Field(20, gt=0, description="evaluate every N rollouts")
+    n_samples_per_prompt: int = Field(16, gt=0)
+    max_response_len: int = Field(16384, gt=0)
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+
+
+class OptimizerSpec(Section):
+    optimizer: Literal["adam", "sgd"] = "adam"
+    lr: float = Field(gt=0)
+    lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
+    lr_warmup_steps: int = Field(0, ge=0)
+    weight_decay: float = Field(0.0, ge=0)
+    adam_beta1: float = Field(0.9, ge=0, lt=1)
+    adam_beta2: float = Field(0.98, ge=0, lt=1)
+    adam_eps: float = Field(1e-8, gt=0)
+    clip_grad: float = Field(1.0, ge=0)
+    use_distributed_optimizer: bool = True
+    optimizer_cpu_offload: bool = False
+    overlap_cpu_optimizer_d2h_h2d: bool = False
+    use_precision_aware_optimizer: bool = False
+
+
+class QuantSpec(Section):
+    int4_qat: bool = Field(False, description="fake-INT4 routed experts in the forward (env OPEN_TRAINING_INT4_FAKE_QAT_FLAG)")
+    group_size: int = Field(32, gt=0, description="env OPEN_TRAINING_INT4_GROUP_SIZE")
+    export_format: Literal["int4", "bf16"] = "int4"
+
+
+class CheckpointSpec(Section):
+    save_interval: int = Field(20, gt=0, description="rollouts between torch_dist checkpoints")
+    keep_last: int | None = Field(None, gt=0)
+
+
+class PathsSpec(Section):
+    base_dir: str = Field("runs", description="shared filesystem root reachable from every node")
+    hf_cache: str | None = Field(None, description="HF hub cache; default: <base_dir>/.hf-cache")

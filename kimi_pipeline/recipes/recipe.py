@@ -1,0 +1,63 @@
+"""The Recipe: all sections together, plus the derived layout numbers later stages need."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from kimi_pipeline.recipes.models import (
+    CheckpointSpec,
+    ClusterSpec,
+    ConvertSpec,
+    DataSpec,
+    EvalSpec,
+    GRPOSpec,
+    HubSpec,
+    ModelSpec,
+    OptimizerSpec,
+    ParallelSpec,
+    PathsSpec,
+    QuantSpec,
+    RolloutSpec,
+    Section,
+    SGLangSpec,
+)
+
+
+class Recipe(Section):
+    name: str
+    description: str = ""
+    model: ModelSpec
+    hub: HubSpec
+    data: DataSpec
+    convert: ConvertSpec = Field(default_factory=ConvertSpec)
+    parallel: ParallelSpec = Field(default_factory=ParallelSpec)
+    cluster: ClusterSpec = Field(default_factory=ClusterSpec)
+    rollout: RolloutSpec
+    sglang: SGLangSpec = Field(default_factory=SGLangSpec)
+    grpo: GRPOSpec = Field(default_factory=GRPOSpec)
+    eval: EvalSpec = Field(default_factory=EvalSpec)
+    optimizer: OptimizerSpec
+    quant: QuantSpec = Field(default_factory=QuantSpec)
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    paths: PathsSpec = Field(default_factory=PathsSpec)
+
+    # ---- derived numbers (never stored, so they cannot drift from the fields) ----
+    @property
+    def data_parallel_size(self) -> int:
+        p = self.parallel
+        return p.dp if p.dp is not None else self.cluster.world_size // (p.tp * p.pp * p.cp)
+
+    @property
+    def global_batch_size(self) -> int:
+        r = self.rollout
+        if r.global_batch_size is not None:
+            return r.global_batch_size
+        return r.samples_per_rollout // r.num_steps_per_rollout
+
+    def section_dump(self, *names: str) -> dict:
+        """JSON-able dump of some sections (used for cache keys); secrets are excluded."""
+        dumped = self.model_dump(mode="json", include=set(names))
+        hub = dumped.get("hub")
+        if isinstance(hub, dict):
+            hub.pop("token", None)
+        return dumped

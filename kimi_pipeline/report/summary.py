@@ -1,0 +1,76 @@
+"""`DIR/summary.json`: the run's contract with automation, updated as each stage finishes.
+
+Shape: {"recipe": NAME, "stages": {"download": {"status": ..., "seconds": ...}, ...}, "<stage>": {...}}.
+Stage status is one of completed | failed | skipped (and running while it runs). Section names are
+stable: automation reads them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from kimi_pipeline.util.files import atomic_write_json
+
+STATUSES = ("running", "completed", "failed", "skipped")
+
+
+class RunSummary:
+    def __init__(self, run_dir: Path, recipe_name: str | None = None):
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / "summary.json"
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if recipe_name is not None:
+            self._mutate(lambda d: d.__setitem__("recipe", recipe_name))
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        with open(self.run_dir / ".summary.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+    def read(self) -> dict[str, Any]:
+        if not self.path.is_file():
+            return {"recipe": None, "stages": {}}
+        return json.loads(self.path.read_text())
+
+    def _mutate(self, fn) -> dict[str, Any]:
+        with self._locked():
+            data = self.read()
+            data.setdefault("stages", {})
+            fn(data)
+            atomic_write_json(self.path, data)
+            return data
+
+    def set_section(self, name: str, payload: dict[str, Any]) -> None:
+        if name in ("recipe", "stages"):
+            raise ValueError(f"{name!r} is reserved in summary.json")
+        self._mutate(lambda d: d.__setitem__(name, payload))
+
+    def set_stage(self, stage: str, status: str, seconds: float | None = None, **extra: Any) -> None:
+        if status not in STATUSES:
+            raise ValueError(f"unknown stage status {status!r}")
+        entry: dict[str, Any] = {"status": status, "seconds": round(seconds, 3) if seconds is not None else None}
+        entry.update(extra)
+        self._mutate(lambda d: d["stages"].__setitem__(stage, entry))
+
+    @contextlib.contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        """Mark a stage running, then completed (or failed with the error's one-line message)."""
+        t0 = time.monotonic()
+        self.set_stage(name, "running")
+        try:
+            yield
+        except BaseException as e:
+            msg = str(e).strip().splitlines()[0][:500] if str(e).strip() else type(e).__name__
+            self.set_stage(name, "failed", time.monotonic() - t0, error=msg)
+            raise
+        self.set_stage(name, "completed", time.monotonic() - t0)

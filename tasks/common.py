@@ -1,0 +1,38 @@
+"""Shared task plumbing: retry policy, content-hash cache keys, output-presence checks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from prefect.tasks import exponential_backoff
+
+from kimi_pipeline.errors import is_permanent
+from kimi_pipeline.util.files import sha256_json
+
+RETRIES = 3
+RETRY_DELAYS = exponential_backoff(backoff_factor=5)
+
+
+def retry_unless_permanent(task, task_run, state) -> bool:
+    """Retry transient failures (network, lost node); never a bad recipe, bad data or corrupt local file."""
+    try:
+        state.result()
+    except BaseException as exc:  # noqa: BLE001 - we are classifying it
+        return not is_permanent(exc)
+    return True
+
+
+def cache_key(stage: str, *parts: Any) -> str:
+    """Key from content hashes (never bare paths alone) + the stage name + a version of its logic."""
+    return f"kimi-{stage}-v1-" + sha256_json(parts)
+
+
+def read_json(path: Path) -> dict[str, Any] | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def outputs_present(run_dir: str | Path, *relative: str) -> bool:
+    """A cached result is only usable if the files it points at still exist."""
+    return all((Path(run_dir) / r).exists() for r in relative)
