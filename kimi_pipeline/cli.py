@@ -12,6 +12,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from kimi_pipeline.plan import plan_command
 from kimi_pipeline.recipes import RecipeError, check_recipe, load_recipe, pipeline_layers, preset_names, recipe_to_yaml
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Kimi-K2-family RL post-training pipeline.")
@@ -19,6 +20,7 @@ recipe_app = typer.Typer(no_args_is_help=True, help="List, show and check recipe
 data_app = typer.Typer(no_args_is_help=True, help="Project data: the tiny recipe's shipped assets.")
 app.add_typer(recipe_app, name="recipe")
 app.add_typer(data_app, name="data")
+app.command("plan", help="Memory and time model of a recipe's layout (fits or not, before launch).")(plan_command)
 console = Console()
 err = Console(stderr=True)
 

@@ -6,8 +6,13 @@ Kept separate from the pandera schema so the reward and rollout code reuse the s
 from __future__ import annotations
 
 import functools
+import logging
 import re
 from typing import Any
+
+# math_verify warns on every call that we run it without its signal-based timeout (which only works
+# in the main thread); labels are length-capped instead.
+logging.getLogger("math_verify.parser").setLevel(logging.ERROR)
 
 VALID_ROLES = frozenset({"system", "user", "assistant", "tool"})
 MAX_LABEL_CHARS = 256

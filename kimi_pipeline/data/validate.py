@@ -130,7 +130,7 @@ def validate_split(
                 reasons[i].append((ikey, f"duplicate prompt (same problem as line {first_seen[r['problem_key']]})"))
             elif fc.column == "prompt_tokens":
                 n_tokens = int(df.at[i, "prompt_tokens"])
-                reasons[i].append((ikey, f"prompt is {n_tokens} tokens with the chat template, over rollout.max_prompt_len={max_tokens}"))
+                reasons[i].append((ikey, f"overlong prompt: {n_tokens} tokens with the chat template > rollout.max_prompt_len={max_tokens}"))
             else:
                 reasons[i].append((str(fc.column), str(fc.check)))
     # a JSON error also fails the prompt/label checks (they are None); report only the root cause
@@ -165,10 +165,10 @@ def validate_split(
 
 
 def _reason_kind(message: str) -> str:
-    for key in ("not valid JSON", "not a JSON object", "duplicate prompt", "tokens with the chat template", "empty prompt",
+    for key in ("not valid JSON", "not a JSON object", "duplicate prompt", "overlong prompt", "empty prompt",
                 "invalid role", "missing prompt", "missing label", "empty label", "no user message"):
         if key in message:
-            return key.replace("tokens with the chat template", "overlong prompt")
+            return key
     return message.split("(")[0].strip()[:60]
 
 

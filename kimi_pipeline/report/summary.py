@@ -64,13 +64,13 @@ class RunSummary:
 
     @contextlib.contextmanager
     def stage(self, name: str) -> Iterator[None]:
-        """Mark a stage running, then completed (or failed with the error's one-line message)."""
+        """Mark a stage running, then completed (or failed with the first lines of the error)."""
         t0 = time.monotonic()
         self.set_stage(name, "running")
         try:
             yield
         except BaseException as e:
-            msg = str(e).strip().splitlines()[0][:500] if str(e).strip() else type(e).__name__
+            msg = " | ".join(line.strip() for line in str(e).strip().splitlines()[:6])[:1000] or type(e).__name__
             self.set_stage(name, "failed", time.monotonic() - t0, error=msg)
             raise
         self.set_stage(name, "completed", time.monotonic() - t0)

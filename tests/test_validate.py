@@ -1,0 +1,94 @@
+"""Stage `validate`: every bad-row kind quarantined with its reason; thresholds; contamination; parquet."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kimi_pipeline.data.validate import DataValidationError, run_validate, validate_split
+from kimi_pipeline.model.tokenizer import load_tokenizer
+from kimi_pipeline.recipes import load_recipe
+
+from conftest import TINY
+
+GOOD = {"prompt": [{"role": "user", "content": "What is 1+1? Answer in \\boxed{}."}], "label": "2"}
+BAD_LINES = {
+    "missing label": json.dumps({"prompt": [{"role": "user", "content": "What is 2+2?"}]}),
+    "empty prompt": json.dumps({"prompt": "   ", "label": "3"}),
+    "invalid role": json.dumps({"prompt": [{"role": "wizard", "content": "hi"}], "label": "3"}),
+    "duplicate prompt": json.dumps({"prompt": [{"role": "user", "content": "what is 1+1?  answer in \\boxed{}"}], "label": "2"}),
+    "overlong prompt": json.dumps({"prompt": "What is 1+1? " * 40, "label": "2"}),
+    "not valid JSON": '{"prompt": "unterminated',
+    "not a JSON object": "[1, 2, 3]",
+    "empty label": json.dumps({"prompt": "What is 5+0?", "label": " "}),
+    "label does not parse as a math answer": json.dumps({"prompt": "What is 6+0?", "label": "}}{{"}),
+}
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer(TINY / "model")
+
+
+def write(path, lines):
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_every_bad_row_kind_is_quarantined(tmp_path, tok):
+    lines = [json.dumps(GOOD)] + list(BAD_LINES.values()) + ["", json.dumps({"prompt": "What is 3+3?", "label": "6"})]
+    path = write(tmp_path / "rows.jsonl", lines)
+    clean, bad, stats = validate_split("train", path, load_recipe("tiny"), tok)
+    by_line = {b["line"]: b for b in bad}
+    for i, (kind, _) in enumerate(BAD_LINES.items()):
+        entry = by_line[i + 2]
+        assert any(kind in r for r in entry["reasons"]), (kind, entry)
+        assert entry["file"] == str(path) and entry["raw"]
+    assert stats["reasons"] and sum(stats["reasons"].values()) == len(BAD_LINES)
+    assert [c["_source_line"] for c in clean] == [1, len(lines)]  # the blank line is skipped, not a row
+    assert stats["rows"] == len(BAD_LINES) + 2
+
+
+def test_threshold_fails_with_report_and_quarantine(tmp_path, tok):
+    train = write(tmp_path / "train.jsonl", [json.dumps(GOOD), BAD_LINES["not valid JSON"]])
+    evals = write(tmp_path / "eval.jsonl", [json.dumps({"prompt": "What is 4+4?", "label": "8"})])
+    with pytest.raises(DataValidationError, match=r"train: 1/2 rows bad .* data.max_bad_fraction") as e:
+        run_validate(load_recipe("tiny"), tmp_path / "run", train, evals, tok)
+    assert e.value.section["train"]["bad_rows"] == 1
+    q = (tmp_path / "run" / "validate" / "quarantine-train.jsonl").read_text().splitlines()
+    assert json.loads(q[0])["line"] == 2
+    assert not (tmp_path / "run" / "validate" / "train.jsonl").exists()  # clean files only when passed
+    section = run_validate(load_recipe("tiny", ["data.max_bad_fraction=0.5"]), tmp_path / "run", train, evals, tok)
+    assert section["passed"] and section["bad_rows"] == 1
+
+
+def test_contamination_detected(tmp_path, tok):
+    train = write(tmp_path / "train.jsonl", [json.dumps(GOOD), json.dumps({"prompt": "What is 2+5?", "label": "7"})])
+    evals = write(tmp_path / "eval.jsonl", ['{"prompt": "what is 1+1? Answer in \\\\boxed{}", "label": "2"}',
+                                            json.dumps({"prompt": "What is 9-1?", "label": "8"})])
+    with pytest.raises(DataValidationError, match=r"contamination: 1/2 eval prompts"):
+        run_validate(load_recipe("tiny"), tmp_path / "run", train, evals, tok)
+    ok = run_validate(load_recipe("tiny", ["data.max_contamination=0.5"]), tmp_path / "run", train, evals, tok)
+    assert ok["contamination"]["overlap"] == 1
+
+
+def test_parquet_loads_through_datasets(tmp_path, tok):
+    import pandas as pd
+
+    rows = [GOOD, {"prompt": [{"role": "user", "content": "What is 2+2?"}], "label": "4"}, {"prompt": [], "label": "1"}]
+    pd.DataFrame(rows).to_parquet(tmp_path / "d.parquet")
+    clean, bad, stats = validate_split("train", tmp_path / "d.parquet", load_recipe("tiny"), tok)
+    assert len(clean) == 2 and bad[0]["line"] == 3 and "empty prompt" in bad[0]["reasons"][0]
+
+
+def test_unreadable_file_is_named(tmp_path, tok):
+    p = tmp_path / "d.parquet"
+    p.write_bytes(b"not parquet at all")
+    with pytest.raises(DataValidationError, match=str(p)):
+        validate_split("train", p, load_recipe("tiny"), tok)
+
+
+def test_shipped_tiny_data_is_clean(tmp_path, tok):
+    section = run_validate(load_recipe("tiny"), tmp_path, TINY / "dapo-math-tiny.jsonl", TINY / "aime-tiny.jsonl", tok)
+    assert section["bad_rows"] == 0 and section["contamination"]["overlap"] == 0 and section["passed"]
