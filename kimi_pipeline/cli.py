@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 from typing import Optional
 
@@ -38,7 +37,9 @@ def _load(recipe: str, overrides: list[str], check: bool = True):
 
 def configure_prefect_env(project_root: Path | None = None) -> None:
     """In-process Prefect: project-local PREFECT_HOME, analytics off; ephemeral API unless one is set."""
-    root = project_root or Path.cwd()
+    from kimi_pipeline.util.paths import PROJECT_ROOT
+
+    root = project_root or PROJECT_ROOT
     os.environ.setdefault("PREFECT_HOME", str(root / ".prefect"))
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("DO_NOT_TRACK", "1")
@@ -61,7 +62,6 @@ def run(
         err.print(f"error: --until must be one of {', '.join(STAGES)}")
         raise typer.Exit(2)
     configure_prefect_env()
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from flows.kimi import kimi
 
     console.print(f"recipe [bold]{r.name}[/bold]; Prefect home {os.environ['PREFECT_HOME']}")
