@@ -154,6 +154,9 @@ def test_unknown_field_and_type_errors():
         load_recipe("tiny", ["parallel.tp=two"])
     with pytest.raises(RecipeError, match="no preset or file named 'kimi-k3'"):
         load_recipe("kimi-k3")
+    with pytest.raises(RecipeError, match="secrets are not accepted") as e:
+        load_recipe("tiny", ["hub.token=hf_abcdef"])
+    assert "hf_abcdef" not in str(e.value)
 
 
 def test_yaml_extends_and_env_alias(tmp_path):

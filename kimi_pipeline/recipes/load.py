@@ -106,6 +106,12 @@ def apply_override(data: dict, assignment: str) -> dict:
         raise RecipeError("--set", [Problem(assignment, "expected section.field=value, e.g. parallel.ep=16")])
     path, raw = assignment.split("=", 1)
     keys = [k for k in path.strip().split(".") if k]
+    if keys == ["hub", "token"]:
+        raise RecipeError(
+            "--set",
+            [Problem(path, "secrets are not accepted as overrides (they would be stored as run parameters); "
+                           "set HF_TOKEN or the Prefect Secret block 'hf-token'")],
+        )
     if not keys:
         raise RecipeError("--set", [Problem(assignment, "empty field name")])
     try:
