@@ -35,6 +35,18 @@ def _load(recipe: str, overrides: list[str], check: bool = True):
         raise typer.Exit(2) from None
 
 
+def _run_stage(fn, *args):
+    """Call a stage; expected failures (bad input, unreachable source) print their message, not a traceback."""
+    from kimi_pipeline.errors import PermanentError
+    from kimi_pipeline.hub.download import DownloadError
+
+    try:
+        return fn(*args)
+    except (PermanentError, DownloadError) as e:
+        err.print(f"error: {e}", highlight=False, markup=False)
+        raise typer.Exit(1) from None
+
+
 def configure_prefect_env(project_root: Path | None = None) -> None:
     """In-process Prefect: project-local PREFECT_HOME, analytics off; ephemeral API unless one is set."""
     from kimi_pipeline.util.paths import PROJECT_ROOT
@@ -86,7 +98,8 @@ def download(
     from kimi_pipeline.stages import prepare_run, stage_download
 
     r = _load(recipe, set_)
-    console.print_json(json.dumps(stage_download(r, prepare_run(r, run_dir))))
+    section = _run_stage(stage_download, r, prepare_run(r, run_dir))
+    console.print_json(json.dumps(section))
 
 
 @app.command()
@@ -96,15 +109,10 @@ def validate(
     run_dir: Path = typer.Option(..., "--run-dir"),
 ) -> None:
     """Stage `validate` alone (after `download` in the same run dir)."""
-    from kimi_pipeline.errors import PermanentError
     from kimi_pipeline.stages import prepare_run, stage_validate
 
     r = _load(recipe, set_)
-    try:
-        section = stage_validate(r, prepare_run(r, run_dir))
-    except PermanentError as e:
-        err.print(f"error: {e}", highlight=False)
-        raise typer.Exit(1) from None
+    section = _run_stage(stage_validate, r, prepare_run(r, run_dir))
     console.print_json(json.dumps({k: v for k, v in section.items() if k not in ("train", "eval")}))
 
 

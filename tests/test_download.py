@@ -97,3 +97,14 @@ def test_offline_hub_source_without_download_is_clear(tmp_path):
     r = load_recipe("kimi-k2-thinking", [f"paths.base_dir={tmp_path}", "hub.offline=true"])
     with pytest.raises(DownloadError, match="offline and hf://moonshotai/Kimi-K2-Thinking@main was never downloaded"):
         run_download(r, tmp_path / "run")
+
+
+def test_cli_stage_errors_are_messages_not_tracebacks(tmp_path):
+    from typer.testing import CliRunner
+
+    from kimi_pipeline.cli import app
+
+    res = CliRunner().invoke(app, ["download", "--run-dir", str(tmp_path / "r"), "--set", f"hub.model.path={tmp_path / 'x'}"])
+    assert res.exit_code == 1 and "does not exist" in res.output and "Traceback" not in res.output
+    res = CliRunner().invoke(app, ["validate", "--run-dir", str(tmp_path / "r2")])
+    assert res.exit_code == 1 and "run the download stage first" in res.output
