@@ -99,3 +99,16 @@ def test_until_marks_later_stages_skipped(tmp_path, tiny_copy):
     assert state.is_completed()
     summary = json.loads((tmp_path / "r" / "summary.json").read_text())
     assert summary["stages"]["validate"]["status"] == "skipped"
+
+
+def test_hf_token_from_prefect_secret_block(monkeypatch):
+    from prefect.blocks.system import Secret
+
+    from tasks.secrets import hf_token
+
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    assert hf_token() is None
+    Secret(value="hf_from_block_123").save("hf-token", overwrite=True)
+    assert hf_token() == "hf_from_block_123"
+    monkeypatch.setenv("HF_TOKEN", "hf_from_env")
+    assert hf_token() == "hf_from_env"
