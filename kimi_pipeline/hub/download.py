@@ -118,6 +118,19 @@ def fetch_local(name: str, source: Source, recipe: Recipe, previous: dict | None
 
 
 # ---------------------------------------------------------------- hub sources
+def _network_errors() -> tuple[type[Exception], ...]:
+    """huggingface_hub 2.x talks httpx2 (1.x httpx): connection failures there are not OSErrors."""
+    import importlib
+
+    out: tuple[type[Exception], ...] = ()
+    for mod in ("httpx2", "httpx"):
+        try:
+            out += (importlib.import_module(mod).TransportError,)
+        except (ImportError, AttributeError):
+            pass
+    return out
+
+
 def _hub_expected(api, source: Source, token: str | None, patterns: list[str] | None) -> tuple[dict, str | None]:
     """Expected size/sha256 per file from the hub's metadata (LFS files carry their sha256)."""
     import fnmatch
@@ -196,7 +209,7 @@ def fetch_hub(name: str, source: Source, recipe: Recipe, token: str | None, offl
             f"{name}: {source.describe()} not found or not accessible; check repo_id/revision, and set HF_TOKEN "
             "(or the Prefect Secret 'hf-token') for gated repos"
         ) from None
-    except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as e:
+    except (LocalEntryNotFoundError, HfHubHTTPError, OSError, *_network_errors()) as e:
         if isinstance(e, DownloadError):
             raise
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
