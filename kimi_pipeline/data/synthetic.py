@@ -12,7 +12,7 @@ for the right reason, not because the phrasing differs.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from kimi_pipeline.util.files import atomic_write_jsonl
@@ -46,7 +46,6 @@ class MathGenConfig:
     wrapper: str = "short"  # "short" or "dapo" (the real DAPO-Math-17k user message)
     string_prompt_fraction_train: float = 0.0
     string_prompt_fraction_eval: float = 1.0
-    extra: dict = field(default_factory=dict)
 
 
 def _problems(cfg: MathGenConfig) -> list[tuple[str, int, int, int]]:

@@ -196,8 +196,6 @@ def check_recipe(r: Recipe) -> list[Problem]:
             f"max_prompt_len + max_response_len = {ro.max_prompt_len}+{ro.max_response_len} exceeds the "
             f"context length model.max_position_embeddings={m.max_position_embeddings}",
         )
-    if ro.max_response_len > m.max_position_embeddings:
-        pass  # already covered above
     if r.eval.max_response_len + ro.max_prompt_len > m.max_position_embeddings:
         add("eval.max_response_len", f"prompt + eval response exceed the context length {m.max_position_embeddings}")
     if r.eval.interval > ro.num_rollout:

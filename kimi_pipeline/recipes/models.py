@@ -81,7 +81,7 @@ class Source(Section):
     def describe(self) -> str:
         if self.kind == "hub":
             return f"hf://{self.repo_id}@{self.revision}" + (f"/{self.filename}" if self.filename else "")
-        return f"local:{self.path}" + (f"/{self.filename}" if self.filename and self.path and not self.path.endswith(self.filename) else "")
+        return f"local:{self.path}" + (f"/{self.filename}" if self.filename else "")
 
 
 class HubSpec(Section):
