@@ -1,0 +1,115 @@
+"""The HF side of the model: transformers' DeepSeek-V3 implementation, loaded strictly.
+
+Kimi ships `model_type: kimi_k2` (K2.5: `kimi_k25` with the text model under `text_config`), which
+transformers does not know. Worse, loading such a directory with DeepseekV3ForCausalLM leaves every
+routed expert randomly initialised with only a load report (measured), so loading here rewrites the
+type to `deepseek_v3` the way upstream converters do and fails on any missing or unexpected key.
+On disk experts are `mlp.experts.{e}.{gate,up,down}_proj.weight`; in memory transformers fuses them,
+so converters read the safetensors files, never `state_dict()`.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kimi_pipeline.errors import PermanentError
+from kimi_pipeline.model.hf_config import hf_config_dict, text_config
+from kimi_pipeline.recipes.models import ModelSpec
+from kimi_pipeline.util.files import atomic_write_json
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+# Keys of config.json that describe the checkpoint's storage, not the architecture.
+_STORAGE_KEYS = {"model_type", "quantization_config", "architectures", "auto_map", "transformers_version"}
+
+
+class HFModelError(PermanentError):
+    pass
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    return {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[name]
+
+
+def deepseek_config(config: dict[str, Any] | str | Path, text_config_key: str | None = None):
+    """A transformers DeepseekV3Config from a Kimi/DeepSeek-V3 config.json (dict or directory)."""
+    from transformers import DeepseekV3Config
+
+    if not isinstance(config, dict):
+        path = Path(config)
+        path = path / "config.json" if path.is_dir() else path
+        if not path.is_file():
+            raise HFModelError(f"{path}: config.json not found; point hub.model at a checkpoint directory")
+        config = json.loads(path.read_text())
+    cfg = text_config(config, text_config_key)
+    kwargs = {k: v for k, v in cfg.items() if k not in _STORAGE_KEYS}
+    kwargs.setdefault("dtype", cfg.get("torch_dtype", "bfloat16"))
+    kwargs.pop("torch_dtype", None)
+    return DeepseekV3Config(**kwargs)
+
+
+def build_hf_model(spec: ModelSpec, seed: int = 0, attn_implementation: str = "eager"):
+    """A freshly initialised DeepseekV3ForCausalLM of the recipe's shape (deterministic for a seed)."""
+    from transformers import DeepseekV3ForCausalLM
+
+    cfg = deepseek_config(hf_config_dict(spec))
+    cfg._attn_implementation = attn_implementation
+    torch.manual_seed(seed)
+    model = DeepseekV3ForCausalLM(cfg).to(_torch_dtype(spec.params_dtype))
+    return model.eval()
+
+
+def load_hf_model(
+    model_dir: str | Path,
+    *,
+    dtype: torch.dtype | None = None,
+    text_config_key: str | None = None,
+    attn_implementation: str = "eager",
+):
+    """Load a checkpoint directory with transformers, refusing partial loads (missing/unexpected keys)."""
+    from transformers import DeepseekV3ForCausalLM
+
+    model_dir = Path(model_dir)
+    cfg = deepseek_config(model_dir, text_config_key)
+    model, info = DeepseekV3ForCausalLM.from_pretrained(
+        model_dir,
+        config=cfg,
+        dtype=dtype or cfg.dtype,
+        attn_implementation=attn_implementation,
+        output_loading_info=True,
+        trust_remote_code=False,
+    )
+    bad = {k: sorted(v)[:5] for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
+    if bad:
+        raise HFModelError(
+            f"{model_dir}: checkpoint does not match its config ({bad}); the directory is incomplete, "
+            "from another model, or quantized — convert or re-download it"
+        )
+    return model.eval()
+
+
+def save_hf_model(model, out_dir: str | Path, *, config: dict[str, Any], tokenizer_dir: str | Path | None = None,
+                  max_shard_size: str = "4MB") -> Path:
+    """Write a sharded safetensors checkpoint + index atomically, with `config` (Kimi's model_type) as config.json.
+
+    transformers un-fuses the experts on save, so the files carry the per-expert names Kimi ships.
+    """
+    out_dir = Path(out_dir)
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, max_shard_size=max_shard_size, safe_serialization=True)
+    (tmp / "generation_config.json").unlink(missing_ok=True)
+    atomic_write_json(tmp / "config.json", config)
+    if tokenizer_dir is not None:
+        for name in TOKENIZER_FILES:
+            src = Path(tokenizer_dir) / name
+            if src.is_file():
+                shutil.copy2(src, tmp / name)
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    tmp.rename(out_dir)
+    return out_dir
