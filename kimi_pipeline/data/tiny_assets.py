@@ -1,6 +1,6 @@
 """Builds everything the tiny recipe reads from data/tiny (no network): the synthetic DAPO/AIME-format
-sets, the tokenizer and the model's config.json. Deterministic, so the shipped files can be
-re-derived and checked (`kimi data make-tiny --check`)."""
+sets, the tokenizer, the model's config.json and the warm-started base policy. Deterministic, so the
+shipped files can be re-derived and checked (`kimi data make-tiny --check`)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from pathlib import Path
 
 from kimi_pipeline.data.synthetic import MathGenConfig, generate, write_tiny_datasets
 from kimi_pipeline.data.tokenizer import train_tiny_tokenizer
+from kimi_pipeline.data.warm_start import write_warm_start
 from kimi_pipeline.model.hf_config import hf_config_dict
 from kimi_pipeline.recipes.models import ModelSpec
 from kimi_pipeline.hub.manifest import build_manifest, list_files, write_sha256sums
@@ -31,6 +32,7 @@ def build_tiny_assets(out_dir: Path, model: ModelSpec, cfg: MathGenConfig = Math
     model_dir = out_dir / "model"
     train_tiny_tokenizer(tokenizer_corpus(cfg), model_dir, vocab_size=min(360, model.vocab_size))
     atomic_write_json(model_dir / "config.json", hf_config_dict(model))
+    write_warm_start(model_dir, model, generate(cfg)[0])
     paths["model"] = model_dir
     write_manifests(out_dir)
     return paths
