@@ -1,0 +1,293 @@
+"""CPU compatibility for megatron-core 0.16.1 (pinned): the ONE place where megatron is patched.
+
+megatron-core assumes CUDA everywhere (current device, CUDA RNG, streams, `device="cuda"` literals).
+On a machine without CUDA, `apply_cpu_compat()` applies the small patches in `PATCHES` so that the
+same megatron code (GPTModel, MoE dispatch, DDP, distributed optimizer, schedules, torch_dist
+checkpoints) runs on CPU with gloo. With CUDA present it does nothing. Every patch is one row of
+`PATCHES` (target module, attribute, why); `tests/test_megatron_model.py` checks that every target
+still exists, so an upgrade that moves one fails loudly instead of silently running unpatched code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+MEGATRON_CORE_VERSION = "0.16.1"
+
+# Environment every CPU rank needs before megatron is imported (set by apply_cpu_compat()).
+CPU_ENV = {
+    "TORCHDYNAMO_DISABLE": "1",  # megatron wraps small ops in torch.compile: a ~22 s compile per process on CPU
+}
+
+
+@dataclass(frozen=True)
+class Patch:
+    module: str  # importable module path holding the attribute
+    attribute: str  # dotted attribute path inside the module (e.g. "Class.method")
+    why: str  # one line: what breaks without it
+    make: Callable[[Any], Any]  # original -> replacement
+
+
+# --------------------------------------------------------------------------- replacements
+
+
+class _NoOpStream:
+    """Stands in for torch.cuda.Stream / current_stream(): CPU work is synchronous."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_event(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def record_event(self, *args: Any, **kwargs: Any) -> _NoOpEvent:
+        return _NoOpEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class _NoOpEvent:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def record(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, other: Any) -> float:
+        return 0.0
+
+
+def _cpu_device() -> torch.device:
+    return torch.device("cpu")
+
+
+def _cpu_rng_tracker_class(original: type) -> type:
+    """megatron's RNG tracker, keeping its named states in the CPU generator instead of CUDA's."""
+
+    class CpuRNGStatesTracker(original):  # type: ignore[misc, valid-type]
+        def add(self, name: str, seed: int) -> None:
+            self._is_initialized = True
+            if seed in self.seeds_:
+                raise Exception(f"seed {seed} already exists")
+            self.seeds_.add(seed)
+            if name in self.states_:
+                raise Exception(f"rng state {name} already exists")
+            orig = torch.get_rng_state()
+            torch.manual_seed(seed)
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(orig)
+
+        @contextlib.contextmanager
+        def fork(self, name: str = "model-parallel-rng"):  # same default as megatron
+            if name not in self.states_:
+                raise Exception(f"rng state {name} is not added")
+            orig = torch.get_rng_state()
+            orig_name = self._current_state_name
+            if orig_name != "default-rng":
+                self.states_[orig_name] = orig
+            torch.set_rng_state(self.states_[name])
+            self._current_state_name = name
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                if orig_name != "default-rng":
+                    orig = self.states_[orig_name]
+                torch.set_rng_state(orig)
+                self._current_state_name = orig_name
+
+    CpuRNGStatesTracker.__name__ = CpuRNGStatesTracker.__qualname__ = "CpuRNGStatesTracker"
+    return CpuRNGStatesTracker
+
+
+class _CpuTorch:
+    """A view of the `torch` module for megatron modules that hard-code `device="cuda"`.
+
+    Tensor factories called with a CUDA device create CPU tensors; everything else is torch itself.
+    Installed as the module-global `torch` of a few megatron modules only (see PATCHES).
+    """
+
+    _FACTORIES = frozenset({"tensor", "zeros", "ones", "empty", "full", "arange", "zeros_like", "empty_like", "ones_like"})
+
+    def __init__(self, real: Any) -> None:
+        object.__setattr__(self, "_real", real)
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._real, name)
+        if name in self._FACTORIES:
+
+            @functools.wraps(attr)
+            def factory(*args: Any, **kwargs: Any) -> Any:
+                dev = kwargs.get("device")
+                if dev is not None and "cuda" in str(dev):
+                    kwargs["device"] = "cpu"
+                kwargs.pop("pin_memory", None)
+                return attr(*args, **kwargs)
+
+            return factory
+        return attr
+
+
+@contextlib.contextmanager
+def _cuda_type_names():
+    """Make `tensor.type()` report `torch.cuda.*Tensor` names, which megatron's optimizers require."""
+    original = torch.Tensor.type
+
+    def type_(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        out = original(self, *args, **kwargs)
+        if not args and not kwargs and isinstance(out, str) and out.startswith("torch.") and ".cuda." not in out:
+            return "torch.cuda." + out[len("torch.") :]
+        return out
+
+    torch.Tensor.type = type_  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.Tensor.type = original  # type: ignore[method-assign]
+
+
+def _with_cuda_type_names(fn: Callable) -> Callable:
+    @functools.wraps(fn)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        with _cuda_type_names():
+            return fn(*args, **kwargs)
+
+    return wrapped
+
+
+def _staticmethod_with_cuda_type_names(original: Any) -> Any:
+    return staticmethod(_with_cuda_type_names(original))
+
+
+def _router_gating_linear(inp: torch.Tensor, weight: torch.Tensor, bias: Any, router_dtype: torch.dtype) -> torch.Tensor:
+    """The router projection in `router_dtype` (fp32), as HF computes it: plain autograd linear."""
+    return torch.nn.functional.linear(
+        inp.to(router_dtype), weight.to(router_dtype), None if bias is None else bias.to(router_dtype)
+    )
+
+
+def _noop(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+# --------------------------------------------------------------------------- the table
+
+PATCHES: list[Patch] = [
+    Patch("torch.cuda", "current_device", "megatron allocates on torch.cuda.current_device() (~100 call sites): CPU",
+          lambda orig: _cpu_device),
+    Patch("torch.cuda", "synchronize", "called around collectives/timers; nothing to wait for on CPU",
+          lambda orig: _noop),
+    Patch("torch.cuda", "Stream", "DDP/optimizer create side streams; CPU work is synchronous",
+          lambda orig: _NoOpStream),
+    Patch("torch.cuda", "current_stream", "DDP/MoE record on the current stream; a no-op stream on CPU",
+          lambda orig: lambda *a, **k: _NoOpStream()),
+    Patch("torch.cuda", "default_stream", "as current_stream", lambda orig: lambda *a, **k: _NoOpStream()),
+    Patch("torch.cuda", "stream", "`with torch.cuda.stream(s)` becomes a null context",
+          lambda orig: lambda *a, **k: contextlib.nullcontext()),
+    Patch("torch.cuda", "Event", "timers/overlap use CUDA events; no-op events on CPU", lambda orig: _NoOpEvent),
+    Patch("megatron.core.transformer.multi_latent_attention", "HAVE_TE",
+          "TE's MagicMock stand-ins import fine, so MLA thinks TE is present and isinstance()s a mock",
+          lambda orig: False),
+    Patch("megatron.core.transformer.moe.router", "router_gating_linear",
+          "its autograd Function reads te_general_gemm, undefined without TE (NameError)",
+          lambda orig: _router_gating_linear),
+    Patch("megatron.core.tensor_parallel.random", "CudaRNGStatesTracker",
+          "the model-parallel RNG tracker keeps CUDA generator states; keep them in the CPU generator",
+          _cpu_rng_tracker_class),
+    Patch("megatron.core.tensor_parallel.random", "_get_cuda_rng_state",
+          "activation recompute saves the CUDA RNG state; save the CPU one",
+          lambda orig: lambda *a, **k: torch.get_rng_state()),
+    Patch("megatron.core.tensor_parallel.random", "_set_cuda_rng_state",
+          "activation recompute restores the CUDA RNG state; restore the CPU one",
+          lambda orig: lambda new_state, *a, **k: torch.set_rng_state(new_state)),
+    Patch("megatron.core.optimizer.clip_grads", "torch", "grad-norm buffers are created with device='cuda'",
+          _CpuTorch),
+    Patch("megatron.core.optimizer.optimizer", "torch", "found_inf / scale buffers are created with device='cuda'",
+          _CpuTorch),
+    Patch("megatron.core.pipeline_parallel.schedules", "torch", "token counters are created with device='cuda'",
+          _CpuTorch),
+    Patch("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer._build_model_and_main_param_groups",
+          "rejects parameters whose type() is not torch.cuda.*Tensor", _staticmethod_with_cuda_type_names),
+    Patch("megatron.core.optimizer.optimizer", "Float16OptimizerWithFloat16Params.__init__",
+          "rejects parameters whose type() is not torch.cuda.*Tensor", _with_cuda_type_names),
+]
+
+_applied: list[str] = []
+_originals: dict[tuple[str, str], Any] = {}
+
+
+def _resolve(patch: Patch) -> tuple[Any, str, Any]:
+    """(owner object, final attribute name, current value) for a patch target; raises if it moved."""
+    owner: Any = importlib.import_module(patch.module)
+    *path, leaf = patch.attribute.split(".")
+    for part in path:
+        owner = getattr(owner, part)
+    # On a class, look only at its own __dict__: a method inherited from a base is not the target.
+    namespace = vars(owner) if isinstance(owner, type) else owner.__dict__
+    if leaf not in namespace:
+        raise AttributeError(f"{patch.module}.{patch.attribute} no longer exists ({patch.why})")
+    return owner, leaf, namespace[leaf]
+
+
+def missing_targets() -> list[str]:
+    """Patch targets that do not exist in the installed megatron-core (an upgrade moved them)."""
+    out = []
+    for patch in PATCHES:
+        try:
+            _resolve(patch)
+        except (ImportError, AttributeError) as exc:
+            out.append(f"{patch.module}.{patch.attribute}: {exc}")
+    return out
+
+
+def cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def apply_cpu_compat(force: bool = False) -> list[str]:
+    """Patch megatron-core for CPU + gloo; returns the applied patch names. Idempotent.
+
+    No-op (returns []) when CUDA is available, unless `force` (tests of the guard only).
+    """
+    if cuda_available() and not force:
+        return []
+    if _applied:
+        return list(_applied)
+    for key, value in CPU_ENV.items():
+        os.environ.setdefault(key, value)
+    import megatron.core  # noqa: F401  (fail early and clearly if megatron is missing)
+
+    for patch in PATCHES:
+        owner, leaf, original = _resolve(patch)
+        _originals[(patch.module, patch.attribute)] = original
+        setattr(owner, leaf, patch.make(original))
+        _applied.append(f"{patch.module}.{patch.attribute}")
+    return list(_applied)
+
+
+def applied() -> list[str]:
+    return list(_applied)

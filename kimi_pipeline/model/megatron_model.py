@@ -1,0 +1,267 @@
+"""ModelSpec -> megatron-core GPTModel (MLA + sigmoid-routed MoE), matching HF DeepseekV3ForCausalLM.
+
+Semantics follow transformers' DeepSeek-V3 implementation (the architecture Kimi-K2 ships):
+sigmoid router scores in fp32, expert bias used for expert *selection* only, top-k weights normalised
+then multiplied by the routed scaling factor, shared expert, first-k dense layers, YaRN rope with the
+mscale_all_dim softmax scale, interleaved rope dims (megatron's MLA de-interleaves them like HF's
+`rope_interleave`), RMSNorm, untied lm_head. Local (pure-PyTorch) layer specs on CPU or without
+Transformer Engine; TE specs when TE and CUDA are present (parameter names differ: see convert/names.py).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from kimi_pipeline.model.parallel import Layout, LayoutError
+from kimi_pipeline.recipes.models import ModelSpec
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def have_te() -> bool:
+    """Transformer Engine importable (megatron's own detection)."""
+    try:
+        from megatron.core.models.gpt import gpt_layer_specs
+
+        return bool(gpt_layer_specs.HAVE_TE)
+    except ImportError:  # pragma: no cover - megatron missing is caught earlier
+        return False
+
+
+def use_te_default() -> bool:
+    """TE layer specs only with CUDA + TE; everything else uses megatron's local modules."""
+    return torch.cuda.is_available() and have_te()
+
+
+def _prepare() -> None:
+    if not torch.cuda.is_available():
+        from kimi_pipeline.model.megatron_compat import apply_cpu_compat
+
+        apply_cpu_compat()
+
+
+def moe_layer_pattern(spec: ModelSpec) -> list[int]:
+    """megatron's moe_layer_freq list: 0 = dense (the first `first_k_dense` layers), 1 = MoE."""
+    return [0 if i < spec.first_k_dense else 1 for i in range(spec.num_layers)]
+
+
+def transformer_config(
+    spec: ModelSpec,
+    layout: Layout,
+    *,
+    use_te: bool | None = None,
+    expert_bias_update_rate: float = 0.0,
+    recompute_granularity: str | None = None,
+    recompute_method: str | None = None,
+    recompute_num_layers: int | None = None,
+    **overrides: Any,
+):
+    """The MLATransformerConfig for `spec` under `layout`.
+
+    expert_bias_update_rate: 0 keeps the router's expert bias fixed (the rollout engine routes with the
+    same bias; aux-loss-free rebalancing is a pre-training mechanism). Extra keyword arguments override
+    config fields (e.g. moe_enable_routing_replay=True).
+    """
+    _prepare()
+    from megatron.core.transformer.enums import AttnBackend
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    layout.check_model(spec)
+    use_te = use_te_default() if use_te is None else use_te
+    cuda = torch.cuda.is_available()
+    groups = spec.moe_router_num_groups
+    if groups > 1 and spec.moe_router_topk // spec.moe_router_group_topk != 2:
+        # HF scores a group by its top-2 experts; megatron by its top-(topk/group_topk). Equal only here.
+        raise LayoutError(
+            f"model.moe_router_num_groups={groups}: group-limited routing matches HF only when "
+            f"moe_router_topk / moe_router_group_topk == 2 (got {spec.moe_router_topk}/{spec.moe_router_group_topk})"
+        )
+    dtype = _DTYPES[spec.params_dtype]
+    kwargs: dict[str, Any] = dict(
+        # shape
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        ffn_hidden_size=spec.ffn_hidden_size,
+        num_attention_heads=spec.num_attention_heads,
+        kv_channels=spec.v_head_dim,
+        # MLA
+        multi_latent_attention=True,
+        q_lora_rank=spec.q_lora_rank,
+        kv_lora_rank=spec.kv_lora_rank,
+        qk_head_dim=spec.qk_head_dim,
+        qk_pos_emb_head_dim=spec.qk_pos_emb_head_dim,
+        v_head_dim=spec.v_head_dim,
+        qk_layernorm=True,  # q_a_layernorm / kv_a_layernorm
+        # YaRN rope
+        rope_type="yarn",
+        rotary_base=spec.rotary_base,
+        rotary_scaling_factor=spec.rotary_scaling_factor,
+        original_max_position_embeddings=spec.original_max_position_embeddings,
+        beta_fast=spec.beta_fast,
+        beta_slow=spec.beta_slow,
+        mscale=spec.mscale,
+        mscale_all_dim=spec.mscale_all_dim,
+        rotary_interleaved=False,
+        apply_rope_fusion=False,
+        # block
+        normalization="RMSNorm",
+        layernorm_epsilon=spec.norm_epsilon,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=0.02,
+        # MoE
+        num_moe_experts=spec.num_experts,
+        moe_layer_freq=moe_layer_pattern(spec),
+        moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
+        moe_shared_expert_intermediate_size=(
+            spec.moe_ffn_hidden_size * spec.num_shared_experts if spec.num_shared_experts else None
+        ),
+        moe_shared_expert_overlap=False,
+        moe_router_topk=spec.moe_router_topk,
+        moe_router_score_function=spec.moe_router_score_function,
+        moe_router_pre_softmax=False,
+        moe_router_enable_expert_bias=spec.moe_router_enable_expert_bias,
+        moe_router_bias_update_rate=expert_bias_update_rate,
+        moe_router_dtype=spec.moe_router_dtype,
+        moe_router_topk_scaling_factor=spec.moe_router_topk_scaling_factor,
+        moe_router_num_groups=groups if groups > 1 else None,
+        moe_router_group_topk=spec.moe_router_group_topk if groups > 1 else None,
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_token_dispatcher_type="alltoall",
+        moe_grouped_gemm=use_te,
+        moe_permute_fusion=False,
+        moe_router_fusion=False,
+        # parallelism
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        context_parallel_size=layout.cp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp,
+        sequence_parallel=layout.sequence_parallel or (layout.tp > 1 and layout.ep > 1),
+        num_layers_in_first_pipeline_stage=layout.first_stage_layers,
+        num_layers_in_last_pipeline_stage=layout.last_stage_layers,
+        pipeline_dtype=dtype,
+        variable_seq_lengths=True,
+        # precision
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        # recompute
+        recompute_granularity=recompute_granularity,
+        recompute_method=recompute_method,
+        recompute_num_layers=recompute_num_layers,
+        # kernels: fused ones need CUDA (and TE/apex)
+        use_cpu_initialization=not cuda,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=cuda,
+        masked_softmax_fusion=cuda and use_te,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        attention_backend=AttnBackend.auto if use_te else AttnBackend.local,
+    )
+    kwargs.update(overrides)
+    return MLATransformerConfig(**kwargs)
+
+
+@functools.cache
+def _local_mla_core_attention() -> type:
+    """megatron's local DotProductAttention, accepting the k/v channel arguments MLA passes.
+
+    megatron-core 0.16.1's MLA always passes k_channels/v_channels, which only TE's attention accepts;
+    the local module reads the value head size from config.kv_channels (= v_head_dim here) instead.
+    """
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class MLADotProductAttention(DotProductAttention):
+        def __init__(self, *args: Any, k_channels: int | None = None, v_channels: int | None = None, **kwargs: Any):
+            super().__init__(*args, **kwargs)
+            if v_channels is not None and v_channels != self.config.kv_channels:
+                raise ValueError(f"local MLA attention needs config.kv_channels == v_head_dim ({v_channels})")
+
+    return MLADotProductAttention
+
+
+def decoder_block_spec(config, use_te: bool, pp_rank: int | None = None):
+    """Layer specs for this pipeline stage (dense for the first_k_dense layers, MoE after)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    block = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm", pp_rank=pp_rank)
+    if not use_te:
+        attention = _local_mla_core_attention()
+        for layer in block.layer_specs:
+            layer.submodules.self_attention.submodules.core_attention = attention
+    return block
+
+
+def build_model(
+    spec: ModelSpec,
+    layout: Layout,
+    *,
+    pre_process: bool | None = None,
+    post_process: bool | None = None,
+    use_te: bool | None = None,
+    config=None,
+    **config_overrides: Any,
+):
+    """The GPTModel of the current pipeline stage (parallel_state must be initialised)."""
+    _prepare()
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    use_te = use_te_default() if use_te is None else use_te
+    if config is None:
+        config = transformer_config(spec, layout, use_te=use_te, **config_overrides)
+    if pre_process is None:
+        pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=True)
+    if post_process is None:
+        post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=decoder_block_spec(config, use_te),
+        vocab_size=spec.vocab_size,
+        max_sequence_length=spec.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,
+        share_embeddings_and_output_weights=spec.tie_word_embeddings,
+        position_embedding_type="none",  # MLA applies YaRN rope itself
+    )
+    model.kimi_use_te = use_te  # names.py reads which spec (TE or local) built the parameters
+    return model
+
+
+def causal_mask(seq_len: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[1, 1, s, s] boolean mask, True = masked (future positions): megatron's local attention needs it explicit."""
+    return torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool, device=device), diagonal=1)[None, None]
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def check_positions(position_ids: torch.Tensor | None, tokens: torch.Tensor) -> torch.Tensor:
+    """MLA applies rope to positions 0..s-1 regardless of position_ids: only those are accepted."""
+    expected = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+    if position_ids is not None and not torch.equal(position_ids.to(expected), expected):
+        raise ValueError(
+            "megatron MLA uses positions 0..s-1 for every row; right-pad sequences instead of left-padding"
+        )
+    return expected
+
+
+def causal_forward(model, tokens: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Logits [b, s, vocab/tp] (vocab-parallel on TP>1) with an explicit causal mask; last stage only."""
+    position_ids = check_positions(position_ids, tokens)
+    mask = causal_mask(tokens.shape[1], device=tokens.device)
+    return model(tokens, position_ids, mask)

@@ -1,0 +1,238 @@
+"""Parallel layout + torch.distributed / megatron parallel_state bring-up.
+
+One `Layout` describes how a job splits the model (TP, PP, EP, expert-TP, CP; DP derived from the world
+size; uneven first/last pipeline stages). It is built from the recipe's `convert` or `parallel` section,
+and `init_distributed` turns it into process groups: from torchrun / Ray env vars (RANK, WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT), or as a single process on a free port. gloo on CPU, nccl on CUDA.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+
+from kimi_pipeline.errors import PermanentError
+from kimi_pipeline.recipes.models import ConvertSpec, ModelSpec, ParallelSpec
+
+
+class LayoutError(PermanentError):
+    """The parallel layout does not fit the world size or the model shape."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    world_size: int = 1
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    etp: int = 1
+    cp: int = 1
+    first_stage_layers: int | None = None  # decoder_first_pipeline_num_layers
+    last_stage_layers: int | None = None  # decoder_last_pipeline_num_layers
+    sequence_parallel: bool = False
+
+    def __post_init__(self) -> None:
+        mp = self.tp * self.pp * self.cp
+        if self.world_size % mp:
+            raise LayoutError(f"world size {self.world_size} is not divisible by tp*pp*cp = {mp}")
+        expert_mp = self.ep * self.etp * self.pp
+        if self.world_size % expert_mp:
+            raise LayoutError(f"world size {self.world_size} is not divisible by ep*etp*pp = {expert_mp}")
+        if self.pp == 1 and (self.first_stage_layers or self.last_stage_layers):
+            object.__setattr__(self, "first_stage_layers", None)
+            object.__setattr__(self, "last_stage_layers", None)
+        if self.sequence_parallel and self.tp == 1:
+            object.__setattr__(self, "sequence_parallel", False)
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // (self.tp * self.pp * self.cp)
+
+    @property
+    def edp(self) -> int:
+        """Expert data-parallel size (replicas of each expert shard)."""
+        return self.world_size // (self.ep * self.etp * self.pp)
+
+    def stage_layers(self, num_layers: int) -> list[int]:
+        """Decoder layers per pipeline stage, megatron's rule: first/last fixed, the rest split evenly."""
+        if self.pp == 1:
+            return [num_layers]
+        first, last = self.first_stage_layers, self.last_stage_layers
+        middle_stages = self.pp - (first is not None) - (last is not None)
+        rest = num_layers - (first or 0) - (last or 0)
+        if rest < 0 or (middle_stages == 0 and rest != 0) or (middle_stages and rest % middle_stages):
+            raise LayoutError(
+                f"{num_layers} layers do not split over pp={self.pp} with first={first}, last={last} "
+                f"({rest} layers left for {middle_stages} middle stages); set "
+                "decoder_first/last_pipeline_num_layers so the rest divides evenly"
+            )
+        each = rest // middle_stages if middle_stages else 0
+        out = [each] * self.pp
+        if first is not None:
+            out[0] = first
+        if last is not None:
+            out[-1] = last
+        return out
+
+    def layer_offset(self, num_layers: int, pp_rank: int) -> int:
+        return sum(self.stage_layers(num_layers)[:pp_rank])
+
+    def check_model(self, spec: ModelSpec) -> None:
+        """Raise LayoutError when the model shape cannot be split this way."""
+        problems = []
+        if spec.num_attention_heads % self.tp:
+            problems.append(f"num_attention_heads {spec.num_attention_heads} % tp {self.tp}")
+        if spec.vocab_size % self.tp:
+            problems.append(f"vocab_size {spec.vocab_size} % tp {self.tp}")
+        if spec.num_experts % self.ep:
+            problems.append(f"num_experts {spec.num_experts} % ep {self.ep}")
+        if spec.moe_ffn_hidden_size % self.etp:
+            problems.append(f"moe_ffn_hidden_size {spec.moe_ffn_hidden_size} % etp {self.etp}")
+        if spec.ffn_hidden_size % self.tp:
+            problems.append(f"ffn_hidden_size {spec.ffn_hidden_size} % tp {self.tp}")
+        if problems:
+            raise LayoutError("model shape does not split over the layout: " + "; ".join(problems) + " must be 0")
+        self.stage_layers(spec.num_layers)
+
+    @classmethod
+    def from_convert(cls, spec: ConvertSpec, world_size: int | None = None) -> Layout:
+        """The conversion job's layout: world size = nodes x ranks per node unless given."""
+        return cls(
+            world_size=world_size or spec.nodes * spec.gpus_per_node,
+            tp=spec.tp,
+            pp=spec.pp,
+            ep=spec.ep,
+            etp=spec.etp,
+            first_stage_layers=spec.decoder_first_pipeline_num_layers,
+            last_stage_layers=spec.decoder_last_pipeline_num_layers,
+        )
+
+    @classmethod
+    def from_parallel(cls, spec: ParallelSpec, world_size: int | None = None) -> Layout:
+        """The trainer's layout. World size: given, else tp*pp*cp*dp if the recipe sets dp, else $WORLD_SIZE."""
+        if world_size is None:
+            if spec.dp is not None:
+                world_size = spec.dp * spec.tp * spec.pp * spec.cp
+            else:
+                world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        return cls(
+            world_size=world_size,
+            tp=spec.tp,
+            pp=spec.pp,
+            ep=spec.ep,
+            etp=spec.etp,
+            cp=spec.cp,
+            first_stage_layers=spec.decoder_first_pipeline_num_layers,
+            last_stage_layers=spec.decoder_last_pipeline_num_layers,
+            sequence_parallel=spec.sequence_parallel,
+        )
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cpu_threads(local_world_size: int) -> int:
+    # One process per core: more intra-op threads than cores makes gloo ranks starve each other.
+    return max(1, (os.cpu_count() or 1) // max(1, local_world_size))
+
+
+def init_distributed(
+    layout: Layout,
+    backend: str | None = None,
+    *,
+    seed: int = 1234,
+    timeout_minutes: int = 30,
+) -> int:
+    """Initialise torch.distributed + megatron parallel_state for `layout`; returns this rank.
+
+    Reads RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT (torchrun and Ray actors set them); without
+    them runs as a single process on a free loopback port. On CPU applies the megatron compatibility
+    patches, uses gloo and one intra-op thread per core per local rank.
+    """
+    import torch.distributed as dist
+
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        from kimi_pipeline.model.megatron_compat import apply_cpu_compat
+
+        apply_cpu_compat()
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        if "MASTER_PORT" not in os.environ:
+            raise LayoutError("RANK/WORLD_SIZE are set but MASTER_PORT is not (launch with torchrun or set it)")
+    else:
+        rank, world = 0, 1
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ["MASTER_PORT"] = str(free_port())
+    if world != layout.world_size:
+        raise LayoutError(f"layout is for {layout.world_size} ranks but WORLD_SIZE={world}")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+
+    if cuda:
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    else:
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", _cpu_threads(local_world))))
+    backend = backend or ("nccl" if cuda else "gloo")
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend=backend,
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(minutes=timeout_minutes),
+        )
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        context_parallel_size=layout.cp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp,
+        distributed_timeout_minutes=timeout_minutes,
+        create_gloo_process_groups=not cuda or backend == "gloo",
+    )
+    torch.manual_seed(seed + 100 * parallel_state.get_pipeline_model_parallel_rank())
+    model_parallel_cuda_manual_seed(seed)
+    return rank
+
+
+def destroy() -> None:
+    """Tear down megatron's groups and the default process group (safe to call twice)."""
+    import torch.distributed as dist
+
+    try:
+        from megatron.core import parallel_state
+
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def ranks() -> dict[str, int]:
+    """This process's coordinates in the megatron grid (for names, logs and file names)."""
+    from megatron.core import parallel_state as ps
+
+    return {
+        "rank": torch.distributed.get_rank() if torch.distributed.is_initialized() else 0,
+        "tp": ps.get_tensor_model_parallel_rank(),
+        "pp": ps.get_pipeline_model_parallel_rank(),
+        "ep": ps.get_expert_model_parallel_rank(),
+        "etp": ps.get_expert_tensor_parallel_rank(),
+        "dp": ps.get_data_parallel_rank(),
+        "cp": ps.get_context_parallel_rank(),
+    }
