@@ -1,0 +1,1 @@
+"""Evaluation: AIME-style metrics (avg@n, pass@k, maj@n) over sampled responses."""

@@ -1,0 +1,235 @@
+"""Reward grading: hand cases, strict parsing, and pathological answers that must neither hang nor crash."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from kimi_pipeline.rl.reward import (
+    MAX_ANSWER_CHARS,
+    RewardError,
+    RewardModel,
+    SymbolicPool,
+    answer_key,
+    as_number,
+    extract_answer,
+    grade,
+    normalize_answer,
+)
+from conftest import TINY
+
+
+@pytest.fixture(scope="module")
+def deepscaler():
+    with RewardModel("deepscaler", timeout_s=3.0, workers=2) as rm:
+        yield rm
+
+
+@pytest.mark.parametrize(
+    "response, label, expected",
+    [
+        # the tiny model's learned format (kimi_pipeline/data/tiny_assets.py), with and without EOS text
+        ("The answer is \\boxed{7}. Answer: \\boxed{7}", "7", 1.0),
+        ("The answer is \\boxed{7}. Answer: \\boxed{7}<|im_end|>", "7", 1.0),
+        ("The answer is \\boxed{7}. Answer: \\boxed{8}", "7", 0.0),  # the LAST answer counts
+        ("Answer: \\boxed{7}", "8", 0.0),
+        ("Answer: 7", "7", 1.0),  # DAPO "Answer:" last line without a box (math only)
+        ("**Answer:** $7$.", "7", 1.0),
+        ("\\boxed{ 7 }", "7", 1.0),
+        ("$\\boxed{7}$.", "7", 1.0),
+        ("\\[\\boxed{7}\\]", "7", 1.0),
+        ("\\boxed{7.0}", "7", 1.0),
+        ("\\boxed{\\frac{1}{2}}", "0.5", 1.0),
+        ("\\boxed{\\dfrac{1}{2}}", "\\frac{1}{2}", 1.0),
+        ("\\boxed{\\tfrac12}", "\\frac{1}{2}", 1.0),
+        ("\\boxed{1/2}", "\\frac{1}{2}", 1.0),
+        ("\\boxed{-\\frac{3}{4}}", "-0.75", 1.0),
+        ("\\boxed{0.33}", "\\frac{1}{3}", 0.0),  # exact values: a rounded decimal is not 1/3
+        ("\\boxed{1,000}", "1000", 1.0),
+        ("\\boxed{5\\text{ cm}}", "5", 1.0),
+        ("\\boxed{\\text{(B)}}", "B", 1.0),
+        ("\\boxed{x = 3}", "3", 1.0),
+        ("\\boxed{90^\\circ}", "90", 1.0),
+        ("\\boxed{\\{1,2\\}}", "\\{1,2\\}", 1.0),  # escaped braces are not structure
+        ("\\boxed{\\boxed{7}}", "7", 1.0),
+        ("\\fbox{7}", "7", 1.0),
+        ("The answer is 7.", "7", 0.0),  # no box, no Answer: line
+        ("\\boxed{}", "7", 0.0),
+        ("", "7", 0.0),
+    ],
+)
+def test_math_hand_cases(response, label, expected):
+    assert grade(response, label, "math") == expected
+
+
+@pytest.mark.parametrize(
+    "response",
+    [
+        "\\boxed{9}}}}",  # the brace-spam exploit a loose parser rewards
+        "\\boxed{9}}",
+        "\\boxed{9} }",
+        "\\boxed{9} and then some more text",
+        "\\boxed{9}!!!!!!!!!!!!!!!!!!!!",
+        "\\boxed{9",  # never closed
+        "\\boxed{{9}",
+        "\\boxed9",
+    ],
+)
+def test_strict_parse_rejects_sloppy_endings(response):
+    assert extract_answer(response, "math") is None
+    assert grade(response, "9", "math") == 0.0
+    assert grade(response, "9", "deepscaler") == 0.0
+
+
+def test_non_strict_mode_takes_the_last_box_anywhere():
+    assert grade("\\boxed{9} and then some more text", "9", "deepscaler", strict=False) == 1.0
+    assert grade("so \\boxed{8}, no wait \\boxed{9}. Done.", "9", "deepscaler", strict=False) == 1.0
+    assert grade("\\boxed{9", "9", "deepscaler", strict=False) == 0.0
+
+
+def test_thinking_models_must_close_their_thinking():
+    answered = "<think>maybe \\boxed{3}</think>So the answer is \\boxed{7}."
+    unclosed = "<think>so the answer is \\boxed{7}"
+    for rm in ("math", "deepscaler"):
+        assert grade(answered, "7", rm, thinking=True) == 1.0
+        assert grade(unclosed, "7", rm, thinking=True) == 0.0  # never answered
+        assert grade("<think>\\boxed{7}</think>I give up.", "7", rm, thinking=True) == 0.0  # boxed only inside thinking
+    assert grade("<think>a</think>x</think>\\boxed{7}", "7", "math", thinking=True) == 1.0  # after the LAST close
+    assert grade("\\boxed{7}", "7", "math", thinking=False) == 1.0
+
+
+def test_math_variant_is_string_and_numeric_only():
+    # x+1 vs 1+x needs algebra: math says 0 without starting a worker, deepscaler says 1
+    rm = RewardModel("math")
+    assert rm.score(["\\boxed{x+1}"], ["1+x"]) == [0.0]
+    assert rm._pool is None
+    assert grade("\\boxed{1+x}", "x+1", "deepscaler") == 1.0
+    assert grade("Answer: x+1", "x+1", "deepscaler") == 0.0  # deepscaler needs a box
+
+
+@pytest.mark.parametrize(
+    "response, label, expected",
+    [
+        ("\\boxed{\\frac{\\sqrt{2}}{2}}", "\\frac{1}{\\sqrt{2}}", 1.0),
+        ("\\boxed{2\\sqrt{3}}", "\\sqrt{12}", 1.0),
+        ("\\boxed{\\pi r^2}", "\\pi r^{2}", 1.0),
+        ("\\boxed{(x+1)^2}", "x^2+2x+1", 1.0),
+        ("\\boxed{x+2}", "x+1", 0.0),
+        ("\\boxed{\\frac{68}{2}}", "34", 1.0),  # numeric, decided in-process
+        ("\\boxed{\\sqrt{2}}", "1.414", 0.0),
+    ],
+)
+def test_deepscaler_symbolic(deepscaler, response, label, expected):
+    assert deepscaler.score([response], [label]) == [expected]
+    assert deepscaler.last_stats.timeouts == 0 and deepscaler.last_stats.errors == 0
+
+
+def test_batch_stats_count_each_path(deepscaler):
+    responses = ["\\boxed{7}", "\\boxed{\\frac{14}{2}}", "\\boxed{x+1}", "no answer", "\\boxed{9^{9^{9}}}"]
+    labels = ["7", "7", "1+x", "7", "9"]
+    assert deepscaler.score(responses, labels) == [1.0, 1.0, 1.0, 0.0, 0.0]
+    s = deepscaler.last_stats
+    assert (s.n, s.correct, s.fast, s.numeric, s.symbolic, s.no_answer, s.rejected) == (5, 3, 1, 1, 1, 1, 1)
+
+
+def test_normalization_and_numbers():
+    assert normalize_answer("\\pi r^2") == "\\pi r^2"  # the command keeps its separating space
+    assert normalize_answer("\\left( 1, 2 \\right)") == "(1,2)"
+    assert normalize_answer("\\$1{,}000") == "1000"
+    assert as_number("0.50") == as_number("\\frac{1}{2}") == as_number("1/2")
+    assert as_number("1e999999999") is None  # no exponent notation: nothing can expand
+    assert as_number("1/0") is None
+    assert answer_key("\\frac{1}{2}") == answer_key("0.5") != answer_key("0.25")
+    assert answer_key(None) is None
+
+
+def test_tiny_dataset_labels_grade_against_the_learned_format():
+    rows = [json.loads(line) for line in (TINY / "aime-tiny.jsonl").read_text().splitlines()]
+    responses = [f"The answer is \\boxed{{{r['label']}}}. Answer: \\boxed{{{r['label']}}}<|im_end|>" for r in rows]
+    rm = RewardModel("math")
+    assert rm.score(responses, [r["label"] for r in rows]) == [1.0] * len(rows)
+    shifted = [str((int(r["label"]) + 1) % 10) for r in rows]
+    assert rm.score(responses, shifted) == [0.0] * len(rows)
+    assert rm.totals.n == 2 * len(rows) and rm._pool is None  # the common case never starts a worker
+
+
+# ------------------------------------------------------------------------------------------------
+# Pathological answers: bounded time, reward 0, no crash
+# ------------------------------------------------------------------------------------------------
+
+
+def test_power_tower_is_refused_without_sympy(deepscaler):
+    t = time.monotonic()
+    explosive = ["\\boxed{9^{9^{9^{9}}}}", "\\boxed{(10^{100})!}", "\\boxed{3^{123456789}}", "\\boxed{1000000!}"]
+    assert deepscaler.score(explosive, ["9"] * 4) == [0.0] * 4
+    assert deepscaler.last_stats.rejected == 4
+    assert time.monotonic() - t < 1.0
+    assert grade("\\boxed{9^{9^{9^{9}}}}", "9", "deepscaler", strict=False) == 0.0
+    assert deepscaler.score(["\\boxed{2^{2024}}", "\\boxed{100!}"], ["2^{2024}", "100!"]) == [1.0, 1.0]
+
+
+def test_spinning_sympy_is_killed_and_replaced():
+    # binom(10^6, 5*10^5) passes the explosive-form filter and then grinds in sympy for long
+    with RewardModel("deepscaler", timeout_s=1.0, workers=1) as rm:
+        t = time.monotonic()
+        assert rm.score(["\\boxed{\\binom{1000000}{500000}}", "\\boxed{1+x}"], ["9", "x+1"]) == [0.0, 1.0]
+        elapsed = time.monotonic() - t
+        assert rm.last_stats.timeouts == 1 and rm.last_stats.symbolic == 2
+        assert rm._pool.restarts == 1
+        assert elapsed < 8.0, elapsed
+        old = [w.proc for w in rm._pool._workers]
+    assert all(p.poll() is not None for p in old)  # close() leaves no worker behind
+
+
+def test_megabytes_and_deep_nesting_finish_fast(deepscaler):
+    big = "blah " * 1_000_000  # 5 MB
+    nested = "\\boxed{" + "{" * 10_000 + "7" + "}" * 10_000 + "}"
+    long_box = "\\boxed{" + "1" * (MAX_ANSWER_CHARS + 1) + "}"
+    responses = [
+        big,
+        big + "\\boxed{7}",
+        "<think>" + big,
+        "{" * 10_000,
+        "}" * 10_000,
+        nested,
+        big + nested,
+        long_box,
+        "\\boxed{" + "1" * 200 + "}",
+        "\\boxed{1e999999999}",
+    ]
+    t = time.monotonic()
+    rewards = deepscaler.score(responses, ["7"] * len(responses))
+    elapsed = time.monotonic() - t
+    assert rewards == [0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    assert elapsed < 5.0, elapsed
+    assert RewardModel("math", thinking=True).score(["<think>" + big], ["7"]) == [0.0]
+
+
+def test_bad_configuration_is_a_clear_error():
+    with pytest.raises(RewardError, match="rm_type"):
+        RewardModel("f1")  # type: ignore[arg-type]
+    with pytest.raises(RewardError, match="timeout_s"):
+        RewardModel("math", timeout_s=0)
+    with pytest.raises(RewardError, match="workers"):
+        SymbolicPool(workers=0)
+    with pytest.raises(ValueError, match="labels"):
+        RewardModel("math").score(["a"], [])
+
+
+def test_a_worker_killed_from_outside_is_replaced():
+    with RewardModel("deepscaler", timeout_s=3.0, workers=1) as rm:
+        assert rm.score(["\\boxed{1+x}"], ["x+1"]) == [1.0]
+        victim = rm._pool._workers[0].proc
+        victim.kill()
+        victim.wait()
+        assert rm.score(["\\boxed{1+x}", "\\boxed{2+x}"], ["x+1", "x+1"]) == [1.0, 0.0]
+        assert rm.last_stats.errors == 0 and rm._pool.restarts == 1
+
+
+def test_nested_boxes_and_units():
+    assert grade("\\boxed{\\boxed{\\boxed{7}}}", "7", "math") == 1.0
+    assert grade("\\boxed{7} \\boxed{8}", "7", "math") == 0.0
+    assert grade("\\boxed{5 \\text{ m}}", "5", "math") == 1.0
+    assert grade("\\boxed{2\\mathrm{i}}", "2", "math") == 0.0  # \mathrm{i} is not a unit
