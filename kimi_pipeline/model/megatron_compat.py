@@ -170,17 +170,17 @@ def _cuda_type_names():
         torch.Tensor.type = original  # type: ignore[method-assign]
 
 
-def _with_cuda_type_names(fn: Callable) -> Callable:
-    @functools.wraps(fn)
+def _with_cuda_type_names(original: Any) -> Any:
+    """Wrap a function / staticmethod / classmethod so it runs under `_cuda_type_names()`."""
+    if isinstance(original, (staticmethod, classmethod)):
+        return type(original)(_with_cuda_type_names(original.__func__))
+
+    @functools.wraps(original)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         with _cuda_type_names():
-            return fn(*args, **kwargs)
+            return original(*args, **kwargs)
 
     return wrapped
-
-
-def _staticmethod_with_cuda_type_names(original: Any) -> Any:
-    return staticmethod(_with_cuda_type_names(original))
 
 
 def _router_gating_linear(inp: torch.Tensor, weight: torch.Tensor, bias: Any, router_dtype: torch.dtype) -> torch.Tensor:
@@ -188,6 +188,32 @@ def _router_gating_linear(inp: torch.Tensor, weight: torch.Tensor, bias: Any, ro
     return torch.nn.functional.linear(
         inp.to(router_dtype), weight.to(router_dtype), None if bias is None else bias.to(router_dtype)
     )
+
+
+def _l2_norm(chunk_size: int, noop_flag: Any, tensor_lists: list, per_tensor: bool, *args: Any) -> tuple:
+    """megatron's local multi_tensor_l2norm stand-in, returning a CPU tensor instead of a CUDA one."""
+    norms = [torch.linalg.vector_norm(t.float()) for tl in tensor_lists for t in tl]
+    total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+    return total.reshape(1), None
+
+
+def _tensor_cuda(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    return self
+
+
+def _keep_adam_step(original: Callable) -> Callable:
+    """Loading skips torch Adam's per-param "step" (restored from param_groups) but then indexes it."""
+
+    @functools.wraps(original)
+    def set_states(self: Any, model_param: Any, tensors: dict) -> Any:
+        if "step" not in tensors and not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            group, order = self.model_param_group_index_map[model_param]
+            state = self.optimizer.state[self.optimizer.param_groups[group]["params"][order]]
+            if "step" in state:
+                tensors = {**tensors, "step": state["step"]}
+        return original(self, model_param, tensors)
+
+    return set_states
 
 
 def _noop(*args: Any, **kwargs: Any) -> None:
@@ -209,6 +235,8 @@ PATCHES: list[Patch] = [
     Patch("torch.cuda", "stream", "`with torch.cuda.stream(s)` becomes a null context",
           lambda orig: lambda *a, **k: contextlib.nullcontext()),
     Patch("torch.cuda", "Event", "timers/overlap use CUDA events; no-op events on CPU", lambda orig: _NoOpEvent),
+    Patch("torch", "Tensor.cuda", "state exchange in the distributed optimizer / dist-checkpointing calls .cuda(); "
+          "on a CPU-only build it returns the tensor itself", lambda orig: _tensor_cuda),
     Patch("megatron.core.transformer.multi_latent_attention", "HAVE_TE",
           "TE's MagicMock stand-ins import fine, so MLA thinks TE is present and isinstance()s a mock",
           lambda orig: False),
@@ -226,12 +254,18 @@ PATCHES: list[Patch] = [
           lambda orig: lambda new_state, *a, **k: torch.set_rng_state(new_state)),
     Patch("megatron.core.optimizer.clip_grads", "torch", "grad-norm buffers are created with device='cuda'",
           _CpuTorch),
+    Patch("megatron.core.optimizer.clip_grads", "l2_norm_impl",
+          "the local l2-norm fallback returns its result on device='cuda'", lambda orig: _l2_norm),
     Patch("megatron.core.optimizer.optimizer", "torch", "found_inf / scale buffers are created with device='cuda'",
           _CpuTorch),
     Patch("megatron.core.pipeline_parallel.schedules", "torch", "token counters are created with device='cuda'",
           _CpuTorch),
-    Patch("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer._build_model_and_main_param_groups",
-          "rejects parameters whose type() is not torch.cuda.*Tensor", _staticmethod_with_cuda_type_names),
+    Patch("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer.__init__",
+          "rejects parameters whose type() is not torch.cuda.*Tensor", _with_cuda_type_names),
+    Patch("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer._set_main_param_and_optimizer_states",
+          "KeyError 'step' when loading a reshardable checkpoint with torch Adam (no TE/apex)", _keep_adam_step),
+    Patch("megatron.core.optimizer.optimizer", "clip_grad_by_total_norm_fp32",
+          "asserts grad.type() == 'torch.cuda.FloatTensor'", _with_cuda_type_names),
     Patch("megatron.core.optimizer.optimizer", "Float16OptimizerWithFloat16Params.__init__",
           "rejects parameters whose type() is not torch.cuda.*Tensor", _with_cuda_type_names),
 ]
@@ -246,11 +280,11 @@ def _resolve(patch: Patch) -> tuple[Any, str, Any]:
     *path, leaf = patch.attribute.split(".")
     for part in path:
         owner = getattr(owner, part)
-    # On a class, look only at its own __dict__: a method inherited from a base is not the target.
-    namespace = vars(owner) if isinstance(owner, type) else owner.__dict__
-    if leaf not in namespace:
+    if not hasattr(owner, leaf):
         raise AttributeError(f"{patch.module}.{patch.attribute} no longer exists ({patch.why})")
-    return owner, leaf, namespace[leaf]
+    # Keep staticmethod/classmethod descriptors as such (the class __dict__ holds the descriptor).
+    value = vars(owner).get(leaf, getattr(owner, leaf)) if isinstance(owner, type) else getattr(owner, leaf)
+    return owner, leaf, value
 
 
 def missing_targets() -> list[str]:

@@ -11,6 +11,7 @@ Transformer Engine; TE specs when TE and CUDA are present (parameter names diffe
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Any
 
 import torch
@@ -18,6 +19,8 @@ import torch.nn.functional as F
 
 from kimi_pipeline.model.parallel import Layout, LayoutError
 from kimi_pipeline.recipes.models import ModelSpec
+
+log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -190,16 +193,54 @@ def _local_mla_core_attention() -> type:
     return MLADotProductAttention
 
 
+# transformers' DeepSeek-V3 builds q_a_layernorm / kv_a_layernorm with RMSNorm's default eps (1e-6), not
+# rms_norm_eps; megatron uses layernorm_epsilon for them. Kimi/DeepSeek ship 1e-6, so only small test
+# models with another eps notice; the local spec reproduces HF exactly.
+HF_LATENT_NORM_EPS = 1e-6
+
+
+@functools.cache
+def _latent_norm() -> type:
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    class LatentRMSNorm:
+        """megatron's torch RMSNorm with HF's fixed latent-norm eps."""
+
+        def __new__(cls, config, hidden_size: int, eps: float = HF_LATENT_NORM_EPS, **kwargs: Any):
+            return WrappedTorchNorm(config=config, hidden_size=hidden_size, eps=HF_LATENT_NORM_EPS, **kwargs)
+
+    return LatentRMSNorm
+
+
 def decoder_block_spec(config, use_te: bool, pp_rank: int | None = None):
     """Layer specs for this pipeline stage (dense for the first_k_dense layers, MoE after)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm", pp_rank=pp_rank)
+    if use_te and config.layernorm_epsilon != HF_LATENT_NORM_EPS:
+        log.warning("TE spec: q/kv latent norms use eps %g, HF uses %g", config.layernorm_epsilon, HF_LATENT_NORM_EPS)
     if not use_te:
+        from megatron.core.transformer.mlp import MLP
+
         attention = _local_mla_core_attention()
         for layer in block.layer_specs:
-            layer.submodules.self_attention.submodules.core_attention = attention
+            sub = layer.submodules
+            sub.self_attention.submodules.core_attention = attention
+            sub.self_attention.submodules.q_layernorm = _latent_norm()
+            sub.self_attention.submodules.kv_layernorm = _latent_norm()
+            sub.sharded_state_dict_keys_map = dict(LOCAL_TO_TE_CHECKPOINT_KEYS)
+            if sub.mlp.module is MLP:  # dense layer: TE fuses this norm into fc1
+                sub.sharded_state_dict_keys_map.update(LOCAL_TO_TE_DENSE_KEYS)
     return block
+
+
+# torch_dist checkpoint keys always use TE names, so a checkpoint written by a CPU (local spec) job loads
+# into a TE model on GPU and back (same mapping as convert/names.py).
+LOCAL_TO_TE_CHECKPOINT_KEYS = {
+    "self_attention.q_layernorm.": "self_attention.linear_q_up_proj.layer_norm_",
+    "self_attention.kv_layernorm.": "self_attention.linear_kv_up_proj.layer_norm_",
+}
+LOCAL_TO_TE_DENSE_KEYS = {"pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
 
 
 def build_model(

@@ -1,0 +1,531 @@
+"""THE one place for HF <-> megatron-core names and shard shapes (DeepSeek-V3 / Kimi-K2).
+
+For a rank's coordinates (pipeline stage, expert-parallel rank, tensor-parallel ranks) and the layer
+spec that built its model (local modules on CPU, Transformer Engine on GPU), `rank_shards` lists every
+megatron tensor of that rank's model with the HF tensors it is cut from and how:
+
+* replicated: the HF tensor as is (norms, router weight, expert bias, TE's duplicated down projections);
+* split along `dim` over the TP group (column-parallel: dim 0, row-parallel: dim 1, vocab: dim 0);
+  experts use the expert-TP group instead;
+* gated linear units: megatron's fc1 is [gate; up] *per TP partition*, i.e. cat(gate_chunk, up_chunk),
+  so a gathered fc1 is interleaved and must be split per partition, not in the middle;
+* experts: megatron local expert `l` on EP rank `r` is HF expert `r * E/ep + l`; layers are global
+  index = local index + pipeline offset.
+
+Local vs TE naming (the only differences): q/kv latent norms are `self_attention.q_layernorm` /
+`kv_layernorm` (local) or `linear_q_up_proj.layer_norm_weight` / `linear_kv_up_proj.layer_norm_weight`
+(TE); the dense layers' post-attention norm is `pre_mlp_layernorm` (local) or
+`mlp.linear_fc1.layer_norm_weight` (TE); routed experts are `experts.local_experts.{l}.linear_fc{1,2}.weight`
+(local SequentialMLP) or `experts.linear_fc{1,2}.weight{l}` (TE grouped GEMM); TE's q/kv down projections
+are duplicated across TP, the local ones are column-parallel. torch_dist checkpoints always use the TE
+names (megatron_model adds the key map to the local spec), so a CPU-converted checkpoint loads on GPU.
+
+`load_hf_tensors_into_model` fills a model from a `get(name) -> Tensor` reader, asking only for the
+tensors this rank owns; `export_hf_tensors` is the reverse (collective: TP/EP/PP shards -> full
+HF-named tensors), reused by weight sync and the INT4 export.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from kimi_pipeline.errors import PermanentError
+from kimi_pipeline.model.parallel import Layout
+from kimi_pipeline.recipes.models import ModelSpec
+
+
+class NameMappingError(PermanentError):
+    """A checkpoint tensor is missing, has the wrong shape, or a model tensor has no HF source."""
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One megatron tensor of one rank and how it is cut from HF tensors."""
+
+    megatron: str  # name in this rank's (unwrapped) model state_dict, layer index local to the stage
+    hf: tuple[str, ...]  # HF tensor names: one, or (gate, up) for a fused fc1
+    dim: int | None = None  # split dim across `group`, None = replicated
+    group: str = "tp"  # "tp" (dense TP group) or "etp" (expert-TP group)
+    rank: int = 0  # this rank's index in `group`
+    size: int = 1  # `group` size (1 = whole tensor)
+    expert: bool = False  # lives on one EP rank only
+    owner_pp: int = 0  # pipeline stage holding it
+    owner_ep: int | None = None  # EP rank holding it (experts only)
+    fp32: bool = False  # kept in float32 whatever the model dtype (expert bias)
+
+    @property
+    def split(self) -> bool:
+        return self.dim is not None and self.size > 1
+
+
+@dataclass
+class _Entry:
+    """A logical tensor: its HF names, its megatron name per spec, and how it is sharded."""
+
+    hf: tuple[str, ...]
+    local: str
+    te: str
+    dim: int | None
+    group: str = "tp"
+    te_replicated: bool = False  # TE keeps a full copy on every TP rank (duplicated TELinear)
+    expert: bool = False
+    fp32: bool = False
+    extra: dict = field(default_factory=dict)
+
+
+def _glu(prefix: str) -> tuple[str, str]:
+    return (f"{prefix}.gate_proj.weight", f"{prefix}.up_proj.weight")
+
+
+def _layer_entries(spec: ModelSpec, layer: int, local_layer: int, layout: Layout, ep_rank: int) -> list[_Entry]:
+    h = f"model.layers.{layer}"
+    m = f"decoder.layers.{local_layer}"
+    att_h, att_m = f"{h}.self_attn", f"{m}.self_attention"
+    out = [_Entry((f"{h}.input_layernorm.weight",), f"{m}.input_layernorm.weight", f"{m}.input_layernorm.weight", None)]
+    if spec.q_lora_rank is None:
+        out.append(_Entry((f"{att_h}.q_proj.weight",), f"{att_m}.linear_q_proj.weight", f"{att_m}.linear_q_proj.weight", 0))
+    else:
+        out += [
+            _Entry((f"{att_h}.q_a_proj.weight",), f"{att_m}.linear_q_down_proj.weight",
+                   f"{att_m}.linear_q_down_proj.weight", 0, te_replicated=True),
+            _Entry((f"{att_h}.q_a_layernorm.weight",), f"{att_m}.q_layernorm.weight",
+                   f"{att_m}.linear_q_up_proj.layer_norm_weight", None),
+            _Entry((f"{att_h}.q_b_proj.weight",), f"{att_m}.linear_q_up_proj.weight",
+                   f"{att_m}.linear_q_up_proj.weight", 0),
+        ]
+    out += [
+        _Entry((f"{att_h}.kv_a_proj_with_mqa.weight",), f"{att_m}.linear_kv_down_proj.weight",
+               f"{att_m}.linear_kv_down_proj.weight", 0, te_replicated=True),
+        _Entry((f"{att_h}.kv_a_layernorm.weight",), f"{att_m}.kv_layernorm.weight",
+               f"{att_m}.linear_kv_up_proj.layer_norm_weight", None),
+        _Entry((f"{att_h}.kv_b_proj.weight",), f"{att_m}.linear_kv_up_proj.weight", f"{att_m}.linear_kv_up_proj.weight", 0),
+        _Entry((f"{att_h}.o_proj.weight",), f"{att_m}.linear_proj.weight", f"{att_m}.linear_proj.weight", 1),
+    ]
+    norm = (f"{h}.post_attention_layernorm.weight",)
+    if layer < spec.first_k_dense:
+        out += [
+            _Entry(norm, f"{m}.pre_mlp_layernorm.weight", f"{m}.mlp.linear_fc1.layer_norm_weight", None),
+            _Entry(_glu(f"{h}.mlp"), f"{m}.mlp.linear_fc1.weight", f"{m}.mlp.linear_fc1.weight", 0),
+            _Entry((f"{h}.mlp.down_proj.weight",), f"{m}.mlp.linear_fc2.weight", f"{m}.mlp.linear_fc2.weight", 1),
+        ]
+        return out
+    out += [
+        _Entry(norm, f"{m}.pre_mlp_layernorm.weight", f"{m}.pre_mlp_layernorm.weight", None),
+        _Entry((f"{h}.mlp.gate.weight",), f"{m}.mlp.router.weight", f"{m}.mlp.router.weight", None),
+    ]
+    if spec.moe_router_enable_expert_bias:
+        out.append(_Entry((f"{h}.mlp.gate.e_score_correction_bias",), f"{m}.mlp.router.expert_bias",
+                          f"{m}.mlp.router.expert_bias", None, fp32=True))
+    if spec.num_shared_experts:
+        sh_h, sh_m = f"{h}.mlp.shared_experts", f"{m}.mlp.shared_experts"
+        out += [
+            _Entry(_glu(sh_h), f"{sh_m}.linear_fc1.weight", f"{sh_m}.linear_fc1.weight", 0),
+            _Entry((f"{sh_h}.down_proj.weight",), f"{sh_m}.linear_fc2.weight", f"{sh_m}.linear_fc2.weight", 1),
+        ]
+    per_rank = spec.num_experts // layout.ep
+    for local in range(per_rank):
+        g = ep_rank * per_rank + local
+        ex_h, ex_m = f"{h}.mlp.experts.{g}", f"{m}.mlp.experts"
+        out += [
+            _Entry(_glu(ex_h), f"{ex_m}.local_experts.{local}.linear_fc1.weight", f"{ex_m}.linear_fc1.weight{local}",
+                   0, group="etp", expert=True),
+            _Entry((f"{ex_h}.down_proj.weight",), f"{ex_m}.local_experts.{local}.linear_fc2.weight",
+                   f"{ex_m}.linear_fc2.weight{local}", 1, group="etp", expert=True),
+        ]
+    return out
+
+
+def _stage_entries(spec: ModelSpec, layout: Layout, pp_rank: int, ep_rank: int) -> list[_Entry]:
+    out: list[_Entry] = []
+    first, last = pp_rank == 0, pp_rank == layout.pp - 1
+    if first:
+        out.append(_Entry(("model.embed_tokens.weight",), "embedding.word_embeddings.weight",
+                          "embedding.word_embeddings.weight", 0))
+    offset = layout.layer_offset(spec.num_layers, pp_rank)
+    for local in range(layout.stage_layers(spec.num_layers)[pp_rank]):
+        out += _layer_entries(spec, offset + local, local, layout, ep_rank)
+    if last:
+        out.append(_Entry(("model.norm.weight",), "decoder.final_layernorm.weight", "decoder.final_layernorm.weight", None))
+        if not spec.tie_word_embeddings:
+            out.append(_Entry(("lm_head.weight",), "output_layer.weight", "output_layer.weight", 0))
+        elif not first:  # tied + PP: the last stage keeps its own copy of the embedding as output layer
+            out.append(_Entry(("model.embed_tokens.weight",), "output_layer.weight", "output_layer.weight", 0,
+                              extra={"tied_copy": True}))
+    return out
+
+
+def hf_to_megatron_names(
+    spec: ModelSpec,
+    layout: Layout,
+    pp_rank: int = 0,
+    ep_rank: int = 0,
+    tp_rank: int = 0,
+    *,
+    etp_rank: int = 0,
+    use_te: bool = False,
+) -> list[Shard]:
+    """Every tensor of the model on rank (pp_rank, ep_rank, tp_rank, etp_rank), with its HF sources."""
+    if not 0 <= pp_rank < layout.pp or not 0 <= ep_rank < layout.ep:
+        raise ValueError(f"pp_rank {pp_rank} / ep_rank {ep_rank} outside layout pp={layout.pp} ep={layout.ep}")
+    layout.check_model(spec)
+    shards = []
+    for e in _stage_entries(spec, layout, pp_rank, ep_rank):
+        if e.group == "etp":
+            rank, size = etp_rank, layout.etp
+        else:
+            rank, size = tp_rank, layout.tp
+        dim = e.dim
+        if use_te and e.te_replicated:
+            dim = None
+        shards.append(
+            Shard(
+                megatron=e.te if use_te else e.local,
+                hf=e.hf,
+                dim=dim,
+                group=e.group,
+                rank=rank if dim is not None else 0,
+                size=size if dim is not None else 1,
+                expert=e.expert,
+                owner_pp=pp_rank,
+                owner_ep=ep_rank if e.expert else None,
+                fp32=e.fp32,
+            )
+        )
+    return shards
+
+
+def hf_names_for_rank(spec: ModelSpec, layout: Layout, pp_rank: int = 0, ep_rank: int = 0) -> list[str]:
+    """The HF tensors a rank at (pp_rank, ep_rank) reads (TP ranks read the same tensors, other slices)."""
+    seen: dict[str, None] = {}
+    for s in hf_to_megatron_names(spec, layout, pp_rank, ep_rank):
+        for n in s.hf:
+            seen.setdefault(n, None)
+    return list(seen)
+
+
+def all_hf_names(spec: ModelSpec) -> list[str]:
+    """Every HF tensor name of the model (the checkpoint's logical contents)."""
+    one = Layout()
+    return hf_names_for_rank(spec, one)
+
+
+def megatron_to_hf_names(spec: ModelSpec, layout: Layout, pp_rank: int = 0, ep_rank: int = 0, tp_rank: int = 0,
+                         *, etp_rank: int = 0, use_te: bool = False) -> dict[str, Shard]:
+    """Reverse lookup: megatron tensor name on that rank -> its Shard."""
+    return {s.megatron: s for s in hf_to_megatron_names(spec, layout, pp_rank, ep_rank, tp_rank,
+                                                         etp_rank=etp_rank, use_te=use_te)}
+
+
+# --------------------------------------------------------------------------- slicing
+
+
+def _chunk(t: torch.Tensor, dim: int, rank: int, size: int, name: str) -> torch.Tensor:
+    if t.shape[dim] % size:
+        raise NameMappingError(f"{name}: dim {dim} of shape {tuple(t.shape)} does not split into {size} parts")
+    return t.chunk(size, dim=dim)[rank]
+
+
+def shard_from_hf(shard: Shard, tensors: list[torch.Tensor]) -> torch.Tensor:
+    """This rank's megatron tensor from the full HF tensors named in `shard.hf`."""
+    if len(shard.hf) == 2:  # fc1 = [gate_chunk; up_chunk] per TP partition
+        gate, up = tensors
+        if shard.split:
+            gate = _chunk(gate, 0, shard.rank, shard.size, shard.hf[0])
+            up = _chunk(up, 0, shard.rank, shard.size, shard.hf[1])
+        return torch.cat([gate, up], dim=0)
+    (t,) = tensors
+    if shard.split:
+        t = _chunk(t, shard.dim, shard.rank, shard.size, shard.hf[0])
+    return t
+
+
+def hf_from_gathered(shard: Shard, parts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Full HF tensors from the megatron tensors of every rank of the shard's group (in group-rank order)."""
+    if len(shard.hf) == 2:
+        gates, ups = zip(*(p.chunk(2, dim=0) for p in parts))
+        return [torch.cat(gates, dim=0), torch.cat(ups, dim=0)]
+    if shard.split:
+        return [torch.cat(parts, dim=shard.dim)]
+    return [parts[0]]
+
+
+# --------------------------------------------------------------------------- model access
+
+
+def unwrap(model) -> torch.nn.Module:
+    """The GPTModel inside DDP / Float16Module wrappers (or a one-element list of chunks)."""
+    if isinstance(model, (list, tuple)):
+        if len(model) != 1:
+            raise NotImplementedError("virtual pipeline stages (several model chunks per rank) are not supported")
+        model = model[0]
+    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
+        model = model.module
+    return model
+
+
+def model_uses_te(model) -> bool:
+    m = unwrap(model)
+    flag = getattr(m, "kimi_use_te", None)
+    if flag is not None:
+        return bool(flag)
+    return any(".layer_norm_weight" in n for n, _ in m.named_parameters())
+
+
+def model_tensors(model) -> dict[str, torch.Tensor]:
+    """Parameters and persistent buffers by state_dict name (live tensors, not copies)."""
+    m = unwrap(model)
+    out = {n: p for n, p in m.named_parameters()}
+    persistent = set(m.state_dict(keep_vars=True))
+    out.update({n: b for n, b in m.named_buffers() if n in persistent and b is not None})
+    return out
+
+
+def current_coords() -> dict[str, int]:
+    from megatron.core import parallel_state as ps
+
+    return {
+        "pp_rank": ps.get_pipeline_model_parallel_rank(),
+        "ep_rank": ps.get_expert_model_parallel_rank(),
+        "tp_rank": ps.get_tensor_model_parallel_rank(),
+        "etp_rank": ps.get_expert_tensor_parallel_rank(),
+    }
+
+
+def rank_shards(model, spec: ModelSpec, layout: Layout) -> list[Shard]:
+    """The shards of this process's model (coordinates from megatron parallel_state)."""
+    c = current_coords()
+    return hf_to_megatron_names(spec, layout, c["pp_rank"], c["ep_rank"], c["tp_rank"], etp_rank=c["etp_rank"],
+                                use_te=model_uses_te(model))
+
+
+# --------------------------------------------------------------------------- HF -> megatron
+
+
+@torch.no_grad()
+def load_hf_tensors_into_model(
+    model,
+    get_hf_tensor: Callable[[str], torch.Tensor],
+    spec: ModelSpec,
+    layout: Layout,
+) -> list[str]:
+    """Copy this rank's slices of HF tensors into `model`; returns the HF names read (each once).
+
+    Fails (NameMappingError) if a model tensor has no mapping, a mapped name is not in the model, or a
+    shape differs; only the tensors this rank owns are requested from `get_hf_tensor`.
+    """
+    tensors = model_tensors(model)
+    shards = rank_shards(model, spec, layout)
+    by_name = {s.megatron: s for s in shards}
+    unmapped = sorted(set(tensors) - set(by_name))
+    absent = sorted(set(by_name) - set(tensors))
+    if unmapped or absent:
+        raise NameMappingError(
+            f"model and name map disagree: model tensors without HF source {unmapped[:8]}; "
+            f"mapped names not in the model {absent[:8]} (spec/layout mismatch?)"
+        )
+    read: dict[str, None] = {}
+    cache: dict[str, torch.Tensor] = {}
+    last_use = {n: i for i, s in enumerate(shards) for n in s.hf}
+    for i, s in enumerate(shards):
+        srcs = []
+        for n in s.hf:
+            if n not in cache:
+                t = get_hf_tensor(n)
+                if t is None:
+                    raise NameMappingError(f"HF tensor {n} is missing from the checkpoint")
+                cache[n] = t
+                read.setdefault(n, None)
+            srcs.append(cache[n])
+        value = shard_from_hf(s, srcs)
+        target = tensors[s.megatron]
+        if tuple(value.shape) != tuple(target.shape):
+            raise NameMappingError(
+                f"{' + '.join(s.hf)} -> {s.megatron}: shard shape {tuple(value.shape)} != model {tuple(target.shape)}"
+            )
+        target.copy_(value.to(target.dtype))
+        for n in s.hf:  # drop full tensors once no later shard of this rank needs them
+            if last_use[n] == i:
+                cache.pop(n, None)
+    return list(read)
+
+
+# --------------------------------------------------------------------------- megatron -> HF
+
+
+def _group(name: str):
+    from megatron.core import parallel_state as ps
+
+    return ps.get_tensor_model_parallel_group() if name == "tp" else ps.get_expert_tensor_parallel_group()
+
+
+def _gather(shard: Shard, local: torch.Tensor) -> list[torch.Tensor]:
+    import torch.distributed as dist
+
+    if not shard.split:
+        return hf_from_gathered(shard, [local])
+    parts = [torch.empty_like(local) for _ in range(shard.size)]
+    dist.all_gather(parts, local.contiguous(), group=_group(shard.group))
+    return hf_from_gathered(shard, parts)
+
+
+def _hf_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """Full HF tensor shapes, derived from the spec (no model needed)."""
+    h, heads = spec.hidden_size, spec.num_attention_heads
+    qk = spec.qk_head_dim + spec.qk_pos_emb_head_dim
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (spec.vocab_size, h),
+        "lm_head.weight": (spec.vocab_size, h),
+        "model.norm.weight": (h,),
+    }
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}"
+        a = f"{p}.self_attn"
+        shapes.update({
+            f"{p}.input_layernorm.weight": (h,),
+            f"{p}.post_attention_layernorm.weight": (h,),
+            f"{a}.kv_a_proj_with_mqa.weight": (spec.kv_lora_rank + spec.qk_pos_emb_head_dim, h),
+            f"{a}.kv_a_layernorm.weight": (spec.kv_lora_rank,),
+            f"{a}.kv_b_proj.weight": (heads * (spec.qk_head_dim + spec.v_head_dim), spec.kv_lora_rank),
+            f"{a}.o_proj.weight": (h, heads * spec.v_head_dim),
+        })
+        if spec.q_lora_rank is None:
+            shapes[f"{a}.q_proj.weight"] = (heads * qk, h)
+        else:
+            shapes.update({
+                f"{a}.q_a_proj.weight": (spec.q_lora_rank, h),
+                f"{a}.q_a_layernorm.weight": (spec.q_lora_rank,),
+                f"{a}.q_b_proj.weight": (heads * qk, spec.q_lora_rank),
+            })
+        if i < spec.first_k_dense:
+            f = spec.ffn_hidden_size
+            shapes.update({f"{p}.mlp.gate_proj.weight": (f, h), f"{p}.mlp.up_proj.weight": (f, h),
+                           f"{p}.mlp.down_proj.weight": (h, f)})
+            continue
+        e, f = spec.num_experts, spec.moe_ffn_hidden_size
+        shapes[f"{p}.mlp.gate.weight"] = (e, h)
+        shapes[f"{p}.mlp.gate.e_score_correction_bias"] = (e,)
+        fs = f * spec.num_shared_experts
+        s = f"{p}.mlp.shared_experts"
+        shapes.update({f"{s}.gate_proj.weight": (fs, h), f"{s}.up_proj.weight": (fs, h), f"{s}.down_proj.weight": (h, fs)})
+        for j in range(e):
+            x = f"{p}.mlp.experts.{j}"
+            shapes.update({f"{x}.gate_proj.weight": (f, h), f"{x}.up_proj.weight": (f, h), f"{x}.down_proj.weight": (h, f)})
+    return shapes
+
+
+@dataclass(frozen=True)
+class _Global:
+    """A logical tensor in the global export order and who holds it."""
+
+    hf: tuple[str, ...]
+    pp: int
+    ep: int | None
+    fp32: bool
+
+
+def _global_order(spec: ModelSpec, layout: Layout) -> list[_Global]:
+    out = []
+    seen: set[tuple[str, ...]] = set()
+    for pp in range(layout.pp):
+        for ep in range(layout.ep):
+            for s in hf_to_megatron_names(spec, layout, pp, ep):
+                if s.hf in seen or (not s.expert and ep != 0):
+                    continue
+                if spec.tie_word_embeddings and s.megatron == "output_layer.weight":
+                    continue  # the tied copy is not exported twice
+                seen.add(s.hf)
+                out.append(_Global(s.hf, pp, ep if s.expert else None, s.fp32))
+    return out
+
+
+@torch.no_grad()
+def export_hf_tensors(
+    model,
+    spec: ModelSpec,
+    layout: Layout,
+    *,
+    dst: int | None = None,
+    owned_only: bool = False,
+    dtype: torch.dtype | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Full HF-named tensors of a (possibly TP/EP/PP-sharded) model, in a fixed global order.
+
+    Collective: every rank must iterate it to the end. TP/expert-TP shards are all-gathered in their
+    groups; then each tensor is broadcast from its holder (lowest global rank holding it) so that every
+    rank yields it (dst=None) or only global rank `dst` does. owned_only=True skips the broadcast: each
+    holder yields just the tensors it is the designated source of (for writers that shard the output).
+    Tensors come out in the model's dtype (expert bias in fp32) unless `dtype` is given.
+    """
+    import torch.distributed as dist
+
+    tensors = model_tensors(model)
+    mine = {s.hf: s for s in rank_shards(model, spec, layout)}
+    c = current_coords()
+    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    me = dist.get_rank() if distributed else 0
+    if distributed:
+        coords: list = [None] * dist.get_world_size()
+        dist.all_gather_object(coords, (c["pp_rank"], c["ep_rank"]))
+    else:
+        coords = [(c["pp_rank"], c["ep_rank"])]
+    model_dtype = next(iter(tensors.values())).dtype
+    shapes = _hf_shapes(spec)
+
+    for g in _global_order(spec, layout):
+        holders = [r for r, (pp, ep) in enumerate(coords) if pp == g.pp and (g.ep is None or ep == g.ep)]
+        src = holders[0]
+        full: list[torch.Tensor] | None = None
+        if g.hf in mine:
+            full = _gather(mine[g.hf], tensors[mine[g.hf].megatron])
+        out_dtype = torch.float32 if g.fp32 else (dtype or model_dtype)
+        if owned_only or not distributed:
+            if full is not None and me == src:
+                for n, t in zip(g.hf, full):
+                    yield n, t.to(out_dtype).clone()
+            continue
+        for i, n in enumerate(g.hf):
+            buf = full[i].to(out_dtype).contiguous() if me == src else torch.empty(shapes[n], dtype=out_dtype,
+                                                                                  device=_device(tensors))
+            dist.broadcast(buf, src=src)
+            if dst is None or me == dst:
+                yield n, buf if me != src else buf.clone()
+
+
+def _device(tensors: dict[str, torch.Tensor]) -> torch.device:
+    return next(iter(tensors.values())).device
+
+
+# --------------------------------------------------------------------------- HF state dict helpers
+
+
+_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+
+
+def unfuse_hf_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers fuses experts in memory (gate_up_proj [E,2F,H], down_proj [E,H,F]); the checkpoint
+    format has one tensor per expert. Returns the per-expert (on-disk) naming."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        m = _EXPERT.match(name)
+        if not m:
+            out[name] = t
+            continue
+        layer, kind = m.groups()
+        for e in range(t.shape[0]):
+            p = f"model.layers.{layer}.mlp.experts.{e}"
+            if kind == "gate_up_proj":
+                gate, up = t[e].chunk(2, dim=0)
+                out[f"{p}.gate_proj.weight"], out[f"{p}.up_proj.weight"] = gate, up
+            else:
+                out[f"{p}.down_proj.weight"] = t[e]
+    return out
+
+
+def check_complete(names: Iterable[str], spec: ModelSpec) -> list[str]:
+    """HF names the model needs that are not in `names` (empty = complete)."""
+    have = set(names)
+    return [n for n in all_hf_names(spec) if n not in have]

@@ -1,0 +1,501 @@
+"""Training plumbing on megatron-core: DDP + megatron optimizer, schedules, logprobs, torch_dist checkpoints.
+
+Plain torch optimizers on a megatron-DDP model silently do not update (DDP keeps grads in its own
+buffers, `main_grad`), so training always goes through `get_megatron_optimizer` (the distributed
+optimizer when the recipe asks). Losses go through megatron's forward/backward schedule so pipeline
+parallelism works unchanged. Checkpoints use megatron's layout (`iter_0000020/` in torch_dist format +
+`latest_checkpointed_iteration.txt`), written atomically: a temp dir renamed into place, the tracker last.
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import json
+import logging
+import os
+import random
+import shutil
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kimi_pipeline.errors import PermanentError
+from kimi_pipeline.model.megatron_model import build_model, causal_mask, check_positions
+from kimi_pipeline.model.parallel import Layout
+from kimi_pipeline.recipes.models import ModelSpec, OptimizerSpec
+from kimi_pipeline.util.files import atomic_write_json, atomic_write_text
+
+log = logging.getLogger(__name__)
+
+TRACKER = "latest_checkpointed_iteration.txt"
+EXTRA = "kimi_extra.json"
+CHECKPOINT_VERSION = 3.0  # what Megatron-LM's --load expects in common state
+# Optimizer state sharding that reshards across TP/PP/EP/DP changes (megatron's canonical form).
+SHARDED_METADATA = {
+    "distrib_optim_sharding_type": "fully_reshardable",
+    "singleton_local_shards": False,
+    "chained_optim_avoid_prefix": True,
+}
+
+
+class CheckpointError(PermanentError):
+    """No usable checkpoint at the given place (missing tracker, iteration dir or wrong layout)."""
+
+
+LossFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, Any, dict]]
+
+
+# --------------------------------------------------------------------------- build
+
+
+def build_trainable(
+    spec: ModelSpec,
+    layout: Layout,
+    opt: OptimizerSpec,
+    *,
+    use_te: bool | None = None,
+    **config_overrides: Any,
+) -> tuple[list[torch.nn.Module], Any]:
+    """(model_chunks, optimizer): this stage's GPTModel in megatron DDP + megatron's optimizer.
+
+    The loss contract is per-token style (config.calculate_per_token_loss): see `forward_backward`.
+    """
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer.module import Float16Module
+
+    config_overrides.setdefault("calculate_per_token_loss", True)
+    model = build_model(spec, layout, use_te=use_te, **config_overrides)
+    config = model.config
+    use_te_flag = model.kimi_use_te
+    if config.bf16 or config.fp16:
+        model = Float16Module(config, model)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        overlap_param_gather=False,
+        use_distributed_optimizer=opt.use_distributed_optimizer,
+        check_for_nan_in_grad=False,
+        bucket_size=None,
+    )
+    ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    ddp.kimi_use_te = use_te_flag
+    offload = opt.optimizer_cpu_offload and torch.cuda.is_available()
+    if opt.optimizer_cpu_offload and not offload:
+        log.info("optimizer_cpu_offload ignored: the model already lives on the CPU")
+    opt_config = OptimizerConfig(
+        optimizer=opt.optimizer,
+        lr=opt.lr,
+        min_lr=0.0 if opt.lr_decay_style != "constant" else opt.lr,
+        weight_decay=opt.weight_decay,
+        adam_beta1=opt.adam_beta1,
+        adam_beta2=opt.adam_beta2,
+        adam_eps=opt.adam_eps,
+        clip_grad=opt.clip_grad,
+        bf16=config.bf16,
+        fp16=config.fp16,
+        params_dtype=config.params_dtype,
+        use_distributed_optimizer=opt.use_distributed_optimizer,
+        optimizer_cpu_offload=offload,
+        overlap_cpu_optimizer_d2h_h2d=offload and opt.overlap_cpu_optimizer_d2h_h2d,
+        use_precision_aware_optimizer=opt.use_precision_aware_optimizer and torch.cuda.is_available(),
+    )
+    optimizer = get_megatron_optimizer(opt_config, [ddp])
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = ddp.no_sync
+    config.grad_scale_func = optimizer.scale_loss
+    return [ddp], optimizer
+
+
+def lr_scheduler(optimizer, opt: OptimizerSpec, total_steps: int):
+    """megatron's OptimizerParamScheduler for the recipe's schedule (step it after each optimizer step)."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    decay_style = {"constant": "constant", "linear": "linear", "cosine": "cosine"}[opt.lr_decay_style]
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if opt.lr_warmup_steps else opt.lr,
+        max_lr=opt.lr,
+        min_lr=0.0 if decay_style != "constant" else opt.lr,
+        lr_warmup_steps=opt.lr_warmup_steps,
+        lr_decay_steps=max(total_steps, opt.lr_warmup_steps + 1),
+        lr_decay_style=decay_style,
+        start_wd=opt.weight_decay,
+        end_wd=opt.weight_decay,
+        wd_incr_steps=max(total_steps, 1),
+        wd_incr_style="constant",
+    )
+
+
+# --------------------------------------------------------------------------- logprobs
+
+
+def _tp_reduce(x: torch.Tensor, op=None) -> torch.Tensor:
+    """All-reduce over the TP group: autograd-aware sum (backward = identity) or a detached max."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_tensor_model_parallel_world_size() == 1:
+        return x
+    if op == "max":
+        x = x.detach().clone()
+        torch.distributed.all_reduce(x, op=torch.distributed.ReduceOp.MAX, group=ps.get_tensor_model_parallel_group())
+        return x
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+    return reduce_from_tensor_model_parallel_region(x)
+
+
+def logprobs_from_logits(
+    logits: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0, with_entropy: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token log p(target) and entropy from vocab-parallel logits [..., V/tp] (differentiable).
+
+    Correct under TP: the softmax normaliser is assembled with a max / sum all-reduce over the TP group.
+    `temperature` divides the logits first (match the sampling temperature of the rollout).
+    """
+    from megatron.core import parallel_state as ps
+
+    logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    v_local = logits.shape[-1]
+    start = ps.get_tensor_model_parallel_rank() * v_local
+    shifted = logits - _tp_reduce(logits.max(dim=-1, keepdim=True).values, op="max")
+    exp = shifted.exp()
+    sum_exp = _tp_reduce(exp.sum(dim=-1, keepdim=True))
+    lse = sum_exp.log().squeeze(-1)
+    local = targets - start
+    inside = (local >= 0) & (local < v_local)
+    picked = shifted.gather(-1, local.clamp(0, v_local - 1).unsqueeze(-1)).squeeze(-1) * inside
+    logprobs = _tp_reduce(picked) - lse
+    if not with_entropy:
+        return logprobs, None
+    entropy = lse - _tp_reduce((exp / sum_exp * shifted).sum(dim=-1))
+    return logprobs, entropy
+
+
+# --------------------------------------------------------------------------- schedules
+
+
+def zero_grad(model_chunks: Sequence[torch.nn.Module], optimizer=None) -> None:
+    for m in model_chunks:
+        m.zero_grad_buffer()
+    if optimizer is not None:
+        optimizer.zero_grad()
+
+
+def _forward_step(loss_fn: LossFn, data_iterator, model):
+    batch = next(data_iterator)
+    tokens = batch["tokens"]
+    position_ids = check_positions(batch.get("position_ids"), tokens)
+    output = model(tokens, position_ids, causal_mask(tokens.shape[1], device=tokens.device))
+    return output, functools.partial(_call_loss, loss_fn, batch)
+
+
+def _call_loss(loss_fn: LossFn, batch: dict, logits: torch.Tensor):
+    out = loss_fn(logits, batch)
+    if len(out) != 3:
+        raise TypeError("loss_fn must return (loss_sum, denominator, metrics)")
+    loss, denom, metrics = out
+    if not torch.is_tensor(denom):
+        denom = torch.tensor(denom, dtype=torch.int, device=loss.device)
+    return loss, denom.to(torch.int).reshape(()), metrics
+
+
+def forward_backward(
+    model_chunks: Sequence[torch.nn.Module],
+    micro_batches: Sequence[dict],
+    loss_fn: LossFn,
+    *,
+    forward_only: bool = False,
+    optimizer=None,
+) -> list[dict]:
+    """Run micro-batches through megatron's forward/backward schedule (handles pipeline parallelism).
+
+    Each micro-batch is a dict with "tokens" [b, s] (right-padded; positions are 0..s-1) plus whatever
+    `loss_fn` needs; every pipeline rank must be given the same micro-batches. `loss_fn(logits, batch)`
+    runs on the last stage with vocab-parallel logits [b, s, V/tp] and returns
+    (loss_sum, denominator, metrics): the gradient is that of sum(loss_sum) / sum(denominator) over all
+    micro-batches and data-parallel ranks (megatron's per-token-loss mode) — e.g. summed token losses
+    with the token count, or summed per-sample means with the sample count. Returns the metrics dicts
+    (last stage; [] elsewhere). Zeroes grads first unless forward_only; then call `optimizer_step`.
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    if not micro_batches:
+        raise ValueError("forward_backward needs at least one micro-batch")
+    if not forward_only:
+        zero_grad(model_chunks, optimizer)
+    seq = max(b["tokens"].shape[1] for b in micro_batches)
+    mbs = micro_batches[0]["tokens"].shape[0]
+    fb = get_forward_backward_func()
+    with torch.set_grad_enabled(not forward_only):
+        out = fb(
+            forward_step_func=functools.partial(_forward_step, loss_fn),
+            data_iterator=iter(list(micro_batches)),
+            model=list(model_chunks),
+            num_microbatches=len(micro_batches),
+            seq_length=seq,
+            micro_batch_size=mbs,
+            forward_only=forward_only,
+        )
+    return list(out or [])
+
+
+def optimizer_step(optimizer, scheduler=None) -> tuple[bool, float | None]:
+    """One megatron optimizer step (grad clip inside); returns (updated, grad_norm)."""
+    ok, grad_norm, _ = optimizer.step()
+    if ok and scheduler is not None:
+        scheduler.step(increment=1)
+    return bool(ok), None if grad_norm is None else float(grad_norm)
+
+
+def _broadcast_from_last_stage(t: torch.Tensor | None, shape: tuple[int, ...]) -> torch.Tensor:
+    from megatron.core import parallel_state as ps
+
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        assert t is not None
+        return t
+    buf = t.contiguous() if t is not None else torch.empty(shape, dtype=torch.float32)
+    src = ps.get_pipeline_model_parallel_last_rank()
+    torch.distributed.broadcast(buf, src=src, group=ps.get_pipeline_model_parallel_group())
+    return buf
+
+
+@torch.no_grad()
+def token_logprobs(
+    model_chunks, tokens: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0, micro_batch_size: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logprobs, entropy) [b, s] of `targets` under the model, on every rank (no grad).
+
+    `targets[:, t]` is the token predicted at position t (usually tokens shifted left; pad the end).
+    Runs the forward schedule, so pipeline parallelism works; results go to all pipeline stages.
+    """
+    chunks = model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]
+    for m in chunks:
+        m.eval()
+    mbs = micro_batch_size or tokens.shape[0]
+    batches = [
+        {"tokens": tokens[i : i + mbs], "targets": targets[i : i + mbs]} for i in range(0, tokens.shape[0], mbs)
+    ]
+
+    def collect(logits, batch):
+        lp, ent = logprobs_from_logits(logits, batch["targets"], temperature=temperature)
+        return lp.sum() * 0, 1, {"logprobs": lp, "entropy": ent}
+
+    try:
+        out = forward_backward(chunks, batches, collect, forward_only=True)
+    finally:
+        for m in chunks:
+            m.train()
+    lp = torch.cat([o["logprobs"] for o in out]) if out else None
+    ent = torch.cat([o["entropy"] for o in out]) if out else None
+    shape = tuple(targets.shape)
+    return _broadcast_from_last_stage(lp, shape), _broadcast_from_last_stage(ent, shape)
+
+
+# --------------------------------------------------------------------------- RNG
+
+
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.cpu().numpy().tobytes()).decode()
+
+
+def _unb64(s: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8).clone()
+
+
+def rng_state() -> dict:
+    """This rank's RNG states (python, numpy, torch CPU/CUDA, megatron tracker) as JSON-able data."""
+    import numpy as np
+    from megatron.core import tensor_parallel
+
+    np_state = np.random.get_state()
+    state = {
+        "python": [list(random.getstate()[1]), random.getstate()[2]],
+        "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+        "torch": _b64(torch.get_rng_state()),
+        "tracker": {k: _b64(v) for k, v in tensor_parallel.get_cuda_rng_tracker().get_states().items()},
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = _b64(torch.cuda.get_rng_state())
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    import numpy as np
+    from megatron.core import tensor_parallel
+
+    random.setstate((3, tuple(state["python"][0]), state["python"][1]))
+    n = state["numpy"]
+    np.random.set_state((n[0], np.array(n[1], dtype=np.uint32), n[2], n[3], n[4]))
+    torch.set_rng_state(_unb64(state["torch"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(_unb64(state["cuda"]))
+    tensor_parallel.get_cuda_rng_tracker().set_states({k: _unb64(v) for k, v in state["tracker"].items()})
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def iteration_dir(ckpt_dir: str | Path, step: int) -> Path:
+    return Path(ckpt_dir) / f"iter_{step:07d}"
+
+
+def latest_step(ckpt_dir: str | Path) -> int | None:
+    """The step the tracker points at, or None when there is no complete checkpoint."""
+    tracker = Path(ckpt_dir) / TRACKER
+    if not tracker.is_file():
+        return None
+    text = tracker.read_text().strip()
+    if text == "release":
+        return 0
+    try:
+        return int(text)
+    except ValueError as exc:
+        raise CheckpointError(f"{tracker}: expected an iteration number, got {text!r}") from exc
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def _unwrapped(model_chunks):
+    from kimi_pipeline.convert.names import unwrap
+
+    return unwrap(model_chunks)
+
+
+def _model_sharded_state_dict(model_chunks) -> dict:
+    # The unwrapped GPTModel, as Megatron-LM does: DDP would prefix every key with "module.".
+    return _unwrapped(model_chunks).sharded_state_dict(metadata=dict(SHARDED_METADATA))
+
+
+def _save(ckpt_dir: Path, step: int, state: dict, extra: dict | None) -> Path:
+    """torch_dist save into a temp dir, rename into place, tracker last (collective)."""
+    from megatron.core import dist_checkpointing
+
+    final = iteration_dir(ckpt_dir, step)
+    tmp = final.with_name(final.name + ".tmp")
+    if _rank() == 0:
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save of this step
+        tmp.mkdir()
+    _barrier()
+    dist_checkpointing.save(state, str(tmp), content_metadata=dict(SHARDED_METADATA))
+    atomic_write_json(tmp / f"rng_rank{_rank():05d}.json", rng_state())
+    _barrier()
+    if _rank() == 0:
+        atomic_write_json(tmp / EXTRA, {"step": step, "extra": extra or {}})
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(ckpt_dir)
+        atomic_write_text(ckpt_dir / TRACKER, f"{step}\n")  # last: only now is the checkpoint "latest"
+    _barrier()
+    return final
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(ckpt_dir: str | Path, step: int, model_chunks, optimizer, extra: dict | None = None) -> Path:
+    """Model + optimizer (+ per-rank RNG + JSON `extra`) as megatron torch_dist `iter_{step:07d}`.
+
+    Collective over all ranks. The optimizer state is saved in megatron's fully reshardable form, so
+    `load_checkpoint` works under a different TP/PP/EP/DP layout.
+    """
+    model_sd = _model_sharded_state_dict(model_chunks)
+    state = {
+        "model": model_sd,
+        "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=False, metadata=dict(SHARDED_METADATA)),
+        "iteration": step,
+        "checkpoint_version": CHECKPOINT_VERSION,
+    }
+    return _save(Path(ckpt_dir), step, state, extra)
+
+
+def save_model_only(ckpt_dir: str | Path, model_chunks, step: int = 0, extra: dict | None = None) -> Path:
+    """Weights only, in the layout Megatron `--load` reads (the converter's output)."""
+    state = {
+        "model": _model_sharded_state_dict(model_chunks),
+        "iteration": step,
+        "checkpoint_version": CHECKPOINT_VERSION,
+    }
+    return _save(Path(ckpt_dir), step, state, extra)
+
+
+def _resolve(ckpt_dir: str | Path, step: int | None) -> tuple[Path, int]:
+    ckpt_dir = Path(ckpt_dir)
+    if step is None:
+        step = latest_step(ckpt_dir)
+        if step is None:
+            raise CheckpointError(f"{ckpt_dir}: no {TRACKER}; no complete checkpoint was written there")
+    path = iteration_dir(ckpt_dir, step)
+    if not (path / "metadata.json").is_file():
+        raise CheckpointError(f"{path}: not a complete torch_dist checkpoint (metadata.json missing)")
+    return path, step
+
+
+def _load_model_state(model_chunks, loaded: dict) -> None:
+    _unwrapped(model_chunks).load_state_dict(loaded["model"], strict=True)
+
+
+def load_checkpoint(
+    ckpt_dir: str | Path,
+    model_chunks,
+    optimizer=None,
+    step: int | None = None,
+    *,
+    restore_rng: bool = True,
+) -> dict:
+    """Load `iter_{step}` (default: the tracker's) into the model (and optimizer); returns `extra`.
+
+    Works under a different parallel layout than the save (torch_dist reshards). RNG states are
+    restored only when this rank's file exists and the world size is unchanged.
+    """
+    from megatron.core import dist_checkpointing
+
+    path, step = _resolve(ckpt_dir, step)
+    model_sd = _model_sharded_state_dict(model_chunks)
+    state: dict = {"model": model_sd}
+    if optimizer is not None:
+        state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=dict(SHARDED_METADATA))
+    loaded = dist_checkpointing.load(state, str(path))
+    _load_model_state(model_chunks, loaded)
+    if optimizer is not None:
+        if "optimizer" not in loaded:
+            raise CheckpointError(f"{path}: has no optimizer state (a model-only checkpoint?)")
+        optimizer.load_state_dict(loaded["optimizer"])
+    meta = json.loads((path / EXTRA).read_text()) if (path / EXTRA).is_file() else {"extra": {}}
+    rng_file = path / f"rng_rank{_rank():05d}.json"
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    saved_world = len(list(path.glob("rng_rank*.json")))
+    if restore_rng and rng_file.is_file() and saved_world == world:
+        set_rng_state(json.loads(rng_file.read_text()))
+    _barrier()
+    return meta.get("extra", {})
+
+
+def load_model_only(ckpt_dir: str | Path, model_chunks, step: int | None = None) -> int:
+    """Load weights from a torch_dist checkpoint (e.g. the converter's) into a model; returns the step."""
+    from megatron.core import dist_checkpointing
+
+    path, step = _resolve(ckpt_dir, step)
+    loaded = dist_checkpointing.load({"model": _model_sharded_state_dict(model_chunks)}, str(path))
+    _load_model_state(model_chunks, loaded)
+    _barrier()
+    return step
