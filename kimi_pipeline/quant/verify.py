@@ -1,0 +1,253 @@
+"""Check an INT4 export the way an inference engine will read it.
+
+1. Tensor level (streams; runs at any scale): every packed expert, decompressed by compressed-tensors'
+   own `PackedQuantizationCompressor`, equals `fake_quant_int4(trainer weight)` bit for bit — in the
+   trainer's dtype, which is possible because fake-quant rounds to the bf16 scale grid (int4.py);
+   every other tensor equals the trainer's rounded to its storage dtype.
+2. Model level (CPU, when the model fits in memory): the directory reloads with transformers +
+   compressed-tensors (config rewritten kimi_k2 -> deepseek_v3, no missing/unexpected keys), its
+   in-memory experts equal the fake-quant weights, its logits match (a) an fp32 HF model built from
+   exactly the tensors the export should decode to (pins packing + loader; ~1e-6) and (b) the
+   trainer's fake-quant forward (bf16 storage of the non-expert weights is the difference), and it
+   generates.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from kimi_pipeline.errors import PermanentError
+from kimi_pipeline.model.hf_model import deepseek_config, load_hf_model
+from kimi_pipeline.quant.export import KEEP_FP32, is_quantized, read_index
+from kimi_pipeline.quant.int4 import fake_quant_int4
+
+EXACT_REF_TOL = 1e-4  # fp32 reload vs fp32 model of the same decoded weights: only summation order differs
+# HF (transformers) vs trainer (megatron) forward of the same fp32 weights: summation order only.
+PARITY_TOL = 1e-3
+DEFAULT_PROMPTS = ("What is 3+4?", "Compute 2+5.")
+
+LogitsFn = Callable[[torch.Tensor], torch.Tensor]
+
+
+class ExportVerificationError(PermanentError):
+    def __init__(self, message: str, section: dict[str, Any] | None = None):
+        super().__init__(message)
+        self.section = section
+
+
+@dataclass
+class TensorCheck:
+    dequant_exact: bool = True
+    others_exact: bool = True
+    num_quantized: int = 0
+    num_other: int = 0
+    mismatches: list[str] = field(default_factory=list)
+
+
+def _scheme(config: dict[str, Any]):
+    from compressed_tensors.quantization import QuantizationConfig
+
+    qc = QuantizationConfig.model_validate(config["quantization_config"])
+    return next(iter(qc.config_groups.values()))
+
+
+class _ExportReader:
+    """Reads tensors of the export by name through its index, keeping one file handle per shard."""
+
+    def __init__(self, export_dir: Path):
+        self.dir = export_dir
+        self.weight_map = read_index(export_dir)
+        self._open: dict[str, Any] = {}
+
+    def get(self, name: str) -> torch.Tensor:
+        fname = self.weight_map.get(name)
+        if fname is None:
+            raise ExportVerificationError(f"{self.dir}: tensor {name} missing from the export")
+        if fname not in self._open:
+            self._open[fname] = safe_open(str(self.dir / fname), framework="pt")
+        return self._open[fname].get_tensor(name)
+
+
+def check_tensors(export_dir: str | Path, trainer_tensors: Iterable[tuple[str, torch.Tensor]],
+                  group_size: int) -> TensorCheck:
+    """Stage 1: decompress each packed expert with compressed-tensors and compare with fake-quant exactly."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+
+    export_dir = Path(export_dir)
+    scheme = _scheme(json.loads((export_dir / "config.json").read_text()))
+    reader = _ExportReader(export_dir)
+    out = TensorCheck()
+    for name, t in trainer_tensors:
+        if is_quantized(name):
+            prefix = name.removesuffix(".weight")
+            parts = {k: reader.get(f"{prefix}.{k}") for k in ("weight_packed", "weight_scale", "weight_shape")}
+            deq = PackedQuantizationCompressor.decompress(parts, scheme)["weight"]
+            fq = fake_quant_int4(t.detach(), group_size)
+            ok = deq.shape == fq.shape and torch.equal(deq.to(fq.dtype), fq) and torch.equal(fq.to(deq.dtype), deq)
+            out.num_quantized += 1
+            if not ok:
+                out.dequant_exact = False
+                out.mismatches.append(name)
+        else:
+            stored = reader.get(name)
+            want = t if not t.is_floating_point() else t.to(torch.float32 if name.endswith(KEEP_FP32) else torch.bfloat16)
+            out.num_other += 1
+            if stored.dtype != want.dtype or not torch.equal(stored, want):
+                out.others_exact = False
+                out.mismatches.append(name)
+    return out
+
+
+def load_int4_model(export_dir: str | Path, dtype: torch.dtype = torch.float32):
+    """The export loaded with transformers + compressed-tensors (dequantized), strictly, as `dtype`.
+
+    Every stored value (bf16 / fp32 / dequantized bf16) is exact in fp32, so `.to(fp32)` adds no error.
+    """
+    from transformers import DeepseekV3ForCausalLM
+
+    from kimi_pipeline.model.hf_model import HFModelError
+
+    export_dir = Path(export_dir)
+    config = json.loads((export_dir / "config.json").read_text())
+    cfg = deepseek_config(config)
+    cfg.quantization_config = config["quantization_config"]
+    model, info = DeepseekV3ForCausalLM.from_pretrained(
+        export_dir, config=cfg, dtype=dtype, attn_implementation="eager", output_loading_info=True,
+        trust_remote_code=False,
+    )
+    bad = {k: sorted(v)[:5] for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
+    if bad:
+        raise HFModelError(f"{export_dir}: INT4 export does not load cleanly with compressed-tensors ({bad})")
+    return model.to(dtype).eval()
+
+
+def expert_weights_equal(model, fq_tensors: dict[str, torch.Tensor]) -> bool:
+    """In-memory fused experts (gate_up_proj [E, 2F, H] = gate‖up, down_proj [E, H, F]) == fake-quant weights."""
+    state = model.state_dict()
+    layers = sorted({int(n.split(".")[2]) for n in fq_tensors if ".mlp.experts." in n})
+    for i in layers:
+        p = f"model.layers.{i}.mlp.experts"
+        n_exp = len({n.split(".")[5] for n in fq_tensors if n.startswith(p + ".")})
+        gate_up = torch.stack([torch.cat([fq_tensors[f"{p}.{e}.gate_proj.weight"], fq_tensors[f"{p}.{e}.up_proj.weight"]])
+                               for e in range(n_exp)])
+        down = torch.stack([fq_tensors[f"{p}.{e}.down_proj.weight"] for e in range(n_exp)])
+        for got, want in ((state[f"{p}.gate_up_proj"], gate_up), (state[f"{p}.down_proj"], down)):
+            if got.shape != want.shape or not torch.equal(got, want.to(got.dtype)):
+                return False
+    return True
+
+
+def reference_model(export_dir: Path, fq_tensors: dict[str, torch.Tensor], *, as_stored: bool):
+    """An unquantized fp32 HF model of the fake-quant tensors: `as_stored` rounds every non-expert weight
+    to its export dtype (exactly what the export should decode to); otherwise full precision (the
+    trainer stand-in when no trainer forward is given)."""
+    def value(n: str, t: torch.Tensor) -> torch.Tensor:
+        if not t.is_floating_point():
+            return t
+        if as_stored and not (n.endswith(KEEP_FP32) or is_quantized(n)):
+            t = t.to(torch.bfloat16)
+        return t.float().contiguous()
+
+    tmp = Path(tempfile.mkdtemp(prefix="kimi-int4-ref-"))
+    try:
+        save_file({n: value(n, t) for n, t in fq_tensors.items()}, str(tmp / "model.safetensors"))
+        config = json.loads((export_dir / "config.json").read_text())
+        config.pop("quantization_config", None)
+        config["torch_dtype"] = "float32"
+        (tmp / "config.json").write_text(json.dumps(config))
+        return load_hf_model(tmp, dtype=torch.float32)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def prompt_ids(tokenizer, prompts: Iterable[str]) -> list[torch.Tensor]:
+    out = []
+    for p in prompts:
+        enc = tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                            tokenize=True, return_tensors="pt", return_dict=True)
+        out.append(enc["input_ids"])
+    return out
+
+
+@torch.no_grad()
+def check_model(export_dir: str | Path, trainer_tensors: Iterable[tuple[str, torch.Tensor]], group_size: int, *,
+                reference_logits: LogitsFn | None = None, prompts: Iterable[str] = DEFAULT_PROMPTS,
+                max_new_tokens: int = 8, parity_tol: float = PARITY_TOL) -> dict[str, Any]:
+    """Stage 2: reload, compare experts and logits, generate.
+
+    `reference_logits` maps input ids [1, T] to the trainer's fake-quant logits [1, T, V]; without it
+    the fp32 HF model of the trainer tensors (fake-quant experts, full-precision rest) stands in.
+    Logit differences are split so that each has its own meaning and gate:
+      exact   export vs an fp32 model of exactly the values it should decode to  (<= EXACT_REF_TOL)
+      storage that model vs the same with full-precision non-expert weights     (bf16 storage; reported)
+      parity  full-precision HF model vs the trainer forward                      (<= parity_tol)
+    and `logits_max_diff` (export vs trainer) is gated by their sum of allowances.
+    """
+    from kimi_pipeline.model.tokenizer import load_tokenizer
+    from kimi_pipeline.quant.qat import fake_quant_hf_tensors
+
+    export_dir = Path(export_dir)
+    fq = dict(fake_quant_hf_tensors(trainer_tensors, group_size))
+    model = load_int4_model(export_dir)
+    experts_equal = expert_weights_equal(model, {n: t for n, t in fq.items() if is_quantized(n)})
+    as_stored = reference_model(export_dir, fq, as_stored=True)
+    full = reference_model(export_dir, fq, as_stored=False)
+    tok = load_tokenizer(export_dir)
+    ids = prompt_ids(tok, prompts)
+    d = {"exact": 0.0, "storage": 0.0, "parity": 0.0, "total": 0.0}
+    agree = positions = 0
+    for x in ids:
+        got, stored, hf = model(x).logits.float(), as_stored(x).logits.float(), full(x).logits.float()
+        trainer = reference_logits(x).float() if reference_logits is not None else hf
+        for k, a, b in (("exact", got, stored), ("storage", stored, hf), ("parity", hf, trainer), ("total", got, trainer)):
+            d[k] = max(d[k], (a - b).abs().max().item())
+        agree += int((got.argmax(-1) == trainer.argmax(-1)).sum())
+        positions += got.shape[1]
+    tolerance = EXACT_REF_TOL + d["storage"] + (parity_tol if reference_logits is not None else 0.0)
+    gen = model.generate(ids[0], max_new_tokens=max_new_tokens, do_sample=False, top_k=None, top_p=None,
+                         pad_token_id=tok.pad_token_id)
+    gen_ref = as_stored.generate(ids[0], max_new_tokens=max_new_tokens, do_sample=False, top_k=None, top_p=None,
+                                 pad_token_id=tok.pad_token_id)
+    new = gen[0, ids[0].shape[1]:]
+    return {
+        "experts_equal": experts_equal,
+        "logits_reference": "trainer" if reference_logits is not None else "hf-fake-quant-fp32",
+        "logits_max_diff": d["total"],
+        "logits_tolerance": tolerance,
+        "logits_max_diff_exact": d["exact"],
+        "logits_max_diff_storage": d["storage"],
+        "logits_max_diff_parity": d["parity"] if reference_logits is not None else None,
+        "top1_agreement": agree / max(1, positions),
+        "generated_tokens": int(new.numel()),
+        "generated_text": tok.decode(new, skip_special_tokens=False),
+        "generation_matches_reference": bool(torch.equal(gen, gen_ref)),
+    }
+
+
+def model_check_problems(result: dict[str, Any], parity_tol: float = PARITY_TOL) -> list[str]:
+    """What in a check_model result fails its gate (empty = pass)."""
+    out = []
+    if not result["experts_equal"]:
+        out.append("reloaded expert weights differ from the fake-quant weights")
+    if result["logits_max_diff_exact"] > EXACT_REF_TOL:
+        out.append(f"export logits differ from its decoded weights' by {result['logits_max_diff_exact']:.3g} "
+                   f"> {EXACT_REF_TOL} (packing or loader mismatch)")
+    parity = result.get("logits_max_diff_parity")
+    if parity is not None and parity > parity_tol:
+        out.append(f"HF model of the trainer tensors differs from the trainer forward by {parity:.3g} > {parity_tol} "
+                   "(Megatron->HF conversion mismatch)")
+    if result["logits_max_diff"] > result["logits_tolerance"]:
+        out.append(f"export vs trainer logits {result['logits_max_diff']:.3g} > tolerance {result['logits_tolerance']:.3g}")
+    if result["generated_tokens"] < 1:
+        out.append("the reloaded export generated no tokens")
+    return out

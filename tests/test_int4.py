@@ -1,0 +1,381 @@
+"""INT4: fake-quant + STE, compressed-tensors pack layout, the Kimi ignore list, the export directory,
+reload parity with transformers + compressed-tensors, and QAT on a megatron-core model."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from kimi_pipeline.quant.export import (
+    INDEX_NAME,
+    KIMI_IGNORE,
+    ExportError,
+    export_int4,
+    is_quantized,
+    iter_hf_dir_tensors,
+    kimi_quantization_config,
+)
+from kimi_pipeline.quant.int4 import (
+    Int4ShapeError,
+    dequantize_int4,
+    fake_quant_int4,
+    pack_int4,
+    quantize_int4,
+    unpack_int4,
+)
+from conftest import TINY
+
+TINY_MODEL = TINY / "model"
+ROUTED = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
+
+
+# --------------------------------------------------------------------------- int4.py
+
+
+@pytest.mark.parametrize("shape", [(4, 64), (3, 5, 96), (2, 20)])
+def test_pack_unpack_round_trip(shape):
+    """Round trip, and the fast 4-bit packer (multiple-of-8 rows) == compressed-tensors' pack_to_int32."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(-8, 8, shape, generator=g, dtype=torch.int8)
+    packed = pack_int4(q)
+    assert packed.dtype == torch.int32
+    assert packed.shape == (*shape[:-1], -(-shape[-1] // 8))
+    assert torch.equal(packed, pack_to_int32(q, 4))
+    assert torch.equal(unpack_int4(packed, q.shape), q)
+
+
+def test_pack_layout_is_kimis():
+    """Eight values per int32, offset +8, value j of a word in bits 4j..4j+3 (low nibble first)."""
+    q = torch.tensor([[-7, -1, 0, 1, 7, -8, 3, 2, 5, -5, 0, 0, 0, 0, 0, 0]], dtype=torch.int8)
+    words = pack_int4(q)[0].tolist()
+    want = []
+    for w in range(2):
+        v = sum((int(q[0, 8 * w + j]) + 8) << (4 * j) for j in range(8))
+        want.append(v - (1 << 32) if v >= 1 << 31 else v)  # as a signed int32
+    assert words == want
+
+
+def test_pack_matches_compressed_tensors_compressor():
+    """Our quantize + pack == the library's own PackedQuantizationCompressor.compress on the same scale."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+
+    from kimi_pipeline.convert.dequant import int4_args
+
+    w = torch.randn(16, 64, generator=torch.Generator().manual_seed(1)) * 0.05
+    q, scale = quantize_int4(w, 32)
+    scheme = QuantizationScheme(targets=["Linear"], weights=int4_args(32))
+    lib = PackedQuantizationCompressor.compress({"weight": w, "weight_scale": scale}, scheme)
+    assert torch.equal(lib["weight_packed"], pack_int4(q))
+    back = PackedQuantizationCompressor.decompress(lib, scheme)["weight"]
+    assert torch.equal(back, dequantize_int4(q, scale))
+
+
+def test_quantize_scheme():
+    w = torch.randn(8, 64, generator=torch.Generator().manual_seed(2))
+    w[0, :32] = 0.0  # an all-zero group: scale floor 1e-5, q = 0
+    q, scale = quantize_int4(w, 32)
+    assert q.dtype == torch.int8 and int(q.abs().max()) <= 7 and int(q.min()) >= -7
+    assert scale.dtype == torch.bfloat16 and scale.shape == (8, 2)
+    amax = w.view(8, 2, 32).abs().amax(-1)
+    assert torch.equal(scale, (amax / 7).clamp_min(1e-5).to(torch.bfloat16))
+    assert torch.equal(q[0, :32], torch.zeros(32, dtype=torch.int8))
+    assert (q.view(8, 2, 32).abs().amax(-1)[1:] == 7).all()  # the group max lands on +-7
+    fq = fake_quant_int4(w, 32)
+    err = (fq - w).abs().view(8, 2, 32).amax(-1)
+    assert (err <= scale.float() * 0.5 + amax * 2**-8).all()  # half a step (+ bf16 rounding of scale/product)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fake_quant_equals_dequant_exactly(dtype):
+    """What the trainer computes with is bit-for-bit what compressed-tensors decodes, in the trainer's dtype."""
+    from compressed_tensors.quantization.lifecycle.forward import dequantize
+
+    from kimi_pipeline.convert.dequant import int4_args
+
+    w = (torch.randn(32, 128, generator=torch.Generator().manual_seed(3)) * 0.02).to(dtype)
+    fq = fake_quant_int4(w, 32)
+    q, scale = quantize_int4(w, 32)
+    lib = dequantize(q, scale, args=int4_args(32))
+    assert fq.dtype == dtype
+    assert torch.equal(lib.to(dtype), fq)
+    assert torch.equal(dequantize_int4(q, scale, dtype), fq)
+
+
+def test_ste_gradient_is_the_linear_gradient_at_the_quantized_point():
+    g = torch.Generator().manual_seed(4)
+    w = (torch.randn(24, 64, generator=g) * 0.1).requires_grad_()
+    x, up = torch.randn(5, 64, generator=g), torch.randn(5, 24, generator=g)
+    (torch.nn.functional.linear(x, fake_quant_int4(w, 32)) * up).sum().backward()
+    w_q = fake_quant_int4(w.detach(), 32).requires_grad_()
+    (torch.nn.functional.linear(x, w_q) * up).sum().backward()
+    assert not torch.equal(w_q.detach(), w.detach())
+    assert torch.equal(w.grad, w_q.grad)
+
+
+def test_group_size_must_divide_input_dim():
+    with pytest.raises(Int4ShapeError, match="group_size=32"):
+        quantize_int4(torch.zeros(4, 48), 32)
+
+
+# --------------------------------------------------------------------------- ignore list + export
+
+
+def tiny_names() -> list[str]:
+    return list(json.loads((TINY_MODEL / INDEX_NAME).read_text())["weight_map"])
+
+
+def test_ignore_list_leaves_exactly_the_routed_experts():
+    names = tiny_names()
+    routed = {n for n in names if ROUTED.match(n)}
+    assert len(routed) == 3 * 16 * 3  # 3 MoE layers x 16 experts x gate/up/down
+    assert {n for n in names if is_quantized(n)} == routed
+    # the ignore list is what keeps attention, shared experts, dense MLP and lm_head out
+    without = {n for n in names if is_quantized(n, ignore=[])}
+    for kind in ("self_attn.q_a_proj", "shared_experts.down_proj", "layers.0.mlp.gate_proj", "lm_head"):
+        assert any(kind in n for n in without - routed), kind
+    assert not any(is_quantized(n, ignore=[]) for n in names if "norm" in n or "embed" in n or n.endswith("mlp.gate.weight"))
+
+
+def test_quantization_config_is_kimis_and_valid():
+    from compressed_tensors.quantization import QuantizationConfig
+
+    qc = kimi_quantization_config(32)
+    assert qc["quant_method"] == "compressed-tensors" and qc["format"] == "pack-quantized"
+    assert qc["quantization_status"] == "compressed" and qc["ignore"] == KIMI_IGNORE
+    w = qc["config_groups"]["group_0"]["weights"]
+    assert (w["num_bits"], w["type"], w["symmetric"], w["strategy"], w["group_size"], w["dynamic"]) == (
+        4, "int", True, "group", 32, False)
+    parsed = QuantizationConfig.model_validate(qc)
+    assert parsed.config_groups["group_0"].targets == ["Linear"]
+
+
+@pytest.fixture(scope="module")
+def tiny_export(tmp_path_factory) -> tuple[Path, object]:
+    out = tmp_path_factory.mktemp("int4") / "export"
+    cfg = json.loads((TINY_MODEL / "config.json").read_text())
+    info = export_int4(iter_hf_dir_tensors(TINY_MODEL), cfg, TINY_MODEL, out, 32, max_shard_bytes=1 << 20)
+    return out, info
+
+
+def test_export_layout(tiny_export):
+    out, info = tiny_export
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["model_type"] == "kimi_k2" and cfg["quantization_config"] == kimi_quantization_config(32)
+    assert cfg["torch_dtype"] == "bfloat16"
+    index = json.loads((out / INDEX_NAME).read_text())["weight_map"]
+    shards = sorted(set(index.values()))
+    assert len(shards) >= 2 and shards == sorted(p.name for p in out.glob("*.safetensors"))
+    assert all(re.fullmatch(rf"model-0000\d-of-0000{len(shards)}\.safetensors", s) for s in shards)
+    assert (out / "tokenizer.json").is_file() and (out / "chat_template.jinja").is_file()
+    stored = {}
+    for s in shards:
+        with safe_open(str(out / s), framework="pt") as f:
+            for k in f.keys():
+                assert index[k] == s
+                stored[k] = f.get_tensor(k)
+    assert set(stored) == set(index)
+    src = dict(iter_hf_dir_tensors(TINY_MODEL))
+    for name, t in src.items():
+        if ROUTED.match(name):
+            p = name.removesuffix(".weight")
+            assert name not in stored
+            assert stored[p + ".weight_packed"].dtype == torch.int32
+            assert stored[p + ".weight_packed"].shape == (t.shape[0], t.shape[1] // 8)
+            assert stored[p + ".weight_scale"].dtype == torch.bfloat16
+            assert stored[p + ".weight_scale"].shape == (t.shape[0], t.shape[1] // 32)
+            assert stored[p + ".weight_shape"].tolist() == list(t.shape)
+        elif name.endswith("e_score_correction_bias"):
+            assert stored[name].dtype == torch.float32 and torch.equal(stored[name], t.float())
+        else:
+            assert stored[name].dtype == torch.bfloat16 and torch.equal(stored[name], t.to(torch.bfloat16))
+    assert info.num_quantized == 144 and info.num_tensors == len(src)
+    payload = sum(t.numel() * t.element_size() for t in stored.values())
+    assert info.int4_bytes == payload
+    assert info.bf16_bytes == sum(t.numel() * 2 for t in src.values())
+    assert info.bf16_bytes / info.int4_bytes > 1.8  # experts are most of the tiny model
+
+
+def test_export_is_atomic(tmp_path):
+    cfg = json.loads((TINY_MODEL / "config.json").read_text())
+    out = tmp_path / "export"
+    out.mkdir()
+    (out / "previous.txt").write_text("an earlier export")
+
+    def broken():
+        for i, item in enumerate(iter_hf_dir_tensors(TINY_MODEL)):
+            if i == 50:
+                raise OSError("source went away")
+            yield item
+
+    with pytest.raises(OSError, match="went away"):
+        export_int4(broken(), cfg, TINY_MODEL, out, 32, max_shard_bytes=1 << 18)
+    assert [p.name for p in tmp_path.iterdir()] == ["export"]  # no temp dir left behind
+    assert [p.name for p in out.iterdir()] == ["previous.txt"]  # the old export untouched
+
+    def dup():
+        yield "model.norm.weight", torch.zeros(2)
+        yield "model.norm.weight", torch.zeros(2)
+
+    with pytest.raises(ExportError, match="given twice"):
+        export_int4(dup(), cfg, None, out, 32)
+    bad = [("model.layers.1.mlp.experts.0.gate_proj.weight", torch.zeros(4, 48))]
+    with pytest.raises(Int4ShapeError, match="experts.0.gate_proj.weight: .*group_size=32"):
+        export_int4(iter(bad), cfg, None, out, 32)
+
+
+# --------------------------------------------------------------------------- verification
+
+
+def test_dequant_exact_and_reload_parity(tiny_export):
+    from kimi_pipeline.quant.verify import check_model, check_tensors, model_check_problems
+
+    out, _ = tiny_export
+    t = check_tensors(out, iter_hf_dir_tensors(TINY_MODEL), 32)
+    assert t.dequant_exact and t.others_exact and t.num_quantized == 144 and not t.mismatches
+    r = check_model(out, iter_hf_dir_tensors(TINY_MODEL), 32)
+    assert r["experts_equal"]
+    assert r["logits_max_diff_exact"] <= 1e-4
+    assert r["generated_tokens"] >= 1 and r["generation_matches_reference"]
+    assert r["logits_reference"] == "hf-fake-quant-fp32" and r["logits_max_diff"] <= r["logits_tolerance"]
+    assert model_check_problems(r) == []
+
+
+def test_verification_catches_a_wrong_scale(tiny_export, tmp_path):
+    """Corrupt one expert's scale: the tensor check and the reloaded model must both notice."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from kimi_pipeline.quant.verify import check_model, check_tensors, model_check_problems
+
+    src, _ = tiny_export
+    out = tmp_path / "corrupt"
+    shutil.copytree(src, out)
+    target = "model.layers.2.mlp.experts.5.down_proj.weight_scale"
+    shard = out / json.loads((out / INDEX_NAME).read_text())["weight_map"][target]
+    tensors = load_file(shard)
+    tensors[target] = tensors[target] * 2
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    t = check_tensors(out, iter_hf_dir_tensors(TINY_MODEL), 32)
+    assert not t.dequant_exact and t.mismatches == ["model.layers.2.mlp.experts.5.down_proj.weight"]
+    r = check_model(out, iter_hf_dir_tensors(TINY_MODEL), 32)
+    assert not r["experts_equal"]
+    assert "reloaded expert weights differ from the fake-quant weights" in model_check_problems(r)
+
+
+# --------------------------------------------------------------------------- QAT on megatron-core
+
+
+@pytest.fixture(scope="module")
+def megatron_pair():
+    """Two identical single-rank tiny megatron models (CPU, gloo): `qat` and `ref`."""
+    from kimi_pipeline.model.megatron_model import build_model
+    from kimi_pipeline.model.parallel import Layout, destroy, init_distributed
+    from kimi_pipeline.recipes import load_recipe
+
+    spec = load_recipe("tiny").model
+    init_distributed(Layout())
+    try:
+        qat, ref = build_model(spec, Layout()), build_model(spec, Layout())
+        ref.load_state_dict(qat.state_dict())
+        yield qat, ref
+    finally:
+        destroy()
+
+
+def test_qat_wraps_only_routed_experts_and_keeps_parameters(megatron_pair):
+    from kimi_pipeline.model.megatron_model import causal_forward
+    from kimi_pipeline.quant.qat import QATError, disable_int4_qat, enable_int4_qat
+
+    model, _ = megatron_pair
+    params = {n: p for n, p in model.named_parameters()}
+    keys = list(model.state_dict())
+    tokens = torch.randint(4, 300, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        plain = causal_forward(model, tokens)
+    names = enable_int4_qat(model, 32)
+    assert enable_int4_qat(model, 32) == names  # idempotent
+    want = {f"decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc{k}"
+            for i in (1, 2, 3) for e in range(16) for k in (1, 2)}
+    assert set(names) == want
+    wrapped = {n for n, m in model.named_modules() if "forward" in m.__dict__}
+    assert wrapped == want  # no attention, router, shared expert, dense MLP, embedding or output layer
+    with torch.no_grad():
+        quant = causal_forward(model, tokens)
+    assert not torch.equal(plain, quant)
+    # the Parameters are the same objects, unshadowed after the forward; state dict keys unchanged
+    assert all(p is params[n] for n, p in model.named_parameters())
+    lin = model.decoder.layers[1].mlp.experts.local_experts[0].linear_fc2
+    assert "weight" not in lin.__dict__ and lin.weight is params["decoder.layers.1.mlp.experts.local_experts.0.linear_fc2.weight"]
+    assert list(model.state_dict()) == keys
+    disable_int4_qat(model)
+    with torch.no_grad():
+        assert torch.equal(causal_forward(model, tokens), plain)
+    model.config.gradient_accumulation_fusion = True
+    try:
+        with pytest.raises(QATError, match="gradient_accumulation_fusion"):
+            enable_int4_qat(model, 32)
+    finally:
+        model.config.gradient_accumulation_fusion = False
+    with pytest.raises(QATError, match="not divisible by quant.group_size=48"):
+        enable_int4_qat(model, 48)
+
+
+def test_qat_forward_and_ste_grads_under_megatron_ddp(megatron_pair):
+    """QAT model (in megatron DDP) == a model whose expert weights *are* the fake-quant values, in logits and
+    in every gradient: the STE gives the plain linear's gradient at the quantized point, and it reaches
+    DDP's main_grad buffers through the real Parameters."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from kimi_pipeline.model.megatron_model import causal_forward
+    from kimi_pipeline.quant.qat import disable_int4_qat, enable_int4_qat, routed_expert_linears
+
+    model, ref = megatron_pair
+    with torch.no_grad():
+        for _, lin in routed_expert_linears(ref):
+            lin.weight.copy_(fake_quant_int4(lin.weight, 32))
+    enable_int4_qat(model, 32)
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), module=model)
+    try:
+        tokens = torch.randint(4, 300, (2, 12), generator=torch.Generator().manual_seed(1))
+        up = torch.randn(2, 12, 384, generator=torch.Generator().manual_seed(2))
+        ddp.zero_grad_buffer()
+        got = causal_forward(ddp, tokens)
+        (got * up).sum().backward()
+        ddp.finish_grad_sync()
+        ref.zero_grad(set_to_none=True)
+        want = causal_forward(ref, tokens)
+        (want * up).sum().backward()
+        assert torch.equal(got, want)
+        ref_grads = dict(ref.named_parameters())
+        expert_grads = 0
+        for n, p in model.named_parameters():
+            assert torch.equal(p.main_grad, ref_grads[n].grad), n
+            expert_grads += ".local_experts." in n and bool(p.main_grad.abs().sum() > 0)
+        assert expert_grads > 50  # routed experts did receive (straight-through) gradients
+    finally:
+        disable_int4_qat(model)
+
+
+def test_run_export_section(tmp_path):
+    from kimi_pipeline.quant.stage import SECTION_FILE, run_export
+    from kimi_pipeline.recipes import load_recipe
+
+    recipe = load_recipe("tiny")
+    section = run_export(recipe, tmp_path, lambda: iter_hf_dir_tensors(TINY_MODEL), model_dir=TINY_MODEL,
+                         checkpoint="data/tiny/model")
+    out = Path(section["path"])
+    assert out == tmp_path / "export" / "int4" and (out / "config.json").is_file()
+    assert section["dequant_exact"] is True and section["experts_equal"] is True
+    assert section["int4_bytes"] < section["bf16_bytes"] and section["compression"] > 1.8
+    assert section["logits_max_diff_exact"] <= 1e-4 and section["generated_tokens"] >= 1
+    assert section["logits_max_diff"] <= section["logits_tolerance"]
+    assert json.loads((tmp_path / "export" / SECTION_FILE).read_text()) == section
