@@ -1,0 +1,355 @@
+"""One client for every rollout engine: the embedded engine's server and SGLang servers speak the same HTTP.
+
+`EngineClient` talks to one server; `Router` spreads generation over several (least outstanding sampled
+rows first, like the recipes' router) and broadcasts control calls, with the same interface.
+
+Weight sync by tensors sends safetensors (never pickle), in chunks of at most `buffer_bytes` of raw
+tensor data (base64 in JSON adds a third on the wire); a tensor larger than the buffer goes alone.
+SGLang's /update_weights_from_tensor only takes pickled payloads, so for SGLang servers write an HF
+checkpoint to shared storage and call `update_weights_from_disk` instead.
+"""
+
+from __future__ import annotations
+
+import base64
+import threading
+from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import numpy as np
+import torch
+
+from kimi_pipeline.errors import PermanentError
+from kimi_pipeline.rl.engine.sampler import Completion, SamplingParams
+
+ENGINE_NAME = "kimi-embedded"
+
+
+class EngineRequestError(RuntimeError):
+    """The engine answered with an error (the message says which endpoint and why)."""
+
+
+class EngineBadRequest(EngineRequestError, PermanentError):
+    """HTTP 400: the request itself is wrong; retrying will not help."""
+
+
+def sampling_payload(params: SamplingParams) -> dict[str, Any]:
+    sp: dict[str, Any] = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
+                          "max_new_tokens": params.max_new_tokens, "n": 1}
+    if params.stop_token_ids is not None:
+        sp["stop_token_ids"] = list(params.stop_token_ids)
+    if params.seed is not None:
+        sp["sampling_seed"] = params.seed
+    return sp
+
+
+def decode_routed_experts(b64: str, num_tokens: int, num_layers: int, topk: int, first_k_dense: int) -> np.ndarray:
+    """SGLang's base64 int32 [num_tokens, num_layers, topk] → int16 [num_tokens, moe_layers, topk]."""
+    flat = np.frombuffer(base64.b64decode(b64), dtype=np.int32)
+    if flat.size != num_tokens * num_layers * topk:
+        raise EngineRequestError(
+            f"routed_experts has {flat.size} ids, expected {num_tokens}x{num_layers}x{topk}; "
+            "is the client's model shape (num_layers/topk) the engine's?"
+        )
+    return flat.reshape(num_tokens, num_layers, topk)[:, first_k_dense:].astype(np.int16)
+
+
+def chunk_named_tensors(named: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+                        buffer_bytes: int) -> Iterable[dict[str, torch.Tensor]]:
+    """Group tensors into dicts of at most buffer_bytes raw bytes (an oversized tensor is its own chunk)."""
+    items = named.items() if isinstance(named, Mapping) else named
+    chunk: dict[str, torch.Tensor] = {}
+    size = 0
+    for name, t in items:
+        nbytes = t.numel() * t.element_size()
+        if chunk and size + nbytes > buffer_bytes:
+            yield chunk
+            chunk, size = {}, 0
+        chunk[name] = t
+        size += nbytes
+    if chunk:
+        yield chunk
+
+
+def serialize_chunk(chunk: Mapping[str, torch.Tensor]) -> str:
+    from safetensors.torch import save
+
+    # own, contiguous CPU copies: safetensors refuses views that share storage
+    return base64.b64encode(save({k: v.detach().to("cpu", copy=True).contiguous() for k, v in chunk.items()})).decode("ascii")
+
+
+class EngineClient:
+    """HTTP client for one engine server (embedded or SGLang).
+
+    num_layers / topk / first_k_dense describe the model for decoding routed experts; when omitted they
+    are read from the server's /get_server_info (the embedded engine reports them; pass them for SGLang).
+    """
+
+    def __init__(self, url: str, *, timeout_s: float = 3600.0, num_layers: int | None = None, topk: int | None = None,
+                 first_k_dense: int | None = None):
+        self.url = url.rstrip("/")
+        self._http = httpx.Client(base_url=self.url, timeout=httpx.Timeout(timeout_s, connect=10.0))
+        self._layout = (num_layers, topk, first_k_dense) if None not in (num_layers, topk, first_k_dense) else None
+        self._info: dict[str, Any] | None = None
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> EngineClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # --- plumbing
+    def _call(self, method: str, path: str, json: Any = None) -> Any:
+        try:
+            r = self._http.request(method, path, json=json)
+        except httpx.HTTPError as exc:
+            raise EngineRequestError(f"{self.url}{path}: {type(exc).__name__}: {exc}") from exc
+        if r.status_code >= 400:
+            cls = EngineBadRequest if r.status_code == 400 else EngineRequestError
+            raise cls(f"{self.url}{path}: HTTP {r.status_code}: {r.text[:500]}")
+        body = r.json() if r.content else {}
+        if isinstance(body, dict) and body.get("success") is False:
+            raise EngineRequestError(f"{self.url}{path}: {body.get('message')}")
+        return body
+
+    def server_info(self, refresh: bool = False) -> dict[str, Any]:
+        if self._info is None or refresh:
+            self._info = self._call("GET", "/get_server_info")
+        return self._info
+
+    def _expert_layout(self) -> tuple[int, int, int]:
+        if self._layout is None:
+            info = self.server_info()
+            try:
+                self._layout = (info["num_hidden_layers"], info["num_experts_per_tok"], info["first_k_dense_replace"])
+            except KeyError:
+                raise PermanentError(
+                    f"{self.url} does not report its model shape: pass num_layers, topk and first_k_dense to EngineClient"
+                ) from None
+        return self._layout
+
+    # --- generation
+    def generate(self, prompts: list[list[int]], n: int = 1, params: SamplingParams | None = None,
+                 return_routed_experts: bool = False) -> list[Completion]:
+        """n samples per prompt, prompt-major; each prompt is sent n times (SGLang's radix cache / our
+        prefill de-duplication make the repeats cheap, and the output order is then unambiguous)."""
+        params = params or SamplingParams()
+        rows = [list(p) for p in prompts for _ in range(n)]
+        if not rows:
+            return []
+        payload: dict[str, Any] = {"input_ids": rows, "sampling_params": sampling_payload(params),
+                                   "return_logprob": True, "return_routed_experts": return_routed_experts}
+        body = self._call("POST", "/generate", payload)
+        items = body if isinstance(body, list) else [body]
+        if len(items) != len(rows):
+            raise EngineRequestError(f"{self.url}/generate returned {len(items)} outputs for {len(rows)} prompts")
+        return [self._completion(prompt, item, return_routed_experts) for prompt, item in zip(rows, items)]
+
+    def _completion(self, prompt: list[int], item: dict[str, Any], want_experts: bool) -> Completion:
+        meta = item.get("meta_info", {})
+        lps = meta.get("output_token_logprobs")
+        tokens = [int(x[1]) for x in lps] if lps is not None else list(item.get("output_ids", []))
+        finish = meta.get("finish_reason") or {}
+        kind = finish.get("type", "length") if isinstance(finish, dict) else str(finish)
+        matched = finish.get("matched") if isinstance(finish, dict) else None
+        experts = None
+        if want_experts and meta.get("routed_experts") is not None:
+            layers, topk, dense = self._expert_layout()
+            experts = decode_routed_experts(meta["routed_experts"], len(prompt) + len(tokens) - 1, layers, topk, dense)
+        return Completion(
+            prompt_ids=prompt,
+            output_ids=tokens,
+            logprobs=[float(x[0]) for x in lps] if lps is not None else [],
+            finish_reason=kind,
+            matched_stop=matched if isinstance(matched, int) else None,
+            routed_experts=experts,
+            weight_version=str(meta.get("weight_version", "")),
+        )
+
+    # --- weights
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+                       buffer_bytes: int, weight_version: str | None = None, pause: bool = True) -> int:
+        """Send HF-named tensors in buffer-sized safetensors chunks; returns the number of chunks.
+
+        Generation is paused in place meanwhile (unless pause=False); the weight version moves only
+        with the last chunk, so no sample reports a version whose weights were half-applied."""
+        return self._update_chunks(chunk_named_tensors(named_tensors, buffer_bytes), weight_version, pause)
+
+    def _update_chunks(self, chunks: Iterable[dict[str, torch.Tensor]], weight_version: str | None, pause: bool) -> int:
+        self._require_embedded()
+        if pause:
+            self.pause()
+        try:
+            count, pending = 0, None
+            for chunk in chunks:
+                if pending is not None:
+                    self.post_weight_chunk(pending, None)
+                pending, count = serialize_chunk(chunk), count + 1
+            if pending is not None:
+                self.post_weight_chunk(pending, weight_version)
+        finally:
+            if pause:
+                self.resume()
+        return count
+
+    def post_weight_chunk(self, serialized: str, weight_version: str | None) -> None:
+        self._call("POST", "/update_weights_from_tensor", {
+            "serialized_named_tensors": [serialized], "load_format": "safetensors",
+            "flush_cache": weight_version is not None, "weight_version": weight_version})
+
+    def _require_embedded(self) -> None:
+        if self.server_info().get("engine") != ENGINE_NAME:
+            raise PermanentError(
+                f"{self.url} is not the embedded engine: SGLang takes tensors only as pickles, which we never send; "
+                "save an HF checkpoint and use update_weights_from_disk"
+            )
+
+    def update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> None:
+        payload: dict[str, Any] = {"model_path": str(model_path)}
+        if weight_version is not None:
+            payload["weight_version"] = weight_version
+        self._call("POST", "/update_weights_from_disk", payload)
+
+    # --- control
+    def pause(self, mode: str = "in_place") -> None:
+        self._call("POST", "/pause_generation", {"mode": mode})
+
+    def resume(self) -> None:
+        self._call("POST", "/continue_generation", {})
+
+    def flush_cache(self) -> None:
+        self._call("POST", "/flush_cache", {})
+
+    def abort(self) -> None:
+        """Abort everything queued or running (their samples come back with finish_reason "abort")."""
+        self._call("POST", "/abort_request", {"abort_all": True, "rid": ""})
+
+    def health(self) -> bool:
+        try:
+            self._call("GET", "/health")
+            return True
+        except EngineRequestError:
+            return False
+
+    def health_generate(self) -> bool:
+        try:
+            self._call("GET", "/health_generate")
+            return True
+        except EngineRequestError:
+            return False
+
+    def weight_version(self) -> str:
+        return str(self.server_info(refresh=True).get("weight_version", ""))
+
+
+class Router:
+    """Several engines behind EngineClient's interface.
+
+    generate: each prompt (with all its n samples, so a group shares one engine's prefill) goes to the
+    engine with the fewest outstanding rows; engines run concurrently and outputs come back in order.
+    Control and weight calls go to every engine.
+    """
+
+    def __init__(self, engines: list[str | EngineClient], **client_kwargs):
+        if not engines:
+            raise PermanentError("Router needs at least one engine URL")
+        self.clients = [e if isinstance(e, EngineClient) else EngineClient(e, **client_kwargs) for e in engines]
+        self._outstanding = [0] * len(self.clients)
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=max(4, 2 * len(self.clients)), thread_name_prefix="router")
+
+    @property
+    def urls(self) -> list[str]:
+        return [c.url for c in self.clients]
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        for c in self.clients:
+            c.close()
+
+    def __enter__(self) -> Router:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _broadcast(self, fn) -> list[Any]:
+        return list(self._pool.map(fn, self.clients))
+
+    def generate(self, prompts: list[list[int]], n: int = 1, params: SamplingParams | None = None,
+                 return_routed_experts: bool = False) -> list[Completion]:
+        assigned: list[list[int]] = [[] for _ in self.clients]
+        with self._lock:
+            for i in range(len(prompts)):
+                e = min(range(len(self.clients)), key=lambda k: self._outstanding[k])
+                assigned[e].append(i)
+                self._outstanding[e] += n
+
+        def run(e: int) -> list[Completion]:
+            try:
+                if not assigned[e]:
+                    return []
+                sub = [prompts[i] for i in assigned[e]]
+                return self.clients[e].generate(sub, n, params, return_routed_experts)
+            finally:
+                with self._lock:
+                    self._outstanding[e] -= n * len(assigned[e])
+
+        results = list(self._pool.map(run, range(len(self.clients))))
+        out: list[Completion | None] = [None] * (len(prompts) * n)
+        for e, res in enumerate(results):
+            for j, i in enumerate(assigned[e]):
+                out[i * n : (i + 1) * n] = res[j * n : (j + 1) * n]
+        return out  # type: ignore[return-value]
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+                       buffer_bytes: int, weight_version: str | None = None, pause: bool = True) -> int:
+        """Serialize each chunk once and post it to every engine (concurrently)."""
+        for c in self.clients:
+            c._require_embedded()
+        if pause:
+            self.pause()
+        try:
+            count, pending = 0, None
+            for chunk in chunk_named_tensors(named_tensors, buffer_bytes):
+                if pending is not None:
+                    self._broadcast(lambda c, s=pending: c.post_weight_chunk(s, None))
+                pending, count = serialize_chunk(chunk), count + 1
+            if pending is not None:
+                self._broadcast(lambda c, s=pending: c.post_weight_chunk(s, weight_version))
+        finally:
+            if pause:
+                self.resume()
+        return count
+
+    def update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> None:
+        self._broadcast(lambda c: c.update_weights_from_disk(model_path, weight_version))
+
+    def pause(self, mode: str = "in_place") -> None:
+        self._broadcast(lambda c: c.pause(mode))
+
+    def resume(self) -> None:
+        self._broadcast(lambda c: c.resume())
+
+    def flush_cache(self) -> None:
+        self._broadcast(lambda c: c.flush_cache())
+
+    def abort(self) -> None:
+        self._broadcast(lambda c: c.abort())
+
+    def health(self) -> bool:
+        return all(self._broadcast(lambda c: c.health()))
+
+    def health_generate(self) -> bool:
+        return all(self._broadcast(lambda c: c.health_generate()))
+
+    def weight_version(self) -> str:
+        versions = set(self._broadcast(lambda c: c.weight_version()))
+        if len(versions) != 1:
+            raise EngineRequestError(f"engines disagree on the weight version: {sorted(versions)}")
+        return versions.pop()

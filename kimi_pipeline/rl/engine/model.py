@@ -1,0 +1,509 @@
+"""A batched DeepSeek-V3 / Kimi-K2 forward for rollouts: MLA over a compressed KV cache, grouped MoE.
+
+Why hand-written: transformers' DeepseekV3 re-expands the whole KV cache through `kv_b_proj` at every
+decode step and grows its cache by concatenation, which makes sampling several times slower than
+needed. Here attention is "absorbed" (as in DeepSeek's and SGLang's MLA kernels): the cache holds only
+the normalized kv latent and the roped shared key per token (kv_lora_rank + qk_rope_head_dim numbers),
+queries are mapped into latent space with kv_b_proj's key half, and the attention output is mapped
+back with its value half. Routed experts run as one grouped matmul over expert-sorted tokens.
+
+Weights are the HF tensors under their HF names (on-disk per-expert names and transformers' in-memory
+fused names both load), so weight sync can update the engine by name. Numerics follow transformers'
+eager implementation (fp32 router, RMSNorm in fp32, q/kv latent norms at eps 1e-6 as transformers
+builds them, YaRN tables from transformers' own rotary module); parity is tested on logits.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from kimi_pipeline.errors import PermanentError
+
+# transformers builds q_a_layernorm / kv_a_layernorm with its RMSNorm default eps (not rms_norm_eps).
+LATENT_NORM_EPS = 1e-6
+
+
+class EngineWeightError(PermanentError):
+    """Weights that do not fit the engine's model (unknown name, wrong shape, incomplete set)."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    first_k_dense: int
+    num_heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    num_experts: int
+    topk: int
+    num_shared_experts: int
+    n_group: int
+    topk_group: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    rms_norm_eps: float
+    rope_interleave: bool
+    softmax_scale: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    eos_token_ids: tuple[int, ...]
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return list(range(self.first_k_dense, self.num_layers))
+
+    @property
+    def latent_dim(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @classmethod
+    def from_hf(cls, cfg) -> EngineConfig:
+        """From a transformers DeepseekV3Config (see kimi_pipeline.model.hf_model.deepseek_config)."""
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import yarn_apply_mscale
+
+        if getattr(cfg, "attention_bias", False):
+            raise EngineWeightError("attention_bias=true is not a DeepSeek-V3/Kimi layout; the engine does not support it")
+        if getattr(cfg, "scoring_func", "sigmoid") != "sigmoid":
+            raise EngineWeightError(f"scoring_func={cfg.scoring_func!r}: the engine (like transformers) implements sigmoid routing only")
+        if getattr(cfg, "moe_layer_freq", 1) != 1:
+            raise EngineWeightError("moe_layer_freq != 1 is not supported (every layer after first_k_dense is MoE)")
+        eos = cfg.eos_token_id
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+        qk_head_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        return cls(
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.hidden_size,
+            num_layers=cfg.num_hidden_layers,
+            first_k_dense=cfg.first_k_dense_replace,
+            num_heads=cfg.num_attention_heads,
+            q_lora_rank=cfg.q_lora_rank,
+            kv_lora_rank=cfg.kv_lora_rank,
+            qk_nope_head_dim=cfg.qk_nope_head_dim,
+            qk_rope_head_dim=cfg.qk_rope_head_dim,
+            v_head_dim=cfg.v_head_dim,
+            intermediate_size=cfg.intermediate_size,
+            moe_intermediate_size=cfg.moe_intermediate_size,
+            num_experts=cfg.n_routed_experts,
+            topk=cfg.num_experts_per_tok,
+            num_shared_experts=cfg.n_shared_experts or 0,
+            n_group=cfg.n_group or 1,
+            topk_group=cfg.topk_group or 1,
+            norm_topk_prob=bool(cfg.norm_topk_prob),
+            routed_scaling_factor=float(cfg.routed_scaling_factor),
+            rms_norm_eps=float(cfg.rms_norm_eps),
+            rope_interleave=bool(getattr(cfg, "rope_interleave", True)),
+            softmax_scale=float(yarn_apply_mscale(cfg.rope_parameters, qk_head_dim ** (-0.5))),
+            max_position_embeddings=cfg.max_position_embeddings,
+            tie_word_embeddings=bool(cfg.tie_word_embeddings),
+            eos_token_ids=eos_ids,
+        )
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' DeepseekV3RMSNorm: normalize in fp32, cast back, then scale."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
+
+
+def _grouped_mm_ok(t: torch.Tensor, *dims: int) -> bool:
+    """torch's grouped_mm runs on CPU (any float dtype) and on CUDA (bf16, sm80+), 16-byte aligned rows."""
+    if any((d * t.element_size()) % 16 for d in dims):
+        return False
+    if t.device.type == "cpu":
+        return True
+    if t.device.type == "cuda":
+        return t.dtype == torch.bfloat16 and torch.cuda.get_device_capability(t.device)[0] >= 8
+    return False
+
+
+class _Layer:
+    """One decoder layer's tensors, fused where one matmul can serve two HF projections."""
+
+    def __init__(self, c: EngineConfig, idx: int, device, dtype):
+        H, nh = c.hidden_size, c.num_heads
+        e = dict(device=device, dtype=dtype)
+        self.moe = idx >= c.first_k_dense
+        self.in_norm = torch.ones(H, **e)
+        self.post_norm = torch.ones(H, **e)
+        q_out = nh * (c.qk_nope_head_dim + c.qk_rope_head_dim)
+        q_in = c.q_lora_rank if c.q_lora_rank is not None else q_out
+        # rows [0, q_in): q_a_proj (or q_proj when q_lora_rank is None); then kv_a_proj_with_mqa
+        self.qkv_a = torch.zeros(q_in + c.latent_dim, H, **e)
+        self.q_norm = torch.ones(c.q_lora_rank, **e) if c.q_lora_rank is not None else None
+        self.q_b = torch.zeros(q_out, c.q_lora_rank, **e) if c.q_lora_rank is not None else None
+        self.kv_norm = torch.ones(c.kv_lora_rank, **e)
+        self.kv_b = torch.zeros(nh * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank, **e)
+        self.o = torch.zeros(H, nh * c.v_head_dim, **e)
+        if not self.moe:
+            self.gate_up = torch.zeros(2 * c.intermediate_size, H, **e)
+            self.down = torch.zeros(H, c.intermediate_size, **e)
+            return
+        F_, E = c.moe_intermediate_size, c.num_experts
+        self.router = torch.zeros(E, H, device=device, dtype=torch.float32)  # transformers routes in fp32
+        self.router_bias = torch.zeros(E, device=device, dtype=torch.float32)
+        self.w13 = torch.zeros(E, 2 * F_, H, **e)  # transformers' fused gate_up_proj layout
+        self.w2 = torch.zeros(E, H, F_, **e)
+        Fs = F_ * c.num_shared_experts
+        self.shared_gate_up = torch.zeros(2 * Fs, H, **e) if Fs else None
+        self.shared_down = torch.zeros(H, Fs, **e) if Fs else None
+
+    def kv_b_views(self, c: EngineConfig) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_b_proj split per head: W_UK [h, nope, lora] and W_UV [h, v, lora] (views, no copies)."""
+        kvb = self.kv_b.view(c.num_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
+        return kvb[:, : c.qk_nope_head_dim], kvb[:, c.qk_nope_head_dim :]
+
+
+class EngineModel:
+    """DeepSeek-V3 forward with a preallocated latent KV cache; see the module docstring."""
+
+    def __init__(self, config: EngineConfig, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                 hf_config=None):
+        self.config, self.device, self.dtype = config, torch.device(device), dtype
+        c = config
+        e = dict(device=self.device, dtype=dtype)
+        self.embed = torch.zeros(c.vocab_size, c.hidden_size, **e)
+        self.lm_head = self.embed if c.tie_word_embeddings else torch.zeros(c.vocab_size, c.hidden_size, **e)
+        self.final_norm = torch.ones(c.hidden_size, **e)
+        self.layers = [_Layer(c, i, self.device, dtype) for i in range(c.num_layers)]
+        self._params = self._registry()
+        self._init_rope(hf_config)
+
+    # ------------------------------------------------------------------ construction / weights
+    @classmethod
+    def from_hf_model(cls, model, device: str | torch.device | None = None, dtype: torch.dtype | None = None) -> EngineModel:
+        """Copy an in-memory transformers DeepseekV3ForCausalLM (its fused expert tensors load as-is)."""
+        dtype = dtype or next(model.parameters()).dtype
+        device = device or next(model.parameters()).device
+        engine = cls(EngineConfig.from_hf(model.config), device, dtype, hf_config=model.config)
+        engine.load_weights(model.state_dict().items(), strict=True)
+        return engine
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+                        text_config_key: str | None = None) -> EngineModel:
+        """Load a safetensors checkpoint directory (Kimi `kimi_k2` configs included) without transformers' loader."""
+        from kimi_pipeline.model.hf_model import deepseek_config
+
+        cfg = deepseek_config(model_dir, text_config_key)
+        if dtype is None:
+            dtype = cfg.dtype if isinstance(cfg.dtype, torch.dtype) else getattr(torch, str(cfg.dtype).replace("torch.", ""))
+        engine = cls(EngineConfig.from_hf(cfg), device, dtype, hf_config=cfg)
+        engine.load_weights(iter_safetensors(model_dir), strict=True)
+        return engine
+
+    def _registry(self) -> dict[str, torch.Tensor]:
+        """HF name -> the engine tensor (or slice of a fused tensor) it fills."""
+        c, reg = self.config, {}
+        reg["model.embed_tokens.weight"] = self.embed
+        reg["model.norm.weight"] = self.final_norm
+        if not c.tie_word_embeddings:
+            reg["lm_head.weight"] = self.lm_head
+        q_in = self.layers[0].qkv_a.shape[0] - c.latent_dim
+        for i, L in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            reg[p + "input_layernorm.weight"] = L.in_norm
+            reg[p + "post_attention_layernorm.weight"] = L.post_norm
+            a = p + "self_attn."
+            if c.q_lora_rank is not None:
+                reg[a + "q_a_proj.weight"] = L.qkv_a[:q_in]
+                reg[a + "q_a_layernorm.weight"] = L.q_norm
+                reg[a + "q_b_proj.weight"] = L.q_b
+            else:
+                reg[a + "q_proj.weight"] = L.qkv_a[:q_in]
+            reg[a + "kv_a_proj_with_mqa.weight"] = L.qkv_a[q_in:]
+            reg[a + "kv_a_layernorm.weight"] = L.kv_norm
+            reg[a + "kv_b_proj.weight"] = L.kv_b
+            reg[a + "o_proj.weight"] = L.o
+            m = p + "mlp."
+            if not L.moe:
+                n = c.intermediate_size
+                reg[m + "gate_proj.weight"], reg[m + "up_proj.weight"] = L.gate_up[:n], L.gate_up[n:]
+                reg[m + "down_proj.weight"] = L.down
+                continue
+            reg[m + "gate.weight"] = L.router
+            reg[m + "gate.e_score_correction_bias"] = L.router_bias
+            n = c.moe_intermediate_size
+            for e in range(c.num_experts):
+                reg[m + f"experts.{e}.gate_proj.weight"] = L.w13[e, :n]
+                reg[m + f"experts.{e}.up_proj.weight"] = L.w13[e, n:]
+                reg[m + f"experts.{e}.down_proj.weight"] = L.w2[e]
+            if L.shared_gate_up is not None:
+                ns = L.shared_down.shape[1]
+                reg[m + "shared_experts.gate_proj.weight"] = L.shared_gate_up[:ns]
+                reg[m + "shared_experts.up_proj.weight"] = L.shared_gate_up[ns:]
+                reg[m + "shared_experts.down_proj.weight"] = L.shared_down
+        return reg
+
+    # transformers' in-memory fused expert tensors (the registry holds the per-expert on-disk names)
+    _FUSED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+    # buffers transformers may report that carry no weights
+    _IGNORED = re.compile(r"(rotary_emb\.(inv_freq|original_inv_freq)$)|(^model\.layers\.\d+\.self_attn\.rotary_emb\.)")
+
+    def weight_names(self) -> list[str]:
+        return list(self._params)
+
+    def _target(self, name: str) -> torch.Tensor | None:
+        if name in self._params:
+            return self._params[name]
+        m = self._FUSED.match(name)
+        if m and int(m.group(1)) < len(self.layers) and self.layers[int(m.group(1))].moe:
+            L = self.layers[int(m.group(1))]
+            return L.w13 if m.group(2) == "gate_up_proj" else L.w2
+        if self._IGNORED.search(name):
+            return None
+        if name == "lm_head.weight" and self.config.tie_word_embeddings:
+            return self.lm_head
+        raise EngineWeightError(f"weight {name!r} is not part of this DeepSeek-V3 model (wrong checkpoint or name mapping)")
+
+    def check_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor, str]]:
+        """Resolve names and shapes up front, so a bad payload changes nothing."""
+        plan = []
+        for name, src in named:
+            dst = self._target(name)
+            if dst is None:
+                continue
+            if tuple(src.shape) != tuple(dst.shape):
+                raise EngineWeightError(f"weight {name!r}: shape {tuple(src.shape)} but the engine expects {tuple(dst.shape)}")
+            plan.append((dst, src, name))
+        return plan
+
+    @torch.no_grad()
+    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor], strict: bool = False) -> list[str]:
+        """Copy HF-named tensors in place (dtype/device converted). strict: every engine weight must be covered."""
+        items = named.items() if isinstance(named, Mapping) else named
+        plan = self.check_weights(items)
+        if strict:
+            covered = set()
+            for _, _, name in plan:
+                m = self._FUSED.match(name)
+                if m:
+                    stem = f"model.layers.{m.group(1)}.mlp.experts."
+                    parts = ("gate_proj", "up_proj") if m.group(2) == "gate_up_proj" else ("down_proj",)
+                    covered.update(stem + f"{e}.{p}.weight" for e in range(self.config.num_experts) for p in parts)
+                else:
+                    covered.add(name)
+            missing = [n for n in self._params if n not in covered]
+            if missing:
+                raise EngineWeightError(f"checkpoint is missing {len(missing)} engine weights, e.g. {missing[:3]}")
+        for dst, src, _ in plan:
+            dst.copy_(src.to(device=dst.device, dtype=dst.dtype))
+        return [n for _, _, n in plan]
+
+    # ------------------------------------------------------------------ rope
+    def _init_rope(self, hf_config) -> None:
+        """cos/sin tables from transformers' own rotary module (YaRN inv_freq and attention factor)."""
+        c = self.config
+        if hf_config is not None:
+            from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding
+
+            rot = DeepseekV3RotaryEmbedding(hf_config)
+            inv_freq, scale = rot.inv_freq.float().cpu(), float(rot.attention_scaling)
+        else:  # plain RoPE (tests of configs built by hand)
+            d = c.qk_rope_head_dim
+            inv_freq, scale = 1.0 / (10000.0 ** (torch.arange(0, d, 2, dtype=torch.float) / d)), 1.0
+        pos = torch.arange(c.max_position_embeddings, dtype=torch.float32)
+        freqs = pos[:, None] * inv_freq[None, :]
+        self.cos = (freqs.cos() * scale).to(self.device, self.dtype)
+        self.sin = (freqs.sin() * scale).to(self.device, self.dtype)
+
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [N, heads, d] at positions [N]. The interleaved variant returns (evens, odds) de-interleaved, as
+        transformers does; q and k get the same permutation, so their dot products are unchanged."""
+        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        if self.config.rope_interleave:
+            x1, x2 = x[..., 0::2], x[..., 1::2]
+        else:
+            half = x.shape[-1] // 2
+            x1, x2 = x[..., :half], x[..., half:]
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+    # ------------------------------------------------------------------ forward
+    def new_cache(self, batch: int, length: int) -> torch.Tensor:
+        """[layers, batch, length, kv_lora_rank + qk_rope_head_dim]: normalized kv latent ‖ roped shared key."""
+        return torch.empty(self.config.num_layers, batch, length, self.config.latent_dim, device=self.device, dtype=self.dtype)
+
+    @torch.inference_mode()
+    def prefill(self, ids: torch.Tensor, all_logits: bool = False, lengths: torch.Tensor | None = None):
+        """Right-padded prompts ids [B, S] at positions 0..S-1.
+
+        Returns (logits, cache [layers, B, S, latent], experts [B, S, moe_layers, topk] int16). logits are
+        [B, S, V] if all_logits else the last real position's [B, V] (from `lengths`, default S).
+        Padding sits after each prompt, so causal masking alone keeps it out of every real position.
+        """
+        B, S = ids.shape
+        pos = torch.arange(S, device=self.device)
+        cache = self.new_cache(B, S)
+        causal = torch.ones(S, S, dtype=torch.bool, device=self.device).tril()
+        bias = torch.zeros(S, S, device=self.device, dtype=torch.float32).masked_fill(~causal, float("-inf"))
+        # scores are [B, S*heads, S]: row (s, h) gets query position s's mask
+        bias = bias[:, None, :].expand(S, self.config.num_heads, S).reshape(1, S * self.config.num_heads, S)
+        h, experts = self._forward(ids.reshape(-1), pos.repeat(B), B, S, cache, None, S, bias)
+        h = h.view(B, S, -1)
+        if all_logits:
+            logits = self._logits(h)
+        else:
+            last = (lengths - 1) if lengths is not None else torch.full((B,), S - 1, device=self.device)
+            logits = self._logits(h[torch.arange(B, device=self.device), last])
+        return logits, cache, experts.view(B, S, *experts.shape[1:])
+
+    @torch.inference_mode()
+    def decode(self, ids: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor, kv_len: int):
+        """One token per row: ids [B] at positions [B]; writes the cache there and attends to [0, kv_len).
+
+        Returns (logits [B, V], experts [B, moe_layers, topk] int16).
+        """
+        B = ids.shape[0]
+        keys = torch.arange(kv_len, device=self.device)
+        bias = torch.zeros(B, 1, kv_len, device=self.device, dtype=torch.float32)
+        bias.masked_fill_(keys[None, None, :] > positions[:, None, None], float("-inf"))
+        h, experts = self._forward(ids, positions, B, 1, cache, positions, kv_len, bias)
+        return self._logits(h), experts
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(_rms(h, self.final_norm, self.config.rms_norm_eps), self.lm_head).float()
+
+    def _forward(self, ids, positions, B, S, cache, write_pos, kv_len, bias):
+        """Token-flattened forward (N = B*S rows). write_pos None: fill cache[:, :, :S] (prefill)."""
+        c = self.config
+        h = F.embedding(ids, self.embed)
+        experts = []
+        rows = torch.arange(B, device=self.device) if write_pos is not None else None
+        for li, L in enumerate(self.layers):
+            x = _rms(h, L.in_norm, c.rms_norm_eps)
+            h = h + self._attention(L, x, positions, B, S, cache[li], rows, write_pos, kv_len, bias)
+            x = _rms(h, L.post_norm, c.rms_norm_eps)
+            if L.moe:
+                y, idx = self._moe(L, x)
+                experts.append(idx)
+            else:
+                g, u = F.linear(x, L.gate_up).chunk(2, dim=-1)
+                y = F.linear(F.silu(g) * u, L.down)
+            h = h + y
+        ex = torch.stack(experts, dim=1).to(torch.int16) if experts else torch.empty(h.shape[0], 0, c.topk, dtype=torch.int16)
+        return h, ex
+
+    def _attention(self, L: _Layer, x, positions, B, S, cache, rows, write_pos, kv_len, bias):
+        c = self.config
+        nh, dn, dr, r = c.num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.kv_lora_rank
+        N = x.shape[0]
+        a = F.linear(x, L.qkv_a)
+        q_in = a.shape[1] - c.latent_dim
+        q, kv, k_pe = a[:, :q_in], a[:, q_in : q_in + r], a[:, q_in + r :]
+        if L.q_b is not None:
+            q = F.linear(_rms(q, L.q_norm, LATENT_NORM_EPS), L.q_b)
+        q = q.view(N, nh, dn + dr)
+        kv = _rms(kv, L.kv_norm, LATENT_NORM_EPS)
+        # rope on the query heads and the shared key in one call
+        pe = self._rope(torch.cat((q[..., dn:], k_pe.view(N, 1, dr)), dim=1), positions)
+        w_uk, w_uv = L.kv_b_views(c)
+        q_lat = torch.bmm(q[..., :dn].transpose(0, 1), w_uk).transpose(0, 1)  # [N, nh, r]
+        q_cat = torch.cat((q_lat, pe[:, :nh]), dim=-1)  # [N, nh, r + dr]
+        latent = torch.cat((kv, pe[:, nh]), dim=-1)  # [N, r + dr]
+        if write_pos is None:
+            cache[:, :S] = latent.view(B, S, -1)
+        else:
+            cache[rows, write_pos] = latent
+        keys = cache[:, :kv_len]
+        scores = torch.baddbmm(bias, q_cat.reshape(B, S * nh, r + dr), keys.transpose(1, 2), alpha=c.softmax_scale)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(x.dtype)
+        o_lat = torch.bmm(probs, keys[..., :r]).view(N, nh, r)
+        o = torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2))  # [nh, N, v]
+        return F.linear(o.transpose(0, 1).reshape(N, nh * c.v_head_dim), L.o)
+
+    def _route(self, L: _Layer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """transformers' noaux_tc routing: sigmoid scores, bias-corrected (group-limited) top-k, renormalized."""
+        c = self.config
+        scores = F.linear(x.float(), L.router).sigmoid()
+        choice = scores + L.router_bias
+        if c.n_group > 1:
+            E = c.num_experts
+            groups = choice.view(-1, c.n_group, E // c.n_group).topk(2, dim=-1)[0].sum(-1)
+            keep = torch.zeros_like(groups).scatter_(1, groups.topk(c.topk_group, dim=-1, sorted=False)[1], 1.0)
+            keep = keep.unsqueeze(-1).expand(-1, c.n_group, E // c.n_group).reshape(-1, E)
+            choice = choice.masked_fill(~keep.bool(), float("-inf"))
+        idx = choice.topk(c.topk, dim=-1, sorted=False)[1]
+        w = scores.gather(1, idx)
+        if c.norm_topk_prob:
+            w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+        return idx, w * c.routed_scaling_factor
+
+    def _moe(self, L: _Layer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self.config
+        idx, w = self._route(L, x)
+        flat = idx.reshape(-1)
+        order = flat.argsort(stable=True)  # assignments sorted by expert
+        tok = order // c.topk
+        counts = torch.bincount(flat, minlength=c.num_experts)
+        xs = x.index_select(0, tok)
+        hs = self._grouped(xs, L.w13, counts)
+        g, u = hs.chunk(2, dim=-1)
+        ys = self._grouped(F.silu(g) * u, L.w2, counts)
+        ys = ys * w.reshape(-1)[order].unsqueeze(1).to(ys.dtype)
+        y = torch.zeros_like(x).index_add_(0, tok, ys)
+        if L.shared_gate_up is not None:
+            g, u = F.linear(x, L.shared_gate_up).chunk(2, dim=-1)
+            y = y + F.linear(F.silu(g) * u, L.shared_down)
+        return y, idx
+
+    @staticmethod
+    def _grouped(xs: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Rows of xs sorted by expert; w [E, out, in]: out_rows = xs_rows @ w[e].T, one grouped matmul."""
+        if _grouped_mm_ok(xs, w.shape[1], w.shape[2]):
+            offs = counts.cumsum(0).to(torch.int32)
+            return F.grouped_mm(xs, w.transpose(1, 2), offs=offs)
+        out, start = xs.new_empty(xs.shape[0], w.shape[1]), 0  # fallback: per-expert matmuls
+        for e, n in enumerate(counts.tolist()):
+            if n:
+                out[start : start + n] = F.linear(xs[start : start + n], w[e])
+                start += n
+        return out
+
+
+def iter_safetensors(model_dir: str | Path) -> Iterable[tuple[str, torch.Tensor]]:
+    """Every tensor of a checkpoint directory's *.safetensors files (the index, when present, names them)."""
+    from safetensors import safe_open
+
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in model_dir.glob("*.safetensors"))
+    if not files:
+        raise EngineWeightError(f"{model_dir}: no *.safetensors files; point the engine at an HF checkpoint directory")
+    for name in files:
+        path = model_dir / name
+        if not path.is_file():
+            raise EngineWeightError(f"{path}: listed in the index but missing; re-download or re-save the checkpoint")
+        with safe_open(path, framework="pt") as f:
+            for key in f.keys():
+                yield key, f.get_tensor(key)
+
+
+def config_summary(c: EngineConfig) -> dict[str, Any]:
+    """What a client needs to decode routed experts (SGLang's layout: all layers × topk)."""
+    return {
+        "num_hidden_layers": c.num_layers,
+        "first_k_dense_replace": c.first_k_dense,
+        "num_experts_per_tok": c.topk,
+        "n_routed_experts": c.num_experts,
+        "vocab_size": c.vocab_size,
+        "max_position_embeddings": c.max_position_embeddings,
+        "eos_token_ids": list(c.eos_token_ids),
+    }

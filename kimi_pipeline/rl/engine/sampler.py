@@ -1,0 +1,230 @@
+"""Batched sampling on EngineModel: prefill each distinct prompt once, decode all samples together.
+
+Logprobs: each sampled token's logprob under the *unmodified* softmax(logits / temperature) — top-p /
+top-k only restrict which tokens can be drawn, they do not renormalize the reported logprob — because
+RL compares it with the trainer's logprob of the same token, which never sees any truncation
+(temperature 0 reports the plain softmax logprob of the greedy token). The recipes use top-p 1 and no
+top-k, where the two coincide.
+
+Routed experts follow SGLang's convention: one row per token that went through the model, i.e.
+`len(prompt) + len(output) - 1` rows (the last sampled token is never fed back), each
+[moe_layers, topk] expert ids (int16) as the router picked them.
+
+Runs are deterministic for the same prompts, n, params and seed (one torch.Generator per call).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from kimi_pipeline.errors import PermanentError
+from kimi_pipeline.rl.engine.model import EngineModel
+
+FINISH_LENGTH, FINISH_STOP, FINISH_ABORT = "length", "stop", "abort"
+
+
+class EngineInputError(PermanentError, ValueError):
+    """A request the engine cannot serve as asked (empty prompt, token out of vocab, too long)."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # <= 0: disabled
+    max_new_tokens: int = 16
+    stop_token_ids: tuple[int, ...] | None = None  # None: the model's eos ids
+    seed: int | None = None  # None: drawn from the engine's own seeded generator
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise EngineInputError(f"temperature={self.temperature}: must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise EngineInputError(f"top_p={self.top_p}: must be in (0, 1]")
+        if self.max_new_tokens < 1:
+            raise EngineInputError(f"max_new_tokens={self.max_new_tokens}: must be >= 1")
+
+    def batch_key(self) -> tuple:
+        """Requests with the same key can share one batch (seeded requests never share)."""
+        return (self.temperature, self.top_p, self.top_k, self.max_new_tokens, self.stop_token_ids, self.seed)
+
+
+@dataclass
+class Completion:
+    prompt_ids: list[int]
+    output_ids: list[int]
+    logprobs: list[float]  # one per output token, see the module docstring
+    finish_reason: str  # "stop" | "length" | "abort"
+    matched_stop: int | None = None  # the stop token that ended it
+    routed_experts: np.ndarray | None = field(default=None, repr=False)  # int16 [T-1, moe_layers, topk]
+    weight_version: str = ""
+
+
+def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float, top_k: int,
+                  gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row of fp32 logits [B, V]; return (tokens [B], logprobs [B])."""
+    if temperature == 0:
+        logp = torch.log_softmax(logits, dim=-1)
+        tok = logits.argmax(dim=-1)
+        return tok, logp.gather(1, tok[:, None]).squeeze(1)
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    allowed = logp
+    if 0 < top_k < logits.shape[-1]:
+        kth = logp.topk(top_k, dim=-1)[0][:, -1:]
+        allowed = allowed.masked_fill(logp < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_lp, order = allowed.sort(dim=-1, descending=True)
+        cum = sorted_lp.softmax(dim=-1).cumsum(dim=-1)
+        drop = (cum - sorted_lp.softmax(dim=-1)) >= top_p  # keep the smallest prefix reaching top_p
+        allowed = allowed.scatter(1, order, sorted_lp.masked_fill(drop, float("-inf")))
+    # inverse-CDF draw: one uniform per row (the per-element exponential race costs ~20x more on CPU);
+    # u < total and right=True never land on a zero-probability token; no host sync (GPU friendly)
+    cdf = torch.softmax(allowed, dim=-1).cumsum(dim=-1)
+    u = torch.rand(cdf.shape[0], 1, device=cdf.device, generator=gen) * cdf[:, -1:]
+    tok = torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=cdf.shape[1] - 1)
+    return tok, logp.gather(1, tok[:, None]).squeeze(1)
+
+
+class RolloutEngine:
+    """Thread-safe batched generation; `model_lock` also guards weight updates between decode steps."""
+
+    def __init__(self, model: EngineModel, seed: int = 0, max_batch_rows: int = 1024, weight_version: str = "0"):
+        self.model = model
+        self.max_batch_rows = max_batch_rows
+        self.weight_version = weight_version
+        self.model_lock = threading.RLock()
+        self._seeds = torch.Generator().manual_seed(seed)
+
+    @property
+    def config(self):
+        return self.model.config
+
+    def generate(self, prompts: list[list[int]], n: int = 1, params: SamplingParams | None = None,
+                 return_routed_experts: bool = True,
+                 step_hook: Callable[[], bool] | None = None) -> list[Completion]:
+        """n samples of every prompt, prompt-major (prompts[0]'s n samples first).
+
+        step_hook runs between decode steps (outside the model lock); returning True aborts the batch
+        (unfinished rows end with finish_reason "abort"). The server uses it for pause/abort.
+        """
+        params = params or SamplingParams()
+        if n < 1:
+            raise EngineInputError(f"n={n}: must be >= 1")
+        self._validate(prompts, params)
+        rows = [list(p) for p in prompts for _ in range(n)]
+        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seeds))
+        gen = torch.Generator(device=self.model.device).manual_seed(seed)
+        out: list[Completion] = []
+        for start in range(0, len(rows), self.max_batch_rows):
+            out += self._generate_rows(rows[start : start + self.max_batch_rows], params, gen,
+                                       return_routed_experts, step_hook)
+        return out
+
+    def _validate(self, prompts: list[list[int]], params: SamplingParams) -> None:
+        c = self.config
+        if not prompts:
+            raise EngineInputError("no prompts: send at least one list of token ids")
+        for i, p in enumerate(prompts):
+            if not p:
+                raise EngineInputError(f"prompt {i} is empty")
+            if min(p) < 0 or max(p) >= c.vocab_size:
+                raise EngineInputError(f"prompt {i}: token ids must be in [0, {c.vocab_size})")
+            if len(p) + params.max_new_tokens > c.max_position_embeddings:
+                raise EngineInputError(
+                    f"prompt {i}: {len(p)} tokens + max_new_tokens {params.max_new_tokens} exceed the model's "
+                    f"{c.max_position_embeddings} positions; shorten it or lower max_new_tokens"
+                )
+
+    def _generate_rows(self, rows: list[list[int]], params: SamplingParams, gen: torch.Generator,
+                       want_experts: bool, step_hook) -> list[Completion]:
+        m, dev = self.model, self.model.device
+        B, max_new = len(rows), params.max_new_tokens
+        # prefill each distinct prompt once; samples of one prompt copy its cache rows
+        uniq: dict[tuple[int, ...], int] = {}
+        row_map = [uniq.setdefault(tuple(r), len(uniq)) for r in rows]
+        prompts_u = list(uniq)
+        lens_u = [len(p) for p in prompts_u]
+        Lp = max(lens_u)
+        ids_u = torch.zeros(len(prompts_u), Lp, dtype=torch.long)
+        for i, p in enumerate(prompts_u):
+            ids_u[i, : len(p)] = torch.tensor(p)
+        ids_u, lens_t = ids_u.to(dev), torch.tensor(lens_u, device=dev)
+        row_map_t = torch.tensor(row_map, device=dev)
+        stop_ids = params.stop_token_ids if params.stop_token_ids is not None else self.config.eos_token_ids
+        stop_t = torch.tensor(list(stop_ids) or [-1], device=dev)
+
+        with self.model_lock:
+            logits_u, cache_u, experts_u = m.prefill(ids_u, lengths=lens_t)
+            cache = m.new_cache(B, Lp + max_new)
+            cache[:, :, :Lp] = cache_u.index_select(1, row_map_t)
+        logits = logits_u.index_select(0, row_map_t)
+        del cache_u
+
+        out_tok = torch.zeros(B, max_new, dtype=torch.long, device=dev)
+        out_lp = torch.zeros(B, max_new, dtype=torch.float32, device=dev)
+        out_exp = torch.zeros(B, max(max_new - 1, 1), len(self.config.moe_layers), self.config.topk,
+                              dtype=torch.int16, device=dev) if want_experts else None
+        resp_len = torch.full((B,), max_new, dtype=torch.long, device=dev)
+        reason = torch.zeros(B, dtype=torch.int8, device=dev)  # 0 length, 1 stop, 2 abort
+        active = torch.arange(B, device=dev)  # original row of each batch row
+        plens = lens_t.index_select(0, row_map_t)  # prompt length of each batch row
+        host_plens = [lens_u[u] for u in row_map]
+        alive = torch.ones(B, dtype=torch.bool, device=dev)
+        for t in range(max_new):
+            tok, lp = sample_tokens(logits, params.temperature, params.top_p, params.top_k, gen)
+            out_tok[active, t] = tok
+            out_lp[active, t] = lp
+            stopped = alive & torch.isin(tok, stop_t)
+            if bool(stopped.any()):
+                done_rows = active[stopped]
+                resp_len[done_rows] = t + 1
+                reason[done_rows] = 1
+                alive &= ~stopped
+            if t + 1 == max_new:
+                break
+            if step_hook is not None and step_hook():
+                reason[active[alive]] = 2
+                resp_len[active[alive]] = t + 1
+                break
+            n_alive = int(alive.sum())
+            if n_alive == 0:
+                break
+            if len(active) - n_alive >= max(1, len(active) // 4):  # compact once a quarter of rows finished
+                keep = alive.nonzero().squeeze(1)
+                host_plens = [host_plens[i] for i in keep.tolist()]
+                active, plens, tok, alive = active[keep], plens[keep], tok[keep], alive[keep]
+                cache = cache.index_select(1, keep)
+            with self.model_lock:
+                logits, experts = m.decode(tok, plens + t, cache, max(host_plens) + t + 1)
+            if out_exp is not None:
+                out_exp[active, t] = experts
+        return self._assemble(rows, row_map, lens_u, out_tok, out_lp, resp_len, reason, experts_u, out_exp)
+
+    def _assemble(self, rows, row_map, lens_u, out_tok, out_lp, resp_len, reason, experts_u, out_exp) -> list[Completion]:
+        toks, lps = out_tok.tolist(), out_lp.tolist()
+        lens, reasons = resp_len.tolist(), reason.tolist()
+        ex_u = experts_u.cpu().numpy() if out_exp is not None else None
+        ex_r = out_exp.cpu().numpy() if out_exp is not None else None
+        names = (FINISH_LENGTH, FINISH_STOP, FINISH_ABORT)
+        out = []
+        for b, prompt in enumerate(rows):
+            n = lens[b]
+            experts = None
+            if ex_u is not None:
+                u = row_map[b]
+                experts = np.concatenate([ex_u[u, : lens_u[u]], ex_r[b, : n - 1]], axis=0)
+            out.append(Completion(
+                prompt_ids=prompt,
+                output_ids=toks[b][:n],
+                logprobs=lps[b][:n],
+                finish_reason=names[reasons[b]],
+                matched_stop=toks[b][n - 1] if reasons[b] == 1 else None,
+                routed_experts=experts,
+                weight_version=self.weight_version,
+            ))
+        return out

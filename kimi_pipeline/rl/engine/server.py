@@ -1,0 +1,504 @@
+"""The embedded engine behind SGLang's HTTP API, so one client drives both engines (and CI tests it for real).
+
+Endpoints and JSON shapes follow SGLang's server where practical:
+
+- POST /generate {input_ids: [ids] | [[ids], ...], sampling_params: {temperature, top_p, top_k,
+  max_new_tokens, stop_token_ids, n, sampling_seed}, return_logprob, return_routed_experts, rid}
+  → one {text, output_ids, meta_info} per sample (a list unless one prompt and n == 1), prompt-major.
+  meta_info: id, prompt_tokens, completion_tokens, finish_reason {type: stop|length|abort, matched|length},
+  weight_version, output_token_logprobs [[logprob, token_id, null], ...], routed_experts = base64 of int32
+  [prompt_tokens + completion_tokens - 1, num_hidden_layers, topk] (dense layers zero), as SGLang sends it.
+- POST /update_weights_from_tensor {serialized_named_tensors: [base64 safetensors bytes, ...],
+  load_format: "safetensors", flush_cache, weight_version}. SGLang unpickles this payload; we never
+  unpickle anything, so only safetensors is accepted (HF-named tensors; send several calls, each within
+  the update-weight buffer).
+- POST /update_weights_from_disk {model_path, weight_version}; POST /pause_generation {mode: in_place |
+  abort}; POST /continue_generation; POST /flush_cache; POST /abort_request {rid | abort_all};
+  GET /health; GET /health_generate; GET /get_server_info; GET /get_model_info.
+
+Requests are queued and batched: whatever arrived while the engine was busy runs as one batch (grouped
+by sampling settings), so many small concurrent requests cost about what one big request costs.
+Pause (in place) holds a running batch between decode steps; weights may change under it, exactly as
+with SGLang's in-place pause.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import logging
+import socket
+import threading
+import time
+import uuid
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from fastapi import FastAPI, HTTPException
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict
+
+from kimi_pipeline.rl.engine.model import EngineModel, EngineWeightError, config_summary, iter_safetensors
+from kimi_pipeline.rl.engine.sampler import FINISH_ABORT, Completion, EngineInputError, RolloutEngine, SamplingParams
+
+log = logging.getLogger(__name__)
+
+ENGINE_NAME = "kimi-embedded"
+# SGLang sampling keys that only shape detokenized text (we return token ids): accepted and ignored
+_TEXT_ONLY_KEYS = {"skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "stop", "custom_params"}
+# keys that would change what is sampled: accepted only at their neutral value
+_NEUTRAL = {"min_new_tokens": 0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
+            "min_p": 0.0, "regex": None, "json_schema": None, "ebnf": None, "logit_bias": None}
+
+
+class GenerateRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    input_ids: list[int] | list[list[int]] | None = None
+    text: str | list[str] | None = None
+    sampling_params: dict[str, Any] = {}
+    return_logprob: bool = False
+    return_routed_experts: bool = False
+    rid: str | list[str] | None = None
+    stream: bool = False
+
+
+class TensorUpdate(BaseModel):
+    serialized_named_tensors: list[str]
+    load_format: str | None = "safetensors"
+    flush_cache: bool = True
+    weight_version: str | None = None
+
+
+class DiskUpdate(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model_path: str
+    load_format: str | None = None
+    weight_version: str | None = None
+
+
+class PauseRequest(BaseModel):
+    mode: str = "in_place"
+
+
+class AbortRequest(BaseModel):
+    rid: str | None = None
+    abort_all: bool = False
+
+
+def sampling_params_from_json(sp: dict[str, Any]) -> tuple[SamplingParams, int]:
+    """SGLang sampling_params → (SamplingParams, n). Unsupported sampling features are a 400, never ignored."""
+    sp = dict(sp or {})
+    n = int(sp.pop("n", 1) or 1)
+    for key in _TEXT_ONLY_KEYS:
+        value = sp.pop(key, None)
+        if key == "stop" and value:
+            raise EngineInputError("sampling_params.stop (strings) is not supported: use stop_token_ids")
+    for key, neutral in _NEUTRAL.items():
+        value = sp.pop(key, neutral)
+        if value != neutral and value is not None:
+            raise EngineInputError(f"sampling_params.{key}={value!r} is not supported by the embedded engine")
+    known = {"temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "sampling_seed", "seed"}
+    unknown = sorted(set(sp) - known)
+    if unknown:
+        raise EngineInputError(f"unknown sampling_params {unknown}; supported: {sorted(known | {'n'})}")
+    stop = sp.get("stop_token_ids")
+    seed = sp.get("sampling_seed", sp.get("seed"))
+    params = SamplingParams(
+        temperature=float(sp.get("temperature", 1.0)),
+        top_p=float(sp.get("top_p", 1.0)),
+        top_k=int(sp.get("top_k", -1) if sp.get("top_k") is not None else -1),
+        max_new_tokens=int(sp.get("max_new_tokens", 128)),
+        stop_token_ids=tuple(int(t) for t in stop) if stop is not None else None,
+        seed=int(seed) if seed is not None else None,
+    )
+    return params, n
+
+
+def encode_routed_experts(experts: np.ndarray, num_layers: int, first_k_dense: int) -> str:
+    """[T-1, moe_layers, topk] → base64 int32 [T-1, num_layers, topk] (SGLang's wire layout, dense layers 0)."""
+    full = np.zeros((experts.shape[0], num_layers, experts.shape[2]), dtype=np.int32)
+    full[:, first_k_dense:] = experts
+    return base64.b64encode(full.tobytes()).decode("ascii")
+
+
+@dataclass
+class _Request:
+    prompts: list[list[int]]
+    n: int
+    params: SamplingParams
+    experts: bool
+    rids: frozenset[str]
+    future: Future = field(default_factory=Future)
+    aborted: bool = False
+
+
+class BatchScheduler:
+    """One worker thread: drains the queue, batches compatible requests, honours pause/abort between steps."""
+
+    def __init__(self, engine: RolloutEngine):
+        self.engine = engine
+        self._cond = threading.Condition()
+        self._queue: list[_Request] = []
+        self._running: list[_Request] = []
+        self._paused = False
+        self._abort_running = False
+        self._stopping = False
+        self._batches_run = 0
+        self._rows_served = 0
+        self._thread = threading.Thread(target=self._loop, name="engine-scheduler", daemon=True)
+        self._thread.start()
+
+    # --- control
+    def submit(self, req: _Request) -> Future:
+        with self._cond:
+            if self._stopping:
+                raise RuntimeError("engine is shutting down")
+            self._queue.append(req)
+            self._cond.notify_all()
+        return req.future
+
+    def pause(self, abort_running: bool = False) -> None:
+        with self._cond:
+            self._paused = True
+            if abort_running:
+                self._abort_running = bool(self._running)
+            self._cond.notify_all()
+
+    def resume(self) -> None:
+        with self._cond:
+            self._paused = False
+            self._cond.notify_all()
+
+    def abort(self, rid: str | None = None) -> int:
+        """Abort queued and running requests (all, or the one with this rid); returns how many."""
+        with self._cond:
+            hit = [r for r in self._queue + self._running if rid is None or rid in r.rids]
+            for r in hit:
+                r.aborted = True
+            queued = [r for r in self._queue if r.aborted]
+            self._queue = [r for r in self._queue if not r.aborted]
+            if self._running and all(r.aborted for r in self._running):
+                self._abort_running = True
+            self._cond.notify_all()
+        for r in queued:
+            r.future.set_result(_aborted(r, self.engine.weight_version))
+        return len(hit)
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._paused = False
+            self._abort_running = True
+            self._cond.notify_all()
+        self._thread.join(timeout=30)
+        for r in self._queue:
+            r.future.set_exception(RuntimeError("engine stopped"))
+
+    def state(self) -> dict[str, Any]:
+        with self._cond:
+            return {"paused": self._paused, "queued_requests": len(self._queue), "running_requests": len(self._running),
+                    "batches_run": self._batches_run, "rows_served": self._rows_served}
+
+    # --- worker
+    def _step_hook(self) -> bool:
+        with self._cond:
+            while self._paused and not self._abort_running and not self._stopping:
+                self._cond.wait()
+            return self._abort_running or self._stopping
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopping and (self._paused or not self._queue):
+                    self._cond.wait()
+                if self._stopping:
+                    return
+                batch, self._queue = self._queue, []
+                self._running = batch
+                self._abort_running = False
+            groups: dict[tuple, list[_Request]] = {}
+            for r in batch:  # seeded requests never share a batch, so their samples are reproducible
+                key = (r.params.batch_key(), r.experts, id(r) if r.params.seed is not None else None)
+                groups.setdefault(key, []).append(r)
+            for reqs in groups.values():
+                self._run_group(reqs)
+            with self._cond:
+                self._running = []
+
+    def _run_group(self, reqs: list[_Request]) -> None:
+        prompts = [p for r in reqs for p in r.prompts for _ in range(r.n)]
+        with self._cond:
+            self._batches_run += 1
+            self._rows_served += len(prompts)
+        try:
+            out = self.engine.generate(prompts, 1, reqs[0].params, reqs[0].experts, step_hook=self._step_hook)
+        except Exception as exc:  # surfaced to every waiting HTTP request
+            for r in reqs:
+                r.future.set_exception(exc)
+            return
+        start = 0
+        for r in reqs:
+            count = len(r.prompts) * r.n
+            mine = out[start : start + count]
+            start += count
+            if r.aborted:
+                for c in mine:
+                    c.finish_reason = FINISH_ABORT
+            r.future.set_result(mine)
+
+
+def _aborted(r: _Request, version: str) -> list[Completion]:
+    return [Completion(list(p), [], [], FINISH_ABORT, weight_version=version) for p in r.prompts for _ in range(r.n)]
+
+
+class EngineServer:
+    """An HTTP server (uvicorn in a background thread) around a RolloutEngine. Bound to loopback by default."""
+
+    def __init__(self, engine: RolloutEngine, host: str = "127.0.0.1", port: int = 0, tokenizer=None,
+                 model_path: str | None = None):
+        self.engine, self.host, self.port, self.tokenizer = engine, host, port, tokenizer
+        self.model_path = model_path
+        self.scheduler: BatchScheduler | None = None
+        self._server = None
+        self._thread: threading.Thread | None = None
+        self.app = self._build_app()
+
+    # --- lifecycle
+    def start(self, timeout_s: float = 30.0) -> str:
+        import uvicorn
+
+        if self._thread is not None:
+            return self.url
+        self.scheduler = BatchScheduler(self.engine)
+        sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.host, self.port))  # port 0: the OS picks a free port, no race
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(self.app, log_level="warning", lifespan="off", timeout_keep_alive=30)
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, name="engine-http", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"engine HTTP server on {self.host}:{self.port} did not start")
+            time.sleep(0.01)
+        return self.url
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        if self.scheduler is not None:
+            self.scheduler.stop()
+        self._server = self._thread = self.scheduler = None
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def __enter__(self) -> EngineServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # --- app
+    def _build_app(self) -> FastAPI:
+        app = FastAPI(title="kimi-pipeline embedded rollout engine")
+        engine = self.engine
+        cfg = engine.config
+
+        @app.exception_handler(EngineInputError)
+        async def _bad_input(_, exc: EngineInputError):
+            return JSONResponse(status_code=400, content={"error": {"message": str(exc)}})
+
+        @app.post("/generate")
+        async def generate(req: GenerateRequest):
+            if req.stream:
+                raise EngineInputError("stream=true is not supported by the embedded engine")
+            single, prompts = self._prompts(req)
+            params, n = sampling_params_from_json(req.sampling_params)
+            count = len(prompts) * n
+            if req.rid is None:
+                rids = [uuid.uuid4().hex for _ in range(count)]
+            elif isinstance(req.rid, str):
+                rids = [req.rid] if count == 1 else [f"{req.rid}-{i}" for i in range(count)]
+            elif len(req.rid) == len(prompts):
+                rids = [r if n == 1 else f"{r}-{j}" for r in req.rid for j in range(n)]
+            else:
+                raise EngineInputError(f"rid has {len(req.rid)} entries for {len(prompts)} prompts")
+            t0 = time.perf_counter()
+            names = frozenset(rids) | ({req.rid} if isinstance(req.rid, str) else set())
+            fut = self.scheduler.submit(_Request(prompts, n, params, req.return_routed_experts, names))
+            out = await asyncio.wrap_future(fut)
+            latency = time.perf_counter() - t0
+            items = [self._render(c, rid, req, latency) for c, rid in zip(out, rids)]
+            return items[0] if single and n == 1 else items
+
+        @app.post("/update_weights_from_tensor")
+        def update_weights_from_tensor(req: TensorUpdate):
+            from safetensors.torch import load as load_safetensors
+
+            if req.load_format not in (None, "safetensors"):
+                return _fail(f"load_format={req.load_format!r}: only 'safetensors' is accepted (pickled payloads are refused)")
+            try:
+                named = {}
+                for blob in req.serialized_named_tensors:
+                    named.update(load_safetensors(base64.b64decode(blob)))
+                with engine.model_lock:
+                    names = engine.model.load_weights(named)
+                    if req.weight_version is not None:
+                        engine.weight_version = req.weight_version
+            except (EngineWeightError, ValueError) as exc:
+                return _fail(str(exc))
+            except Exception as exc:  # safetensors raises its own error types on corrupt bytes
+                return _fail(f"could not read the safetensors payload: {exc}")
+            return {"success": True, "message": f"updated {len(names)} tensors", "num_tensors": len(names),
+                    "weight_version": engine.weight_version}
+
+        @app.post("/update_weights_from_disk")
+        def update_weights_from_disk(req: DiskUpdate):
+            try:
+                with engine.model_lock:
+                    names = engine.model.load_weights(iter_safetensors(req.model_path), strict=True)
+                    if req.weight_version is not None:
+                        engine.weight_version = req.weight_version
+            except EngineWeightError as exc:
+                return _fail(str(exc))
+            self.model_path = req.model_path
+            return {"success": True, "message": f"loaded {len(names)} tensors from {req.model_path}",
+                    "num_tensors": len(names), "weight_version": engine.weight_version}
+
+        @app.post("/pause_generation")
+        def pause_generation(req: PauseRequest | None = None):
+            mode = (req or PauseRequest()).mode
+            if mode not in ("in_place", "abort"):
+                raise EngineInputError(f"pause mode {mode!r}: supported modes are in_place and abort")
+            self.scheduler.pause(abort_running=mode == "abort")
+            return {"success": True, "message": f"paused ({mode})"}
+
+        @app.post("/continue_generation")
+        def continue_generation():
+            self.scheduler.resume()
+            return {"success": True, "message": "continued"}
+
+        @app.api_route("/flush_cache", methods=["GET", "POST"])  # SGLang takes both; slime uses GET
+        def flush_cache():
+            # no KV cache outlives a batch here: nothing stale can survive a weight update
+            return {"success": True, "message": "flushed"}
+
+        @app.post("/abort_request")
+        def abort_request(req: AbortRequest):
+            if not req.abort_all and req.rid is None:
+                raise EngineInputError("abort_request needs a rid or abort_all=true")
+            count = self.scheduler.abort(None if req.abort_all else req.rid)
+            return {"success": True, "aborted": count}
+
+        @app.get("/health")
+        def health():
+            return {"status": "ok"}
+
+        @app.get("/health_generate")
+        async def health_generate():
+            token = cfg.eos_token_ids[0] if cfg.eos_token_ids else 0
+            fut = self.scheduler.submit(_Request([[token]], 1, SamplingParams(max_new_tokens=1, seed=0), False, frozenset({"health"})))
+            try:
+                await asyncio.wait_for(asyncio.wrap_future(fut), timeout=60)
+            except asyncio.TimeoutError:
+                raise HTTPException(status_code=503, detail="engine did not generate within 60 s (paused?)")
+            return {"status": "ok"}
+
+        @app.get("/get_server_info")
+        def get_server_info():
+            return {"engine": ENGINE_NAME, "weight_version": engine.weight_version, "model_path": self.model_path,
+                    "device": str(engine.model.device), "dtype": str(engine.model.dtype).replace("torch.", ""),
+                    "max_batch_rows": engine.max_batch_rows, **config_summary(cfg), **self.scheduler.state()}
+
+        @app.get("/get_weight_version")
+        def get_weight_version():
+            return {"weight_version": engine.weight_version}
+
+        @app.get("/get_model_info")
+        def get_model_info():
+            return {"model_path": self.model_path, "is_generation": True, "weight_version": engine.weight_version}
+
+        return app
+
+    def _prompts(self, req: GenerateRequest) -> tuple[bool, list[list[int]]]:
+        if req.input_ids is not None:
+            ids = req.input_ids
+        elif req.text is not None:
+            if self.tokenizer is None:
+                raise EngineInputError("this engine has no tokenizer: send input_ids")
+            texts = [req.text] if isinstance(req.text, str) else req.text
+            ids = [self.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+            ids = ids[0] if isinstance(req.text, str) else ids
+        else:
+            raise EngineInputError("send input_ids (a list of token ids, or a list of such lists)")
+        if ids and isinstance(ids[0], int):
+            return True, [ids]
+        return False, ids
+
+    def _render(self, c: Completion, rid: str, req: GenerateRequest, latency: float) -> dict[str, Any]:
+        cfg = self.engine.config
+        if c.finish_reason == "stop":
+            finish = {"type": "stop", "matched": c.matched_stop}
+        elif c.finish_reason == "length":
+            finish = {"type": "length", "length": len(c.output_ids)}
+        else:
+            finish = {"type": "abort", "message": "aborted"}
+        meta: dict[str, Any] = {"id": rid, "prompt_tokens": len(c.prompt_ids), "completion_tokens": len(c.output_ids),
+                                "cached_tokens": 0, "finish_reason": finish, "weight_version": c.weight_version,
+                                "e2e_latency": latency}
+        if req.return_logprob:
+            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(c.logprobs, c.output_ids)]
+        if req.return_routed_experts and c.routed_experts is not None:
+            meta["routed_experts"] = encode_routed_experts(c.routed_experts, cfg.num_layers, cfg.first_k_dense)
+        text = self.tokenizer.decode(c.output_ids) if self.tokenizer is not None else ""
+        return {"text": text, "output_ids": c.output_ids, "meta_info": meta}
+
+
+def _fail(message: str) -> JSONResponse:
+    return JSONResponse(status_code=400, content={"success": False, "message": message})
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m kimi_pipeline.rl.engine.server --model-path DIR`: serve a checkpoint until interrupted."""
+    import torch
+
+    ap = argparse.ArgumentParser(description="embedded rollout engine with SGLang's HTTP API")
+    ap.add_argument("--model-path", required=True)
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from kimi_pipeline.model.tokenizer import load_tokenizer
+
+    model = EngineModel.from_pretrained(args.model_path, device=args.device)
+    try:
+        tokenizer = load_tokenizer(args.model_path)
+    except Exception:  # a weights-only directory still serves input_ids
+        tokenizer = None
+    server = EngineServer(RolloutEngine(model, seed=args.seed), args.host, args.port, tokenizer, args.model_path)
+    print(server.start(), flush=True)
+    try:
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+
+
+if __name__ == "__main__":
+    main()

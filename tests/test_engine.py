@@ -1,0 +1,456 @@
+"""Rollout engine: parity with transformers, sampling semantics, and the HTTP server/client/router for real."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+from kimi_pipeline.errors import PermanentError
+from kimi_pipeline.model.hf_config import hf_config_dict
+from kimi_pipeline.model.hf_model import build_hf_model, save_hf_model
+from kimi_pipeline.recipes import load_recipe
+from kimi_pipeline.rl.engine import model as engine_model
+from kimi_pipeline.rl.engine.client import EngineBadRequest, EngineClient, Router, chunk_named_tensors
+from kimi_pipeline.rl.engine.model import EngineModel, EngineWeightError, iter_safetensors
+from kimi_pipeline.rl.engine.sampler import EngineInputError, RolloutEngine, SamplingParams, sample_tokens
+from kimi_pipeline.rl.engine.server import EngineServer
+from kimi_pipeline.rl.engine.sglang import sglang_command
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_MODEL = ROOT / "data" / "tiny" / "model"
+EOS = 3
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _spec(**changes):
+    return load_recipe("tiny").model.model_copy(update=changes)
+
+
+def _hf(seed: int = 0, **changes):
+    """The tiny model with larger random weights and a non-zero expert bias, so routing and logits are non-trivial."""
+    model = build_hf_model(_spec(**changes), seed=seed)
+    g = torch.Generator().manual_seed(seed + 100)
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.12, generator=g)
+        for layer in model.model.layers:
+            if hasattr(layer.mlp, "gate"):
+                layer.mlp.gate.e_score_correction_bias.normal_(0, 0.05, generator=g)
+    return model
+
+
+@pytest.fixture(scope="module")
+def hf_a():
+    return _hf(0)
+
+
+@pytest.fixture(scope="module")
+def hf_b():
+    return _hf(1)
+
+
+def _prompts(g: torch.Generator, lengths=(5, 9, 12, 7)) -> list[list[int]]:
+    return [torch.randint(4, 384, (n,), generator=g).tolist() for n in lengths]
+
+
+def _hf_logits(hf, seq: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([seq])).logits[0].float()
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, rel: float = 1e-5) -> float:
+    """Max abs difference, asserted within rel × the logits' scale (fp32 parity)."""
+    diff = (a - b).abs().max().item()
+    assert diff <= rel * max(1.0, b.abs().max().item()), diff
+    return diff
+
+
+# ---------------------------------------------------------------- forward parity
+
+
+@pytest.mark.parametrize("variant", [
+    {},
+    # other code paths: no q LoRA, group-limited routing, non-interleaved rope, top-2
+    {"q_lora_rank": None, "moe_router_num_groups": 4, "moe_router_group_topk": 2, "moe_router_topk": 2},
+])
+def test_prefill_and_decode_logits_match_transformers(variant):
+    hf = _hf(3, **variant)
+    if variant:
+        hf.config.rope_interleave = False
+    eng = EngineModel.from_hf_model(hf)
+    prompts = _prompts(torch.Generator().manual_seed(0))
+    S = max(map(len, prompts))
+    ids = torch.zeros(len(prompts), S, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, : len(p)] = torch.tensor(p)
+    logits, cache, _ = eng.prefill(ids, all_logits=True)
+    for i, p in enumerate(prompts):  # right padding never leaks into real positions
+        _close(logits[i, : len(p)], _hf_logits(hf, p))
+    # decode the longest prompt's tail one token at a time from a prefix cache
+    seq = prompts[2]
+    ref = _hf_logits(hf, seq)
+    _, pre, _ = eng.prefill(torch.tensor([seq[:4]]))
+    cache = eng.new_cache(1, len(seq))
+    cache[:, :, :4] = pre
+    for t in range(4, len(seq)):
+        step, _ = eng.decode(torch.tensor([seq[t]]), torch.tensor([t]), cache, t + 1)
+        _close(step[0], ref[t])
+
+
+def test_grouped_matmul_fallback_matches(hf_a, monkeypatch):
+    eng = EngineModel.from_hf_model(hf_a)
+    ids = torch.tensor(_prompts(torch.Generator().manual_seed(1), (10, 10)))
+    fast, _, ex_fast = eng.prefill(ids, all_logits=True)
+    monkeypatch.setattr(engine_model, "_grouped_mm_ok", lambda *a: False)  # the CUDA-fp32 / unaligned path
+    slow, _, ex_slow = eng.prefill(ids, all_logits=True)
+    assert torch.equal(ex_fast, ex_slow)
+    _close(fast, slow, 1e-6)
+
+
+def test_checkpoint_loading_is_strict(hf_a, tmp_path):
+    out = save_hf_model(hf_a, tmp_path / "ckpt", config=hf_config_dict(_spec()), max_shard_size="1MB")
+    disk = EngineModel.from_pretrained(out)  # per-expert on-disk names, kimi_k2 config
+    mem = EngineModel.from_hf_model(hf_a)  # transformers' fused in-memory names
+    ids = torch.tensor([[5, 6, 7, 8]])
+    assert torch.equal(disk.prefill(ids)[0], mem.prefill(ids)[0])
+    named = dict(iter_safetensors(out))
+    with pytest.raises(EngineWeightError, match="missing"):
+        mem.load_weights({k: v for k, v in named.items() if "experts.3.up_proj" not in k}, strict=True)
+    with pytest.raises(EngineWeightError, match="shape"):
+        mem.load_weights({"model.layers.1.mlp.experts.0.down_proj.weight": torch.zeros(3, 3)})
+    with pytest.raises(EngineWeightError, match="not part of"):
+        mem.load_weights({"model.layers.9.mlp.gate.weight": torch.zeros(16, 128)})
+
+
+# ---------------------------------------------------------------- sampling
+
+
+def test_logprobs_and_routed_experts_match_teacher_forced_transformers(hf_a):
+    engine = RolloutEngine(EngineModel.from_hf_model(hf_a), seed=0)
+    prompts = _prompts(torch.Generator().manual_seed(2))
+    temp = 0.7
+    out = engine.generate(prompts, 3, SamplingParams(temperature=temp, max_new_tokens=10, stop_token_ids=(), seed=7))
+    assert [c.prompt_ids for c in out] == [p for p in prompts for _ in range(3)]
+    picked: dict[int, torch.Tensor] = {}
+    hooks = [layer.mlp.gate.register_forward_hook(lambda mod, inp, res, i=i: picked.__setitem__(i, res[2]))
+             for i, layer in enumerate(hf_a.model.layers) if hasattr(layer.mlp, "gate")]
+    try:
+        for c in out:
+            assert c.finish_reason == "length" and len(c.output_ids) == 10
+            seq = c.prompt_ids + c.output_ids
+            logits = _hf_logits(hf_a, seq[:-1])
+            ref = torch.log_softmax(logits / temp, -1)[len(c.prompt_ids) - 1 :].gather(
+                1, torch.tensor(c.output_ids)[:, None]).squeeze(1)
+            assert torch.allclose(torch.tensor(c.logprobs), ref, atol=2e-5), (c.logprobs, ref)
+            # routing replay data: what transformers' router picks on the same tokens, every layer
+            assert c.routed_experts.dtype == np.int16
+            assert c.routed_experts.shape == (len(seq) - 1, 3, 4)
+            for m, layer in enumerate(sorted(picked)):
+                hf_ids = np.sort(picked[layer].numpy(), axis=1)
+                assert np.array_equal(np.sort(c.routed_experts[:, m], axis=1), hf_ids)
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def test_stop_tokens_end_samples_and_max_tokens_bounds_them(hf_a):
+    engine = RolloutEngine(EngineModel.from_hf_model(hf_a), seed=0)
+    stops = tuple(range(4, 384, 9))  # ~1 token in 9: most samples stop early, at different steps
+    out = engine.generate(_prompts(torch.Generator().manual_seed(3)), 8,
+                          SamplingParams(max_new_tokens=12, stop_token_ids=stops, seed=1))
+    reasons = {c.finish_reason for c in out}
+    assert reasons == {"stop", "length"}
+    lengths = set()
+    for c in out:
+        inside = [t for t in c.output_ids[:-1] if t in stops]
+        assert not inside  # generation stopped at the first stop token
+        if c.finish_reason == "stop":
+            assert c.output_ids[-1] in stops and c.matched_stop == c.output_ids[-1]
+        else:
+            assert len(c.output_ids) == 12
+        assert len(c.logprobs) == len(c.output_ids)
+        assert c.routed_experts.shape[0] == len(c.prompt_ids) + len(c.output_ids) - 1
+        lengths.add(len(c.output_ids))
+    assert len(lengths) > 3  # rows finished at many different steps (exercises batch compaction)
+
+
+@pytest.mark.skipif(not (TINY_MODEL / "model.safetensors.index.json").is_file(), reason="no shipped tiny policy")
+def test_shipped_tiny_policy_stops_on_eos():
+    from kimi_pipeline.model.tokenizer import load_tokenizer
+    from kimi_pipeline.rl.prompts import encode_prompt
+
+    tok = load_tokenizer(TINY_MODEL)
+    engine = RolloutEngine(EngineModel.from_pretrained(TINY_MODEL), seed=0)
+    rows = [json.loads(line) for line in (TINY_MODEL.parent / "dapo-math-tiny.jsonl").read_text().splitlines()[:4]]
+    prompts = [encode_prompt(tok, r["prompt"])[1] for r in rows]
+    out = engine.generate(prompts, 2, SamplingParams(max_new_tokens=16, seed=0))  # default stop: config eos
+    assert all(c.finish_reason == "stop" and c.output_ids[-1] == EOS for c in out)
+
+
+def test_seeded_generation_is_deterministic(hf_a):
+    engine = RolloutEngine(EngineModel.from_hf_model(hf_a), seed=0)
+    prompts = _prompts(torch.Generator().manual_seed(4))
+    p = SamplingParams(max_new_tokens=8, stop_token_ids=(), seed=11)
+    a, b = engine.generate(prompts, 4, p), engine.generate(prompts, 4, p)
+    c = engine.generate(prompts, 4, SamplingParams(max_new_tokens=8, stop_token_ids=(), seed=12))
+    assert [x.output_ids for x in a] == [x.output_ids for x in b]
+    assert [x.logprobs for x in a] == [x.logprobs for x in b]
+    assert [x.output_ids for x in a] != [x.output_ids for x in c]
+    # samples of one prompt share its prefill but are drawn independently
+    assert len({tuple(x.output_ids) for x in a[:4]}) > 1
+
+
+def test_sample_tokens_distribution_and_truncation():
+    g = torch.Generator().manual_seed(0)
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log().expand(20000, 4).contiguous()
+    tok, lp = sample_tokens(logits, 1.0, 1.0, -1, g)
+    freq = torch.bincount(tok, minlength=4).float() / len(tok)
+    assert torch.allclose(freq, probs, atol=0.015), freq
+    assert torch.allclose(lp, probs.log()[tok])
+    tok, lp = sample_tokens(logits, 1.0, 0.7, -1, g)  # nucleus {0, 1}
+    assert set(tok.tolist()) == {0, 1}
+    assert torch.allclose(lp, probs.log()[tok])  # logprob of the untruncated distribution
+    tok, _ = sample_tokens(logits, 1.0, 1.0, 3, g)
+    assert set(tok.tolist()) == {0, 1, 2}
+    tok, lp = sample_tokens(logits, 0.0, 1.0, -1, g)
+    assert set(tok.tolist()) == {0} and torch.allclose(lp, probs.log()[0].expand(len(tok)))
+    tok, lp = sample_tokens(logits, 2.0, 1.0, -1, g)  # temperature flattens
+    assert torch.allclose(lp, torch.log_softmax(probs.log() / 2, -1)[tok])
+
+
+def test_bad_requests_are_clear(hf_a):
+    engine = RolloutEngine(EngineModel.from_hf_model(hf_a))
+    with pytest.raises(EngineInputError, match="token ids"):
+        engine.generate([[1, 999]])
+    with pytest.raises(EngineInputError, match="empty"):
+        engine.generate([[]])
+    with pytest.raises(EngineInputError, match="positions"):
+        engine.generate([[1, 2]], params=SamplingParams(max_new_tokens=5000))
+    with pytest.raises(EngineInputError, match="top_p"):
+        SamplingParams(top_p=0)
+
+
+# ---------------------------------------------------------------- HTTP: server, client, router
+
+
+@pytest.fixture(scope="module")
+def servers(hf_a):
+    started = [EngineServer(RolloutEngine(EngineModel.from_hf_model(hf_a), seed=i)) for i in range(2)]
+    for s in started:
+        s.start()
+    yield started
+    for s in started:
+        s.stop()
+
+
+def _reset(server: EngineServer, hf) -> None:
+    server.engine.model.load_weights(hf.state_dict().items(), strict=True)
+    server.engine.weight_version = "0"
+    server.scheduler.resume()
+
+
+def test_http_generate_equals_the_engine(servers, hf_a):
+    server = servers[0]
+    _reset(server, hf_a)
+    assert server.url.startswith("http://127.0.0.1:")
+    prompts = _prompts(torch.Generator().manual_seed(5))
+    params = SamplingParams(temperature=1.0, max_new_tokens=6, stop_token_ids=(), seed=3)
+    direct = RolloutEngine(EngineModel.from_hf_model(hf_a)).generate(prompts, 2, params)
+    with EngineClient(server.url) as client:
+        assert client.health() and client.health_generate()
+        got = client.generate(prompts, 2, params, return_routed_experts=True)
+    assert [c.output_ids for c in got] == [c.output_ids for c in direct]
+    assert np.allclose([c.logprobs for c in got], [c.logprobs for c in direct])
+    for g, d in zip(got, direct):
+        assert g.finish_reason == d.finish_reason == "length" and g.weight_version == "0"
+        assert np.array_equal(g.routed_experts, d.routed_experts)
+    # SGLang's JSON shapes on the wire
+    body = httpx.post(server.url + "/generate", json={
+        "input_ids": prompts[0], "sampling_params": {"max_new_tokens": 3, "temperature": 0, "stop_token_ids": []},
+        "return_logprob": True, "return_routed_experts": True}).json()
+    meta = body["meta_info"]
+    assert meta["finish_reason"] == {"type": "length", "length": 3}
+    assert [len(x) for x in meta["output_token_logprobs"]] == [3, 3, 3]
+    assert meta["completion_tokens"] == 3 and meta["weight_version"] == "0"
+    ids = np.frombuffer(__import__("base64").b64decode(meta["routed_experts"]), dtype=np.int32)
+    assert ids.reshape(len(prompts[0]) + 2, 4, 4)[:, 0].max() == 0  # dense layer 0 carries no experts
+
+
+def test_http_rejects_what_it_cannot_do(servers):
+    url = servers[0].url
+    with EngineClient(url) as client:
+        with pytest.raises(EngineBadRequest, match="token ids"):
+            client.generate([[1, 500]])
+    r = httpx.post(url + "/generate", json={"input_ids": [1, 2], "sampling_params": {"frequency_penalty": 0.5}})
+    assert r.status_code == 400 and "frequency_penalty" in r.text
+    r = httpx.post(url + "/update_weights_from_tensor", json={"serialized_named_tensors": ["AAAA"], "load_format": "direct"})
+    assert r.status_code == 400 and "pickled payloads are refused" in r.json()["message"]
+    r = httpx.post(url + "/update_weights_from_tensor", json={"serialized_named_tensors": ["bm90IHNhZmV0ZW5zb3Jz"]})
+    assert r.status_code == 400 and r.json()["success"] is False
+
+
+def test_weight_update_by_safetensors_chunks_switches_the_model(servers, hf_a, hf_b, tmp_path):
+    server = servers[0]
+    _reset(server, hf_a)
+    b_dir = save_hf_model(hf_b, tmp_path / "b", config=hf_config_dict(_spec()))
+    named = list(iter_safetensors(b_dir))  # on-disk per-expert names, as weight sync sends them
+    buffer = 256 * 1024
+    chunks = list(chunk_named_tensors(named, buffer))
+    assert len(chunks) > 5
+    assert all(sum(t.numel() * t.element_size() for t in c.values()) <= buffer for c in chunks)
+    prompts = _prompts(torch.Generator().manual_seed(6))
+    greedy = SamplingParams(temperature=0, max_new_tokens=6, stop_token_ids=())
+    with EngineClient(server.url) as client:
+        before = client.generate(prompts, 1, greedy)
+        assert client.update_weights(named, buffer, weight_version="7") == len(chunks)
+        after = client.generate(prompts, 1, greedy)
+        assert client.weight_version() == "7" and all(c.weight_version == "7" for c in after)
+        for b, a in zip(before, after):  # logprobs are now model B's, teacher-forced
+            for model, c in ((hf_a, b), (hf_b, a)):
+                seq = c.prompt_ids + c.output_ids
+                ref = torch.log_softmax(_hf_logits(model, seq[:-1]), -1)[len(c.prompt_ids) - 1 :]
+                ref = ref.gather(1, torch.tensor(c.output_ids)[:, None]).squeeze(1)
+                assert torch.allclose(torch.tensor(c.logprobs), ref, atol=2e-5)
+        assert [c.output_ids for c in before] != [c.output_ids for c in after]
+        # and back from disk
+        a_dir = save_hf_model(hf_a, tmp_path / "a", config=hf_config_dict(_spec()))
+        client.update_weights_from_disk(str(a_dir), weight_version="8")
+        assert [c.output_ids for c in client.generate(prompts, 1, greedy)] == [c.output_ids for c in before]
+        assert client.server_info(refresh=True)["weight_version"] == "8"
+        client.flush_cache()
+        (tmp_path / "empty").mkdir()
+        with pytest.raises(Exception, match="no \\*.safetensors"):
+            client.update_weights_from_disk(str(tmp_path / "empty"))
+
+
+def test_pause_batches_queued_requests_and_abort_ends_them(servers, hf_a):
+    server = servers[1]
+    _reset(server, hf_a)
+    prompts = _prompts(torch.Generator().manual_seed(7))
+    params = SamplingParams(max_new_tokens=4, stop_token_ids=())
+    results: dict[int, list] = {}
+    with EngineClient(server.url) as client:
+        client.pause()
+        batches_before = server.scheduler.state()["batches_run"]
+        threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, client.generate([prompts[i]], 2, params)))
+                   for i in range(4)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 10
+        while server.scheduler.state()["queued_requests"] < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)
+        assert not results  # paused: nothing ran
+        client.resume()
+        for t in threads:
+            t.join(10)
+        assert sorted(results) == [0, 1, 2, 3]
+        assert all(len(results[i]) == 2 and results[i][0].prompt_ids == prompts[i] for i in range(4))
+        assert server.scheduler.state()["batches_run"] == batches_before + 1  # the 4 requests ran as one batch
+        # abort: queued requests come back at once with finish_reason "abort"
+        client.pause()
+        t = threading.Thread(target=lambda: results.__setitem__(9, client.generate([prompts[0]], 1, params)))
+        t.start()
+        while server.scheduler.state()["queued_requests"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        client.abort()
+        t.join(10)
+        client.resume()
+    assert results[9][0].finish_reason == "abort" and results[9][0].output_ids == []
+
+
+def test_in_place_pause_holds_a_running_batch(hf_a):
+    engine = RolloutEngine(EngineModel.from_hf_model(hf_a))
+    steps = []
+    gate = threading.Event()
+
+    def hook() -> bool:
+        steps.append(time.monotonic())
+        if len(steps) == 2:
+            gate.wait(10)  # held between decode steps until "continue"
+        return False
+
+    done = []
+    t = threading.Thread(target=lambda: done.append(engine.generate([[5, 6, 7]], 1, SamplingParams(max_new_tokens=5,
+                                                                         stop_token_ids=()), step_hook=hook)))
+    t.start()
+    time.sleep(0.3)
+    assert not done and len(steps) == 2
+    gate.set()
+    t.join(10)
+    assert done and len(done[0][0].output_ids) == 5
+
+
+def test_router_spreads_over_two_engines_and_broadcasts(servers, hf_a, hf_b):
+    for s in servers:
+        _reset(s, hf_a)
+    prompts = _prompts(torch.Generator().manual_seed(8), (4, 5, 6, 7, 8, 9))
+    with Router([s.url for s in servers]) as router:
+        assert router.health() and router.health_generate()
+        served = [s.scheduler.state()["rows_served"] for s in servers]
+        out = router.generate(prompts, 3, SamplingParams(max_new_tokens=3, stop_token_ids=()), return_routed_experts=True)
+        assert [c.prompt_ids for c in out] == [p for p in prompts for _ in range(3)]
+        assert all(c.routed_experts.shape == (len(c.prompt_ids) + 2, 3, 4) for c in out)
+        grew = [s.scheduler.state()["rows_served"] - before for s, before in zip(servers, served)]
+        assert grew == [9, 9]  # three prompts (x3 samples) each
+        router.update_weights(hf_b.state_dict().items(), 512 * 1024, weight_version="b")
+        assert router.weight_version() == "b"
+    for s in servers:
+        _reset(s, hf_a)
+
+
+def test_client_refuses_tensor_sync_to_sglang_and_needs_its_shape():
+    info = {"weight_version": "default"}  # what an SGLang server reports: no engine name, no model shape
+    client = EngineClient("http://127.0.0.1:9")
+    client._info = info
+    with pytest.raises(PermanentError, match="update_weights_from_disk"):
+        client.update_weights({"x": torch.zeros(1)}, 1024)
+    with pytest.raises(PermanentError, match="num_layers"):
+        client._expert_layout()
+    client.close()
+
+
+# ---------------------------------------------------------------- SGLang launch command
+
+
+def test_sglang_command_follows_the_recipe():
+    r = load_recipe("kimi-k2-thinking")
+    cmd = sglang_command("/ckpt", r.sglang, port=30000, gpus_per_node=8, dist_init_addr="10.0.0.1:5000",
+                         node_rank=1, routing_replay=True)
+    line = " ".join(cmd)
+    assert cmd[1:3] == ["-m", "sglang.launch_server"]
+    assert f"--tp-size {r.sglang.gpus_per_engine}" in line and f"--ep-size {r.sglang.ep_size}" in line
+    assert f"--dp-size {r.sglang.dp_size}" in line and "--host 127.0.0.1" in line
+    assert "--nnodes 2 --node-rank 1 --dist-init-addr 10.0.0.1:5000" in line
+    assert "--enable-return-routed-experts" in cmd and "--trust-remote-code" not in cmd
+    if r.sglang.enable_dp_attention:
+        assert "--enable-dp-attention" in cmd
+    with pytest.raises(PermanentError, match="dist_init_addr"):
+        sglang_command("/ckpt", r.sglang, port=1, gpus_per_node=8)
+
+
+def test_bench_runs_and_reports_a_ratio(capsys):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_rollout", ROOT / "bench" / "rollout.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    ratio = bench.main(["--prompts", "4", "--n", "2", "--max-new", "4", "--repeats", "1", "--model", "random"])
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert ratio > 0 and last == f"rollout ratio={ratio:.2f}"
