@@ -379,3 +379,43 @@ def test_run_export_section(tmp_path):
     assert section["logits_max_diff_exact"] <= 1e-4 and section["generated_tokens"] >= 1
     assert section["logits_max_diff"] <= section["logits_tolerance"]
     assert json.loads((tmp_path / "export" / SECTION_FILE).read_text()) == section
+
+
+def test_stage_export_from_a_megatron_checkpoint(megatron_pair, tmp_path):
+    """Trainer checkpoint (torch_dist) -> child process -> INT4 export whose logits match the megatron
+    fake-quant forward; summary.json gains the export section; the cache key is the content hash."""
+    from kimi_pipeline.convert.names import load_hf_tensors_into_model
+    from kimi_pipeline.model.megatron_model import build_model
+    from kimi_pipeline.model.megatron_train import save_model_only
+    from kimi_pipeline.model.parallel import Layout
+    from kimi_pipeline.quant.stage import checkpoint_content_hash, stage_export
+    from kimi_pipeline.recipes import load_recipe
+
+    recipe = load_recipe("tiny")
+    src = dict(iter_hf_dir_tensors(TINY_MODEL))
+    model = build_model(recipe.model, Layout(), perform_initialization=False)
+    load_hf_tensors_into_model(model, src.__getitem__, recipe.model, Layout())
+    ckpt = tmp_path / "ckpt"
+    save_model_only(ckpt, model, step=20)
+    key = checkpoint_content_hash(ckpt)
+    assert key == checkpoint_content_hash(ckpt, 20)
+
+    run_dir = tmp_path / "run"
+    section = stage_export(recipe, run_dir, ckpt, model_dir=TINY_MODEL, timeout_s=600)
+    assert section["checkpoint"] == str(ckpt / "iter_0000020")
+    assert section["dequant_exact"] and section["experts_equal"] and section["qat"]
+    assert section["logits_reference"] == "trainer"
+    assert section["logits_max_diff_parity"] <= 1e-3  # megatron fake-quant forward == HF fake-quant model
+    assert section["logits_max_diff"] <= section["logits_tolerance"]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["export"] == section and summary["stages"]["export"]["status"] == "completed"
+    for k in ("path", "int4_bytes", "bf16_bytes", "logits_max_diff", "dequant_exact"):
+        assert k in summary["export"]
+
+    from tasks.export import export_key, report_markdown
+
+    params = {"recipe": recipe, "run_dir": str(run_dir), "checkpoint_dir": str(ckpt), "step": None}
+    task_key = export_key(None, params)
+    assert "dequantized == fake-quant (exact) | **True**" in report_markdown(section)
+    (ckpt / "iter_0000020" / "kimi_extra.json").write_text("{}")  # any content change -> new key
+    assert checkpoint_content_hash(ckpt) != key and export_key(None, params) != task_key

@@ -32,8 +32,9 @@ from kimi_pipeline.quant.export import KEEP_FP32, is_quantized, read_index
 from kimi_pipeline.quant.int4 import fake_quant_int4
 
 EXACT_REF_TOL = 1e-4  # fp32 reload vs fp32 model of the same decoded weights: only summation order differs
-# HF (transformers) vs trainer (megatron) forward of the same fp32 weights: summation order only.
-PARITY_TOL = 1e-3
+# HF (transformers) vs trainer (megatron) forward of the same weights: summation order only (fp32 measured ~4e-7).
+PARITY_TOL_BY_DTYPE = {"float32": 1e-3, "bfloat16": 1e-1, "float16": 5e-2}
+PARITY_TOL = PARITY_TOL_BY_DTYPE["float32"]
 DEFAULT_PROMPTS = ("What is 3+4?", "Compute 2+5.")
 
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]
