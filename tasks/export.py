@@ -44,8 +44,10 @@ def report_markdown(s: dict[str, Any]) -> str:
         f"| export | `{s.get('path')}` ({s.get('shards')} shards) |",
         f"| size | {s.get('int4_bytes', 0) / mib:.2f} MiB INT4 vs {s.get('bf16_bytes', 0) / mib:.2f} MiB bf16 "
         f"(×{s.get('compression')}) |",
-        f"| routed-expert Linears packed | {s.get('num_quantized')} of {s.get('num_tensors')} tensors, group {s.get('group_size')} |",
-        f"| dequantized == fake-quant (exact) | **{s.get('dequant_exact')}** (reloaded model: {s.get('experts_equal')}) |",
+        f"| routed-expert Linears packed | {s.get('num_quantized')} of {s.get('num_tensors')} tensors, "
+        f"group {s.get('group_size')} |",
+        f"| dequantized == fake-quant (exact) | **{s.get('dequant_exact')}** "
+        f"(reloaded model: {s.get('experts_equal')}) |",
         f"| logits max diff vs {s.get('logits_reference', 'trainer')} (tolerance) | {_fmt(s.get('logits_max_diff'))} "
         f"({_fmt(s.get('logits_tolerance'))}) |",
         f"| … of which: decode / bf16 storage / HF↔trainer | {_fmt(s.get('logits_max_diff_exact'))} / "

@@ -156,7 +156,9 @@ def resolve_checkpoint(checkpoint_dir: str | Path, step: int | None = None) -> t
             raise ExportInputError(f"{checkpoint_dir}: no {TRACKER}; no complete training checkpoint to export")
     path = iteration_dir(checkpoint_dir, step)
     if not (path / "metadata.json").is_file():
-        raise ExportInputError(f"{path}: not a complete torch_dist checkpoint (metadata.json missing); pick another step")
+        raise ExportInputError(
+            f"{path}: not a complete torch_dist checkpoint (metadata.json missing); pick another step"
+        )
     return path, step
 
 

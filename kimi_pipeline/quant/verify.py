@@ -101,7 +101,9 @@ def check_tensors(export_dir: str | Path, trainer_tensors: Iterable[tuple[str, t
                 out.mismatches.append(name)
         else:
             stored = reader.get(name)
-            want = t if not t.is_floating_point() else t.to(torch.float32 if name.endswith(KEEP_FP32) else torch.bfloat16)
+            want = t
+            if t.is_floating_point():
+                want = t.to(torch.float32 if name.endswith(KEEP_FP32) else torch.bfloat16)
             out.num_other += 1
             if stored.dtype != want.dtype or not torch.equal(stored, want):
                 out.others_exact = False
@@ -126,7 +128,8 @@ def load_int4_model(export_dir: str | Path, dtype: torch.dtype = torch.float32):
         export_dir, config=cfg, dtype=dtype, attn_implementation="eager", output_loading_info=True,
         trust_remote_code=False,
     )
-    bad = {k: sorted(v)[:5] for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
+    strict = ("missing_keys", "unexpected_keys", "mismatched_keys")
+    bad = {k: sorted(v)[:5] for k, v in info.items() if v and k in strict}
     if bad:
         raise HFModelError(f"{export_dir}: INT4 export does not load cleanly with compressed-tensors ({bad})")
     return model.to(dtype).eval()
@@ -139,8 +142,10 @@ def expert_weights_equal(model, fq_tensors: dict[str, torch.Tensor]) -> bool:
     for i in layers:
         p = f"model.layers.{i}.mlp.experts"
         n_exp = len({n.split(".")[5] for n in fq_tensors if n.startswith(p + ".")})
-        gate_up = torch.stack([torch.cat([fq_tensors[f"{p}.{e}.gate_proj.weight"], fq_tensors[f"{p}.{e}.up_proj.weight"]])
-                               for e in range(n_exp)])
+        gate_up = torch.stack([
+            torch.cat([fq_tensors[f"{p}.{e}.gate_proj.weight"], fq_tensors[f"{p}.{e}.up_proj.weight"]])
+            for e in range(n_exp)
+        ])
         down = torch.stack([fq_tensors[f"{p}.{e}.down_proj.weight"] for e in range(n_exp)])
         for got, want in ((state[f"{p}.gate_up_proj"], gate_up), (state[f"{p}.down_proj"], down)):
             if got.shape != want.shape or not torch.equal(got, want.to(got.dtype)):
@@ -210,7 +215,8 @@ def check_model(export_dir: str | Path, trainer_tensors: Iterable[tuple[str, tor
     for x in ids:
         got, stored, hf = model(x).logits.float(), as_stored(x).logits.float(), full(x).logits.float()
         trainer = reference_logits(x).float() if reference_logits is not None else hf
-        for k, a, b in (("exact", got, stored), ("storage", stored, hf), ("parity", hf, trainer), ("total", got, trainer)):
+        pairs = (("exact", got, stored), ("storage", stored, hf), ("parity", hf, trainer), ("total", got, trainer))
+        for k, a, b in pairs:
             d[k] = max(d[k], (a - b).abs().max().item())
         agree += int((got.argmax(-1) == trainer.argmax(-1)).sum())
         positions += got.shape[1]
@@ -248,7 +254,8 @@ def model_check_problems(result: dict[str, Any], parity_tol: float = PARITY_TOL)
         out.append(f"HF model of the trainer tensors differs from the trainer forward by {parity:.3g} > {parity_tol} "
                    "(Megatron->HF conversion mismatch)")
     if result["logits_max_diff"] > result["logits_tolerance"]:
-        out.append(f"export vs trainer logits {result['logits_max_diff']:.3g} > tolerance {result['logits_tolerance']:.3g}")
+        out.append(f"export vs trainer logits {result['logits_max_diff']:.3g} > "
+                   f"tolerance {result['logits_tolerance']:.3g}")
     if result["generated_tokens"] < 1:
         out.append("the reloaded export generated no tokens")
     return out
