@@ -31,6 +31,13 @@ from kimi_pipeline.quant.int4 import (
 from conftest import TINY
 
 TINY_MODEL = TINY / "model"
+def int4_args(group_size: int = 32):
+    """compressed-tensors' own description of the scheme (as in Kimi-K2-Thinking's config)."""
+    from compressed_tensors.quantization import QuantizationArgs
+
+    return QuantizationArgs(**kimi_quantization_config(group_size)["config_groups"]["group_0"]["weights"])
+
+
 ROUTED = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
 
 
@@ -67,8 +74,6 @@ def test_pack_matches_compressed_tensors_compressor():
     from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
     from compressed_tensors.quantization import QuantizationScheme
 
-    from kimi_pipeline.convert.dequant import int4_args
-
     w = torch.randn(16, 64, generator=torch.Generator().manual_seed(1)) * 0.05
     q, scale = quantize_int4(w, 32)
     scheme = QuantizationScheme(targets=["Linear"], weights=int4_args(32))
@@ -97,8 +102,6 @@ def test_quantize_scheme():
 def test_fake_quant_equals_dequant_exactly(dtype):
     """What the trainer computes with is bit-for-bit what compressed-tensors decodes, in the trainer's dtype."""
     from compressed_tensors.quantization.lifecycle.forward import dequantize
-
-    from kimi_pipeline.convert.dequant import int4_args
 
     w = (torch.randn(32, 128, generator=torch.Generator().manual_seed(3)) * 0.02).to(dtype)
     fq = fake_quant_int4(w, 32)
