@@ -55,6 +55,18 @@ class RunSummary:
             raise ValueError(f"{name!r} is reserved in summary.json")
         self._mutate(lambda d: d.__setitem__(name, payload))
 
+    def upsert_row(self, name: str, row: dict[str, Any], key: str = "step", keep_through: Any = None) -> None:
+        """Insert or replace (by `key`) a row of the list section `name`, kept sorted by `key`;
+        rows with key > keep_through are dropped first (work after a checkpoint a run resumed from)."""
+
+        def fn(d: dict[str, Any]) -> None:
+            rows = [r for r in d.get(name) or [] if r.get(key) != row.get(key)]
+            if keep_through is not None:
+                rows = [r for r in rows if r.get(key) is not None and r[key] <= keep_through]
+            d[name] = sorted(rows + [row], key=lambda r: r.get(key))
+
+        self._mutate(fn)
+
     def set_stage(self, stage: str, status: str, seconds: float | None = None, **extra: Any) -> None:
         if status not in STATUSES:
             raise ValueError(f"unknown stage status {status!r}")

@@ -1,0 +1,103 @@
+"""Evaluation as a unit of work: one call per (step, engines), recorded in DIR/eval and summary.json.
+
+Called by the training loop every `eval.interval` steps (the Prefect layer wraps each call in its
+own retried task run), and by `kimi eval --checkpoint` on any HF or torch_dist checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from kimi_pipeline.errors import PermanentError
+from kimi_pipeline.eval.run import eval_step_path, evaluate, table_markdown
+from kimi_pipeline.model.tokenizer import load_tokenizer
+from kimi_pipeline.recipes import Recipe
+from kimi_pipeline.report.summary import RunSummary
+from kimi_pipeline.rl.prompts import load_prompts
+
+SUMMARY_KEYS = ("step", "avg_at_n", "pass_at_1", "pass_at_n", "maj_at_n")
+
+
+def eval_prompts(recipe: Recipe, run_dir: Path, tokenizer):
+    path = Path(run_dir) / "validate" / "eval.jsonl"
+    return load_prompts(path, tokenizer, recipe.data.input_key, recipe.data.label_key, recipe.data.apply_chat_template)
+
+
+def run_eval_step(recipe: Recipe, run_dir: Path, step: int, engine_urls: list[str], model_dir: Path) -> dict[str, Any]:
+    """Evaluate the engines' current weights at `step`; returns the eval.jsonl row (+ `markdown`)."""
+    from kimi_pipeline.rl.engine.client import Router
+
+    tokenizer = load_tokenizer(model_dir, recipe.hub.trust_remote_code)
+    prompts = eval_prompts(recipe, run_dir, tokenizer)
+    out_dir = Path(run_dir) / "eval"
+    with Router(engine_urls) as client:
+        result = evaluate(client, tokenizer, prompts, recipe.eval, step=step, seed=recipe.rollout.seed,
+                          rm_type=recipe.rollout.rm_type, thinking=recipe.rollout.thinking, out_dir=out_dir,
+                          top_k=recipe.rollout.top_k)
+    RunSummary(run_dir).upsert_row("eval", {k: result[k] for k in SUMMARY_KEYS})
+    table = json.loads(eval_step_path(out_dir, step).read_text()).get("problems_table")
+    return {**result, "markdown": table_markdown(result, table)}
+
+
+def evaluate_checkpoint(recipe: Recipe, checkpoint: Path, run_dir: Path, *, model_dir: Path | None = None,
+                        data_file: Path | None = None, step: int | None = None) -> dict[str, Any]:
+    """`kimi eval --checkpoint`: an HF directory (config.json) or a torch_dist checkpoint, evaluated on
+    an in-process embedded engine. Eval prompts: `data_file` or the run's validated eval set."""
+    import torch
+
+    from kimi_pipeline.eval.run import evaluate as run
+    from kimi_pipeline.rl.engine.model import EngineModel
+    from kimi_pipeline.rl.engine.sampler import RolloutEngine
+    from kimi_pipeline.rl.engine.server import EngineServer
+
+    checkpoint = Path(checkpoint)
+    if (checkpoint / "config.json").is_file():
+        engine_model = EngineModel.from_pretrained(checkpoint)
+        tokenizer_dir = checkpoint if (checkpoint / "tokenizer.json").is_file() else model_dir
+    elif (checkpoint / "latest_checkpointed_iteration.txt").is_file() or checkpoint.name.startswith("iter_"):
+        if model_dir is None or not (Path(model_dir) / "config.json").is_file():
+            raise PermanentError(f"{model_dir}: a torch_dist checkpoint needs the HF config + tokenizer directory "
+                                 "it was converted from (--model-dir, or the run's download stage)")
+        tokenizer_dir = model_dir
+        engine_model = EngineModel.from_pretrained(model_dir)
+        engine_model.load_weights(_torch_dist_hf_tensors(recipe, checkpoint), strict=True)
+    else:
+        raise PermanentError(f"{checkpoint}: neither an HF checkpoint (config.json) nor a torch_dist checkpoint "
+                             "(latest_checkpointed_iteration.txt or iter_NNNNNNN/)")
+    tokenizer = load_tokenizer(tokenizer_dir, recipe.hub.trust_remote_code)
+    prompts = (load_prompts(data_file, tokenizer, recipe.data.input_key, recipe.data.label_key,
+                            recipe.data.apply_chat_template) if data_file else eval_prompts(recipe, run_dir, tokenizer))
+    with EngineServer(RolloutEngine(engine_model, seed=recipe.rollout.seed)) as server:
+        from kimi_pipeline.rl.engine.client import EngineClient
+
+        with EngineClient(server.url) as client:
+            torch.manual_seed(recipe.rollout.seed)
+            return run(client, tokenizer, prompts, recipe.eval, step=step or 0, seed=recipe.rollout.seed,
+                       rm_type=recipe.rollout.rm_type, thinking=recipe.rollout.thinking,
+                       out_dir=Path(run_dir) / "eval", top_k=recipe.rollout.top_k)
+
+
+def _torch_dist_hf_tensors(recipe: Recipe, checkpoint: Path) -> dict:
+    """Load a torch_dist checkpoint in one process and return its HF-named tensors."""
+    from kimi_pipeline.convert.names import export_hf_tensors
+    from kimi_pipeline.model.megatron_model import build_model
+    from kimi_pipeline.model.megatron_train import load_model_only
+    from kimi_pipeline.model.parallel import Layout, destroy, init_distributed
+
+    ckpt_dir, step = (checkpoint.parent, int(checkpoint.name.split("_")[1])) if checkpoint.name.startswith("iter_") \
+        else (checkpoint, None)
+    layout = Layout()
+    init_distributed(layout)
+    try:
+        model = build_model(recipe.model, layout)
+        load_model_only(ckpt_dir, [model], step)
+        named = dict(export_hf_tensors(model, recipe.model, layout))
+        if recipe.quant.int4_qat:  # the policy was trained (and sampled) with fake-INT4 experts
+            from kimi_pipeline.quant.qat import fake_quant_hf_tensors
+
+            named = dict(fake_quant_hf_tensors(named.items(), recipe.quant.group_size))
+        return named
+    finally:
+        destroy()

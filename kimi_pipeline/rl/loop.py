@@ -1,0 +1,299 @@
+"""The GRPO driver: rollout → reward → advantages → train → weight sync → checkpoint → eval.
+
+Runs in the stage's process and drives Ray actors: the trainer ranks (`PolicyWorker`, one
+torch.distributed job) and the rollout engines (embedded HTTP engines on CPU, SGLang servers on GPU),
+all talked to through one client. Every random choice is seeded by (recipe seed, step), and a
+checkpoint carries the data position, so a retried stage resumes from its latest checkpoint and
+ends with the same metrics as an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kimi_pipeline.errors import PermanentError
+from kimi_pipeline.model.tokenizer import load_tokenizer
+from kimi_pipeline.recipes import Recipe
+from kimi_pipeline.report.metrics import MetricsLog, first_last_mean, open_wandb, read_jsonl
+from kimi_pipeline.rl.prompts import Prompt, PromptStream, load_prompts
+from kimi_pipeline.rl.samples import Sample
+
+log = logging.getLogger(__name__)
+
+EvalFn = Callable[[int], dict[str, Any]]
+
+
+class TrainingError(RuntimeError):
+    """A transient training failure (lost actor, engine down): the stage retry resumes from the checkpoint."""
+
+
+@dataclass
+class TrainPaths:
+    root: Path
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / "metrics.jsonl"
+
+    @property
+    def tensorboard(self) -> Path:
+        return self.root / "tensorboard"
+
+
+def rollout_seed(recipe: Recipe, step: int) -> int:
+    return recipe.rollout.seed * 1_000_003 + step
+
+
+# --------------------------------------------------------------------------- actors
+
+
+def _worker_env() -> dict[str, Any]:
+    """Ray runtime env for our actors: this interpreter's packages, quiet compile, one thread each."""
+    env = {"TORCHDYNAMO_DISABLE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    return {"env_vars": env}
+
+
+class EngineActor:
+    """An embedded rollout engine serving SGLang's HTTP API from a Ray actor."""
+
+    def __init__(self, model_dir: str, seed: int, host: str = "127.0.0.1", device: str | None = None):
+        from kimi_pipeline.rl.engine.model import EngineModel
+        from kimi_pipeline.rl.engine.sampler import RolloutEngine
+        from kimi_pipeline.rl.engine.server import EngineServer
+
+        torch.set_num_threads(1)
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        model = EngineModel.from_pretrained(model_dir, device=device)
+        self.server = EngineServer(RolloutEngine(model, seed=seed), host, 0, None, model_dir)
+        self._url = self.server.start()
+
+    def url(self) -> str:
+        return self._url
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+def _start_engines(recipe: Recipe, model_dir: Path, ray) -> tuple[list, list[str]]:
+    if recipe.rollout.engine == "sglang":
+        from kimi_pipeline.rl.engine.sglang import start_sglang_engines
+
+        return start_sglang_engines(recipe, str(model_dir))
+    gpus = 1 if recipe.cluster.device == "cuda" else 0
+    actor = ray.remote(num_cpus=1, num_gpus=gpus, runtime_env=_worker_env())(EngineActor)
+    engines = [actor.remote(str(model_dir), recipe.rollout.seed, recipe.sglang.host)]
+    return engines, ray.get([e.url.remote() for e in engines])
+
+
+def _start_trainers(recipe: Recipe, ray) -> list:
+    from kimi_pipeline.model.parallel import free_port
+    from kimi_pipeline.rl.policy import PolicyWorker
+
+    world = recipe.cluster.world_size
+    gpus = 1 if recipe.cluster.device == "cuda" else 0
+    addr = "127.0.0.1" if recipe.cluster.nodes == 1 else ray.util.get_node_ip_address()
+    port = free_port()
+    actor = ray.remote(num_cpus=1, num_gpus=gpus, runtime_env=_worker_env())(PolicyWorker)
+    data = recipe.model_dump(mode="json", exclude={"hub": {"token"}})
+    return [actor.remote(data, rank, world, addr, port) for rank in range(world)]
+
+
+def _merge_rank_metrics(results: list[dict[str, float]]) -> dict[str, float]:
+    """Mean over ranks that report a metric (loss metrics come from the last pipeline stage only)."""
+    keys = {k for r in results for k in r}
+    return {k: sum(r[k] for r in results if k in r) / sum(1 for r in results if k in r) for k in keys}
+
+
+# --------------------------------------------------------------------------- rollout
+
+
+def generate_groups(client, tokenizer, reward, prompts: list[Prompt], recipe: Recipe, seed: int,
+                    first_group: int = 0) -> list[list[Sample]]:
+    """n samples per prompt from the engines, graded; one list of samples per prompt (a group)."""
+    from kimi_pipeline.rl.engine.sampler import SamplingParams
+
+    ro = recipe.rollout
+    params = SamplingParams(temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k,
+                            max_new_tokens=ro.max_response_len, seed=seed)
+    n = ro.n_samples_per_prompt
+    completions = client.generate([p.ids for p in prompts], n=n, params=params,
+                                  return_routed_experts=ro.routing_replay)
+    texts = tokenizer.batch_decode([c.output_ids for c in completions], skip_special_tokens=True)
+    rewards = reward.score(texts, [p.label for p in prompts for _ in range(n)])
+    groups: list[list[Sample]] = []
+    for g, p in enumerate(prompts):
+        group = []
+        for j in range(n):
+            i = g * n + j
+            c = completions[i]
+            group.append(Sample(prompt_ids=list(c.prompt_ids), response_ids=list(c.output_ids),
+                                rollout_logprobs=list(c.logprobs), label=p.label, group=first_group + g,
+                                reward=float(rewards[i]), finish_reason=c.finish_reason, response_text=texts[i],
+                                routed_experts=c.routed_experts))
+        groups.append(group)
+    return groups
+
+
+def rollout(client, tokenizer, reward, stream: PromptStream, recipe: Recipe, step: int) -> tuple[list[Sample], dict]:
+    """One rollout's samples with group-normalized advantages (dynamic sampling when the recipe asks)."""
+    from kimi_pipeline.rl.grpo import group_advantages
+
+    ro = recipe.rollout
+    t0 = time.perf_counter()
+    if ro.dynamic_sampling:
+        from kimi_pipeline.rl.sampling import collect_groups
+
+        per_draw = ro.over_sampling_batch_size or ro.rollout_batch_size
+        kept, _surplus, report = collect_groups(
+            lambda d: generate_groups(client, tokenizer, reward, stream.take(per_draw), recipe,
+                                      rollout_seed(recipe, step) * 31 + d, first_group=d * per_draw),
+            target=ro.rollout_batch_size, max_draws=4,
+            rewards_of=lambda grp: [s.reward for s in grp])
+        groups, extra = kept, {"dynamic_kept_groups": float(report.kept), "dynamic_dropped_groups": float(report.dropped),
+                               "dynamic_draws": float(report.draws)}
+        if not groups:  # every group was all-right or all-wrong: nothing to learn from this rollout
+            groups = generate_groups(client, tokenizer, reward, stream.take(ro.rollout_batch_size), recipe,
+                                     rollout_seed(recipe, step))
+    else:
+        groups = generate_groups(client, tokenizer, reward, stream.take(ro.rollout_batch_size), recipe,
+                                 rollout_seed(recipe, step))
+        extra = {}
+    gen_seconds = time.perf_counter() - t0
+    samples = [s for g in groups for s in g]
+    rewards = torch.tensor([s.reward for s in samples])
+    adv = group_advantages(rewards, ro.n_samples_per_prompt)
+    for s, a in zip(samples, adv.tolist()):
+        s.advantage = float(a)
+    n = ro.n_samples_per_prompt
+    per_group = rewards.view(-1, n)
+    lengths = [len(s.response_ids) for s in samples]
+    out_tokens = sum(lengths)
+    metrics = {
+        "reward_mean": float(rewards.mean()),
+        "reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,
+        "solved_group_fraction": float((per_group.max(dim=1).values > 0.5).float().mean()),
+        "all_solved_group_fraction": float((per_group.min(dim=1).values > 0.5).float().mean()),
+        "response_len_mean": out_tokens / len(samples),
+        "response_len_max": float(max(lengths)),
+        "truncated_fraction": sum(s.finish_reason == "length" for s in samples) / len(samples),
+        "rollout_seconds": gen_seconds,
+        "rollout_tokens_per_s": out_tokens / gen_seconds if gen_seconds > 0 else 0.0,
+        "samples": float(len(samples)),
+        "reward_timeouts": float(reward.last_stats.as_dict().get("timeouts", 0)),
+        **extra,
+    }
+    return samples, metrics
+
+
+# --------------------------------------------------------------------------- the loop
+
+
+def run_training(
+    recipe: Recipe,
+    run_dir: Path,
+    *,
+    init_checkpoint: Path,
+    model_dir: Path,
+    ray_address: str | None = None,
+    evaluate: Callable[[int, list[str]], dict[str, Any]] | None = None,
+    on_step: Callable[[dict[str, Any]], None] | None = None,
+    stop_after: int | None = None,
+) -> dict[str, Any]:
+    """Train `recipe.rollout.num_rollout` rollouts (resuming from DIR/train/checkpoints); return the summary section.
+
+    `evaluate(step, engine_urls)` is called at step 0 of a fresh run, every `eval.interval` steps and at
+    the end (the task layer makes each one a retried Prefect task). `stop_after` ends early (tests).
+    """
+    import ray
+
+    from kimi_pipeline.rl.engine.client import Router
+    from kimi_pipeline.rl.reward import RewardModel
+
+    paths = TrainPaths(Path(run_dir) / "train")
+    paths.root.mkdir(parents=True, exist_ok=True)
+    tokenizer = load_tokenizer(model_dir, recipe.hub.trust_remote_code)
+    train_file = Path(run_dir) / "validate" / "train.jsonl"
+    stream = PromptStream(load_prompts(train_file, tokenizer, recipe.data.input_key, recipe.data.label_key,
+                                       recipe.data.apply_chat_template), recipe.rollout.seed, recipe.rollout.shuffle)
+    if not ray.is_initialized():
+        if ray_address is None:
+            raise PermanentError("no Ray cluster: run the cluster stage first (or pass --ray-address)")
+        ray.init(address=ray_address, log_to_driver=False)
+    total = recipe.rollout.num_rollout
+    wandb_run = open_wandb(None, f"{recipe.name}-{Path(run_dir).name}", recipe.model_dump(mode="json",
+                                                                                          exclude={"hub": {"token"}}))
+    metrics_log = MetricsLog(paths.metrics, tensorboard_dir=paths.tensorboard, wandb_run=wandb_run)
+    engines, workers, router = [], [], None
+    reward = RewardModel(recipe.rollout.rm_type, recipe.rollout.thinking)
+    try:
+        engines, urls = _start_engines(recipe, model_dir, ray)
+        workers = _start_trainers(recipe, ray)
+        extras = ray.get([w.load.remote(str(paths.checkpoints), str(init_checkpoint)) for w in workers])
+        extra = extras[0] or {}
+        start = int(extra.get("step", 0))
+        if extra:
+            stream.restore(extra["data"])
+            metrics_log.truncate_after(start)
+            log.info("resumed from %s at step %d", paths.checkpoints, start)
+        ray.get([w.sync_weights.remote(urls, str(start)) for w in workers])
+        router = Router(urls)
+        if evaluate and start == 0:
+            evaluate(0, urls)
+        end = total if stop_after is None else min(total, stop_after)
+        for step in range(start, end):
+            t0 = time.perf_counter()
+            samples, row = rollout(router, tokenizer, reward, stream, recipe, step)
+            train = _merge_rank_metrics(ray.get([w.train.remote(samples, step) for w in workers]))
+            sync = _merge_rank_metrics(ray.get([w.sync_weights.remote(urls, str(step + 1)) for w in workers]))
+            row = {"step": step + 1, **row, **train, **sync, "step_seconds": time.perf_counter() - t0}
+            metrics_log.log(row)
+            done = step + 1
+            if done % recipe.checkpoint.save_interval == 0 or done == total:
+                state = {"step": done, "data": stream.state()}
+                ray.get([w.save.remote(str(paths.checkpoints), done, state) for w in workers])
+            if on_step:
+                on_step(row)
+            if evaluate and (done % recipe.eval.interval == 0 or done == total):
+                evaluate(done, urls)
+    except ray.exceptions.RayError as e:
+        raise TrainingError(f"training actors failed ({type(e).__name__}): {str(e).splitlines()[0][:300]}; "
+                            "a retry resumes from the latest checkpoint") from e
+    finally:
+        if router is not None:
+            router.close()
+        reward.close()
+        metrics_log.close()
+        for a in workers + engines:
+            try:
+                ray.kill(a)
+            except Exception:  # noqa: BLE001 - best effort: the actor may already be gone
+                pass
+    rows = read_jsonl(paths.metrics)
+    first, last = first_last_mean(rows, "reward_mean")
+    from kimi_pipeline.model.megatron_train import latest_step, iteration_dir
+
+    ckpt_step = latest_step(paths.checkpoints)
+    return {
+        "steps": len(rows),
+        "reward_first": first,
+        "reward_last": last,
+        "checkpoint": str(iteration_dir(paths.checkpoints, ckpt_step)) if ckpt_step is not None else None,
+        "checkpoint_dir": str(paths.checkpoints),
+        "checkpoint_step": ckpt_step,
+        "metrics": str(paths.metrics),
+        "seconds_per_step": sum(r.get("step_seconds", 0) for r in rows) / max(len(rows), 1),
+    }

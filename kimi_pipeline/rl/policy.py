@@ -1,0 +1,267 @@
+"""One trainer rank of the GRPO policy: megatron-core model + optimizer, train on rollout samples,
+sync weights to the rollout engines, checkpoint and resume.
+
+The driver runs one `PolicyWorker` per trainer rank (as Ray actors that together form one
+torch.distributed job; gloo on CPU, nccl on GPU). Every rank receives the same samples and takes
+its data-parallel share through the micro-batch plan, so all ranks agree on the work without talking.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kimi_pipeline.recipes import Recipe
+from kimi_pipeline.rl.samples import MicroBatch, Sample, collate
+
+
+class PolicyWorker:
+    def __init__(self, recipe: Recipe | dict, rank: int = 0, world_size: int = 1, master_addr: str = "127.0.0.1",
+                 master_port: int | None = None, total_steps: int | None = None, threads: int | None = None):
+        recipe = recipe if isinstance(recipe, Recipe) else Recipe.model_validate(recipe)
+        self.recipe = recipe
+        if world_size > 1 or master_port is not None:
+            os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                              LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+        if threads:
+            os.environ["OMP_NUM_THREADS"] = str(threads)
+        from kimi_pipeline.model.megatron_train import build_trainable, lr_scheduler
+        from kimi_pipeline.model.parallel import Layout, init_distributed
+
+        self.layout = Layout.from_parallel(recipe.parallel, world_size)
+        self.rank = init_distributed(self.layout, seed=recipe.rollout.seed)
+        overrides: dict[str, Any] = {}
+        if recipe.rollout.routing_replay:
+            overrides["moe_enable_routing_replay"] = True
+        self.model, self.optimizer = build_trainable(recipe.model, self.layout, recipe.optimizer, **overrides)
+        total = total_steps or recipe.rollout.num_rollout * recipe.rollout.num_steps_per_rollout
+        self.scheduler = lr_scheduler(self.optimizer, recipe.optimizer, total)
+        self.qat: list[str] = []
+        if recipe.quant.int4_qat:
+            from kimi_pipeline.quant.qat import enable_int4_qat
+
+            for m in self.model:
+                self.qat += enable_int4_qat(m, recipe.quant.group_size)
+        self.ref_model = None  # built on load() only when the KL term is on
+
+    # ------------------------------------------------------------------ weights in
+    def load(self, train_ckpt_dir: str, init_ckpt_dir: str) -> dict[str, Any] | None:
+        """Resume from the latest training checkpoint, else start from the converted weights.
+
+        Returns the checkpoint's extra state (data position, rollout step) or None for a fresh start.
+        """
+        from kimi_pipeline.model.megatron_train import latest_step, load_checkpoint, load_model_only
+
+        extra = None
+        if latest_step(train_ckpt_dir) is not None:
+            extra = load_checkpoint(train_ckpt_dir, self.model, self.optimizer)
+            sched = extra.get("scheduler")
+            if sched:
+                self.scheduler.load_state_dict(sched)
+        else:
+            load_model_only(init_ckpt_dir, self.model)
+        if self.recipe.grpo.use_kl_loss and self.recipe.grpo.kl_loss_coef > 0:
+            from kimi_pipeline.model.megatron_model import build_model
+
+            self.ref_model = build_model(self.recipe.model, self.layout)
+            load_model_only(init_ckpt_dir, [self.ref_model])
+            for p in self.ref_model.parameters():
+                p.requires_grad_(False)
+        return extra
+
+    # ------------------------------------------------------------------ training
+    def _dp_rank(self) -> int:
+        from megatron.core import parallel_state as ps
+
+        return ps.get_data_parallel_rank()
+
+    def _micro_batches(self, samples: list[Sample], indices: list[int]) -> list[MicroBatch]:
+        """This data-parallel rank's micro-batches of `indices` (token-budgeted when dynamic batching)."""
+        from kimi_pipeline.rl.batching import plan_micro_batches
+
+        p = self.recipe.parallel
+        if p.use_dynamic_batch_size:
+            plan = plan_micro_batches([samples[i].num_tokens for i in indices], p.max_tokens_per_gpu, self.layout.dp)
+            mine = [[indices[j] for j in mb] for mb in plan.ranks[self._dp_rank()]]
+        else:
+            mine = [[i] for i in indices[self._dp_rank() :: self.layout.dp]]
+        batches = [collate([samples[i] for i in mb], mb, pad_id=0) for mb in mine if mb]
+        if self.layout.pp > 1:  # pipeline p2p needs one shape for every micro-batch
+            batches = _pad_uniform(batches)
+        return batches
+
+    def _moe_layer_slice(self) -> slice:
+        """Which of the rollout's MoE layers (engine order) the routers of this pipeline stage are."""
+        from megatron.core import parallel_state as ps
+
+        spec = self.recipe.model
+        layers = self.layout.stage_layers(spec.num_layers)
+        pp = ps.get_pipeline_model_parallel_rank()
+        start = sum(layers[:pp])
+        moe = lambda lo, hi: sum(1 for i in range(lo, hi) if i >= spec.first_k_dense)  # noqa: E731
+        first = moe(0, start)
+        return slice(first, first + moe(start, start + layers[pp]))
+
+    def _with_replay(self, mbs: list[MicroBatch], fn):
+        """Run `fn` with routing replay: before each micro-batch's forward, its rollout expert ids are
+        installed in megatron's RouterReplay (routing from the rollout, probabilities from the live router)."""
+        if not self.recipe.rollout.routing_replay or any(mb.routed_experts is None for mb in mbs):
+            return fn()
+        from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+        queue, layers = list(mbs), self._moe_layer_slice()
+
+        def install(_module, _args):
+            ids = queue.pop(0).routed_experts  # [b, s, moe_layers, k]; megatron routes tokens s-major
+            ids = ids.transpose(0, 1).reshape(-1, *ids.shape[2:])[:, layers]
+            RouterReplay.set_replay_data([ids[:, i].contiguous() for i in range(ids.shape[1])])
+            RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+
+        handle = self.model[0].register_forward_pre_hook(install)
+        try:
+            return fn()
+        finally:
+            handle.remove()
+            RouterReplay.clear_global_indices()
+            RouterReplay.clear_global_router_replay_action()
+
+    def _token_logprobs(self, model_chunks, samples: list[Sample]) -> list[list[float]]:
+        """Per-response-token logprobs of every sample (no grad), in sample order, on every rank."""
+        from kimi_pipeline.model.megatron_train import token_logprobs
+        from kimi_pipeline.rl.samples import response_values
+
+        temperature = self.recipe.rollout.temperature or 1.0
+        out: list[list[float] | None] = [None] * len(samples)
+        # every rank computes all samples (old logprobs are needed by whichever DP rank trains a sample)
+        p = self.recipe.parallel
+        from kimi_pipeline.rl.batching import plan_micro_batches
+
+        plan = plan_micro_batches([s.num_tokens for s in samples], p.max_tokens_per_gpu, 1)
+        mbs = [collate([samples[i] for i in mb], mb, pad_id=0) for mb in plan.ranks[0] if mb]
+        for mb in mbs:
+            lp, _ = self._with_replay([mb], lambda mb=mb: token_logprobs(model_chunks, mb.tokens, mb.targets,
+                                                                          temperature=temperature))
+            for row, i in enumerate(mb.index):
+                out[i] = response_values(lp[row], samples[i])
+        return out  # type: ignore[return-value]
+
+    def train(self, samples: list[Sample], step: int) -> dict[str, float]:
+        """One rollout's worth of GRPO: old logprobs under the rollout policy, then
+        `num_steps_per_rollout` optimizer steps over consecutive slices of the samples."""
+        from kimi_pipeline.model.megatron_train import forward_backward, logprobs_from_logits, optimizer_step
+        from kimi_pipeline.rl.grpo import grpo_loss
+
+        t0 = time.perf_counter()
+        r = self.recipe
+        temperature = r.rollout.temperature or 1.0
+        for s, old in zip(samples, self._token_logprobs(self.model, samples)):
+            s.old_logprobs = old
+        refs = self._token_logprobs([self.ref_model], samples) if self.ref_model is not None else None
+        n_steps = r.rollout.num_steps_per_rollout
+        per_step = math.ceil(len(samples) / n_steps)
+        sums: dict[str, float] = {}
+        weight, grad_norms, updated, tokens = 0.0, [], 0, 0
+
+        def loss_fn(logits: torch.Tensor, batch: dict):
+            lp, ent = logprobs_from_logits(logits, batch["targets"], temperature=temperature)
+            mask = batch["mask"]
+            loss, m = grpo_loss(lp, batch["old_logprobs"], batch["rollout_logprobs"], batch.get("ref_logprobs"),
+                                ent, batch["advantages"], mask, r.grpo)
+            rows = int((mask.sum(-1) > 0).sum())
+            # megatron per-token-loss contract: gradient of sum(loss_sum) / sum(denominator) over micro-batches
+            return loss * rows, rows, {**m, "_rows": float(rows)}
+
+        for k in range(n_steps):
+            idx = list(range(k * per_step, min(len(samples), (k + 1) * per_step)))
+            if not idx:
+                continue
+            mbs = self._micro_batches(samples, idx)
+            batches = []
+            for mb in mbs:
+                d = {"tokens": mb.tokens, "targets": mb.targets, "mask": mb.mask,
+                     "rollout_logprobs": mb.rollout_logprobs, "advantages": mb.advantages,
+                     "old_logprobs": mb.old_logprobs}
+                if refs is not None:
+                    d["ref_logprobs"] = collate([_with_old(samples[i], refs[i]) for i in mb.index], mb.index, 0).old_logprobs
+                batches.append(d)
+            outs = self._with_replay(mbs, lambda: forward_backward(self.model, batches, loss_fn, optimizer=self.optimizer))
+            ok, grad_norm = optimizer_step(self.optimizer, self.scheduler)
+            updated += int(ok)
+            grad_norms.append(float(grad_norm or 0.0))
+            for o in outs:
+                w = o.get("_rows", 0.0)
+                weight += w
+                for key, v in o.items():
+                    if key != "_rows" and isinstance(v, (int, float)):
+                        sums[key] = sums.get(key, 0.0) + float(v) * w
+            tokens += sum(samples[i].num_tokens for mb in mbs for i in mb.index)
+        metrics = {k: v / max(weight, 1.0) for k, v in sums.items()}
+        seconds = time.perf_counter() - t0
+        metrics.update(grad_norm=sum(grad_norms) / max(len(grad_norms), 1), optimizer_steps=float(updated),
+                       lr=float(self.optimizer.param_groups[0]["lr"]), train_seconds=seconds,
+                       train_tokens_per_s=tokens / seconds if seconds > 0 else 0.0)
+        return metrics
+
+    # ------------------------------------------------------------------ weights out
+    def hf_tensors(self):
+        """Full HF-named tensors (collective; every rank must drain it), routed experts fake-quantized
+        when QAT is on so the engines sample from exactly the policy the trainer optimizes."""
+        from kimi_pipeline.convert.names import export_hf_tensors
+
+        named = export_hf_tensors(self.model[0], self.recipe.model, self.layout, dst=0)
+        if self.qat:
+            from kimi_pipeline.quant.qat import fake_quant_hf_tensors
+
+            named = fake_quant_hf_tensors(named, self.recipe.quant.group_size)
+        return named
+
+    def sync_weights(self, engine_urls: list[str], version: str) -> dict[str, float]:
+        """Megatron → HF names → every engine, in update-weight-buffer-sized chunks (rank 0 sends)."""
+        t0 = time.perf_counter()
+        named = list(self.hf_tensors())
+        chunks = 0
+        if self.rank == 0:
+            from kimi_pipeline.rl.engine.client import Router
+
+            with Router(engine_urls) as router:
+                chunks = router.update_weights(named, self.recipe.rollout.update_weight_buffer_size,
+                                               weight_version=version)
+        return {"sync_seconds": time.perf_counter() - t0, "sync_chunks": float(chunks or 0)}
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, ckpt_dir: str, step: int, extra: dict[str, Any]) -> str:
+        from kimi_pipeline.model.megatron_train import save_checkpoint
+
+        extra = {**extra, "scheduler": self.scheduler.state_dict()}
+        return str(save_checkpoint(ckpt_dir, step, self.model, self.optimizer, extra))
+
+    def close(self) -> None:
+        from kimi_pipeline.model.parallel import destroy
+
+        destroy()
+
+
+def _with_old(sample: Sample, values: list[float]) -> Sample:
+    from dataclasses import replace
+
+    return replace(sample, old_logprobs=values)
+
+
+def _pad_uniform(batches: list[MicroBatch]) -> list[MicroBatch]:
+    b = max(x.tokens.shape[0] for x in batches)
+    s = max(x.tokens.shape[1] for x in batches)
+
+    def pad(t: torch.Tensor, value) -> torch.Tensor:
+        out = torch.full((b, s, *t.shape[2:]), value, dtype=t.dtype)
+        out[: t.shape[0], : t.shape[1]] = t
+        return out
+
+    return [MicroBatch(pad(x.tokens, 0), pad(x.targets, 0), pad(x.mask, 0.0), pad(x.rollout_logprobs, 0.0),
+                       pad(x.advantages, 0.0), x.index,
+                       None if x.old_logprobs is None else pad(x.old_logprobs, 0.0),
+                       None if x.routed_experts is None else pad(x.routed_experts, 0)) for x in batches]

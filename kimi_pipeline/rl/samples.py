@@ -1,0 +1,98 @@
+"""Rollout samples and their tensor form for the trainer.
+
+A sample is one response to one prompt, with what the rollout engine measured (per-token logprobs,
+routed experts) and what the driver added (reward, group-normalized advantage). Samples cross process
+boundaries (Ray) as plain lists, so they stay cheap to serialize and never need pickle of tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Sample:
+    prompt_ids: list[int]
+    response_ids: list[int]
+    rollout_logprobs: list[float]  # per response token, from the engine
+    old_logprobs: list[float] | None = None  # per response token, trainer before this rollout's updates
+    label: str = ""
+    group: int = 0  # index of the prompt in its rollout (samples of one prompt share it)
+    reward: float = 0.0
+    advantage: float = 0.0
+    finish_reason: str = "stop"
+    response_text: str = ""
+    # [len(prompt)+len(response)-1][moe_layers][topk] expert ids for routing replay (None: live routing)
+    routed_experts: list | None = field(default=None, repr=False)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.response_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.response_ids)
+
+
+@dataclass
+class MicroBatch:
+    """Right-padded tensors for one forward (megatron MLA wants positions 0..s-1 in every row).
+
+    `targets[b, t]` is the token predicted at position t (tokens shifted left); `mask[b, t]` is 1 where
+    that target is a response token, so logprobs line up with the engine's per-token logprobs.
+    """
+
+    tokens: torch.Tensor  # [b, s] long
+    targets: torch.Tensor  # [b, s] long
+    mask: torch.Tensor  # [b, s] float
+    rollout_logprobs: torch.Tensor  # [b, s] float (0 outside the mask)
+    advantages: torch.Tensor  # [b, s] float, broadcast over response tokens
+    index: list[int]  # positions of these samples in the step's sample list
+    old_logprobs: torch.Tensor | None = None  # [b, s] float, trainer logprobs before the update
+    routed_experts: torch.Tensor | None = None  # [b, s, moe_layers, topk] long
+
+
+def collate(samples: list[Sample], index: list[int], pad_id: int, pad_to_multiple: int = 1) -> MicroBatch:
+    width = max(s.num_tokens for s in samples)
+    width = -(-width // pad_to_multiple) * pad_to_multiple
+    b = len(samples)
+    tokens = torch.full((b, width), pad_id, dtype=torch.long)
+    targets = torch.full((b, width), pad_id, dtype=torch.long)
+    mask = torch.zeros((b, width))
+    rollout = torch.zeros((b, width))
+    adv = torch.zeros((b, width))
+    old = torch.zeros((b, width)) if all(s.old_logprobs is not None for s in samples) else None
+    routed = None
+    if all(s.routed_experts is not None for s in samples):
+        first = samples[0].routed_experts
+        layers, topk = len(first[0]), len(first[0][0])
+        # positions the engine never routed (the last token, padding) get experts 0..k-1: they feed no loss
+        routed = torch.arange(topk).expand(b, width, layers, topk).clone()
+    for i, s in enumerate(samples):
+        seq = torch.tensor(s.tokens, dtype=torch.long)
+        n, p, r = len(seq), len(s.prompt_ids), len(s.response_ids)
+        tokens[i, :n] = seq
+        targets[i, : n - 1] = seq[1:]
+        # target at position t is token t+1: response tokens are targets at positions p-1 .. p+r-2
+        mask[i, p - 1 : p - 1 + r] = 1.0
+        rollout[i, p - 1 : p - 1 + r] = torch.tensor(s.rollout_logprobs[:r], dtype=torch.float32)
+        adv[i, p - 1 : p - 1 + r] = s.advantage
+        if old is not None:
+            old[i, p - 1 : p - 1 + r] = torch.tensor(s.old_logprobs[:r], dtype=torch.float32)
+        if routed is not None:
+            ids = torch.tensor(s.routed_experts, dtype=torch.long)
+            routed[i, : ids.shape[0]] = ids
+    return MicroBatch(tokens, targets, mask, rollout, adv, list(index), old, routed)
+
+
+def response_values(values: torch.Tensor, sample: Sample) -> list[float]:
+    """A sample's per-response-token values out of its [s] row (inverse of collate's placement)."""
+    p, r = len(sample.prompt_ids), len(sample.response_ids)
+    return values[p - 1 : p - 1 + r].tolist()
+
+
+def response_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-sample mean over response tokens: [b, s] → [b]."""
+    return (values * mask).sum(-1) / mask.sum(-1).clamp_min(1.0)

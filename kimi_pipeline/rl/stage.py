@@ -1,0 +1,61 @@
+"""Stage `train`: GRPO from the converted checkpoint on the run's Ray cluster; resumes when re-run."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from kimi_pipeline.errors import PermanentError
+from kimi_pipeline.recipes import Recipe
+from kimi_pipeline.report.summary import RunSummary
+
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+def converted_checkpoint(run_dir: Path) -> Path:
+    path = Path(run_dir) / "convert" / "torch_dist"
+    if not (path / TRACKER).is_file():
+        raise PermanentError(f"{path}: no complete converted checkpoint (tracker {TRACKER} missing); "
+                             f"run the convert stage first (`kimi run --until convert`)")
+    return path
+
+
+def model_dir(run_dir: Path) -> Path:
+    p = Path(run_dir) / "download" / "manifest.json"
+    if not p.is_file():
+        raise PermanentError(f"{p} not found: run the download stage first")
+    return Path(json.loads(p.read_text())["model"]["root"])
+
+
+def cluster_address(run_dir: Path) -> str | None:
+    data = RunSummary(run_dir).read()
+    return (data.get("cluster") or {}).get("address")
+
+
+def stage_train(
+    recipe: Recipe,
+    run_dir: Path,
+    *,
+    ray_address: str | None = None,
+    evaluate: Callable[[int, list[str]], dict[str, Any]] | None = None,
+    on_step: Callable[[dict[str, Any]], None] | None = None,
+    stop_after: int | None = None,
+) -> dict[str, Any]:
+    """Train and record `train` in summary.json; `evaluate` defaults to the in-process eval at each interval."""
+    from kimi_pipeline.eval.stage import run_eval_step
+    from kimi_pipeline.rl.loop import run_training
+
+    summary = RunSummary(run_dir, recipe.name)
+    with summary.stage("train"):
+        hf_dir = model_dir(run_dir)
+        if evaluate is None:
+            evaluate = lambda step, urls: run_eval_step(recipe, run_dir, step, urls, hf_dir)  # noqa: E731
+        section = run_training(
+            recipe, Path(run_dir), init_checkpoint=converted_checkpoint(run_dir), model_dir=hf_dir,
+            ray_address=ray_address or cluster_address(run_dir), evaluate=evaluate, on_step=on_step,
+            stop_after=stop_after,
+        )
+        summary.set_section("train", section)
+    return section
