@@ -1,0 +1,258 @@
+"""Source weight formats as Kimi ships them, dequantized per tensor on the rank that owns it.
+
+- bf16/fp32: stored as is.
+- fp8 (Kimi-K2-Instruct, DeepSeek-V3 style): `X.weight` is float8_e4m3fn and `X.weight_scale_inv`
+  holds one float32 scale per 128×128 block; bf16 = fp8.float() × scale broadcast over its block.
+- int4 (Kimi-K2-Thinking, the K2.5 actor): compressed-tensors `pack-quantized`, group 32, symmetric;
+  `X.weight_packed` (int32, eight 4-bit values), `X.weight_scale`, `X.weight_shape`. Unpacking and
+  dequantization use compressed-tensors' own compressor, so the arithmetic is the library's.
+
+The inverse functions (`quantize_*`, `write_quantized_checkpoint`) produce FP8/INT4 copies of a
+checkpoint for tests and demos; they are not on the conversion path.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kimi_pipeline.errors import PermanentError
+from kimi_pipeline.model.hf_config import text_config
+from kimi_pipeline.util.files import atomic_write_json
+
+FP8_SCALE_SUFFIX = "_scale_inv"  # X.weight -> X.weight_scale_inv
+INT4_SUFFIXES = ("_packed", "_scale", "_shape", "_zero_point", "_g_idx")  # X.weight -> X.weight_packed, ...
+FP8_E4M3_MAX = 448.0
+
+
+class QuantFormatError(PermanentError):
+    """config.json declares a quantization we cannot dequantize, or the tensors do not match it."""
+
+
+@dataclass(frozen=True)
+class SourceFormat:
+    """What the converter saw in the checkpoint (recorded in the convert summary)."""
+
+    kind: str  # bf16 | fp8 | int4
+    details: dict[str, Any] = field(default_factory=dict)
+    quant_config: dict[str, Any] | None = None
+
+    def describe(self) -> dict[str, Any]:
+        return {"format": self.kind, **self.details}
+
+
+def detect_format(config: dict[str, Any], text_config_key: str | None = None) -> SourceFormat:
+    """The weight format a config.json declares (K2.5 may nest `quantization_config` under text_config)."""
+    tcfg = text_config(config, text_config_key)
+    qc = tcfg.get("quantization_config") or config.get("quantization_config")
+    dtype = str(tcfg.get("torch_dtype") or tcfg.get("dtype") or "bfloat16")
+    if not qc:
+        return SourceFormat("bf16", {"dtype": dtype})
+    method = str(qc.get("quant_method", "")).lower()
+    if method == "fp8":
+        block = qc.get("weight_block_size")
+        if not (isinstance(block, list) and len(block) == 2):
+            raise QuantFormatError(
+                f"config.json quantization_config: fp8 without a 2-element weight_block_size ({block!r}); "
+                "only DeepSeek-V3-style block-quantized FP8 is supported"
+            )
+        fmt = str(qc.get("fmt", "e4m3"))
+        if fmt != "e4m3":
+            raise QuantFormatError(f"config.json quantization_config.fmt={fmt!r}: only e4m3 FP8 is supported")
+        return SourceFormat("fp8", {"weight_block_size": [int(b) for b in block], "fmt": fmt, "dtype": dtype}, qc)
+    if method == "compressed-tensors":
+        _int4_schemes(qc)  # validate now, not on the first tensor
+        groups = qc.get("config_groups") or {}
+        w = next(iter(groups.values())).get("weights", {})
+        return SourceFormat(
+            "int4",
+            {"compression_format": qc.get("format"), "num_bits": w.get("num_bits"), "group_size": w.get("group_size"),
+             "symmetric": w.get("symmetric"), "strategy": w.get("strategy"), "dtype": dtype},
+            qc,
+        )
+    raise QuantFormatError(
+        f"config.json quantization_config.quant_method={method!r} is not supported "
+        "(supported: none/bf16, fp8 with weight_block_size, compressed-tensors pack-quantized)"
+    )
+
+
+# ---------------------------------------------------------------- FP8 block quantization
+def dequant_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] | list[int],
+                      name: str = "tensor") -> torch.Tensor:
+    """float32 weight = fp8 weight × its block's scale (blocks may be partial at the edges)."""
+    if weight.dim() != 2:
+        raise QuantFormatError(f"{name}: FP8 block dequantization expects a 2-D weight, got {tuple(weight.shape)}")
+    rows, cols = weight.shape
+    br, bc = int(block[0]), int(block[1])
+    want = (math.ceil(rows / br), math.ceil(cols / bc))
+    if tuple(scale_inv.shape) != want:
+        raise QuantFormatError(
+            f"{name}: weight_scale_inv has shape {tuple(scale_inv.shape)}, expected {want} for a "
+            f"{rows}×{cols} weight in {br}×{bc} blocks"
+        )
+    s = scale_inv.float().repeat_interleave(br, 0)[:rows].repeat_interleave(bc, 1)[:, :cols]
+    return weight.float() * s
+
+
+def quantize_fp8_block(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8_e4m3fn weight, float32 scale_inv per block): DeepSeek-V3's scheme, amax/448 per block."""
+    rows, cols = w.shape
+    br, bc = block
+    pr, pc = math.ceil(rows / br) * br, math.ceil(cols / bc) * bc
+    padded = torch.nn.functional.pad(w.float(), (0, pc - cols, 0, pr - rows))
+    blocks = padded.view(pr // br, br, pc // bc, bc)
+    amax = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12)
+    scale_inv = amax / FP8_E4M3_MAX
+    q = (blocks / scale_inv[:, None, :, None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+    q = q.view(pr, pc)[:rows, :cols].to(torch.float8_e4m3fn).contiguous()
+    return q, scale_inv.contiguous()
+
+
+# ---------------------------------------------------------------- INT4 compressed-tensors
+def _int4_schemes(qc: dict[str, Any]):
+    """(QuantizationConfig, {group: QuantizationScheme}) validated for pack-quantized integer weights."""
+    from compressed_tensors.quantization import QuantizationConfig
+
+    try:
+        cfg = QuantizationConfig.model_validate(qc)
+    except Exception as e:  # pydantic's message names the bad field
+        raise QuantFormatError(f"config.json quantization_config is not a valid compressed-tensors config: {e}") from None
+    if cfg.quantization_status != "compressed":
+        raise QuantFormatError(
+            f"config.json quantization_config.quantization_status={cfg.quantization_status!r}: only "
+            "'compressed' checkpoints hold packed weights"
+        )
+    schemes = {}
+    for gname, scheme in cfg.config_groups.items():
+        fmt = getattr(scheme, "format", None) or cfg.format
+        if fmt != "pack-quantized":
+            raise QuantFormatError(
+                f"config.json quantization_config group {gname!r}: format {fmt!r} is not supported "
+                "(only compressed-tensors pack-quantized)"
+            )
+        w = scheme.weights
+        if w is None or w.type != "int" or not 1 <= w.num_bits <= 8:
+            raise QuantFormatError(f"config.json quantization_config group {gname!r}: only 1-8 bit integer weights")
+        schemes[gname] = scheme
+    if not schemes:
+        raise QuantFormatError("config.json quantization_config has no config_groups")
+    return cfg, schemes
+
+
+class Int4Dequantizer:
+    """Dequantizes pack-quantized modules by name, choosing the config group whose targets match."""
+
+    def __init__(self, qc: dict[str, Any]):
+        self.cfg, self.schemes = _int4_schemes(qc)
+
+    def scheme_for(self, module: str):
+        if len(self.schemes) == 1:
+            return next(iter(self.schemes.values()))
+        for scheme in self.schemes.values():
+            for t in scheme.targets:
+                if module == t or (t.startswith("re:") and re.match(t[3:], module)):
+                    return scheme
+        raise QuantFormatError(
+            f"{module}: packed weights but no quantization_config group targets it by name "
+            f"(groups: {list(self.schemes)}); cannot tell which scheme applies"
+        )
+
+    def dequant(self, module: str, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        """`tensors`: weight_packed, weight_scale, weight_shape (+ weight_zero_point) of one Linear."""
+        from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+
+        missing = {"weight_packed", "weight_scale", "weight_shape"} - set(tensors)
+        if missing:
+            raise QuantFormatError(f"{module}: packed INT4 weight lacks {sorted(missing)}")
+        try:
+            out = PackedQuantizationCompressor.decompress(dict(tensors), self.scheme_for(module))["weight"]
+        except (RuntimeError, ValueError) as e:
+            raise QuantFormatError(f"{module}: cannot dequantize its packed INT4 weight ({e})") from None
+        shape = tuple(int(x) for x in tensors["weight_shape"].tolist())
+        if tuple(out.shape) != shape:
+            raise QuantFormatError(f"{module}: dequantized shape {tuple(out.shape)} != weight_shape {shape}")
+        return out
+
+
+def int4_args(group_size: int = 32):
+    from compressed_tensors.quantization import QuantizationArgs
+
+    return QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=group_size,
+                            dynamic=False, observer="minmax")
+
+
+def quantize_int4_packed(w: torch.Tensor, group_size: int = 32, scale_dtype: torch.dtype = torch.bfloat16
+                         ) -> dict[str, torch.Tensor]:
+    """weight_packed / weight_scale / weight_shape of a symmetric group-quantized weight (compressed-tensors)."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    args = int4_args(group_size)
+    rows, cols = w.shape
+    g = w.float().view(rows, cols // group_size, group_size)
+    scale, zp = calculate_qparams(g.amin(-1), g.amax(-1), args)
+    scale = scale.to(scale_dtype)
+    scheme = QuantizationScheme(targets=["Linear"], weights=args)
+    out = PackedQuantizationCompressor.compress({"weight": w.to(scale_dtype), "weight_scale": scale}, scheme)
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+# Kimi-K2-Thinking's quantization_config: routed experts only (everything else stays bf16).
+def kimi_int4_quant_config(group_size: int = 32) -> dict[str, Any]:
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "output_activations": None,
+                                      "weights": int4_args(group_size).model_dump(mode="json")}},
+        "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"],
+        "kv_cache_scheme": None,
+    }
+
+
+FP8_TARGET = re.compile(r"_proj(_with_mqa)?\.weight$")  # every Linear except lm_head and the router gate
+INT4_TARGET = re.compile(r"\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
+
+
+def write_quantized_checkpoint(src: str | Path, dst: str | Path, kind: str, *, group_size: int = 32,
+                               block: tuple[int, int] = (128, 128)) -> Path:
+    """Copy an HF checkpoint with its Linear weights stored as Kimi ships them (fp8 or int4)."""
+    from safetensors.torch import load_file, save_file
+
+    if kind not in ("fp8", "int4"):
+        raise ValueError(f"kind must be fp8 or int4, not {kind!r}")
+    src, dst = Path(src), Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    weight_map: dict[str, str] = {}
+    for shard in sorted(src.glob("*.safetensors")):
+        out: dict[str, torch.Tensor] = {}
+        for name, t in load_file(shard).items():
+            if kind == "fp8" and FP8_TARGET.search(name):
+                out[name], out[name + FP8_SCALE_SUFFIX] = quantize_fp8_block(t, block)
+            elif kind == "int4" and INT4_TARGET.search(name):
+                for k, v in quantize_int4_packed(t, group_size).items():
+                    out[name[: -len(".weight")] + "." + k] = v
+            else:
+                out[name] = t.to(torch.bfloat16) if t.is_floating_point() else t
+        save_file(out, dst / shard.name, metadata={"format": "pt"})
+        weight_map.update({k: shard.name for k in out})
+    for p in src.iterdir():
+        if p.is_file() and not p.name.endswith(".safetensors") and p.name not in ("config.json", "model.safetensors.index.json"):
+            shutil.copy2(p, dst / p.name)
+    config = json.loads((src / "config.json").read_text())
+    config["torch_dtype"] = "bfloat16"
+    config["quantization_config"] = (
+        {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(block)}
+        if kind == "fp8" else kimi_int4_quant_config(group_size)
+    )
+    atomic_write_json(dst / "config.json", config)
+    atomic_write_json(dst / "model.safetensors.index.json", {"metadata": {}, "weight_map": dict(sorted(weight_map.items()))})
+    return dst

@@ -1,0 +1,196 @@
+"""Read single tensors of an HF safetensors checkpoint by name, dequantized, never the whole model.
+
+The index (`model.safetensors.index.json`, or the header of a lone `model.safetensors`) says which
+file holds which tensor; files are opened lazily with safetensors' `safe_open` (memory-mapped), so a
+rank touches only the files and bytes of the tensors it asks for. Names are the logical HF names
+(`model.layers.3.mlp.experts.7.up_proj.weight`): quantized storage (`weight` + `weight_scale_inv`
+for FP8, `weight_packed/scale/shape` for INT4) is resolved and dequantized here, per tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kimi_pipeline.convert.dequant import (
+    FP8_SCALE_SUFFIX,
+    INT4_SUFFIXES,
+    Int4Dequantizer,
+    SourceFormat,
+    dequant_fp8_block,
+    detect_format,
+)
+from kimi_pipeline.errors import PermanentError
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+
+
+class HFCheckpointError(PermanentError):
+    """The checkpoint directory is incomplete or corrupt; the message names the file."""
+
+
+def _dtype(name: str) -> torch.dtype:
+    table = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+    if name not in table:
+        raise ValueError(f"unsupported dtype {name!r} (one of {sorted(table)})")
+    return table[name]
+
+
+class HFCheckpoint:
+    """Lazily opened, index-driven view of an HF checkpoint directory.
+
+    `get(name)` returns the logical tensor in `dtype` (None = as stored / dequantized to float32 and then
+    cast to the checkpoint's torch_dtype). `stats()` says what was actually read.
+    """
+
+    def __init__(self, model_dir: str | Path, *, text_config_key: str | None = None, dtype: torch.dtype | None = None,
+                 prefix: str | None = None):
+        self.root = Path(model_dir)
+        cfg_path = self.root / "config.json"
+        if not cfg_path.is_file():
+            raise HFCheckpointError(f"{cfg_path}: not found; is {self.root} an HF checkpoint directory?")
+        try:
+            self.config: dict[str, Any] = json.loads(cfg_path.read_text())
+        except json.JSONDecodeError as e:
+            raise HFCheckpointError(f"{cfg_path}: not valid JSON ({e})") from None
+        self.format: SourceFormat = detect_format(self.config, text_config_key)
+        self.dtype = dtype
+        self._stored: dict[str, str] = self._read_index()  # stored name -> file name
+        self.prefix = self._detect_prefix() if prefix is None else prefix
+        self._int4 = Int4Dequantizer(self.format.quant_config) if self.format.kind == "int4" else None
+        self._handles: dict[str, Any] = {}
+        self._lock = threading.Lock()
+        self._bytes_read = 0
+        self._tensors_read = 0
+        self._files_opened: set[str] = set()
+
+    # ------------------------------------------------------------ index
+    def _read_index(self) -> dict[str, str]:
+        index = self.root / INDEX_NAME
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise HFCheckpointError(f"{index}: not a safetensors index ({e.__class__.__name__}: {e})") from None
+            return dict(weight_map)
+        single = self.root / SINGLE_NAME
+        if single.is_file():
+            return {name: SINGLE_NAME for name in self._open(SINGLE_NAME).keys()}
+        raise HFCheckpointError(
+            f"{self.root}: neither {INDEX_NAME} nor {SINGLE_NAME} found; the checkpoint has no weights "
+            "(re-run the download stage, or point hub.model at a directory with safetensors)"
+        )
+
+    def _detect_prefix(self) -> str:
+        """'' for causal-LM checkpoints; the language-model prefix for multimodal ones (K2.5)."""
+        if "model.embed_tokens.weight" in self._stored:
+            return ""
+        hits = [k[: -len("model.embed_tokens.weight")] for k in self._stored if k.endswith(".model.embed_tokens.weight")]
+        if len(hits) == 1:
+            return hits[0]
+        raise HFCheckpointError(
+            f"{self.root}: cannot find the language model's embed_tokens in the index "
+            f"({'several candidates: ' + ', '.join(hits) if hits else 'none'}); pass the weight prefix explicitly"
+        )
+
+    def _logical(self, stored: str) -> str | None:
+        if not stored.startswith(self.prefix):
+            return None
+        name = stored[len(self.prefix):]
+        if self.format.kind == "fp8" and name.endswith(".weight" + FP8_SCALE_SUFFIX):
+            return None
+        if self.format.kind == "int4":
+            for suf in INT4_SUFFIXES:
+                if name.endswith(".weight" + suf):
+                    return name[: -len(suf)] if suf == "_packed" else None
+        return name
+
+    def names(self) -> list[str]:
+        """Every logical tensor name of the (language) model."""
+        return sorted(n for n in map(self._logical, self._stored) if n is not None)
+
+    def __contains__(self, name: str) -> bool:
+        s = self.prefix + name
+        return s in self._stored or (s + "_packed" in self._stored if self._int4 else False)
+
+    def files(self) -> list[str]:
+        return sorted(set(self._stored.values()))
+
+    # ------------------------------------------------------------ reading
+    def _open(self, fname: str):
+        from safetensors import SafetensorError, safe_open
+
+        h = self._handles.get(fname)
+        if h is not None:
+            return h
+        path = self.root / fname
+        if not path.is_file():
+            raise HFCheckpointError(
+                f"{path}: missing (listed in {INDEX_NAME}); the download is incomplete — re-run the download stage"
+            )
+        try:
+            h = safe_open(str(path), framework="pt", device="cpu")
+        except (SafetensorError, OSError, ValueError) as e:
+            raise HFCheckpointError(
+                f"{path}: corrupt or truncated safetensors file ({e}); delete it and re-run the download stage"
+            ) from None
+        self._handles[fname] = h
+        self._files_opened.add(fname)
+        return h
+
+    def _raw(self, stored: str) -> torch.Tensor:
+        fname = self._stored.get(stored)
+        if fname is None:
+            raise HFCheckpointError(f"{self.root}: tensor {stored!r} is not in the checkpoint index (wrong model?)")
+        h = self._open(fname)
+        try:
+            t = h.get_tensor(stored)
+        except Exception as e:  # safetensors raises its own error type for a name missing from the header
+            raise HFCheckpointError(
+                f"{self.root / fname}: cannot read tensor {stored!r} listed in the index ({e}); "
+                "the file is corrupt or from another revision — re-run the download stage"
+            ) from None
+        self._bytes_read += t.numel() * t.element_size()
+        return t
+
+    def get(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The logical tensor `name`, dequantized if stored quantized, cast to `dtype` (or the reader's)."""
+        dtype = dtype or self.dtype
+        s = self.prefix + name
+        with self._lock:
+            if self._int4 is not None and s not in self._stored and s + "_packed" in self._stored:
+                module = s[: -len(".weight")]
+                parts = {k: self._raw(s + k[len("weight"):]) for k in ("weight_packed", "weight_scale", "weight_shape",
+                                                                       "weight_zero_point") if s + k[len("weight"):] in self._stored}
+                t = self._int4.dequant(module, parts)
+                out_dtype = dtype or _dtype(self.format.details.get("dtype", "bfloat16"))
+            elif self.format.kind == "fp8" and s + FP8_SCALE_SUFFIX in self._stored:
+                w = self._raw(s)
+                t = dequant_fp8_block(w, self._raw(s + FP8_SCALE_SUFFIX), self.format.details["weight_block_size"], name)
+                out_dtype = dtype or _dtype(self.format.details.get("dtype", "bfloat16"))
+            else:
+                t = self._raw(s)
+                if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+                    raise HFCheckpointError(
+                        f"{self.root}: {s} is stored as {t.dtype} without a {s + FP8_SCALE_SUFFIX} "
+                        "block scale (or config.json lacks its fp8 quantization_config)"
+                    )
+                out_dtype = dtype or t.dtype
+            self._tensors_read += 1
+        return t if t.dtype == out_dtype else t.to(out_dtype)
+
+    def stats(self) -> dict[str, Any]:
+        return {"tensors_read": self._tensors_read, "bytes_read": self._bytes_read,
+                "files_opened": len(self._files_opened), "files_total": len(self.files())}
+
+    def total_bytes(self) -> int:
+        """Bytes of all weight files (what a `cp` of the checkpoint would move)."""
+        return sum((self.root / f).stat().st_size for f in self.files() if (self.root / f).is_file())
+
+    def close(self) -> None:
+        self._handles.clear()

@@ -1,0 +1,155 @@
+"""One rank of the HF -> Megatron torch_dist conversion: `python -m kimi_pipeline.convert.job --job JOB.json`.
+
+Launched by `launch.launch_local` (N torchrun agents) or by the same torchrun command on every node of
+a cluster. Each rank builds only its pipeline stage's model slice, reads only the HF tensors that slice
+owns (its layers, its experts) through the memory-mapped reader, dequantizing on the fly, saves its
+shards of the torch_dist checkpoint (the tracker is written last, by rank 0, after every shard), and
+records what it read and its peak RSS in `rank_<r>.json`.
+
+Top-level imports are stdlib only: megatron's checkpoint writer spawns a helper process that re-imports
+this `__main__` module, and a light module saves seconds per rank there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import resource
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kimi_pipeline.convert.launch import rank_main
+from kimi_pipeline.errors import PermanentError
+from kimi_pipeline.util.files import atomic_write_json
+
+if TYPE_CHECKING:
+    import torch
+
+    from kimi_pipeline.recipes.models import ModelSpec
+
+T_IMPORT = time.time()  # wall clock when this rank's interpreter reached the job (startup cost)
+
+
+def dtype_of(name: str) -> torch.dtype:
+    import torch
+
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+class UnloadedParameterError(PermanentError):
+    """A megatron parameter received no value from the HF checkpoint (mapping gap or NaN in the source)."""
+
+
+def write_job_file(path: str | Path, *, model: ModelSpec, layout, model_dir: str | Path, out_dir: str | Path,
+                   report_dir: str | Path, text_config_key: str | None = None, **extra: Any) -> Path:
+    """Everything a rank needs, in one JSON file on the shared filesystem (the command line stays short)."""
+    payload = {
+        "model": model.model_dump(mode="json"),
+        "layout": dataclasses.asdict(layout),
+        "model_dir": str(model_dir),
+        "out_dir": str(out_dir),
+        "report_dir": str(report_dir),
+        "text_config_key": text_config_key,
+        **extra,
+    }
+    return atomic_write_json(Path(path), payload)
+
+
+def read_job_file(path: str | Path) -> dict[str, Any]:
+    return json.loads(Path(path).read_text())
+
+
+def peak_rss_mb() -> float:
+    """Peak resident set size of this process (Linux reports ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def current_rss_mb() -> float:
+    import psutil
+
+    return psutil.Process().memory_info().rss / 2**20
+
+
+def poison_parameters(model: torch.nn.Module) -> None:
+    """NaN-fill every floating parameter, so one the loader never writes is caught, not saved as garbage."""
+    import torch
+
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.is_floating_point():
+                p.fill_(math.nan)
+
+
+def check_loaded(model: torch.nn.Module, model_dir: str) -> None:
+    import torch
+
+    bad = [n for n, p in model.named_parameters() if p.is_floating_point() and torch.isnan(p).any()]
+    if bad:
+        raise UnloadedParameterError(
+            f"{len(bad)} megatron parameters were not filled from {model_dir} (or the source holds NaN): "
+            + ", ".join(bad[:8])
+        )
+
+
+def convert_rank(job: dict[str, Any]) -> dict[str, Any]:
+    """Build this rank's slice, fill it from the HF checkpoint, save torch_dist; return the rank report."""
+    from kimi_pipeline.convert.hf_reader import HFCheckpoint
+    from kimi_pipeline.convert.names import load_hf_tensors_into_model
+    from kimi_pipeline.model.megatron_model import build_model
+    from kimi_pipeline.model.megatron_train import save_model_only
+    from kimi_pipeline.model.parallel import Layout, destroy, init_distributed, ranks
+    from kimi_pipeline.recipes.models import ModelSpec
+
+    t0 = time.monotonic()
+    startup = time.time() - float(os.environ.get("KIMI_LAUNCH_TIME", T_IMPORT))
+    spec = ModelSpec.model_validate(job["model"])
+    layout = Layout(**job["layout"])
+    init_distributed(layout)
+    coords = ranks()
+    t_init = time.monotonic()
+    # stored dtype (dequantized tensors: the checkpoint's torch_dtype); the loader casts to each parameter's
+    # dtype, so the fp32 expert bias stays fp32 in a bf16 model
+    reader = HFCheckpoint(job["model_dir"], text_config_key=job.get("text_config_key"))
+    # weights come from the checkpoint: skipping megatron's random init saves minutes on big models
+    model = build_model(spec, layout, perform_initialization=False)
+    poison_parameters(model)
+    rss_before_load = current_rss_mb()
+    t_build = time.monotonic()
+    load_hf_tensors_into_model(model, reader.get, spec, layout)
+    check_loaded(model, job["model_dir"])
+    t_load = time.monotonic()
+    save_model_only(job["out_dir"], model, extra={"converted_from": job["model_dir"],
+                                                  "source_format": reader.format.describe()})
+    t_save = time.monotonic()
+    params = sum(p.numel() for p in model.parameters())
+    report = {
+        **coords,
+        "source_format": reader.format.describe(),
+        "prefix": reader.prefix,
+        **reader.stats(),
+        "local_params": params,
+        "rss_before_load_mb": round(rss_before_load, 1),
+        "peak_rss_mb": round(peak_rss_mb(), 1),
+        "seconds": {"startup": round(startup, 3), "init": round(t_init - t0, 3), "build": round(t_build - t_init, 3),
+                    "load": round(t_load - t_build, 3), "save": round(t_save - t_load, 3),
+                    "total": round(t_save - t0, 3)},
+    }
+    atomic_write_json(Path(job["report_dir"]) / f"rank_{coords['rank']}.json", report)
+    destroy()
+    return report
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--job", required=True, help="job JSON written by kimi_pipeline.convert.stage")
+    args = ap.parse_args(argv)
+    job = read_job_file(args.job)
+    rank_main(lambda: convert_rank(job), job["report_dir"])
+
+
+if __name__ == "__main__":  # torch_dist saving spawns processes: never run the job on import
+    main()

@@ -1,0 +1,242 @@
+"""Launch a torch.distributed job over N nodes: here, N `torch.distributed.run` agents on localhost.
+
+At scale the same command runs once per node with MASTER_ADDR = node 0 (`node_command` prints it);
+locally every "node" is one agent process with `--nproc-per-node` workers, rendezvousing statically on
+a loopback port (deterministic ranks: node i owns ranks i*G .. i*G+G-1, so errors can name them).
+Workers wrap their main in `rank_main`, which writes `rank_<r>.error.json` (type, message, traceback,
+permanent or not) before exiting non-zero; the launcher turns those into one error naming the
+failing rank and its node, with the tail of that node's log. When one agent fails the others are given
+a short grace period and then terminated, so a dead rank never leaves the rest hanging in a collective.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kimi_pipeline.errors import PermanentError, is_permanent
+
+WORKER_ENV = {
+    "OMP_NUM_THREADS": "1",  # one intra-op thread per rank: 2 cores, several ranks
+    "TORCHDYNAMO_DISABLE": "1",  # else megatron's first forward compiles for ~20 s on CPU
+    "PYTHONUNBUFFERED": "1",
+}
+EXIT_PERMANENT = 3
+
+
+class ConversionJobError(RuntimeError):
+    """A rank of the distributed job failed (or the job timed out); retrying may help."""
+
+    def __init__(self, message: str, failures: list[dict[str, Any]] | None = None):
+        super().__init__(message)
+        self.failures = failures or []
+
+
+class ConversionJobPermanentError(ConversionJobError, PermanentError):
+    """A rank failed on bad input (corrupt shard, wrong shape): retrying cannot help."""
+
+
+@dataclass
+class JobResult:
+    nodes: int
+    procs_per_node: int
+    seconds: float
+    logs: list[Path]
+    commands: list[list[str]] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------- worker side
+def die_with_parent() -> None:
+    """Linux: SIGKILL this process when its parent dies (a killed launcher or agent leaves no orphans
+    blocked in a collective for the 30-minute gloo timeout). No-op elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        return
+
+
+def rank_main(main: Callable[[], Any], report_dir: str | Path) -> None:
+    """Run a worker's main; on failure write rank_<RANK>.error.json and exit 1 (3 = permanent)."""
+    rank = int(os.environ.get("RANK", "0"))
+    parent = os.getppid()
+    die_with_parent()
+    if os.getppid() != parent:  # the agent died before we armed the signal
+        os._exit(1)
+    try:
+        main()
+    except BaseException as e:  # noqa: BLE001 - recorded, then re-raised as an exit code
+        if isinstance(e, SystemExit) and not e.code:
+            raise
+        report = Path(report_dir)
+        report.mkdir(parents=True, exist_ok=True)
+        payload = {
+            "rank": rank,
+            "local_rank": int(os.environ.get("LOCAL_RANK", "0")),
+            "node": int(os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK", "0"))),
+            "host": os.uname().nodename,
+            "type": type(e).__name__,
+            "message": str(e),
+            "permanent": is_permanent(e),
+            "time": time.time(),
+            "traceback": traceback.format_exc()[-4000:],
+        }
+        tmp = report / f".rank_{rank}.error.json.tmp"
+        tmp.write_text(json.dumps(payload, indent=2))
+        tmp.replace(report / f"rank_{rank}.error.json")
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(EXIT_PERMANENT if payload["permanent"] else 1)
+
+
+# ---------------------------------------------------------------- launcher side
+def node_command(module: str, args: list[str], *, nnodes: int, node_rank: int, nproc_per_node: int,
+                 master_addr: str, master_port: int, python: str | None = None) -> list[str]:
+    """The torchrun command for one node (static rendezvous: node 0 hosts the store on master_port)."""
+    return [
+        python or sys.executable, "-m", "torch.distributed.run",
+        f"--nnodes={nnodes}", f"--node-rank={node_rank}", f"--nproc-per-node={nproc_per_node}",
+        f"--master-addr={master_addr}", f"--master-port={master_port}",
+        "--max-restarts=0", "--monitor-interval=0.5",
+        "-m", module, *args,
+    ]
+
+
+def scale_out_command(module: str, args: list[str], *, nnodes: int, nproc_per_node: int, master_port: int = 29500) -> str:
+    """What to run on each node of a real cluster (shared filesystem paths; NODE_RANK and MASTER_ADDR per node)."""
+    cmd = node_command(module, args, nnodes=nnodes, node_rank=0, nproc_per_node=nproc_per_node,
+                       master_addr="$MASTER_ADDR", master_port=master_port, python="python")
+    cmd = [("--node-rank=$NODE_RANK" if c.startswith("--node-rank=") else c) for c in cmd]
+    return " ".join(c if c.startswith(("--master-addr=$", "--node-rank=$")) else shlex.quote(c) for c in cmd)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tail(path: Path, n: int = 25) -> str:
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    keep = [ln for ln in lines if "Warning" not in ln and "warnings.warn" not in ln]
+    return "\n".join(keep[-n:])
+
+
+def read_failures(report_dir: Path) -> list[dict[str, Any]]:
+    """Per-rank error reports, earliest first (the first is the root cause; later ones are usually fallout)."""
+    out = []
+    for p in sorted(report_dir.glob("rank_*.error.json")):
+        try:
+            out.append(json.loads(p.read_text()))
+        except (OSError, json.JSONDecodeError):
+            continue
+    return sorted(out, key=lambda f: f.get("time", 0))
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + 10
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
+
+
+def launch_local(module: str, args: list[str], *, nodes: int, procs_per_node: int, work_dir: str | Path,
+                 report_dir: str | Path, name: str = "job", env: dict[str, str] | None = None,
+                 timeout: float | None = None, grace: float = 15.0) -> JobResult:
+    """Run `python -m module args` as a `nodes`×`procs_per_node` torch.distributed job on this host.
+
+    Raises ConversionJobPermanentError / ConversionJobError naming the failing rank when any agent fails.
+    """
+    work_dir, report_dir = Path(work_dir), Path(report_dir)
+    log_dir = work_dir / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    report_dir.mkdir(parents=True, exist_ok=True)
+    for stale in report_dir.glob("rank_*.error.json"):
+        stale.unlink()
+    port = _free_port()
+    full_env = {**os.environ, **WORKER_ENV, "KIMI_LAUNCH_TIME": repr(time.time()), **(env or {})}
+    commands, procs, logs = [], [], []
+    t0 = time.monotonic()
+    try:
+        for node in range(nodes):
+            cmd = node_command(module, args, nnodes=nodes, node_rank=node, nproc_per_node=procs_per_node,
+                               master_addr="127.0.0.1", master_port=port)
+            log = log_dir / f"{name}.node{node}.log"
+            with open(log, "wb") as fh:
+                # own session (stopped as a group); dies with the launcher (a killed launcher leaves nothing)
+                procs.append(subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=full_env,
+                                              start_new_session=True, preexec_fn=die_with_parent))
+            commands.append(cmd)
+            logs.append(log)
+        failed_at, timed_out = None, False
+        while True:
+            codes = [p.poll() for p in procs]
+            if all(c is not None for c in codes):
+                break
+            if failed_at is None and any(c not in (None, 0) for c in codes):
+                failed_at = time.monotonic()
+            if failed_at is not None and time.monotonic() - failed_at > grace:
+                break  # the others are stuck waiting for the dead rank
+            if timeout is not None and time.monotonic() - t0 > timeout:
+                timed_out = True
+                break
+            time.sleep(0.2)
+    finally:
+        _stop(procs)  # also on KeyboardInterrupt / SIGTERM of the launcher: never leave agents behind
+    seconds = time.monotonic() - t0
+    codes = [p.returncode for p in procs]
+    if all(c == 0 for c in codes):
+        return JobResult(nodes, procs_per_node, seconds, logs, commands)
+    failures = read_failures(report_dir)
+    raise _job_error(name, nodes, procs_per_node, codes, failures, logs, timed_out, timeout)
+
+
+def _job_error(name: str, nodes: int, ppn: int, codes: list[int | None], failures: list[dict[str, Any]],
+               logs: list[Path], timed_out: bool, timeout: float | None) -> ConversionJobError:
+    node_codes = ", ".join(f"node {i}: exit {c}" for i, c in enumerate(codes))
+    if failures:
+        first = failures[0]
+        node = first.get("rank", 0) // ppn
+        others = sorted({f["rank"] for f in failures[1:]})
+        msg = (f"{name}: rank {first['rank']} (node {node}) failed: {first['type']}: {first['message']}"
+               + (f"\n(ranks {others} failed after it)" if others else "")
+               + f"\n[{node_codes}]\n--- node {node} log tail ({logs[node]}) ---\n{_tail(logs[node])}")
+        cls = ConversionJobPermanentError if first.get("permanent") else ConversionJobError
+        return cls(msg, failures)
+    bad = next((i for i, c in enumerate(codes) if c not in (0, None)), 0)
+    what = f"timed out after {timeout:.0f} s" if timed_out else "failed without an error report (killed, OOM, or a crash in the launcher)"
+    return ConversionJobError(
+        f"{name}: {what} on node {bad} (ranks {bad * ppn}..{bad * ppn + ppn - 1})\n[{node_codes}]\n"
+        f"--- node {bad} log tail ({logs[bad]}) ---\n{_tail(logs[bad])}"
+    )

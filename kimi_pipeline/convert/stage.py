@@ -1,0 +1,216 @@
+"""Stage `convert`: HF safetensors -> a Megatron torch_dist checkpoint at DIR/convert/torch_dist.
+
+The job writes into a fresh temp directory (`torch_dist.tmp-<id>`, the tracker
+`latest_checkpointed_iteration.txt` written last inside it), is verified there under another layout
+(unless `convert.verify` is false, which is recorded as verified=false), and only then is renamed to
+`torch_dist`; `convert.json` (fingerprint + section) is written after that. A conversion is complete
+only when both exist and the fingerprint (source file sha256s + the recipe's model/parallel/convert
+sections) matches, so an interrupted run — a temp dir, a directory without tracker, a missing
+convert.json — is never taken for a finished one: it is removed and redone.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from kimi_pipeline.convert.launch import launch_local, scale_out_command
+from kimi_pipeline.errors import PermanentError
+from kimi_pipeline.recipes import Recipe
+from kimi_pipeline.util.files import atomic_write_json, sha256_json
+
+log = logging.getLogger(__name__)
+
+CKPT_NAME = "torch_dist"
+TRACKER = "latest_checkpointed_iteration.txt"  # what Megatron's --load reads first
+MARKER = "convert.json"
+FORMAT_VERSION = 1  # bump when the checkpoint layout written here changes
+
+
+class ConvertStageError(PermanentError):
+    pass
+
+
+def convert_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "convert"
+
+
+def checkpoint_dir(run_dir: str | Path) -> Path:
+    """What to pass to Megatron's --load (and the training stage)."""
+    return convert_dir(run_dir) / CKPT_NAME
+
+
+def fingerprint(recipe: Recipe, source_files: dict[str, Any]) -> str:
+    """Content of the conversion: source file hashes + the recipe sections that shape the checkpoint."""
+    files = {k: (v.get("sha256") or v.get("size")) for k, v in sorted(source_files.items())}
+    return sha256_json({"v": FORMAT_VERSION, "files": files,
+                        "recipe": recipe.section_dump("model", "parallel", "convert")})
+
+
+def source_manifest(model_dir: Path) -> dict[str, Any]:
+    """sha256 + size of the checkpoint's files, when no download manifest is at hand."""
+    from kimi_pipeline.hub.manifest import build_manifest, list_files
+
+    return build_manifest(model_dir, list_files(model_dir))
+
+
+def completed(run_dir: str | Path, fp: str | None = None) -> dict[str, Any] | None:
+    """The recorded section if DIR holds a finished conversion (of `fp`, when given), else None."""
+    ckpt, marker = checkpoint_dir(run_dir), convert_dir(run_dir) / MARKER
+    if not (ckpt / TRACKER).is_file() or not marker.is_file():
+        return None
+    try:
+        rec = json.loads(marker.read_text())
+    except json.JSONDecodeError:
+        return None
+    if fp is not None and rec.get("fingerprint") != fp:
+        return None
+    return rec.get("section")
+
+
+def _clean_incomplete(out: Path) -> list[str]:
+    """Remove what an interrupted or superseded conversion left behind; returns what was removed."""
+    removed = []
+    (out / MARKER).unlink(missing_ok=True)  # from here on nothing here counts as complete
+    for p in sorted(out.glob(f"{CKPT_NAME}.tmp-*")):
+        shutil.rmtree(p, ignore_errors=True)
+        removed.append(p.name)
+    ckpt = out / CKPT_NAME
+    if ckpt.exists() and not (ckpt / TRACKER).is_file():
+        shutil.rmtree(ckpt, ignore_errors=True)
+        removed.append(f"{CKPT_NAME} (no tracker)")
+    return removed
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def _rank_reports(report_dir: Path, prefix: str, world: int) -> list[dict[str, Any]]:
+    reports = [json.loads(p.read_text()) for p in sorted(report_dir.glob(f"{prefix}_*.json"))]
+    reports.sort(key=lambda r: r["rank"])
+    if len(reports) != world:
+        raise ConvertStageError(
+            f"{report_dir}: {len(reports)} of {world} ranks reported {prefix!r} results although the job "
+            "exited cleanly; the job is incomplete"
+        )
+    return reports
+
+
+def run_convert(recipe: Recipe, run_dir: str | Path, model_dir: str | Path, *,
+                source_files: dict[str, Any] | None = None, verify: bool | None = None,
+                reuse: bool = True, timeout: float | None = None) -> dict[str, Any]:
+    """Convert `model_dir` per recipe.convert into DIR/convert/torch_dist, verify, return the summary section."""
+    from kimi_pipeline.convert.hf_reader import HFCheckpoint
+    from kimi_pipeline.convert.job import write_job_file
+    from kimi_pipeline.convert.verify import SMALL_MODEL_BYTES, ConversionVerifyError, model_bytes, summarize, verify_layout
+    from kimi_pipeline.model.parallel import Layout
+
+    cs = recipe.convert
+    if cs.mode != "torch_dist":
+        raise ConvertStageError(f"convert.mode={cs.mode!r}: only torch_dist is converted here (bridge mode loads HF weights directly)")
+    run_dir, model_dir = Path(run_dir), Path(model_dir)
+    out = convert_dir(run_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    fp = fingerprint(recipe, source_files if source_files is not None else source_manifest(model_dir))
+    if reuse and (prev := completed(run_dir, fp)) is not None:
+        log.info("convert: %s already holds this conversion (fingerprint %s); reusing it", checkpoint_dir(run_dir), fp[:12])
+        return {**prev, "reused": True}
+    removed = _clean_incomplete(out)
+    if removed:
+        log.warning("convert: removed the leftovers of an interrupted conversion: %s", ", ".join(removed))
+
+    layout = Layout.from_convert(cs)
+    layout.check_model(recipe.model)
+    reader = HFCheckpoint(model_dir, text_config_key=recipe.hub.text_config_key)  # fails early on a bad index
+    source_bytes = reader.total_bytes()
+    work = out / "work"
+    shutil.rmtree(work, ignore_errors=True)
+    reports = work / "reports"
+    tmp = out / f"{CKPT_NAME}.tmp-{uuid.uuid4().hex[:8]}"
+    job = write_job_file(work / "job.json", model=recipe.model, layout=layout, model_dir=model_dir.resolve(),
+                         out_dir=tmp.resolve(), report_dir=reports.resolve(), text_config_key=recipe.hub.text_config_key)
+    module = "kimi_pipeline.convert.job"
+    command = scale_out_command(module, ["--job", str(job.resolve())], nnodes=cs.nodes, nproc_per_node=cs.gpus_per_node)
+    log.info("convert: %d node(s) x %d rank(s), tp=%d pp=%d ep=%d; on a cluster run on every node:\n  %s",
+             cs.nodes, cs.gpus_per_node, cs.tp, cs.pp, cs.ep, command)
+
+    t0 = time.monotonic()
+    launch_local(module, ["--job", str(job)], nodes=cs.nodes, procs_per_node=cs.gpus_per_node,
+                 work_dir=work, report_dir=reports, name="convert", timeout=timeout)
+    seconds = time.monotonic() - t0
+    if not (tmp / TRACKER).is_file():
+        raise ConvertStageError(f"{tmp}: the conversion job exited cleanly but wrote no {TRACKER}; not marking it complete")
+    ranks = _rank_reports(reports, "rank", layout.world_size)
+
+    section: dict[str, Any] = {
+        "nodes": cs.nodes,
+        "ranks_per_node": cs.gpus_per_node,
+        "layout": {"tp": cs.tp, "pp": cs.pp, "ep": cs.ep, "etp": cs.etp},
+        "source_format": ranks[0]["source_format"]["format"],
+        "source": ranks[0]["source_format"],
+        "path": str(checkpoint_dir(run_dir)),
+        "verified": False,
+        "max_abs_diff": None,
+        "logits_max_diff": None,
+        "peak_rss_mb_per_rank": [r["peak_rss_mb"] for r in ranks],
+        "bytes_read_per_rank": [r["bytes_read"] for r in ranks],
+        "bytes": source_bytes,
+        "output_bytes": _dir_bytes(tmp),
+        "seconds": round(seconds, 3),
+        "bytes_per_second": round(source_bytes / seconds, 1) if seconds else None,
+        "command": command,
+    }
+
+    do_verify = cs.verify if verify is None else verify
+    if do_verify:
+        small = model_bytes(recipe.model) <= SMALL_MODEL_BYTES
+        vlayout = verify_layout(recipe.model, layout, small)
+        same_world = vlayout.world_size == layout.world_size
+        vjob = write_job_file(work / "verify.json", model=recipe.model, layout=vlayout, model_dir=model_dir.resolve(),
+                              out_dir=tmp.resolve(), ckpt_dir=tmp.resolve(), report_dir=reports.resolve(),
+                              text_config_key=recipe.hub.text_config_key, logits=small)
+        t1 = time.monotonic()
+        launch_local("kimi_pipeline.convert.verify", ["--job", str(vjob)],
+                     nodes=cs.nodes if same_world else 1, procs_per_node=cs.gpus_per_node if same_world else vlayout.world_size,
+                     work_dir=work, report_dir=reports, name="verify", timeout=timeout)
+        verdict = summarize(_rank_reports(reports, "verify_rank", vlayout.world_size), logits_expected=small)
+        section.update({k: v for k, v in verdict.items() if k != "problems"})
+        section["verify_layout"] = {"world_size": vlayout.world_size, "tp": vlayout.tp, "pp": vlayout.pp, "ep": vlayout.ep}
+        section["verify_seconds"] = round(time.monotonic() - t1, 3)
+        if not verdict["verified"]:
+            atomic_write_json(work / "verify_failed.json", verdict)
+            raise ConversionVerifyError(
+                f"converted checkpoint {tmp} does not reproduce {model_dir}:\n  - " + "\n  - ".join(verdict["problems"])
+            )
+    else:
+        section["verify_skipped"] = "convert.verify=false"
+        log.warning("convert: verification skipped by convert.verify=false; the checkpoint is NOT verified")
+
+    final = checkpoint_dir(run_dir)
+    if final.exists():
+        shutil.rmtree(final)
+    tmp.rename(final)
+    atomic_write_json(out / MARKER, {"fingerprint": fp, "section": section})  # completion marker, last
+    return section
+
+
+def stage_convert(recipe: Recipe, run_dir: str | Path) -> dict[str, Any]:
+    """The pipeline stage: source = the download manifest's model; records stages.convert + the convert section."""
+    from kimi_pipeline.report.summary import RunSummary
+
+    run_dir = Path(run_dir)
+    summary = RunSummary(run_dir, recipe.name)
+    with summary.stage("convert"):
+        manifest_path = run_dir / "download" / "manifest.json"
+        if not manifest_path.is_file():
+            raise ConvertStageError(f"{manifest_path} not found: run the download stage first (`kimi download --run-dir {run_dir}`)")
+        model = json.loads(manifest_path.read_text())["model"]
+        section = run_convert(recipe, run_dir, model["root"], source_files=model["files"])
+        summary.set_section("convert", section)
+    return section

@@ -1,0 +1,350 @@
+"""Conversion stage: HF safetensors -> Megatron torch_dist over N simulated nodes, verified.
+
+Real torchrun agents, gloo, megatron-core and transformers throughout; the tiny checkpoint is built
+randomly (norms and expert biases perturbed too, so a swapped mapping cannot hide behind ones/zeros).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from kimi_pipeline.convert.dequant import (
+    Int4Dequantizer,
+    QuantFormatError,
+    dequant_fp8_block,
+    detect_format,
+    kimi_int4_quant_config,
+    quantize_fp8_block,
+    quantize_int4_packed,
+    write_quantized_checkpoint,
+)
+from kimi_pipeline.convert.hf_reader import HFCheckpoint, HFCheckpointError
+from kimi_pipeline.convert.launch import ConversionJobPermanentError, launch_local, scale_out_command
+from kimi_pipeline.convert.stage import TRACKER, checkpoint_dir, completed, fingerprint, run_convert, source_manifest
+from kimi_pipeline.errors import is_permanent
+from kimi_pipeline.model.hf_config import hf_config_dict
+from kimi_pipeline.recipes import load_recipe
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ---------------------------------------------------------------- fixtures
+def _tiny_recipe(**convert):
+    r = load_recipe("tiny")
+    if convert:
+        r = r.model_copy(update={"convert": r.convert.model_copy(update=convert)})
+    return r
+
+
+def _two_nodes(**extra):
+    """2 nodes x 1 rank, pp2: the cheaper layout for the tests that are not about the 4-node job."""
+    return _tiny_recipe(nodes=2, gpus_per_node=1, tp=1, pp=2, ep=1, **extra)
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tmp_path_factory) -> Path:
+    """A random tiny checkpoint as Kimi ships it (per-expert names, several shards, kimi_k2 config)."""
+    from kimi_pipeline.model.hf_model import build_hf_model, save_hf_model
+
+    spec = load_recipe("tiny").model
+    model = build_hf_model(spec, seed=7)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+            if "norm" in name:
+                t.add_(torch.randn(t.shape, generator=g) * 0.1)
+            elif name.endswith("e_score_correction_bias"):
+                t.copy_(torch.randn(t.shape, generator=g) * 0.01)
+    out = tmp_path_factory.mktemp("hf") / "tiny"
+    save_hf_model(model, out, config=hf_config_dict(spec), tokenizer_dir=ROOT / "data" / "tiny" / "model",
+                  max_shard_size="2MB")
+    return out
+
+
+@pytest.fixture(scope="module")
+def converted(tiny_ckpt, tmp_path_factory) -> tuple[Path, dict]:
+    """The tiny recipe's own conversion: 4 nodes x 1 rank, pp2 x ep2, verified."""
+    run_dir = tmp_path_factory.mktemp("run")
+    section = run_convert(_tiny_recipe(), run_dir, tiny_ckpt)
+    return run_dir, section
+
+
+# ---------------------------------------------------------------- source formats (no job)
+def test_fp8_block_dequant_is_scale_times_value_per_block():
+    w = torch.randn(200, 72) * 0.05  # partial blocks in both dims
+    q, s = quantize_fp8_block(w, (128, 128))
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (2, 1)
+    d = dequant_fp8_block(q, s, (128, 128))
+    # by definition: block (i, j) = fp8 value * scale_inv[i, j]
+    assert torch.equal(d[128:, :], q[128:, :].float() * s[1, 0])
+    # e4m3 keeps 3 mantissa bits: error below 1/16 of each block's max
+    assert (d - w).abs().max() <= w.abs().max() / 16
+    with pytest.raises(QuantFormatError, match="weight_scale_inv has shape"):
+        dequant_fp8_block(q, s[:1], (128, 128), "x.weight")
+
+
+def test_int4_pack_quantized_dequant_via_compressed_tensors():
+    w = torch.randn(64, 128) * 0.02
+    packed = quantize_int4_packed(w, 32)
+    assert packed["weight_packed"].dtype == torch.int32 and packed["weight_packed"].shape == (64, 16)
+    assert packed["weight_scale"].shape == (64, 4)
+    d = Int4Dequantizer(kimi_int4_quant_config(32)).dequant("model.layers.1.mlp.experts.0.up_proj", packed)
+    assert d.shape == w.shape
+    scale = packed["weight_scale"].float().repeat_interleave(32, 1)
+    # symmetric 4-bit: values in [-8, 7]; |error| <= half a step, or the clipped top of the range
+    assert ((d.float() - w).abs() <= scale * 0.5 + 1e-3 * w.abs().max()).float().mean() > 0.99
+    assert (d.float() - w).abs().max() <= scale.max()
+
+
+def test_detect_format_and_unsupported():
+    assert detect_format({"torch_dtype": "bfloat16"}).kind == "bf16"
+    fp8 = detect_format({"quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}})
+    assert fp8.kind == "fp8" and fp8.details["weight_block_size"] == [128, 128]
+    int4 = detect_format({"quantization_config": kimi_int4_quant_config(32)})
+    assert int4.describe()["format"] == "int4" and int4.details["group_size"] == 32 and int4.details["num_bits"] == 4
+    nested = detect_format({"text_config": {"quantization_config": kimi_int4_quant_config(32)}}, "text_config")
+    assert nested.kind == "int4"
+    with pytest.raises(QuantFormatError, match="quant_method='awq'"):
+        detect_format({"quantization_config": {"quant_method": "awq"}})
+    with pytest.raises(QuantFormatError, match="weight_block_size"):
+        detect_format({"quantization_config": {"quant_method": "fp8"}})
+    bad = kimi_int4_quant_config(32) | {"format": "marlin-24"}
+    with pytest.raises(QuantFormatError, match="marlin-24"):
+        detect_format({"quantization_config": bad})
+
+
+# ---------------------------------------------------------------- the reader (no job)
+def test_reader_reads_only_what_is_asked(tiny_ckpt):
+    from kimi_pipeline.convert.names import all_hf_names
+
+    spec = load_recipe("tiny").model
+    r = HFCheckpoint(tiny_ckpt)
+    assert r.format.kind == "bf16" and len(r.files()) > 2
+    assert sorted(r.names()) == sorted(all_hf_names(spec))
+    t = r.get("model.layers.2.mlp.experts.5.down_proj.weight")
+    assert t.shape == (spec.hidden_size, spec.moe_ffn_hidden_size)
+    st = r.stats()
+    assert st == {"tensors_read": 1, "bytes_read": t.numel() * 4, "files_opened": 1, "files_total": len(r.files())}
+
+
+def test_reader_names_missing_and_corrupt_shards(tiny_ckpt, tmp_path):
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_ckpt, bad)
+    index = json.loads((bad / "model.safetensors.index.json").read_text())["weight_map"]
+    name = "model.layers.3.mlp.experts.1.up_proj.weight"
+    shard = bad / index[name]
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])  # truncated download
+    with pytest.raises(HFCheckpointError, match=f"{shard.name}.*corrupt or truncated"):
+        HFCheckpoint(bad).get(name)
+    shard.unlink()
+    with pytest.raises(HFCheckpointError, match=f"{shard.name}: missing"):
+        HFCheckpoint(bad).get(name)
+    with pytest.raises(HFCheckpointError, match="not in the checkpoint index"):
+        HFCheckpoint(bad).get("model.layers.9.mlp.experts.0.up_proj.weight")
+    (bad / "model.safetensors.index.json").unlink()
+    with pytest.raises(HFCheckpointError, match="neither model.safetensors.index.json"):
+        HFCheckpoint(bad)
+
+
+# Quantization error bounds, relative to a tensor's largest magnitude: e4m3 keeps 3 mantissa bits
+# (half a step <= 1/16); symmetric int4 with scale = group max / 7.5 errs by at most half a step (1/15),
+# plus the bf16 rounding of the scale.
+TOLERANCE = {"fp8": 1 / 16, "int4": 0.08}
+QUANTIZED = {"fp8": 176, "int4": 144}  # all 4x5 attention + 3 dense + 3x3 shared + 144 expert Linears / experts only
+
+
+@pytest.mark.parametrize("kind", ["fp8", "int4"])
+def test_quantized_sources_dequantize_within_the_quantization_error(tiny_ckpt, tmp_path, kind):
+    src = HFCheckpoint(tiny_ckpt)
+    q = HFCheckpoint(write_quantized_checkpoint(tiny_ckpt, tmp_path / kind, kind))
+    assert q.format.kind == kind and sorted(q.names()) == sorted(src.names())
+    quantized = 0
+    for name in src.names():
+        a, b = src.get(name), q.get(name, torch.float32)
+        err = (a - b).abs().max().item()
+        if err > a.abs().max().item() * 2**-8:  # more than bf16 rounding: this tensor was quantized
+            quantized += 1
+            assert err <= TOLERANCE[kind] * a.abs().max().item(), name
+    assert quantized == QUANTIZED[kind]
+
+
+# ---------------------------------------------------------------- layouts and commands
+def test_verify_layout_differs_from_the_written_one():
+    from kimi_pipeline.convert.verify import SMALL_MODEL_BYTES, model_bytes, verify_layout
+    from kimi_pipeline.model.parallel import Layout
+
+    tiny = load_recipe("tiny")
+    assert model_bytes(tiny.model) < SMALL_MODEL_BYTES
+    assert verify_layout(tiny.model, Layout.from_convert(tiny.convert), small=True).world_size == 1
+    k2 = load_recipe("kimi-k2-instruct")
+    written = Layout.from_convert(k2.convert)
+    v = verify_layout(k2.model, written, small=model_bytes(k2.model) < SMALL_MODEL_BYTES)
+    assert v.world_size == written.world_size == 32 and (v.tp, v.ep) != (written.tp, written.ep)
+    assert v.pp == written.pp and v.first_stage_layers == written.first_stage_layers
+
+
+def test_scale_out_command_is_one_torchrun_per_node():
+    cmd = scale_out_command("kimi_pipeline.convert.job", ["--job", "/shared/run/convert/work/job.json"], nnodes=4, nproc_per_node=8)
+    assert "--nnodes=4" in cmd and "--nproc-per-node=8" in cmd
+    assert "--master-addr=$MASTER_ADDR" in cmd and "--node-rank=$NODE_RANK" in cmd
+    assert cmd.endswith("-m kimi_pipeline.convert.job --job /shared/run/convert/work/job.json")
+
+
+# ---------------------------------------------------------------- the 4-node job
+@pytest.mark.slow
+def test_tiny_four_node_conversion_is_exact(converted, tiny_ckpt):
+    run_dir, s = converted
+    ckpt = checkpoint_dir(run_dir)
+    assert (ckpt / TRACKER).read_text().strip() == "0" and (ckpt / "iter_0000000" / "metadata.json").is_file()
+    assert not list(ckpt.parent.glob("torch_dist.tmp-*"))
+    assert s["nodes"] == 4 and s["layout"] == {"tp": 1, "pp": 2, "ep": 2, "etp": 1}
+    assert s["verified"] is True and s["max_abs_diff"] == 0.0
+    assert s["roundtrip_exact"] is True and s["roundtrip_max_abs_diff"] == 0.0
+    assert s["roundtrip_tensors"] == s["hf_tensors"] == len(HFCheckpoint(tiny_ckpt).names())
+    assert s["verify_layout"]["world_size"] == 1  # reloaded under another layout than pp2 x ep2
+    assert s["logits_max_diff"] is not None and s["logits_max_diff"] <= s["logits_tolerance"] == 1e-3
+    assert s["source_format"] == "bf16" and s["bytes"] > 0 and s["seconds"] > 0
+    assert len(s["peak_rss_mb_per_rank"]) == 4 and all(x > 0 for x in s["peak_rss_mb_per_rank"])
+    # each rank read its pipeline stage and its expert half only: never the whole model
+    assert max(s["bytes_read_per_rank"]) < 0.5 * s["bytes"]
+    reports = [json.loads(p.read_text()) for p in sorted((run_dir / "convert" / "work" / "reports").glob("rank_*.json"))]
+    assert sorted((r["pp"], r["ep"]) for r in reports) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    # a finished conversion of the same source + recipe is reused, not redone
+    t0 = time.monotonic()
+    again = run_convert(_tiny_recipe(), run_dir, tiny_ckpt)
+    assert again["reused"] is True and time.monotonic() - t0 < 5
+    # ... but not for another recipe section (here: the conversion layout)
+    other = fingerprint(_tiny_recipe(ep=1), source_manifest(tiny_ckpt))
+    assert completed(run_dir) is not None and completed(run_dir, other) is None
+
+
+@pytest.mark.slow
+def test_reload_under_tp2_matches_the_source(converted, tiny_ckpt, tmp_path):
+    """The pp2 x ep2 checkpoint, resharded into TP2 (2 ranks): every tensor and the round trip exact."""
+    from kimi_pipeline.convert.job import write_job_file
+    from kimi_pipeline.convert.verify import summarize
+    from kimi_pipeline.model.parallel import Layout
+
+    run_dir, _ = converted
+    layout = Layout(world_size=2, tp=2)
+    reports = tmp_path / "reports"
+    job = write_job_file(tmp_path / "verify.json", model=load_recipe("tiny").model, layout=layout, model_dir=tiny_ckpt,
+                         out_dir=checkpoint_dir(run_dir), ckpt_dir=checkpoint_dir(run_dir), report_dir=reports, logits=False)
+    launch_local("kimi_pipeline.convert.verify", ["--job", str(job)], nodes=1, procs_per_node=2, work_dir=tmp_path,
+                 report_dir=reports, name="verify-tp2", timeout=300)
+    rs = [json.loads(p.read_text()) for p in sorted(reports.glob("verify_rank_*.json"))]
+    assert sorted(r["tp"] for r in rs) == [0, 1]
+    v = summarize(rs, logits_expected=False)
+    assert v["verified"], v["problems"]
+    assert v["max_abs_diff"] == 0.0 and v["roundtrip_exact"] and v["roundtrip_tensors"] == v["hf_tensors"]
+
+
+# ---------------------------------------------------------------- quantized sources end to end
+def _load_converted(ckpt: Path, spec) -> dict[str, torch.Tensor]:
+    """HF-named tensors of a torch_dist checkpoint, loaded on one rank in a fresh process."""
+    code = (
+        "import sys, torch; from safetensors.torch import save_file\n"
+        "from kimi_pipeline.recipes.models import ModelSpec\n"
+        "from kimi_pipeline.model.parallel import Layout, init_distributed, destroy\n"
+        "from kimi_pipeline.model.megatron_model import build_model\n"
+        "from kimi_pipeline.model.megatron_train import load_model_only\n"
+        "from kimi_pipeline.convert.names import export_hf_tensors\n"
+        "if __name__ == '__main__':\n"
+        "    spec = ModelSpec.model_validate_json(open(sys.argv[1]).read()); lay = Layout()\n"
+        "    init_distributed(lay); m = build_model(spec, lay); load_model_only(sys.argv[2], m)\n"
+        "    save_file({n: t.contiguous() for n, t in export_hf_tensors(m, spec, lay)}, sys.argv[3]); destroy()\n"
+    )
+    out = ckpt.parent / "export.safetensors"
+    spec_file = ckpt.parent / "spec.json"
+    spec_file.write_text(spec.model_dump_json())
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
+    subprocess.run([sys.executable, "-c", code, str(spec_file), str(ckpt), str(out)], check=True, env=env,
+                   cwd=ROOT, timeout=300, capture_output=True)
+    from safetensors.torch import load_file
+
+    return load_file(out)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["fp8", "int4"])
+def test_quantized_source_converts_close_to_the_bf16_source(tiny_ckpt, tmp_path, kind):
+    qdir = write_quantized_checkpoint(tiny_ckpt, tmp_path / kind, kind)
+    run_dir = tmp_path / "run"
+    s = run_convert(_two_nodes(), run_dir, qdir)
+    assert s["source_format"] == kind and s["source"]["format"] == kind
+    # exact against the dequantized source (the stage's own verification) ...
+    assert s["verified"] and s["max_abs_diff"] == 0.0 and s["roundtrip_exact"]
+    assert s["logits_hf_from"].startswith("round-trip") and s["logits_max_diff"] <= s["logits_tolerance"]
+    # ... and within the quantization error of the original weights
+    spec = load_recipe("tiny").model
+    got = _load_converted(checkpoint_dir(run_dir), spec)
+    src = HFCheckpoint(tiny_ckpt)
+    assert sorted(got) == sorted(src.names())
+    for name in src.names():
+        a = src.get(name)
+        assert (got[name].float() - a).abs().max() <= TOLERANCE[kind] * a.abs().max() + 1e-6, name
+
+
+# ---------------------------------------------------------------- failures
+@pytest.mark.slow
+def test_corrupt_shard_fails_naming_the_file_and_rank(tiny_ckpt, tmp_path):
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_ckpt, bad)
+    index = json.loads((bad / "model.safetensors.index.json").read_text())["weight_map"]
+    shard = bad / index["model.layers.3.mlp.experts.0.down_proj.weight"]  # read by the last pipeline stage
+    shard.write_bytes(shard.read_bytes()[:1000])
+    with pytest.raises(ConversionJobPermanentError) as info:
+        run_convert(_two_nodes(), tmp_path / "run", bad, source_files={})
+    msg = str(info.value)
+    assert shard.name in msg and "corrupt or truncated" in msg
+    assert "rank 1 (node 1) failed: HFCheckpointError" in msg
+    assert is_permanent(info.value)  # the Prefect task does not retry it
+    assert completed(tmp_path / "run") is None and not checkpoint_dir(tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_interrupted_conversion_is_never_taken_as_complete(tiny_ckpt, tmp_path):
+    run_dir = tmp_path / "run"
+    code = (
+        "import sys\nfrom pathlib import Path\nfrom kimi_pipeline.recipes import load_recipe\n"
+        "from kimi_pipeline.convert.stage import run_convert\n"
+        "if __name__ == '__main__':\n"
+        "    r = load_recipe('tiny')\n"
+        "    r = r.model_copy(update={'convert': r.convert.model_copy(update=dict(nodes=2, pp=2, ep=1, verify=False))})\n"
+        "    run_convert(r, Path(sys.argv[1]), Path(sys.argv[2]))\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code, str(run_dir), str(tiny_ckpt)], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    out = run_dir / "convert"
+    deadline = time.monotonic() + 240
+    try:  # kill the whole job (launcher, agents, ranks) while it is saving its shards
+        while time.monotonic() < deadline and not list(out.glob("torch_dist.tmp-*/iter_*")):
+            assert proc.poll() is None, "the conversion ended before it could be interrupted"
+            time.sleep(0.05)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert list(out.glob("torch_dist.tmp-*/iter_*")), "never reached the save"
+    assert completed(run_dir) is None and not (checkpoint_dir(run_dir) / TRACKER).exists()
+    # a stale torch_dist without tracker (an older crash) does not count either
+    checkpoint_dir(run_dir).mkdir()
+    (checkpoint_dir(run_dir) / "iter_0000000").mkdir()
+    r = _two_nodes(verify=False)
+    s = run_convert(r, run_dir, tiny_ckpt)
+    assert "reused" not in s and s["verified"] is False and s["verify_skipped"]
+    assert (checkpoint_dir(run_dir) / TRACKER).is_file() and not list(out.glob("torch_dist.tmp-*"))
+    assert completed(run_dir)["path"] == str(checkpoint_dir(run_dir))
