@@ -72,9 +72,15 @@ def tiny_ckpt(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def converted(tiny_ckpt, tmp_path_factory) -> tuple[Path, dict]:
-    """The tiny recipe's own conversion: 4 nodes x 1 rank, pp2 x ep2, verified."""
-    run_dir = tmp_path_factory.mktemp("run")
-    section = run_convert(_tiny_recipe(), run_dir, tiny_ckpt)
+    """The tiny recipe's own conversion as the pipeline runs it: download (local source, manifest) ->
+    stage_convert (4 nodes x 1 rank, pp2 x ep2, verified) -> summary.json."""
+    from kimi_pipeline.convert.stage import stage_convert
+    from kimi_pipeline.stages import prepare_run, stage_download
+
+    recipe = load_recipe("tiny", [f"hub.model.path={tiny_ckpt}"])
+    run_dir = prepare_run(recipe, tmp_path_factory.mktemp("runs") / "run")
+    stage_download(recipe, run_dir)
+    section = stage_convert(recipe, run_dir)
     return run_dir, section
 
 
@@ -206,6 +212,8 @@ def test_scale_out_command_is_one_torchrun_per_node():
 @pytest.mark.slow
 def test_tiny_four_node_conversion_is_exact(converted, tiny_ckpt):
     run_dir, s = converted
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["stages"]["convert"]["status"] == "completed" and summary["convert"] == s
     ckpt = checkpoint_dir(run_dir)
     assert (ckpt / TRACKER).read_text().strip() == "0" and (ckpt / "iter_0000000" / "metadata.json").is_file()
     assert not list(ckpt.parent.glob("torch_dist.tmp-*"))
@@ -223,11 +231,24 @@ def test_tiny_four_node_conversion_is_exact(converted, tiny_ckpt):
     assert sorted((r["pp"], r["ep"]) for r in reports) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     # a finished conversion of the same source + recipe is reused, not redone
     t0 = time.monotonic()
-    again = run_convert(_tiny_recipe(), run_dir, tiny_ckpt)
+    again = run_convert(_tiny_recipe(), run_dir, tiny_ckpt)  # fingerprint from the files themselves: same hashes
     assert again["reused"] is True and time.monotonic() - t0 < 5
     # ... but not for another recipe section (here: the conversion layout)
     other = fingerprint(_tiny_recipe(ep=1), source_manifest(tiny_ckpt))
     assert completed(run_dir) is not None and completed(run_dir, other) is None
+
+
+def test_task_cache_key_follows_content_not_paths(tmp_path):
+    from tasks.convert import convert_key
+
+    def key(sha: str, **convert) -> str:
+        (tmp_path / "download").mkdir(exist_ok=True)
+        manifest = {"model": {"root": "/anywhere", "files": {"model.safetensors": {"size": 1, "sha256": sha}}}}
+        (tmp_path / "download" / "manifest.json").write_text(json.dumps(manifest))
+        return convert_key(None, {"recipe": _tiny_recipe(**convert), "run_dir": str(tmp_path)})
+
+    assert key("a") == key("a") != key("b")
+    assert key("a") != key("a", ep=1) and key("a") != key("a", verify=False)
 
 
 @pytest.mark.slow
