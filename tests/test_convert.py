@@ -369,3 +369,14 @@ def test_interrupted_conversion_is_never_taken_as_complete(tiny_ckpt, tmp_path):
     assert "reused" not in s and s["verified"] is False and s["verify_skipped"]
     assert (checkpoint_dir(run_dir) / TRACKER).is_file() and not list(out.glob("torch_dist.tmp-*"))
     assert completed(run_dir)["path"] == str(checkpoint_dir(run_dir))
+
+
+def test_bridge_mode_skips_the_stage(tmp_path):
+    from kimi_pipeline.convert.stage import stage_convert
+
+    r = load_recipe("kimi-k2.5")
+    assert r.convert.mode == "bridge"
+    section = stage_convert(r, tmp_path)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["stages"]["convert"]["status"] == "skipped" and section["mode"] == "bridge"
+    assert not (tmp_path / "convert").exists()

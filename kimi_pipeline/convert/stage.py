@@ -206,6 +206,11 @@ def stage_convert(recipe: Recipe, run_dir: str | Path) -> dict[str, Any]:
 
     run_dir = Path(run_dir)
     summary = RunSummary(run_dir, recipe.name)
+    if recipe.convert.mode == "bridge":  # K2.5: the trainer loads HF weights itself; nothing to convert
+        section = {"mode": "bridge", "verified": False, "skipped": "convert.mode=bridge loads HF weights directly"}
+        summary.set_stage("convert", "skipped", 0.0, reason=section["skipped"])
+        summary.set_section("convert", section)
+        return section
     with summary.stage("convert"):
         manifest_path = run_dir / "download" / "manifest.json"
         if not manifest_path.is_file():
