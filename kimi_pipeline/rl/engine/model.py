@@ -5,7 +5,11 @@ decode step and grows its cache by concatenation, which makes sampling several t
 needed. Here attention is "absorbed" (as in DeepSeek's and SGLang's MLA kernels): the cache holds only
 the normalized kv latent and the roped shared key per token (kv_lora_rank + qk_rope_head_dim numbers),
 queries are mapped into latent space with kv_b_proj's key half, and the attention output is mapped
-back with its value half. Routed experts run as one grouped matmul over expert-sorted tokens.
+back with its value half. When the latent is no wider than the no-rope query and value heads (the
+tiny recipe), those two per-head maps are folded into q_b_proj and o_proj once per weight load
+("merged"), so a step runs two plain matmuls instead of two batched ones; wider latents (Kimi: 512 vs
+128) would make the folded matmuls larger, so there the maps run per step. Routed experts run as one
+grouped matmul over expert-sorted tokens.
 
 Weights are the HF tensors under their HF names (on-disk per-expert names and transformers' in-memory
 fused names both load), so weight sync can update the engine by name. Numerics follow transformers'
@@ -70,6 +74,11 @@ class EngineConfig:
     @property
     def latent_dim(self) -> int:
         return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def merge_absorbed(self) -> bool:
+        """Fold kv_b_proj's per-head maps into the q and o projections (no larger than the originals)."""
+        return self.kv_lora_rank <= min(self.qk_nope_head_dim, self.v_head_dim)
 
     @classmethod
     def from_hf(cls, cfg) -> EngineConfig:
@@ -168,6 +177,26 @@ class _Layer:
         kvb = self.kv_b.view(c.num_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
         return kvb[:, : c.qk_nope_head_dim], kvb[:, c.qk_nope_head_dim :]
 
+    def refresh(self, c: EngineConfig) -> None:
+        """Derived (merged) weights; called after every weight load. Computed in fp32, stored in the model dtype."""
+        q_src = self.q_b if self.q_b is not None else self.qkv_a[: self.qkv_a.shape[0] - c.latent_dim]
+        self.q_eff, self.qkv_a_eff, self.o_eff = q_src, self.qkv_a, self.o
+        if not c.merge_absorbed:
+            return
+        nh, dn, dr, r, dv = c.num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.kv_lora_rank, c.v_head_dim
+        w_uk, w_uv = (w.float() for w in self.kv_b_views(c))
+        wq = q_src.float().view(nh, dn + dr, -1)
+        # q_lat[h] = W_UK[h]^T q_nope[h]  ->  rows W_UK[h]^T @ Wq_nope[h]; the rope rows stay as they are
+        merged_q = torch.cat((torch.bmm(w_uk.transpose(1, 2), wq[:, :dn]), wq[:, dn:]), dim=1)
+        merged_q = merged_q.reshape(nh * (r + dr), -1).to(q_src.dtype)
+        if self.q_b is not None:
+            self.q_eff = merged_q
+        else:
+            self.qkv_a_eff = torch.cat((merged_q, self.qkv_a[q_src.shape[0] :]), dim=0)
+        # out = sum_h o_proj[:, h] @ W_UV[h] @ o_lat[h]  ->  o_eff[:, h] = o_proj[:, h] @ W_UV[h]
+        wo = self.o.float().view(-1, nh, dv).transpose(0, 1)  # [nh, H, v]
+        self.o_eff = torch.bmm(wo, w_uv).transpose(0, 1).reshape(-1, nh * r).to(self.o.dtype)
+
 
 class EngineModel:
     """DeepSeek-V3 forward with a preallocated latent KV cache; see the module docstring."""
@@ -181,6 +210,8 @@ class EngineModel:
         self.lm_head = self.embed if c.tie_word_embeddings else torch.zeros(c.vocab_size, c.hidden_size, **e)
         self.final_norm = torch.ones(c.hidden_size, **e)
         self.layers = [_Layer(c, i, self.device, dtype) for i in range(c.num_layers)]
+        for layer in self.layers:
+            layer.refresh(c)
         self._params = self._registry()
         self._init_rope(hf_config)
 
@@ -303,6 +334,8 @@ class EngineModel:
                 raise EngineWeightError(f"checkpoint is missing {len(missing)} engine weights, e.g. {missing[:3]}")
         for dst, src, _ in plan:
             dst.copy_(src.to(device=dst.device, dtype=dst.dtype))
+        for layer in self.layers:
+            layer.refresh(self.config)
         return [n for _, _, n in plan]
 
     # ------------------------------------------------------------------ rope
@@ -401,18 +434,22 @@ class EngineModel:
     def _attention(self, L: _Layer, x, positions, B, S, cache, rows, write_pos, kv_len, bias):
         c = self.config
         nh, dn, dr, r = c.num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.kv_lora_rank
-        N = x.shape[0]
-        a = F.linear(x, L.qkv_a)
+        N, merged = x.shape[0], c.merge_absorbed
+        a = F.linear(x, L.qkv_a_eff)
         q_in = a.shape[1] - c.latent_dim
         q, kv, k_pe = a[:, :q_in], a[:, q_in : q_in + r], a[:, q_in + r :]
         if L.q_b is not None:
-            q = F.linear(_rms(q, L.q_norm, LATENT_NORM_EPS), L.q_b)
-        q = q.view(N, nh, dn + dr)
+            q = F.linear(_rms(q, L.q_norm, LATENT_NORM_EPS), L.q_eff)
+        dq = r if merged else dn  # merged: the query already lives in latent space
+        q = q.view(N, nh, dq + dr)
         kv = _rms(kv, L.kv_norm, LATENT_NORM_EPS)
         # rope on the query heads and the shared key in one call
-        pe = self._rope(torch.cat((q[..., dn:], k_pe.view(N, 1, dr)), dim=1), positions)
+        pe = self._rope(torch.cat((q[..., dq:], k_pe.view(N, 1, dr)), dim=1), positions)
         w_uk, w_uv = L.kv_b_views(c)
-        q_lat = torch.bmm(q[..., :dn].transpose(0, 1), w_uk).transpose(0, 1)  # [N, nh, r]
+        if merged:
+            q_lat = q[..., :r]
+        else:
+            q_lat = torch.bmm(q[..., :dn].transpose(0, 1), w_uk).transpose(0, 1)  # [N, nh, r]
         q_cat = torch.cat((q_lat, pe[:, :nh]), dim=-1)  # [N, nh, r + dr]
         latent = torch.cat((kv, pe[:, nh]), dim=-1)  # [N, r + dr]
         if write_pos is None:
@@ -422,8 +459,10 @@ class EngineModel:
         keys = cache[:, :kv_len]
         scores = torch.baddbmm(bias, q_cat.reshape(B, S * nh, r + dr), keys.transpose(1, 2), alpha=c.softmax_scale)
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(x.dtype)
-        o_lat = torch.bmm(probs, keys[..., :r]).view(N, nh, r)
-        o = torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2))  # [nh, N, v]
+        o_lat = torch.bmm(probs, keys[..., :r])
+        if merged:
+            return F.linear(o_lat.view(N, nh * r), L.o_eff)
+        o = torch.bmm(o_lat.view(N, nh, r).transpose(0, 1), w_uv.transpose(1, 2))  # [nh, N, v]
         return F.linear(o.transpose(0, 1).reshape(N, nh * c.v_head_dim), L.o)
 
     def _route(self, L: _Layer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -453,9 +492,9 @@ class EngineModel:
         xs = x.index_select(0, tok)
         hs = self._grouped(xs, L.w13, counts)
         g, u = hs.chunk(2, dim=-1)
-        ys = self._grouped(F.silu(g) * u, L.w2, counts)
-        ys = ys * w.reshape(-1)[order].unsqueeze(1).to(ys.dtype)
-        y = torch.zeros_like(x).index_add_(0, tok, ys)
+        # the routing weight scales the (narrower) activation rather than the output: same product
+        act = F.silu(g) * (u * w.reshape(-1)[order].unsqueeze(1).to(u.dtype))
+        y = torch.zeros_like(x).index_add_(0, tok, self._grouped(act, L.w2, counts))
         if L.shared_gate_up is not None:
             g, u = F.linear(x, L.shared_gate_up).chunk(2, dim=-1)
             y = y + F.linear(F.silu(g) * u, L.shared_down)
