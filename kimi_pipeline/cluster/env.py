@@ -1,0 +1,123 @@
+"""The environment every Ray process of a run gets: explicit auth mode, temp dir, no usage stats.
+
+Ray 2.60 turns token auth on for a new local cluster once `~/.ray/auth_token` exists (the first plain
+`ray.init()` writes it), so leaving RAY_AUTH_MODE unset makes the cluster's behaviour depend on the
+machine's history. We always set it: `token` unless the user exported RAY_AUTH_MODE=disabled.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import tempfile
+from pathlib import Path
+
+from kimi_pipeline.cluster.errors import ClusterConfigError
+
+AUTH_MODES = ("token", "disabled")
+DEFAULT_TOKEN_PATH = Path.home() / ".ray" / "auth_token"
+
+# AF_UNIX socket paths are limited to 107 bytes on Linux. Ray puts its sockets at
+# <temp_dir>/session_<date>_<time>_<usec>_<pid>/sockets/plasma_store[.N] (one suffix per extra raylet).
+SOCKET_PATH_MAX = 107
+SOCKET_PATH_TAIL = "/session_2026-01-01_00-00-00_000000_4194304/sockets/plasma_store.99"
+
+
+def auth_mode() -> str:
+    """RAY_AUTH_MODE for clusters we start: the user's explicit choice, else `token`."""
+    mode = os.environ.get("RAY_AUTH_MODE", "token").strip().lower()
+    if mode not in AUTH_MODES:
+        raise ClusterConfigError(f"RAY_AUTH_MODE={mode!r} is not one of {', '.join(AUTH_MODES)}: fix or unset it")
+    return mode
+
+
+def token_source() -> str:
+    """Where Ray reads the token from (same precedence as Ray): env, env-named file, default file."""
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return "RAY_AUTH_TOKEN"
+    if os.environ.get("RAY_AUTH_TOKEN_PATH"):
+        return os.environ["RAY_AUTH_TOKEN_PATH"]
+    return str(DEFAULT_TOKEN_PATH)
+
+
+def ensure_token() -> str:
+    """Make sure token auth has a token: create Ray's default token file (0600) if none is configured.
+
+    One stable per-user token (Ray's own default location), not one per run: Ray caches the token per
+    process, so a per-run token would go stale in a process that runs several flows.
+    """
+    source = token_source()
+    if source == "RAY_AUTH_TOKEN":
+        return source
+    path = Path(source)
+    if path.is_file() and path.read_text().strip():
+        return source
+    if os.environ.get("RAY_AUTH_TOKEN_PATH"):
+        raise ClusterConfigError(f"RAY_AUTH_TOKEN_PATH={path} is missing or empty: write a token there or unset it")
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".auth_token.")
+    try:
+        os.write(fd, secrets.token_hex(32).encode())
+        os.fchmod(fd, 0o600)
+    finally:
+        os.close(fd)
+    try:
+        os.link(tmp, path)  # never overwrite a token another process just created
+    except FileExistsError:
+        pass
+    finally:
+        os.unlink(tmp)
+    return source
+
+
+def ray_env(temp_dir: Path | None, mode: str | None = None) -> dict[str, str]:
+    """Variables for the Ray processes we start and for drivers that connect to them."""
+    mode = mode or auth_mode()
+    env = {"RAY_AUTH_MODE": mode, "RAY_USAGE_STATS_ENABLED": "0"}
+    if temp_dir is not None:
+        env["RAY_TMPDIR"] = str(temp_dir)
+    return env
+
+
+def socket_safe(temp_dir: Path) -> bool:
+    return len(str(temp_dir)) + len(SOCKET_PATH_TAIL) <= SOCKET_PATH_MAX
+
+
+def choose_temp_dir(run_dir: Path) -> tuple[Path, str | None]:
+    """`<run_dir>/ray` if Ray's socket paths fit under it, else a short /tmp dir linked from there.
+
+    Returns (temp dir, note) where note explains a fallback (None when the run dir is used).
+    """
+    preferred = Path(run_dir).resolve() / "ray"
+    if socket_safe(preferred):
+        if preferred.is_symlink():
+            preferred.unlink()
+        preferred.mkdir(parents=True, exist_ok=True)
+        return preferred, None
+    short = Path(tempfile.mkdtemp(prefix="kimi-ray-", dir="/tmp"))
+    if preferred.is_symlink() or not preferred.exists():
+        preferred.unlink(missing_ok=True)
+        preferred.symlink_to(short, target_is_directory=True)
+    note = (
+        f"{preferred} ({len(str(preferred))} chars) is too long for Ray's unix socket paths "
+        f"(limit {SOCKET_PATH_MAX} bytes incl. ~{len(SOCKET_PATH_TAIL)} of session/socket names); "
+        f"using {short} (linked from the run dir; logs are moved back at teardown)"
+    )
+    return short, note
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """An unused TCP port (tiny race until Ray binds it; Ray fails loudly if it loses)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def gcs_reachable(address: str, timeout_s: float = 2.0) -> bool:
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            return True
+    except (OSError, ValueError):
+        return False

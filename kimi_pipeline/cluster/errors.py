@@ -1,0 +1,30 @@
+"""Cluster errors: which ones a retry can fix (a node still joining) and which it cannot (a recipe the
+cluster can never satisfy)."""
+
+from __future__ import annotations
+
+from kimi_pipeline.errors import PermanentError
+
+
+class ClusterError(RuntimeError):
+    """Transient cluster trouble (start-up race, unreachable head): retrying may help."""
+
+
+class ClusterConfigError(PermanentError):
+    """The request cannot be met as configured (e.g. 32 GPU nodes from an embedded CPU head)."""
+
+
+class ClusterHealthError(ClusterError):
+    """The cluster did not reach the recipe's size in time; `missing` lists each shortfall."""
+
+    def __init__(self, message: str, missing: list[str]):
+        super().__init__(message)
+        self.missing = missing
+
+
+class PlacementError(PermanentError):
+    """A placement group cannot be placed on this cluster (reported instead of waiting forever)."""
+
+
+class LocalClusterTooSmall(ClusterHealthError, PermanentError):
+    """This machine cannot host what the recipe asks of an embedded cluster: retrying cannot help."""

@@ -1,0 +1,240 @@
+"""An embedded Ray cluster owned by a run: a head (and optional simulated nodes) on this host.
+
+Started with `ray start` subprocesses, so the cluster outlives the call that made it (the train stage
+connects later with `ray.init(address=...)`), and recorded in `<run_dir>/cluster/state.json` so that
+anything holding the run dir (the flow's `finally`, a watchdog, `kimi cluster down`) can tear it down.
+
+Simulated nodes are extra raylets on the same host (`ray start --address`), each with its own CPU count
+and a `node_<i>` custom resource: enough to test multi-node placement on one machine.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kimi_pipeline.cluster.env import choose_temp_dir, free_port, gcs_reachable, ray_env
+from kimi_pipeline.cluster.errors import ClusterError
+from kimi_pipeline.cluster.procs import MARKER_VAR, cluster_processes, stop_processes
+from kimi_pipeline.util.files import atomic_write_json
+
+log = logging.getLogger(__name__)
+
+RAY_CLI = [sys.executable, "-m", "ray.scripts.scripts"]  # the venv's Ray, whatever PATH says
+START_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    """Resources one raylet advertises (None = let Ray detect)."""
+
+    num_cpus: int | None = None
+    num_gpus: int | None = None
+    resources: dict[str, float] = field(default_factory=dict)
+    object_store_bytes: int | None = None
+
+    def args(self) -> list[str]:
+        out: list[str] = []
+        if self.num_cpus is not None:
+            out += ["--num-cpus", str(self.num_cpus)]
+        if self.num_gpus is not None:
+            out += ["--num-gpus", str(self.num_gpus)]
+        if self.resources:
+            out += ["--resources", json.dumps(self.resources, sort_keys=True)]
+        if self.object_store_bytes is not None:
+            out += ["--object-store-memory", str(self.object_store_bytes)]
+        return out
+
+
+def state_path(run_dir: Path) -> Path:
+    return Path(run_dir) / "cluster" / "state.json"
+
+
+class LocalCluster:
+    """Handle on an embedded cluster; all of it lives in the state file, so handles are cheap to rebuild."""
+
+    def __init__(self, run_dir: Path, state: dict[str, Any]):
+        self.run_dir = Path(run_dir)
+        self.state = state
+
+    # ---- persistence -------------------------------------------------------------------------
+    @classmethod
+    def load(cls, run_dir: Path) -> LocalCluster | None:
+        p = state_path(run_dir)
+        if not p.is_file():
+            return None
+        return cls(run_dir, json.loads(p.read_text()))
+
+    def save(self) -> None:
+        atomic_write_json(state_path(self.run_dir), self.state)
+
+    @property
+    def address(self) -> str | None:
+        return self.state.get("address")
+
+    @property
+    def env(self) -> dict[str, str]:
+        return dict(self.state.get("env", {}))
+
+    @property
+    def stopped(self) -> bool:
+        return self.state.get("stopped_at") is not None
+
+    # ---- start -------------------------------------------------------------------------------
+    @classmethod
+    def start(
+        cls,
+        run_dir: Path,
+        head: NodeSpec,
+        workers: list[NodeSpec] | None = None,
+        *,
+        dashboard: bool = False,
+        owner_pid: int | None = None,
+        timeout_s: float = START_TIMEOUT_S,
+    ) -> LocalCluster:
+        """Start a head (+ simulated worker raylets). On any failure, whatever started is stopped."""
+        run_dir = Path(run_dir)
+        (run_dir / "cluster").mkdir(parents=True, exist_ok=True)
+        temp_dir, temp_note = choose_temp_dir(run_dir)
+        marker = uuid.uuid4().hex
+        env = ray_env(temp_dir)
+        state: dict[str, Any] = {
+            "mode": "embedded",
+            "marker": marker,
+            "sids": [],
+            "temp_dir": str(temp_dir),
+            "temp_dir_note": temp_note,
+            "env": env,
+            "address": None,
+            "dashboard_url": None,
+            "nodes_started": 0,
+            "owner_pid": owner_pid,
+            "started_at": time.time(),
+            "stopped_at": None,
+        }
+        cluster = cls(run_dir, state)
+        cluster.save()  # before the first process exists, so a crash mid-start is still cleaned up
+        try:
+            cluster._start_head(head, dashboard, timeout_s)
+            for i, w in enumerate(workers or [], start=1):
+                cluster._start_worker(w, i, timeout_s)
+            if owner_pid is not None:
+                cluster._start_watchdog(owner_pid)
+        except BaseException:
+            cluster.stop()
+            raise
+        return cluster
+
+    def _ray_start(self, args: list[str], log_name: str, timeout_s: float) -> str:
+        env = dict(os.environ)
+        env.update(self.env)
+        env[MARKER_VAR] = self.state["marker"]
+        log_path = self.run_dir / "cluster" / f"{log_name}.log"
+        with open(log_path, "w") as out:
+            proc = subprocess.Popen(
+                [*RAY_CLI, "start", *args, "--temp-dir", self.state["temp_dir"], "--disable-usage-stats"],
+                env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+            )
+            self.state["sids"].append(proc.pid)  # start_new_session: sid == pid of the `ray start` process
+            self.save()
+            try:
+                rc = proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                raise ClusterError(f"`ray start` ({log_name}) did not finish in {timeout_s:.0f} s; see {log_path}") from None
+        text = log_path.read_text(errors="replace")
+        if rc != 0:
+            tail = "\n".join(text.strip().splitlines()[-8:])
+            raise ClusterError(f"`ray start` ({log_name}) exited {rc}; see {log_path}:\n{tail}")
+        return text
+
+    def _start_head(self, head: NodeSpec, dashboard: bool, timeout_s: float) -> None:
+        dash_port = free_port()
+        args = [
+            "--head", "--port", "0",
+            "--include-dashboard", "true" if dashboard else "false",
+            "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash_port),
+            "--ray-client-server-port", str(free_port()),
+            "--dashboard-agent-listen-port", str(free_port()),
+            *head.args(),
+        ]
+        t0 = time.monotonic()
+        text = self._ray_start(args, "ray-start-head", timeout_s)
+        current = Path(self.state["temp_dir"]) / "ray_current_cluster"
+        address = current.read_text().strip() if current.is_file() else None
+        if not address:
+            m = re.search(r"ray start --address='([^']+)'", text)
+            address = m.group(1) if m else None
+        if not address or not gcs_reachable(address):
+            raise ClusterError(f"Ray head started but its GCS address is unknown or unreachable ({address!r})")
+        self.state.update(address=address, nodes_started=1, dashboard_url=f"http://127.0.0.1:{dash_port}" if dashboard else None)
+        self.save()
+        log.info("Ray head up at %s in %.1f s (temp dir %s)", address, time.monotonic() - t0, self.state["temp_dir"])
+
+    def _start_worker(self, spec: NodeSpec, index: int, timeout_s: float) -> None:
+        t0 = time.monotonic()
+        args = ["--address", self.address, "--dashboard-agent-listen-port", str(free_port()), *spec.args()]
+        self._ray_start(args, f"ray-start-node-{index}", timeout_s)
+        self.state["nodes_started"] += 1
+        self.save()
+        log.info("simulated Ray node %d joined in %.1f s", index, time.monotonic() - t0)
+
+    def _start_watchdog(self, owner_pid: int) -> None:
+        """A detached helper that tears the cluster down if the owning process dies without doing so."""
+        env = dict(os.environ)
+        env[MARKER_VAR] = self.state["marker"]
+        out = open(self.run_dir / "cluster" / "watchdog.log", "a")
+        with out:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "kimi_pipeline.cluster.watchdog", "--owner-pid", str(owner_pid),
+                 "--run-dir", str(self.run_dir)],
+                env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+            )
+        self.state["watchdog_pid"] = proc.pid
+        self.save()
+
+    # ---- inspect / stop ----------------------------------------------------------------------
+    def processes(self):
+        return cluster_processes(self.state["marker"], self.state.get("sids", []))
+
+    def alive(self) -> bool:
+        return not self.stopped and bool(self.address) and gcs_reachable(self.address)
+
+    def stop(self, grace_s: float = 5.0) -> dict[str, Any]:
+        """Stop every process of this cluster (and only those); idempotent."""
+        t0 = time.monotonic()
+        procs = self.processes()
+        counts = stop_processes(procs, grace_s=grace_s)
+        self._collect_logs()
+        self.state["stopped_at"] = time.time()
+        self.save()
+        report = {"processes": len(procs), **counts, "seconds": round(time.monotonic() - t0, 2)}
+        log.info("stopped embedded Ray cluster %s: %s", self.address, report)
+        return report
+
+    def _collect_logs(self) -> None:
+        """A fallback temp dir lives in /tmp: move its logs into the run dir, delete the rest."""
+        if not self.state.get("temp_dir_note"):
+            return
+        short = Path(self.state["temp_dir"])
+        link = self.run_dir / "ray"
+        if link.is_symlink():
+            link.unlink()
+        if short.is_dir():
+            for session in short.glob("session_2*"):
+                logs = session / "logs"
+                if logs.is_dir() and not session.is_symlink():
+                    dest = link / session.name / "logs"
+                    dest.parent.mkdir(parents=True, exist_ok=True)
+                    shutil.move(str(logs), str(dest))
+            shutil.rmtree(short, ignore_errors=True)

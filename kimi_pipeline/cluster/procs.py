@@ -1,0 +1,119 @@
+"""Finding and stopping exactly the Ray processes a run started (never another user's or run's Ray).
+
+`ray stop` kills every Ray process of the user on the host, including other runs' clusters, so we
+track our own: each `ray start` runs in a new session (its daemons keep that session id) and with a
+marker variable in its environment (inherited by every descendant). Processes that rename themselves
+(setproctitle clobbers /proc/PID/environ) are still caught by the session id and by descent.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable
+
+import psutil
+
+MARKER_VAR = "KIMI_RAY_CLUSTER_ID"
+
+
+def _dead(p: psutil.Process) -> bool:
+    try:
+        return not p.is_running() or p.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _looks_like_ray(p: psutil.Process) -> bool:
+    """Guard for session-id matches (a reused pid could start an unrelated session with that id)."""
+    try:
+        text = p.name() + " " + " ".join(p.cmdline())
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return False
+    return "ray" in text or "gcs_server" in text or "kimi_pipeline.cluster" in text
+
+
+def _protected() -> set[int]:
+    """This process and its ancestors: a teardown must never kill its caller."""
+    me = psutil.Process()
+    return {me.pid, *(a.pid for a in me.parents())}
+
+
+def cluster_processes(marker: str, sids: Iterable[int] = ()) -> list[psutil.Process]:
+    """Live processes of this user that carry `marker` or belong to one of `sids`, plus descendants."""
+    uid = os.getuid()
+    sids = set(sids)
+    protected = _protected()
+    found: dict[int, psutil.Process] = {}
+    for p in psutil.process_iter(["pid", "uids"]):
+        try:
+            if p.info["uids"] is None or p.info["uids"].real != uid or p.pid in protected or _dead(p):
+                continue
+            if sids and os.getsid(p.pid) in sids and _looks_like_ray(p):
+                found[p.pid] = p
+                continue
+            if p.environ().get(MARKER_VAR) == marker:
+                found[p.pid] = p
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, ProcessLookupError):
+            continue
+    for p in list(found.values()):
+        try:
+            for c in p.children(recursive=True):
+                if c.pid not in protected and not _dead(c):
+                    found.setdefault(c.pid, c)
+        except psutil.NoSuchProcess:
+            continue
+    return list(found.values())
+
+
+def _terminate_and_wait(procs: list[psutil.Process], grace_s: float) -> None:
+    for p in procs:
+        try:
+            p.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and not all(_dead(p) for p in procs):
+        time.sleep(0.05)
+
+
+def _name(p: psutil.Process) -> str:
+    try:
+        return p.name()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return ""
+
+
+def stop_processes(procs: list[psutil.Process], grace_s: float = 5.0) -> dict[str, int]:
+    """Raylets first (they stop their workers and agents and deregister in ~0.1 s while the GCS is up;
+    with the GCS already gone a raylet waits ~10 s), then the rest; SIGKILL what outlives `grace_s`
+    (the autoscaler monitor ignores SIGTERM).
+
+    Zombies count as stopped: on hosts whose init does not reap, they linger but hold nothing.
+    """
+    raylets = [p for p in procs if _name(p) == "raylet"]
+    _terminate_and_wait(raylets, grace_s)
+    _terminate_and_wait([p for p in procs if not _dead(p)], min(grace_s, 2.0))
+    stubborn = [p for p in procs if not _dead(p)]
+    for p in stubborn:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline and not all(_dead(p) for p in stubborn):
+        time.sleep(0.05)
+    left = [p for p in procs if not _dead(p)]
+    return {"terminated": len(procs) - len(stubborn), "killed": len(stubborn) - len(left), "left": len(left)}
+
+
+def ray_processes_alive(pids: Iterable[int]) -> list[int]:
+    """Which of `pids` are still running (not zombies): used by tests and the teardown report."""
+    out = []
+    for pid in pids:
+        try:
+            if not _dead(psutil.Process(pid)):
+                out.append(pid)
+        except psutil.NoSuchProcess:
+            continue
+    return out

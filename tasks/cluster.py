@@ -1,0 +1,38 @@
+"""Task `cluster`: not cached (a cluster is live state, a cached address may point at nothing);
+retried on transient failures (start-up races, a head not reachable yet); facts as a markdown artifact.
+
+The embedded cluster outlives this task on purpose: the flow tears it down in its `finally` with
+`kimi_pipeline.cluster.stop_cluster(run_dir)`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from prefect import task
+from prefect.artifacts import create_markdown_artifact
+from prefect.cache_policies import NO_CACHE
+
+from kimi_pipeline.cluster import facts_markdown, stage_cluster
+from kimi_pipeline.recipes import Recipe
+from tasks.common import RETRY_DELAYS, retry_unless_permanent
+
+
+@task(
+    name="cluster",
+    retries=2,
+    retry_delay_seconds=RETRY_DELAYS,
+    retry_jitter_factor=0.2,
+    retry_condition_fn=retry_unless_permanent,
+    cache_policy=NO_CACHE,
+    persist_result=False,
+)
+def cluster_task(recipe: Recipe, run_dir: str, timeout_s: float | None = None) -> dict[str, Any]:
+    # The owner is the flow process (tasks run in its threads): if it dies, the watchdog cleans up.
+    section = stage_cluster(recipe, Path(run_dir), timeout_s=timeout_s, owner_pid=os.getpid())
+    create_markdown_artifact(
+        facts_markdown(section), key="cluster-facts", description=f"Ray cluster of {recipe.name} ({section['mode']})"
+    )
+    return section

@@ -1,0 +1,489 @@
+"""Stage `cluster`: real Ray clusters on this host (embedded head, simulated 4-node cluster, infra
+scripts), health checks that pass and fail, placement groups, and no Ray process left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from kimi_pipeline.cluster import (
+    ClusterConfigError,
+    ClusterFacts,
+    ClusterHealthError,
+    GroupSpec,
+    LocalCluster,
+    LocalClusterTooSmall,
+    NodeFacts,
+    PlacementError,
+    Requirements,
+    bundle_nodes,
+    create_group,
+    create_placement_groups,
+    plan_placement,
+    remove_placement_groups,
+    stage_cluster,
+    stop_cluster,
+    wait_until_healthy,
+)
+from kimi_pipeline.cluster.env import SOCKET_PATH_MAX, SOCKET_PATH_TAIL, choose_temp_dir
+from kimi_pipeline.cluster.jobs import job_submit_command
+from kimi_pipeline.cluster.kuberay import check_manifest, manifest_presets, render_manifest
+from kimi_pipeline.cluster.procs import MARKER_VAR, cluster_processes, ray_processes_alive
+from kimi_pipeline.cluster.stage import embedded_layout, resolve_address
+from kimi_pipeline.errors import is_permanent
+from kimi_pipeline.recipes import load_recipe
+
+ROOT = Path(__file__).resolve().parents[1]
+INFRA = ROOT / "infra" / "ray"
+_RUN_DIRS: list[Path] = []
+
+
+def short_run_dir(name: str) -> Path:
+    """A run dir short enough for Ray's socket paths (tmp_path is not: it exercises the fallback)."""
+    d = Path(tempfile.mkdtemp(prefix=f"kc-{name}-", dir="/tmp"))
+    _RUN_DIRS.append(d)
+    return d
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _ray_hygiene():
+    """Restore the env vars the stage exports, and stop any cluster a failed test left running."""
+    saved = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_USAGE_STATS_ENABLED")}
+    yield
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    for d in _RUN_DIRS:
+        c = LocalCluster.load(d)
+        if c is not None and c.state.get("mode") == "embedded":
+            c.stop()
+        shutil.rmtree(d, ignore_errors=True)
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def _snapshot(run_dir: Path) -> tuple[dict[int, str], LocalCluster]:
+    c = LocalCluster.load(run_dir)
+    assert c is not None
+    procs = {p.pid: p.name() for p in c.processes()}
+    return procs, c
+
+
+def _assert_all_gone(run_dir: Path, pids: dict[int, str]) -> None:
+    """Every process we saw is gone, nothing carries the marker, nothing runs from the temp dir."""
+    c = LocalCluster.load(run_dir)
+    assert c is not None and c.stopped
+    assert ray_processes_alive(pids) == [], {p: pids[p] for p in ray_processes_alive(pids)}
+    assert cluster_processes(c.state["marker"], c.state["sids"]) == []
+    temp = c.state["temp_dir"]
+    for p in psutil.process_iter(["cmdline", "status"]):
+        if p.info["status"] != psutil.STATUS_ZOMBIE:
+            assert temp not in " ".join(p.info["cmdline"] or []), p
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure logic: requirements, placement plans, manifests, addresses (no Ray processes)
+# ---------------------------------------------------------------------------------------------
+
+
+def _node(i: int, cpus=8.0, gpus=8.0, mem=1000.0, head=False) -> NodeFacts:
+    return NodeFacts(f"{i:056x}", f"10.0.0.{i}", head, cpus, gpus, mem, {})
+
+
+def test_requirements_follow_the_recipe():
+    k = Requirements.from_recipe(load_recipe("kimi-k2.5"))
+    assert (k.nodes, k.gpus_per_node, k.cpus_per_node) == (32, 8, 1)
+    t = Requirements.from_recipe(load_recipe("tiny"))
+    assert (t.nodes, t.gpus_per_node, t.cpus_per_node) == (1, 0, 1)
+    apart = Requirements.from_recipe(load_recipe("tiny", ["cluster.colocate=false", "cluster.gpus_per_node=2"]))
+    assert apart.cpus_per_node == 3  # two trainer ranks + the embedded engine
+
+
+def test_missing_lists_every_shortfall():
+    req = Requirements(nodes=4, gpus_per_node=8, cpus_per_node=16, memory_gb_per_node=500)
+    ok = ClusterFacts("10.0.0.1:6379", "2.60.0", [_node(i, cpus=32) for i in range(4)])
+    assert ok.missing(req) == []
+    facts = ClusterFacts("10.0.0.1:6379", "2.60.0", [_node(1, cpus=32, head=True), _node(2, cpus=32, gpus=4), _node(3, cpus=8, mem=100)])
+    missing = facts.missing(req)
+    text = "\n".join(missing)
+    assert "1 of 3 alive node(s) qualify" in text
+    assert "nodes: 3 alive < 4 required (1 missing)" in text
+    assert "node 10.0.0.2/" in text and "GPU 4 < 8" in text
+    assert "node 10.0.0.3/" in text and "CPU 8 < 16" in text and "memory 100.0 GB < 500 GB" in text
+    assert "cluster total GPU 20 < 32 required" in text
+
+
+def test_placement_plans_for_the_presets():
+    k25 = plan_placement(load_recipe("kimi-k2.5"))
+    trainer = k25.group("trainer")
+    assert trainer.strategy == "STRICT_SPREAD" and len(trainer.bundles) == 32
+    assert trainer.bundles[0] == {"GPU": 8.0, "CPU": 8.0}
+    assert [g.name for g in k25.groups] == ["trainer"]  # colocated: engines share the trainer bundles
+    assert len(k25.engines) == 32 and k25.engines[5].bundles == (5,) and k25.engines[5].group == "trainer"
+    assert k25.trainer_bundle(0) == 0 and k25.trainer_bundle(255) == 31
+    assert k25.trainer_actor["GPU"] + k25.engine_actor["GPU"] <= 1.0
+
+    thinking = plan_placement(load_recipe("kimi-k2-thinking"))  # 16-GPU engines span two nodes
+    assert len(thinking.engines) == 16 and thinking.engines[1].bundles == (2, 3)
+
+    apart = plan_placement(load_recipe("kimi-k2.5", ["cluster.colocate=false"]), rollout_devices=64)
+    rollout = apart.group("rollout")
+    assert len(rollout.bundles) == 8 and rollout.strategy == "STRICT_SPREAD"
+    assert apart.engines[-1].group == "rollout" and apart.trainer_actor["GPU"] == 1.0
+
+    tiny = plan_placement(load_recipe("tiny"))
+    assert tiny.group("trainer").bundles == ({"CPU": 1.0},) and tiny.engines[0].group == "trainer"
+    with pytest.raises(ClusterConfigError, match="gpus_per_engine"):
+        plan_placement(load_recipe("kimi-k2.5", ["sglang.gpus_per_engine=12"], check=False))
+
+
+def test_kuberay_manifests_are_generated_from_the_recipes():
+    presets = manifest_presets()
+    assert set(presets) == {"kimi-k2-instruct", "kimi-k2-thinking", "kimi-k2.5"}
+    for name in presets:
+        r = load_recipe(name)
+        assert check_manifest(r) is None, check_manifest(r)
+    text = (ROOT / "infra" / "kuberay" / "kimi-k2.5.yaml").read_text()
+    import yaml
+
+    doc = yaml.safe_load(text)
+    head = doc["spec"]["headGroupSpec"]
+    workers = doc["spec"]["workerGroupSpecs"][0]
+    assert head["rayStartParams"]["num-gpus"] == "8" and workers["replicas"] == workers["maxReplicas"] == 31
+    assert workers["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 8
+    assert doc["spec"]["authOptions"] == {"mode": "token"} and doc["metadata"]["name"] == "kimi-k2-5"
+    # a recipe change is drift the check reports
+    smaller = load_recipe("kimi-k2.5", ["cluster.nodes=16"], check=False)
+    assert "differs from recipe" in check_manifest(smaller, ROOT / "infra" / "kuberay" / "kimi-k2.5.yaml")
+    assert "replicas: 15" in render_manifest(smaller)
+
+
+def test_addresses_and_embedded_limits():
+    assert resolve_address("10.0.0.1") == "10.0.0.1:6379"
+    assert resolve_address("head:6380") == "head:6380"
+    with pytest.raises(ClusterConfigError, match="ray://"):
+        resolve_address("ray://head:10001")
+    with pytest.raises(ClusterConfigError, match="dashboard"):
+        resolve_address("http://head:8265")
+    with pytest.raises(ClusterConfigError, match="infra/ray") as e:
+        embedded_layout(load_recipe("kimi-k2.5"))
+    assert is_permanent(e.value)
+    if not shutil.which("nvidia-smi"):
+        with pytest.raises(LocalClusterTooSmall, match="GPU") as e:
+            embedded_layout(load_recipe("kimi-k2.5", ["cluster.nodes=1"], check=False))
+        assert is_permanent(e.value)
+    head, workers = embedded_layout(load_recipe("tiny", ["cluster.nodes=4"]))
+    assert head.resources == {"node_0": 1.0} and [w.resources for w in workers] == [{f"node_{i}": 1.0} for i in (1, 2, 3)]
+    assert all(n.num_cpus == 1 and n.num_gpus == 0 for n in [head, *workers])
+
+
+def test_temp_dir_falls_back_when_socket_paths_would_be_too_long(tmp_path):
+    deep = tmp_path / ("d" * 80)
+    deep.mkdir()
+    temp, note = choose_temp_dir(deep)
+    try:
+        assert len(str(temp)) + len(SOCKET_PATH_TAIL) <= SOCKET_PATH_MAX
+        assert (deep / "ray").is_symlink() and (deep / "ray").resolve() == temp.resolve()
+        assert "too long" in note and str(temp) in note
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
+    short = short_run_dir("short")
+    temp, note = choose_temp_dir(short)
+    assert temp == short.resolve() / "ray" and note is None
+
+
+def test_job_submit_command_uses_the_venv_interpreter():
+    argv = job_submit_command("kimi-k2.5", "http://10.0.0.1:8265")
+    sep = argv.index("--")
+    assert argv[sep + 1] == sys.executable and os.path.isabs(argv[sep + 1])
+    assert argv[sep + 2 : sep + 6] == ["-m", "kimi_pipeline.cli", "run", "--recipe"]
+    assert "cluster.address=auto" in argv and argv[argv.index("--address") + 1] == "http://10.0.0.1:8265"
+
+
+def test_infra_scripts_parse_and_name_the_seed_variables():
+    for script in ("env.sh", "head.sh", "worker.sh", "stop.sh"):
+        subprocess.run(["bash", "-n", str(INFRA / script)], check=True)
+    env = (INFRA / "env.sh").read_text()
+    for var in ("MASTER_ADDR", "BASE_DIR", "GPUS_PER_NODE", "RAY_AUTH_MODE", "RAY_TMPDIR", "RAY_USAGE_STATS_ENABLED"):
+        assert var in env
+    missing = subprocess.run(["bash", str(INFRA / "head.sh")], env={"PATH": os.environ["PATH"]}, capture_output=True, text=True)
+    assert missing.returncode != 0 and "MASTER_ADDR" in missing.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# A real embedded cluster (one head), shared by the tests below
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def embedded(tmp_path_factory):
+    """Stage `cluster` on the tiny recipe, with the dashboard on (for the job test). The run dir is a
+    pytest tmp dir: too long for Ray's sockets, so this also exercises the /tmp fallback."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    run_dir = tmp_path_factory.mktemp("embedded") / "run"
+    _RUN_DIRS.append(run_dir)
+    os.environ["KIMI_RAY_DASHBOARD"] = "1"
+    try:
+        section = stage_cluster(load_recipe("tiny"), run_dir)
+    finally:
+        os.environ.pop("KIMI_RAY_DASHBOARD", None)
+    pids, cluster = _snapshot(run_dir)
+    yield {"run_dir": run_dir, "section": section, "pids": pids, "cluster": cluster}
+    stop_cluster(run_dir)
+
+
+def test_stage_reports_the_cluster(embedded):
+    s, run_dir = embedded["section"], embedded["run_dir"]
+    assert s["mode"] == "embedded" and s["nodes"] == 1 and s["gpus"] == 0 and s["cpus"] >= 1
+    assert s["ray_version"] == "2.60.0" and s["auth_mode"] == "token" and s["address"].count(":") == 1
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["stages"]["cluster"]["status"] == "completed"
+    assert {k: summary["cluster"][k] for k in ("address", "nodes", "cpus", "gpus")} == {k: s[k] for k in ("address", "nodes", "cpus", "gpus")}
+    assert json.loads((run_dir / "cluster" / "facts.json").read_text())["address"] == s["address"]
+    assert "| node | head |" in (run_dir / "cluster" / "facts.md").read_text()
+    assert s["temp_dir_note"] and "too long" in s["temp_dir_note"] and (run_dir / "ray").is_symlink()
+
+
+def test_ray_processes_get_explicit_hygiene_env(embedded):
+    names = set(embedded["pids"].values())
+    assert {"raylet", "gcs_server"} <= names, names
+    raylet = next(psutil.Process(p) for p, n in embedded["pids"].items() if n == "raylet")
+    env = raylet.environ()
+    assert env["RAY_AUTH_MODE"] == "token" and env["RAY_USAGE_STATS_ENABLED"] == "0"
+    assert env["RAY_TMPDIR"] == embedded["section"]["temp_dir"] and MARKER_VAR in env
+    assert os.environ["RAY_AUTH_MODE"] == "token"  # exported for the train stage's driver
+
+
+def test_a_driver_can_use_the_cluster(embedded):
+    import ray
+
+    ray.init(address=embedded["section"]["address"], log_to_driver=False)
+    try:
+
+        @ray.remote(num_cpus=1)
+        def square(x: int) -> int:
+            return x * x
+
+        assert ray.get([square.remote(i) for i in range(4)]) == [0, 1, 4, 9]
+        pgs = create_placement_groups(plan_placement(load_recipe("tiny")), timeout_s=30)
+        assert len(bundle_nodes(pgs["trainer"])) == 1
+        remove_placement_groups(pgs)
+    finally:
+        ray.shutdown()
+
+
+def test_health_check_passes_and_fails_with_what_is_missing(embedded):
+    address = embedded["section"]["address"]
+    lines: list[str] = []
+    facts = wait_until_healthy(address, Requirements.from_recipe(load_recipe("tiny")), timeout_s=30, progress=lines.append)
+    assert len(facts.nodes) == 1 and lines and lines[-1].startswith("cluster ready")
+    lines.clear()
+    t0 = time.monotonic()
+    with pytest.raises(ClusterHealthError) as e:
+        wait_until_healthy(address, Requirements(nodes=2, gpus_per_node=8, memory_gb_per_node=100000), timeout_s=3,
+                           poll_s=0.5, progress=lines.append)
+    assert time.monotonic() - t0 < 20
+    msg = str(e.value)
+    assert "nodes: 1 alive < 2 required" in msg and "GPU 0 < 8" in msg and "< 100000 GB" in msg
+    assert e.value.missing and any(line.startswith("waiting for cluster") for line in lines)
+    assert not is_permanent(e.value)  # an existing cluster may still be growing: retry
+
+
+def test_ray_job_submit_with_the_venv_interpreter(embedded):
+    """The documented `ray job submit` form, for real: token auth, RAY_ADDRESS inside the job."""
+    dash = embedded["section"]["dashboard"]
+    assert dash and dash.startswith("http://127.0.0.1:")
+    argv = job_submit_command("tiny", dash)
+    sep = argv.index("--")
+    probe = [*argv[: sep + 1], sys.executable, "-c",
+             "import os, ray; ray.init(); print('JOB-OK', os.environ['RAY_ADDRESS'], ray.cluster_resources()['CPU'])"]
+    out = subprocess.run(probe, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert f"JOB-OK {embedded['section']['address']}" in out.stdout
+
+
+def test_teardown_leaves_no_ray_process(embedded):
+    run_dir = embedded["run_dir"]
+    try:
+        raise RuntimeError("the train stage failed")  # what the flow's `finally` sees
+    except RuntimeError:
+        pass
+    finally:
+        report = stop_cluster(run_dir)
+    assert report["left"] == 0 and report["processes"] > 0
+    _assert_all_gone(run_dir, embedded["pids"])
+    assert stop_cluster(run_dir) is None  # idempotent
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["cluster"]["stopped"] is True
+    assert not (run_dir / "ray").is_symlink() and list((run_dir / "ray").glob("session_*/logs"))  # logs moved back
+    assert not Path(embedded["section"]["temp_dir"]).exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# Failure paths: a failing stage and a dying owner leave nothing behind
+# ---------------------------------------------------------------------------------------------
+
+
+def test_failing_stage_stops_what_it_started():
+    """Memory between Ray's usable share and the host's total: the start passes, the health check
+    fails after the head is up; the stage must stop it and record what is missing."""
+    run_dir = short_run_dir("fail")
+    total_gb = psutil.virtual_memory().total / 1024**3
+    r = load_recipe("tiny", [f"cluster.memory_gb_per_node={total_gb - 0.01:.2f}"])
+    seen: dict[int, str] = {}
+    with pytest.raises(LocalClusterTooSmall) as e:
+        stage_cluster(r, run_dir, timeout_s=3)
+    assert is_permanent(e.value) and any("memory" in m for m in e.value.missing)
+    c = LocalCluster.load(run_dir)
+    assert c is not None and c.state["sids"], "the head was started"
+    seen = {pid: "" for pid in c.state["sids"]}
+    _assert_all_gone(run_dir, seen)
+    assert c.state["temp_dir"] == str(run_dir.resolve() / "ray")  # a short run dir holds Ray's temp dir
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["stages"]["cluster"]["status"] == "failed" and "memory" in summary["stages"]["cluster"]["error"]
+
+
+@pytest.mark.slow
+def test_watchdog_stops_the_cluster_when_the_owner_is_killed():
+    """`kimi run` killed with SIGKILL has no `finally`: the watchdog tears the cluster down."""
+    run_dir = short_run_dir("owner")
+    code = (
+        "import sys, time; from kimi_pipeline.recipes import load_recipe; "
+        "from kimi_pipeline.cluster import stage_cluster; "
+        f"stage_cluster(load_recipe('tiny'), {str(run_dir)!r}); print('UP', flush=True); time.sleep(600)"
+    )
+    owner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        assert owner.stdout.readline().strip() == "UP"
+        pids, c = _snapshot(run_dir)
+        assert "raylet" in pids.values() and c.state.get("watchdog_pid") in pids
+    finally:
+        owner.send_signal(signal.SIGKILL)
+        owner.wait()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not LocalCluster.load(run_dir).stopped:
+        time.sleep(0.5)
+    _assert_all_gone(run_dir, pids)
+    assert "owner" in (run_dir / "cluster" / "watchdog.log").read_text()
+
+
+# ---------------------------------------------------------------------------------------------
+# A simulated 4-node cluster: 4 raylets on this host, one CPU and a node_<i> resource each
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_simulated_four_node_cluster_strict_spread_and_impossible_groups():
+    import ray
+
+    run_dir = short_run_dir("four")
+    r = load_recipe("tiny", ["cluster.nodes=4"])
+    section = stage_cluster(r, run_dir)
+    pids, _ = _snapshot(run_dir)
+    try:
+        assert section["nodes"] == 4 and section["cpus"] == 4
+        assert sorted(k for n in section["node_list"] for k in n["resources"]) == [f"node_{i}" for i in range(4)]
+        assert list(pids.values()).count("raylet") == 4
+        ray.init(address=section["address"], log_to_driver=False)
+        plan = plan_placement(r)
+        trainer = plan.group("trainer")
+        assert trainer.strategy == "STRICT_SPREAD" and len(trainer.bundles) == 4
+        pgs = create_placement_groups(plan, timeout_s=30)
+        nodes = bundle_nodes(pgs["trainer"])
+        assert len(set(nodes)) == 4  # one bundle per node
+
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        @ray.remote(num_cpus=1)
+        def where() -> tuple[str, list[str]]:
+            ctx = ray.get_runtime_context()
+            mine = [n for n in ray.nodes() if n["NodeID"] == ctx.get_node_id()][0]
+            return ctx.get_node_id(), [k for k in mine["Resources"] if k.startswith("node_")]
+
+        ran = ray.get([
+            where.options(scheduling_strategy=PlacementGroupSchedulingStrategy(pgs["trainer"], placement_group_bundle_index=i)).remote()
+            for i in range(4)
+        ])
+        assert [n for n, _ in ran] == nodes and sorted(k[0] for _, k in ran) == [f"node_{i}" for i in range(4)]
+        remove_placement_groups(pgs)
+
+        t0 = time.monotonic()
+        with pytest.raises(PlacementError) as e:
+            create_group(GroupSpec("too-wide", tuple({"CPU": 1.0} for _ in range(5)), "STRICT_SPREAD"), timeout_s=3)
+        assert "STRICT_SPREAD needs 5 distinct nodes; the cluster has 4" in str(e.value)
+        with pytest.raises(PlacementError, match="fits on no node"):
+            create_group(GroupSpec("too-big", ({"CPU": 2.0},), "PACK"), timeout_s=3)
+        assert time.monotonic() - t0 < 30  # reported, not waited on forever
+        assert is_permanent(e.value)
+        from ray.util.placement_group import placement_group_table
+
+        assert all(v["state"] == "REMOVED" for v in placement_group_table().values())
+    finally:
+        ray.shutdown()
+        stop_cluster(run_dir)
+    _assert_all_gone(run_dir, pids)
+
+
+@pytest.mark.slow
+def test_infra_scripts_start_a_head_and_a_worker():
+    """infra/ray/head.sh + worker.sh for real (no GPUs here: GPUS_PER_NODE=0), with the cluster token
+    on the "shared" BASE_DIR; checked from a separate driver process; stopped by marker, not `ray stop`."""
+    from ray._private.services import get_node_ip_address
+
+    from kimi_pipeline.cluster.env import free_port
+    from kimi_pipeline.cluster.procs import stop_processes
+
+    base = short_run_dir("infra")
+    marker = f"infra-{os.getpid()}"
+    port = free_port()
+    env = dict(os.environ, MASTER_ADDR=get_node_ip_address(), BASE_DIR=str(base), GPUS_PER_NODE="0", NUM_CPUS="1",
+               RAY_PORT=str(port), DASHBOARD_PORT=str(free_port()), RAY_TMPDIR=str(base / "tmp"), RAY_AUTH_MODE="token",
+               **{MARKER_VAR: marker})
+    env.pop("RAY_AUTH_TOKEN_PATH", None)
+    env.pop("RAY_AUTH_TOKEN", None)
+    sids: list[int] = []
+    names: dict[int, str] = {}
+
+    def run(script: str, extra: str) -> str:
+        p = subprocess.Popen(["bash", str(INFRA / script)], env={**env, "RAY_START_ARGS": extra}, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        sids.append(p.pid)
+        out = p.communicate(timeout=180)[0]
+        assert p.returncode == 0, out[-3000:]
+        return out
+
+    try:
+        out = run("head.sh", f"--ray-client-server-port {free_port()} --dashboard-agent-listen-port {free_port()}")
+        token = base / ".ray" / "auth_token"
+        assert "created the cluster token" in out and oct(token.stat().st_mode & 0o777) == "0o600"
+        run("worker.sh", f"--dashboard-agent-listen-port {free_port()}")
+        names = {p.pid: p.name() for p in cluster_processes(marker, sids)}
+        assert list(names.values()).count("raylet") == 2
+        probe = (
+            "from kimi_pipeline.cluster import Requirements, wait_until_healthy; "
+            f"f = wait_until_healthy('{env['MASTER_ADDR']}:{port}', Requirements(nodes=2, cpus_per_node=1), timeout_s=60); "
+            "print('NODES', len(f.nodes), f.ray_version)"
+        )
+        check = subprocess.run([sys.executable, "-c", probe], env={**env, "RAY_AUTH_TOKEN_PATH": str(token)},
+                               capture_output=True, text=True, timeout=120)
+        assert "NODES 2 2.60.0" in check.stdout, check.stdout[-2000:] + check.stderr[-2000:]
+    finally:
+        assert stop_processes(cluster_processes(marker, sids))["left"] == 0
+    assert ray_processes_alive(names) == []
