@@ -383,7 +383,7 @@ class EngineModel:
         pos = torch.arange(S, device=self.device)
         cache = self.new_cache(B, S)
         causal = torch.ones(S, S, dtype=torch.bool, device=self.device).tril()
-        bias = torch.zeros(S, S, device=self.device, dtype=torch.float32).masked_fill(~causal, float("-inf"))
+        bias = torch.zeros(S, S, device=self.device, dtype=self.dtype).masked_fill(~causal, float("-inf"))
         # scores are [B, S*heads, S]: row (s, h) gets query position s's mask
         bias = bias[:, None, :].expand(S, self.config.num_heads, S).reshape(1, S * self.config.num_heads, S)
         h, experts = self._forward(ids.reshape(-1), pos.repeat(B), B, S, cache, None, S, bias)
@@ -403,7 +403,7 @@ class EngineModel:
         """
         B = ids.shape[0]
         keys = torch.arange(kv_len, device=self.device)
-        bias = torch.zeros(B, 1, kv_len, device=self.device, dtype=torch.float32)
+        bias = torch.zeros(B, 1, kv_len, device=self.device, dtype=self.dtype)
         bias.masked_fill_(keys[None, None, :] > positions[:, None, None], float("-inf"))
         h, experts = self._forward(ids, positions, B, 1, cache, positions, kv_len, bias)
         return self._logits(h), experts
