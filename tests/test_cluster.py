@@ -172,6 +172,23 @@ def test_kuberay_manifests_are_generated_from_the_recipes():
     assert "replicas: 15" in render_manifest(smaller)
 
 
+def test_cli_manifest_check_and_job_command(tmp_path):
+    from typer.testing import CliRunner
+
+    from kimi_pipeline.cluster.cli import cluster_app
+
+    cli = CliRunner()
+    ok = cli.invoke(cluster_app, ["manifest", "--check"])
+    assert ok.exit_code == 0 and "kimi-k2.5" in ok.output
+    drift = cli.invoke(cluster_app, ["manifest", "--check", "--recipe", "kimi-k2.5", "--set", "cluster.nodes=64"])
+    assert drift.exit_code == 1 and "differs from recipe kimi-k2.5" in drift.output
+    wrote = cli.invoke(cluster_app, ["manifest", "--write", "--recipe", "kimi-k2.5", "--dir", str(tmp_path)])
+    assert wrote.exit_code == 0 and (tmp_path / "kimi-k2.5.yaml").read_text() == (ROOT / "infra/kuberay/kimi-k2.5.yaml").read_text()
+    line = cli.invoke(cluster_app, ["job-command", "--recipe", "kimi-k2.5", "--dashboard", "http://10.0.0.1:8265"])
+    assert line.exit_code == 0 and f"-- {sys.executable} -m kimi_pipeline.cli run --recipe kimi-k2.5" in line.output
+    assert cli.invoke(cluster_app, ["down", "--run-dir", str(tmp_path)]).output.startswith("no running embedded cluster")
+
+
 def test_addresses_and_embedded_limits():
     assert resolve_address("10.0.0.1") == "10.0.0.1:6379"
     assert resolve_address("head:6380") == "head:6380"
@@ -204,6 +221,25 @@ def test_temp_dir_falls_back_when_socket_paths_would_be_too_long(tmp_path):
     short = short_run_dir("short")
     temp, note = choose_temp_dir(short)
     assert temp == short.resolve() / "ray" and note is None
+
+
+def test_token_is_created_once_and_private(tmp_path, monkeypatch):
+    from kimi_pipeline.cluster import env as cenv
+
+    monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)
+    monkeypatch.delenv("RAY_AUTH_TOKEN_PATH", raising=False)
+    monkeypatch.setattr(cenv, "DEFAULT_TOKEN_PATH", tmp_path / ".ray" / "auth_token")
+    assert cenv.ensure_token() == str(tmp_path / ".ray" / "auth_token")
+    token = (tmp_path / ".ray" / "auth_token").read_text()
+    assert len(token) == 64 and oct((tmp_path / ".ray" / "auth_token").stat().st_mode & 0o777) == "0o600"
+    cenv.ensure_token()
+    assert (tmp_path / ".ray" / "auth_token").read_text() == token  # never replaced
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(tmp_path / "nope"))
+    with pytest.raises(ClusterConfigError, match="RAY_AUTH_TOKEN_PATH"):
+        cenv.ensure_token()
+    monkeypatch.setenv("RAY_AUTH_MODE", "maybe")
+    with pytest.raises(ClusterConfigError, match="RAY_AUTH_MODE"):
+        cenv.auth_mode()
 
 
 def test_job_submit_command_uses_the_venv_interpreter():
@@ -304,6 +340,24 @@ def test_health_check_passes_and_fails_with_what_is_missing(embedded):
     assert "nodes: 1 alive < 2 required" in msg and "GPU 0 < 8" in msg and "< 100000 GB" in msg
     assert e.value.missing and any(line.startswith("waiting for cluster") for line in lines)
     assert not is_permanent(e.value)  # an existing cluster may still be growing: retry
+
+
+def test_existing_cluster_by_address_is_used_not_owned(embedded):
+    """cluster.address: attach, check, report; the run never stops a cluster it did not start."""
+    run_dir = short_run_dir("existing")
+    address = embedded["section"]["address"]
+    s = stage_cluster(load_recipe("tiny", [f"cluster.address={address}"]), run_dir, timeout_s=30)
+    assert s["mode"] == "existing" and s["address"] == address and s["nodes"] == 1
+    assert stop_cluster(run_dir) is None
+    from kimi_pipeline.cluster.env import gcs_reachable
+
+    assert gcs_reachable(address) and embedded["cluster"].alive()
+    too_big = load_recipe("tiny", [f"cluster.address={address}", "cluster.nodes=2", "parallel.dp=1"], check=False)
+    with pytest.raises(ClusterHealthError, match="nodes: 1 alive < 2 required"):
+        stage_cluster(too_big, run_dir, timeout_s=2)
+    assert gcs_reachable(address)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["stages"]["cluster"]["status"] == "failed" and "2 required" in summary["stages"]["cluster"]["error"]
 
 
 def test_ray_job_submit_with_the_venv_interpreter(embedded):
@@ -487,3 +541,62 @@ def test_infra_scripts_start_a_head_and_a_worker():
     finally:
         assert stop_processes(cluster_processes(marker, sids))["left"] == 0
     assert ray_processes_alive(names) == []
+
+
+@pytest.mark.slow
+def test_cli_up_keeps_the_cluster_and_down_stops_it():
+    from typer.testing import CliRunner
+
+    from kimi_pipeline.cluster.cli import cluster_app
+
+    run_dir = short_run_dir("cli")
+    cli = CliRunner()
+    up = cli.invoke(cluster_app, ["up", "--recipe", "tiny", "--run-dir", str(run_dir)])
+    assert up.exit_code == 0, up.output
+    assert json.loads(up.output)["keep"] is True
+    pids, c = _snapshot(run_dir)
+    assert "watchdog_pid" not in c.state and "raylet" in pids.values()  # kept: nothing tears it down on exit
+    assert stop_cluster(run_dir) == {"kept": True, "address": c.address}  # the flow's `finally` leaves it
+    st = cli.invoke(cluster_app, ["status", "--run-dir", str(run_dir)])
+    assert st.exit_code == 0 and json.loads(st.output)["nodes"] == 1
+    down = cli.invoke(cluster_app, ["down", "--run-dir", str(run_dir)])
+    assert down.exit_code == 0 and json.loads(down.output)["left"] == 0
+    _assert_all_gone(run_dir, pids)
+
+
+@pytest.mark.slow
+def test_prefect_task_and_flow_finally_leave_no_ray_process():
+    """The wiring the `kimi` flow uses: cluster_task (uncached, artifact), a later stage failing, and
+    stop_cluster in the flow's `finally`."""
+    from prefect import flow
+
+    from tasks.cluster import cluster_task
+
+    run_dir = short_run_dir("flow")
+    seen: dict[str, dict] = {}
+
+    @flow(name="cluster-wiring")
+    def wiring(run_dir: str) -> None:
+        try:
+            section = cluster_task(load_recipe("tiny"), run_dir)
+            seen["pids"] = {p.pid: p.name() for p in LocalCluster.load(Path(run_dir)).processes()}
+            seen["section"] = section
+            raise RuntimeError("the train stage failed")
+        finally:
+            stop_cluster(Path(run_dir))
+
+    state = wiring(str(run_dir), return_state=True)
+    assert state.is_failed() and "train stage failed" in str(state.result(raise_on_failure=False))
+    assert seen["section"]["nodes"] == 1 and "raylet" in seen["pids"].values()
+    _assert_all_gone(run_dir, seen["pids"])
+
+    from prefect.client.orchestration import get_client
+
+    async def artifact():
+        async with get_client() as client:
+            return await client.read_latest_artifacts()
+
+    import asyncio
+
+    keys = {a.key for a in asyncio.run(artifact())}
+    assert "cluster-facts" in keys

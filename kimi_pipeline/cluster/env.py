@@ -55,6 +55,8 @@ def ensure_token() -> str:
         return source
     if os.environ.get("RAY_AUTH_TOKEN_PATH"):
         raise ClusterConfigError(f"RAY_AUTH_TOKEN_PATH={path} is missing or empty: write a token there or unset it")
+    if path.exists():
+        raise ClusterConfigError(f"{path} exists but holds no token: delete it (a new one is made) or write one")
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".auth_token.")
     try:

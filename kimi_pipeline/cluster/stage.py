@@ -170,15 +170,17 @@ def bring_up(recipe, run_dir: Path, timeout_s: float | None = None, owner_pid: i
     cdir = run_dir / "cluster"
     cdir.mkdir(parents=True, exist_ok=True)
     cluster: LocalCluster | None = None
+    previous = LocalCluster.load(run_dir)
     if c.address:
         address = resolve_address(c.address)
         mode, auth = "existing", _driver_auth_mode()
         export_driver_env(auth)
+        if previous is not None and previous.state.get("mode") == "embedded" and not previous.stopped:
+            previous.stop()  # the run dir's own cluster must not outlive the record that tracks it
         atomic_write_json(cdir / "state.json", {"mode": "existing", "address": address, "stopped_at": None})
         facts = wait_until_healthy(address, req, timeout_s or EXISTING_TIMEOUT_S)
     else:
         mode, auth = "embedded", auth_mode()
-        previous = LocalCluster.load(run_dir)
         if previous is not None and previous.state.get("mode") == "embedded" and not previous.stopped:
             if previous.alive():
                 log.info("reusing the embedded Ray cluster at %s recorded in %s", previous.address, cdir)
