@@ -4,7 +4,7 @@ For a rank's coordinates (pipeline stage, expert-parallel rank, tensor-parallel 
 spec that built its model (local modules on CPU, Transformer Engine on GPU), `rank_shards` lists every
 megatron tensor of that rank's model with the HF tensors it is cut from and how:
 
-* replicated: the HF tensor as is (norms, router weight, expert bias, TE's duplicated down projections);
+* replicated: the HF tensor as is (norms, router weight, expert bias, q/kv down projections);
 * split along `dim` over the TP group (column-parallel: dim 0, row-parallel: dim 1, vocab: dim 0);
   experts use the expert-TP group instead;
 * gated linear units: megatron's fc1 is [gate; up] *per TP partition*, i.e. cat(gate_chunk, up_chunk),
@@ -16,8 +16,8 @@ Local vs TE naming (the only differences): q/kv latent norms are `self_attention
 `kv_layernorm` (local) or `linear_q_up_proj.layer_norm_weight` / `linear_kv_up_proj.layer_norm_weight`
 (TE); the dense layers' post-attention norm is `pre_mlp_layernorm` (local) or
 `mlp.linear_fc1.layer_norm_weight` (TE); routed experts are `experts.local_experts.{l}.linear_fc{1,2}.weight`
-(local SequentialMLP) or `experts.linear_fc{1,2}.weight{l}` (TE grouped GEMM); TE's q/kv down projections
-are duplicated across TP, the local ones are column-parallel. torch_dist checkpoints always use the TE
+(local SequentialMLP) or `experts.linear_fc{1,2}.weight{l}` (TE grouped GEMM). The q/kv down projections
+are duplicated (replicated) across TP in both specs. torch_dist checkpoints always use the TE
 names (megatron_model adds the key map to the local spec), so a CPU-converted checkpoint loads on GPU.
 
 `load_hf_tensors_into_model` fills a model from a `get(name) -> Tensor` reader, asking only for the
@@ -71,7 +71,6 @@ class _Entry:
     te: str
     dim: int | None
     group: str = "tp"
-    te_replicated: bool = False  # TE keeps a full copy on every TP rank (duplicated TELinear)
     expert: bool = False
     fp32: bool = False
     extra: dict = field(default_factory=dict)
@@ -91,7 +90,7 @@ def _layer_entries(spec: ModelSpec, layer: int, local_layer: int, layout: Layout
     else:
         out += [
             _Entry((f"{att_h}.q_a_proj.weight",), f"{att_m}.linear_q_down_proj.weight",
-                   f"{att_m}.linear_q_down_proj.weight", 0, te_replicated=True),
+                   f"{att_m}.linear_q_down_proj.weight", None),
             _Entry((f"{att_h}.q_a_layernorm.weight",), f"{att_m}.q_layernorm.weight",
                    f"{att_m}.linear_q_up_proj.layer_norm_weight", None),
             _Entry((f"{att_h}.q_b_proj.weight",), f"{att_m}.linear_q_up_proj.weight",
@@ -99,7 +98,7 @@ def _layer_entries(spec: ModelSpec, layer: int, local_layer: int, layout: Layout
         ]
     out += [
         _Entry((f"{att_h}.kv_a_proj_with_mqa.weight",), f"{att_m}.linear_kv_down_proj.weight",
-               f"{att_m}.linear_kv_down_proj.weight", 0, te_replicated=True),
+               f"{att_m}.linear_kv_down_proj.weight", None),
         _Entry((f"{att_h}.kv_a_layernorm.weight",), f"{att_m}.kv_layernorm.weight",
                f"{att_m}.linear_kv_up_proj.layer_norm_weight", None),
         _Entry((f"{att_h}.kv_b_proj.weight",), f"{att_m}.linear_kv_up_proj.weight", f"{att_m}.linear_kv_up_proj.weight", 0),
@@ -179,8 +178,6 @@ def hf_to_megatron_names(
         else:
             rank, size = tp_rank, layout.tp
         dim = e.dim
-        if use_te and e.te_replicated:
-            dim = None
         shards.append(
             Shard(
                 megatron=e.te if use_te else e.local,

@@ -216,6 +216,90 @@ def _keep_adam_step(original: Callable) -> Callable:
     return set_states
 
 
+def _sequence_parallel_norm(original: Any) -> Any:
+    """torch norms refuse sequence parallelism; build them without it and tag their weights instead.
+
+    Under SP each TP rank normalises a different slice of the sequence, so the norm's weight grads
+    must be summed over the TP group: finalize_model_grads does that for params tagged
+    `sequence_parallel` (TE's norms tag themselves the same way).
+    """
+    import dataclasses
+
+    new = original.__func__ if isinstance(original, staticmethod) else original
+
+    def __new__(cls: type, config: Any, hidden_size: int, *args: Any, **kwargs: Any) -> Any:
+        if not config.sequence_parallel:
+            return new(cls, config, hidden_size, *args, **kwargs)
+        module = new(cls, dataclasses.replace(config, sequence_parallel=False), hidden_size, *args, **kwargs)
+        for p in module.parameters():
+            p.sequence_parallel = True
+        return module
+
+    return staticmethod(__new__)
+
+
+def _split_sizes_as_lists(original: Callable) -> Callable:
+    """MoE all-to-all passes split sizes as tensors; gloo's binding takes only int sequences."""
+
+    @functools.wraps(original)
+    def all_to_all(group: Any, input_: torch.Tensor, output_split_sizes_: Any = None, input_split_sizes: Any = None):
+        def as_list(x: Any) -> Any:
+            return x.tolist() if torch.is_tensor(x) else x
+
+        return original(group, input_, as_list(output_split_sizes_), as_list(input_split_sizes))
+
+    return all_to_all
+
+
+def _uneven_gather(original: Callable) -> Callable:
+    """gloo all_gather needs equal sizes: gather zero-padded equal chunks, then cut the padding off."""
+
+    @functools.wraps(original)
+    def gather(input_: torch.Tensor, group: Any, output_split_sizes: Any = None, use_global_buffer: bool = False):
+        if output_split_sizes is None or group.size() == 1:
+            return original(input_, group, output_split_sizes, use_global_buffer)
+        sizes = [int(x) for x in output_split_sizes]
+        width = max(sizes)
+        padded = input_.new_zeros((width, *input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        parts = [torch.empty_like(padded) for _ in sizes]
+        torch.distributed.all_gather(parts, padded.contiguous(), group=group)
+        return torch.cat([p[:n] for p, n in zip(parts, sizes)], dim=0)
+
+    return gather
+
+
+def _uneven_reduce_scatter(original: Callable) -> Callable:
+    """gloo reduce_scatter needs equal sizes: all-reduce the whole tensor and keep this rank's rows."""
+
+    @functools.wraps(original)
+    def reduce_scatter(input_: torch.Tensor, group: Any, input_split_sizes: Any = None, use_global_buffer: bool = False):
+        if input_split_sizes is None or group.size() == 1:
+            return original(input_, group, input_split_sizes, use_global_buffer)
+        total = input_.contiguous().clone()
+        torch.distributed.all_reduce(total, group=group)
+        return list(torch.split(total, [int(x) for x in input_split_sizes], dim=0))[group.rank()].contiguous()
+
+    return reduce_scatter
+
+
+def _unshare_adam_steps(original: Callable) -> Callable:
+    """load_state_dict gives every param the SAME torch-Adam `step` tensor; Adam increments it in place
+    once per param, so bias correction drifts within one step. Give each param its own copy."""
+
+    @functools.wraps(original)
+    def load_state_dict(self: Any, state_dict: Any) -> Any:
+        out = original(self, state_dict)
+        inner = getattr(self, "optimizer", None)
+        if inner is not None:
+            for state in inner.state.values():
+                if torch.is_tensor(state.get("step")):
+                    state["step"] = state["step"].clone()
+        return out
+
+    return load_state_dict
+
+
 def _noop(*args: Any, **kwargs: Any) -> None:
     return None
 
@@ -240,9 +324,18 @@ PATCHES: list[Patch] = [
     Patch("megatron.core.transformer.multi_latent_attention", "HAVE_TE",
           "TE's MagicMock stand-ins import fine, so MLA thinks TE is present and isinstance()s a mock",
           lambda orig: False),
+    Patch("megatron.core.transformer.torch_norm", "WrappedTorchNorm.__new__",
+          "asserts no sequence parallelism (needed for TP x EP); build unparallel + tag weights sequence_parallel",
+          _sequence_parallel_norm),
     Patch("megatron.core.transformer.moe.router", "router_gating_linear",
           "its autograd Function reads te_general_gemm, undefined without TE (NameError)",
           lambda orig: _router_gating_linear),
+    Patch("megatron.core.transformer.moe.token_dispatcher", "all_to_all",
+          "expert all-to-all passes tensor split sizes; gloo accepts int lists only", _split_sizes_as_lists),
+    Patch("megatron.core.tensor_parallel.mappings", "_gather_along_first_dim",
+          "uneven all_gather (MoE tokens under TP x EP) is unsupported by gloo", _uneven_gather),
+    Patch("megatron.core.tensor_parallel.mappings", "_reduce_scatter_along_first_dim",
+          "uneven reduce_scatter (MoE tokens under TP x EP) is unsupported by gloo", _uneven_reduce_scatter),
     Patch("megatron.core.tensor_parallel.random", "CudaRNGStatesTracker",
           "the model-parallel RNG tracker keeps CUDA generator states; keep them in the CPU generator",
           _cpu_rng_tracker_class),
@@ -264,6 +357,9 @@ PATCHES: list[Patch] = [
           "rejects parameters whose type() is not torch.cuda.*Tensor", _with_cuda_type_names),
     Patch("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer._set_main_param_and_optimizer_states",
           "KeyError 'step' when loading a reshardable checkpoint with torch Adam (no TE/apex)", _keep_adam_step),
+    Patch("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer.load_state_dict",
+          "restores one torch-Adam `step` tensor shared by all params; Adam then bumps it once per param",
+          _unshare_adam_steps),
     Patch("megatron.core.optimizer.optimizer", "clip_grad_by_total_norm_fp32",
           "asserts grad.type() == 'torch.cuda.FloatTensor'", _with_cuda_type_names),
     Patch("megatron.core.optimizer.optimizer", "Float16OptimizerWithFloat16Params.__init__",

@@ -149,7 +149,8 @@ def transformer_config(
         context_parallel_size=layout.cp,
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.etp,
-        sequence_parallel=layout.sequence_parallel or (layout.tp > 1 and layout.ep > 1),
+        # MoE + TP requires SP in megatron, and MLA's shared rope key is only reduced correctly with it.
+        sequence_parallel=layout.tp > 1,
         num_layers_in_first_pipeline_stage=layout.first_stage_layers,
         num_layers_in_last_pipeline_stage=layout.last_stage_layers,
         pipeline_dtype=dtype,
@@ -220,12 +221,18 @@ def decoder_block_spec(config, use_te: bool, pp_rank: int | None = None):
     if use_te and config.layernorm_epsilon != HF_LATENT_NORM_EPS:
         log.warning("TE spec: q/kv latent norms use eps %g, HF uses %g", config.layernorm_epsilon, HF_LATENT_NORM_EPS)
     if not use_te:
+        from megatron.core.post_training.modelopt.layers import Linear
         from megatron.core.transformer.mlp import MLP
 
         attention = _local_mla_core_attention()
         for layer in block.layer_specs:
             sub = layer.submodules
             sub.self_attention.submodules.core_attention = attention
+            # The local spec's column-parallel q/kv down projections drop the other TP ranks' gradient
+            # of the shared rope key (k_pos_emb) in backward (measured: TP2 grads off by ~1%). Use
+            # megatron's duplicated local Linear instead, as the TE spec does (duplicated TELinear).
+            sub.self_attention.submodules.linear_q_down_proj = Linear
+            sub.self_attention.submodules.linear_kv_down_proj = Linear
             sub.self_attention.submodules.q_layernorm = _latent_norm()
             sub.self_attention.submodules.kv_layernorm = _latent_norm()
             sub.sharded_state_dict_keys_map = dict(LOCAL_TO_TE_CHECKPOINT_KEYS)
@@ -276,8 +283,20 @@ def build_model(
         share_embeddings_and_output_weights=spec.tie_word_embeddings,
         position_embedding_type="none",  # MLA applies YaRN rope itself
     )
+    if not use_te and config.perform_initialization:
+        _init_duplicated_linears(model, config)
     model.kimi_use_te = use_te  # names.py reads which spec (TE or local) built the parameters
     return model
+
+
+@torch.no_grad()
+def _init_duplicated_linears(model, config) -> None:
+    """megatron's local Linear keeps torch's default init; give it the model's init like every other layer."""
+    from megatron.core.post_training.modelopt.layers import Linear
+
+    for module in model.modules():
+        if isinstance(module, Linear):
+            config.init_method(module.weight)
 
 
 def causal_mask(seq_len: int, device: torch.device | str = "cpu") -> torch.Tensor:

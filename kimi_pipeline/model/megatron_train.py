@@ -71,6 +71,13 @@ def build_trainable(
     model = build_model(spec, layout, use_te=use_te, **config_overrides)
     config = model.config
     use_te_flag = model.kimi_use_te
+    # Routed-expert params always get their own (expert-data-parallel) grad buffers and optimizer, as
+    # megatron does for EP>1. With EP=1 (and etp == tp) that group equals the DP group, so training is
+    # unchanged, but the optimizer checkpoint keeps one structure (dense + expert) across layouts;
+    # otherwise an EP=1 checkpoint cannot be loaded with EP>1 ("Expected 2 entries in state dict").
+    for name, param in model.named_parameters():
+        if ".mlp.experts." in name:
+            param.allreduce = False
     if config.bf16 or config.fp16:
         model = Float16Module(config, model)
     ddp_config = DistributedDataParallelConfig(
@@ -473,6 +480,7 @@ def load_checkpoint(
     model_sd = _model_sharded_state_dict(model_chunks)
     state: dict = {"model": model_sd}
     if optimizer is not None:
+        _ensure_optimizer_state(optimizer)
         state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=dict(SHARDED_METADATA))
     loaded = dist_checkpointing.load(state, str(path))
     _load_model_state(model_chunks, loaded)
@@ -488,6 +496,24 @@ def load_checkpoint(
         set_rng_state(json.loads(rng_file.read_text()))
     _barrier()
     return meta.get("extra", {})
+
+
+def _ensure_optimizer_state(optimizer) -> None:
+    """Give a fresh (never stepped) optimizer its state tensors so megatron can describe them for loading.
+
+    megatron keeps `init_state_fn` for this but never calls it itself; torch's Adam also needs a `step`
+    entry (megatron's DistributedOptimizer.state_dict() reads it), which load_state_dict then overwrites.
+    """
+    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(part, "optimizer", None)
+        if inner is None or any(len(s) for s in inner.state.values()):
+            continue
+        if getattr(part, "init_state_fn", None) is not None:
+            part.init_state_fn(inner, part.config)
+        if isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+            for group in inner.param_groups:
+                for p in group["params"]:
+                    inner.state[p].setdefault("step", torch.tensor(0.0))
 
 
 def load_model_only(ckpt_dir: str | Path, model_chunks, step: int | None = None) -> int:

@@ -42,6 +42,10 @@ class Layout:
         expert_mp = self.ep * self.etp * self.pp
         if self.world_size % expert_mp:
             raise LayoutError(f"world size {self.world_size} is not divisible by ep*etp*pp = {expert_mp}")
+        if self.ep == 1 and self.etp != self.tp:
+            # With EP=1 megatron reduces expert grads over the dense DP group only, which misses the TP
+            # ranks that hold the same expert shard but route other (sequence-parallel) tokens.
+            raise LayoutError(f"ep=1 needs etp == tp (got tp={self.tp}, etp={self.etp}): set etp={self.tp} or ep>1")
         if self.pp == 1 and (self.first_stage_layers or self.last_stage_layers):
             object.__setattr__(self, "first_stage_layers", None)
             object.__setattr__(self, "last_stage_layers", None)
@@ -168,14 +172,12 @@ def init_distributed(
 
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         if "MASTER_PORT" not in os.environ:
             raise LayoutError("RANK/WORLD_SIZE are set but MASTER_PORT is not (launch with torchrun or set it)")
-    else:
+        init_method = f"tcp://{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{os.environ['MASTER_PORT']}"
+    else:  # a lone process: its own loopback rendezvous, without touching the environment
         rank, world = 0, 1
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ["MASTER_PORT"] = str(free_port())
+        init_method = f"tcp://127.0.0.1:{free_port()}"
     if world != layout.world_size:
         raise LayoutError(f"layout is for {layout.world_size} ranks but WORLD_SIZE={world}")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -189,6 +191,7 @@ def init_distributed(
     if not dist.is_initialized():
         dist.init_process_group(
             backend=backend,
+            init_method=init_method,
             rank=rank,
             world_size=world,
             timeout=datetime.timedelta(minutes=timeout_minutes),

@@ -1,0 +1,235 @@
+"""Multi-process entry point for the megatron tests: one process per rank (env RANK/WORLD_SIZE/...).
+
+    python tests/megatron_worker.py <scenario> <out_dir> <json args>
+
+Each rank writes `<out_dir>/<scenario>.rank<r>.json`; rank 0 also writes tensors as safetensors.
+`launch()` starts the ranks as real OS processes on a free port (gloo, one thread each) and fails
+with the ranks' stderr when any exits non-zero or the run exceeds its timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+def launch(scenario: str, world: int, out_dir: Path, args: dict, timeout: float = 240) -> list[dict]:
+    """Run `scenario` on `world` ranks; returns every rank's JSON result."""
+    from kimi_pipeline.model.parallel import free_port
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    procs = []
+    logs = []
+    for rank in range(world):
+        env = dict(os.environ)
+        env.update(
+            RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1",
+            PYTHONWARNINGS="ignore",
+        )
+        log = tempfile.TemporaryFile(mode="w+")
+        logs.append(log)
+        procs.append(subprocess.Popen(
+            [sys.executable, __file__, scenario, str(out_dir), json.dumps(args)],
+            env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+        ))
+    deadline = time.monotonic() + timeout
+    failed = None
+    while any(p.poll() is None for p in procs):
+        if time.monotonic() > deadline:
+            failed = f"timed out after {timeout}s"
+            break
+        bad = [i for i, p in enumerate(procs) if p.poll() not in (None, 0)]
+        if bad:
+            failed = f"rank {bad[0]} exited with {procs[bad[0]].returncode}"
+            break
+        time.sleep(0.2)
+    if failed:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        for p in procs:
+            p.wait()
+    text = []
+    for i, log in enumerate(logs):
+        log.seek(0)
+        text.append(f"--- rank {i} ---\n" + log.read()[-4000:])
+        log.close()
+    if failed or any(p.returncode for p in procs):
+        raise RuntimeError(f"{scenario} on {world} ranks failed: {failed or 'non-zero exit'}\n" + "\n".join(text))
+    return [json.loads((out_dir / f"{scenario}.rank{r}.json").read_text()) for r in range(world)]
+
+
+# --------------------------------------------------------------------------- scenarios (run inside ranks)
+
+
+def _setup(args: dict):
+    import torch
+
+    from kimi_pipeline.model.parallel import Layout, init_distributed
+    from kimi_pipeline.recipes import load_recipe
+
+    recipe = load_recipe("tiny")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    layout = Layout(world_size=world, tp=args.get("tp", 1), pp=args.get("pp", 1), ep=args.get("ep", 1),
+                    etp=args.get("etp", 1), sequence_parallel=args.get("sp", False))
+    init_distributed(layout, seed=args.get("seed", 1234))
+    torch.manual_seed(0)
+    return recipe, layout
+
+
+def _batch(spec, args: dict):
+    import torch
+
+    g = torch.Generator().manual_seed(args.get("data_seed", 7))
+    tokens = torch.randint(0, spec.vocab_size, (args.get("batch", 8), args.get("seq", 24)), generator=g)
+    return tokens, torch.roll(tokens, -1, dims=1)
+
+
+def _dp_slice(tokens, targets):
+    from megatron.core import parallel_state as ps
+
+    dp, r = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    n = tokens.shape[0] // dp
+    return tokens[r * n : (r + 1) * n], targets[r * n : (r + 1) * n]
+
+
+def _nll_loss(logits, batch):
+    from kimi_pipeline.model.megatron_train import logprobs_from_logits
+
+    lp, _ = logprobs_from_logits(logits, batch["targets"])
+    return -lp.sum(), lp.numel(), {"nll_sum": -lp.sum().detach(), "count": float(lp.numel())}
+
+
+def _global_loss(out: list[dict]) -> float | None:
+    """Token-mean NLL over all micro-batches and DP ranks (last pipeline stage), on every rank."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    s = torch.tensor([sum(float(o["nll_sum"]) for o in out), sum(o["count"] for o in out)], dtype=torch.float64)
+    dist.all_reduce(s, group=ps.get_data_parallel_group())
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        dist.broadcast(s, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
+    return float(s[0] / s[1])
+
+
+def _micro(tokens, targets, n: int) -> list[dict]:
+    per = max(1, tokens.shape[0] // n)
+    return [{"tokens": tokens[i : i + per], "targets": targets[i : i + per]} for i in range(0, tokens.shape[0], per)]
+
+
+def _hf_reader(path: str):
+    """get(name) over a safetensors file or an HF checkpoint directory (index + shards)."""
+    from safetensors import safe_open
+
+    p = Path(path)
+    if p.is_file():
+        return safe_open(str(p), "pt").get_tensor
+    index = json.loads((p / "model.safetensors.index.json").read_text())["weight_map"]
+    handles = {f: safe_open(str(p / f), "pt") for f in set(index.values())}
+    return lambda name: handles[index[name]].get_tensor(name)
+
+
+def _export(chunks, spec, layout, out: Path | None):
+    import torch
+    from safetensors.torch import save_file
+
+    from kimi_pipeline.convert import names
+
+    tensors = {n: t.contiguous() for n, t in names.export_hf_tensors(chunks, spec, layout)}
+    if out is not None and int(os.environ.get("RANK", "0")) == 0:
+        save_file(tensors, str(out))
+    return {n: float(t.double().sum()) for n, t in tensors.items()} if tensors else {}
+
+
+def scenario_ops(out_dir: Path, args: dict) -> dict:
+    """Run a list of operations on one trainable model; every rank returns the same record.
+
+    ops: ["load_hf"], ["train", n], ["eval"], ["logprobs"], ["export", path], ["save", dir, step],
+    ["load", dir] (model + optimizer, reshards), ["save_model", dir], ["load_model", dir].
+    """
+    from kimi_pipeline.convert import names
+    from kimi_pipeline.model import megatron_train as mt
+
+    recipe, layout = _setup(args)
+    spec = recipe.model
+    chunks, opt = mt.build_trainable(spec, layout, recipe.optimizer)
+    full_tokens, full_targets = _batch(spec, args)
+    micro = _micro(*_dp_slice(full_tokens, full_targets), args.get("micro", 1))
+    rec: dict = {"losses": [], "grad_norms": [], "eval": [], "logprobs": [], "extra": []}
+    for op, *a in args["ops"]:
+        if op == "load_hf":
+            names.load_hf_tensors_into_model(chunks, _hf_reader(args["weights"]), spec, layout)
+        elif op == "train":
+            for _ in range(a[0]):
+                out = mt.forward_backward(chunks, micro, _nll_loss, optimizer=opt)
+                rec["losses"].append(_global_loss(out))
+                ok, gn = mt.optimizer_step(opt)
+                assert ok, "optimizer step skipped"
+                rec["grad_norms"].append(gn)
+        elif op == "eval":
+            rec["eval"].append(_global_loss(mt.forward_backward(chunks, micro, _nll_loss, forward_only=True)))
+        elif op == "logprobs":
+            lp, ent = mt.token_logprobs(chunks, full_tokens, full_targets)
+            rec["logprobs"].append([float(lp.double().mean()), float(ent.double().mean()), list(lp.shape)])
+        elif op == "export":
+            _export(chunks, spec, layout, Path(a[0]))
+        elif op == "save":
+            mt.save_checkpoint(a[0], a[1], chunks, opt, {"rollout": a[1], "data_pos": [1, 2], "layout": str(layout)})
+        elif op == "load":
+            rec["extra"].append(mt.load_checkpoint(a[0], chunks, opt))
+        elif op == "save_model":
+            mt.save_model_only(a[0], chunks)
+        elif op == "load_model":
+            mt.load_model_only(a[0], chunks)
+        else:
+            raise ValueError(op)
+    return rec
+
+
+def main() -> None:
+    scenario, out_dir, args = sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[3])
+    from kimi_pipeline.model import parallel
+
+    result = SCENARIOS[scenario](out_dir, args)
+    rank = int(os.environ.get("RANK", "0"))
+    parallel.destroy()
+    (out_dir / f"{scenario}.rank{rank}.json").write_text(json.dumps(result))
+
+
+def scenario_grads(out_dir: Path, args: dict) -> dict:
+    """Debug: per-HF-tensor gradient norms after one backward (non-distributed optimizer)."""
+    import torch
+
+    from kimi_pipeline.convert import names
+    from kimi_pipeline.model import megatron_train as mt
+
+    recipe, layout = _setup(args)
+    spec = recipe.model
+    opt_spec = recipe.optimizer.model_copy(update={"use_distributed_optimizer": False})
+    chunks, opt = mt.build_trainable(spec, layout, opt_spec)
+    names.load_hf_tensors_into_model(chunks, _hf_reader(args["weights"]), spec, layout)
+    tokens, targets = _dp_slice(*_batch(spec, args))
+    mt.forward_backward(chunks, _micro(tokens, targets, 1), _nll_loss, optimizer=opt)
+    with torch.no_grad():
+        for p in names.unwrap(chunks).parameters():
+            p.data.copy_(p.main_grad)
+    return _export(chunks, spec, layout, None)
+
+
+SCENARIOS = {"ops": scenario_ops, "grads": scenario_grads}
+
+
+if __name__ == "__main__":
+    main()

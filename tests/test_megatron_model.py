@@ -1,0 +1,257 @@
+"""megatron-core on CPU: the compat guard, layouts, one-process training, checkpoints, and real multi-process
+gloo runs (TP2 x EP2 against one process, torch_dist resharding 1 -> TP2xEP2 -> PP2xEP2)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kimi_pipeline.model import megatron_compat
+from kimi_pipeline.model.parallel import Layout, LayoutError
+from kimi_pipeline.recipes import load_recipe
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_WEIGHTS = ROOT / "data" / "tiny" / "model"
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+# --------------------------------------------------------------------------- compat guard
+
+
+def test_every_patch_target_exists_in_pinned_megatron():
+    import megatron.core
+
+    assert megatron.core.__version__ == megatron_compat.MEGATRON_CORE_VERSION, (
+        f"megatron-core {megatron.core.__version__} installed; the CPU shim was written for "
+        f"{megatron_compat.MEGATRON_CORE_VERSION}: re-check every row of megatron_compat.PATCHES"
+    )
+    missing = megatron_compat.missing_targets()
+    assert missing == [], "patched megatron targets moved or vanished:\n" + "\n".join(missing)
+    assert all(p.why.strip() for p in megatron_compat.PATCHES)
+
+
+def test_guard_reports_a_vanished_target():
+    ghost = megatron_compat.Patch("megatron.core.tensor_parallel.random", "NoSuchTracker", "test", lambda o: o)
+    with pytest.raises(AttributeError, match="NoSuchTracker no longer exists"):
+        megatron_compat._resolve(ghost)
+
+
+def test_apply_is_idempotent_and_a_noop_with_cuda(monkeypatch):
+    first = megatron_compat.apply_cpu_compat()
+    assert first == megatron_compat.apply_cpu_compat()
+    assert len(first) == len(megatron_compat.PATCHES)
+    assert torch.cuda.current_device() == torch.device("cpu")
+    monkeypatch.setattr(megatron_compat, "cuda_available", lambda: True)
+    assert megatron_compat.apply_cpu_compat() == []
+
+
+# --------------------------------------------------------------------------- layouts
+
+
+def test_layouts_from_recipe_sections():
+    r = load_recipe("tiny")
+    conv = Layout.from_convert(r.convert)
+    assert (conv.world_size, conv.pp, conv.ep, conv.dp, conv.edp) == (4, 2, 2, 2, 1)
+    assert conv.stage_layers(4) == [2, 2]
+    train = Layout.from_parallel(r.parallel, world_size=1)
+    assert (train.tp, train.dp, train.sequence_parallel) == (1, 1, False)
+    k2 = Layout(world_size=256, tp=8, pp=8, ep=32, etp=1, last_stage_layers=5)
+    assert k2.stage_layers(61) == [8] * 7 + [5] and k2.dp == 4 and k2.layer_offset(61, 7) == 56
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"world_size": 6, "tp": 4}, "not divisible"),
+        ({"world_size": 2, "tp": 2, "etp": 1}, "ep=1 needs etp == tp"),
+        ({"world_size": 2, "pp": 2, "last_stage_layers": 5}, "do not split"),
+    ],
+)
+def test_bad_layouts_fail_clearly(kwargs, match):
+    with pytest.raises(LayoutError, match=match):
+        layout = Layout(**kwargs)
+        layout.check_model(load_recipe("tiny").model)
+
+
+# --------------------------------------------------------------------------- one process
+
+
+@pytest.fixture(scope="module")
+def single_process():
+    from kimi_pipeline.model import parallel
+
+    layout = Layout()
+    parallel.init_distributed(layout, seed=11)
+    yield layout
+    parallel.destroy()
+
+
+def _nll(logits, batch):
+    from kimi_pipeline.model.megatron_train import logprobs_from_logits
+
+    lp, _ = logprobs_from_logits(logits, batch["targets"])
+    return -lp.sum(), lp.numel(), {"loss": (-lp.mean()).detach()}
+
+
+def _fixed_batch(spec, n=8, s=24):
+    tokens = torch.randint(0, spec.vocab_size, (n, s), generator=torch.Generator().manual_seed(5))
+    return tokens, torch.roll(tokens, -1, dims=1)
+
+
+def test_one_process_trains_with_megatron_optimizer(single_process):
+    from kimi_pipeline.convert import names
+    from kimi_pipeline.model import megatron_train as mt
+
+    r = load_recipe("tiny")
+    chunks, opt = mt.build_trainable(r.model, single_process, r.optimizer)
+    tokens, targets = _fixed_batch(r.model)
+    micro = [{"tokens": tokens[:4], "targets": targets[:4]}, {"tokens": tokens[4:], "targets": targets[4:]}]
+    before = {k: v.detach().clone() for k, v in names.model_tensors(chunks).items()}
+    losses = []
+    for _ in range(5):
+        out = mt.forward_backward(chunks, micro, _nll, optimizer=opt)
+        losses.append(sum(o["loss"].item() for o in out) / len(out))
+        ok, grad_norm = mt.optimizer_step(opt)
+        assert ok and grad_norm > 0
+    after = names.model_tensors(chunks)
+    frozen = sorted(k for k in before if torch.equal(before[k], after[k]))
+    assert frozen == [f"decoder.layers.{i}.mlp.router.expert_bias" for i in (1, 2, 3)]  # bias is fixed in RL
+    assert losses[-1] < losses[0] - 0.5 and all(b < a for a, b in zip(losses, losses[1:])), losses
+
+    # token_logprobs / entropy agree with a plain log_softmax of the model's logits
+    from kimi_pipeline.model.megatron_model import causal_forward
+
+    lp, ent = mt.token_logprobs(chunks, tokens, targets)
+    with torch.no_grad():
+        logp = torch.log_softmax(causal_forward(chunks[0], tokens).float(), dim=-1)
+    assert torch.allclose(lp, logp.gather(-1, targets[..., None]).squeeze(-1), atol=1e-5)
+    assert torch.allclose(ent, -(logp.exp() * logp).sum(-1), atol=1e-5)
+    assert chunks[0].training  # token_logprobs restores train mode
+
+
+def test_checkpoint_is_atomic_and_round_trips(single_process, tmp_path, monkeypatch):
+    from megatron.core import dist_checkpointing
+
+    from kimi_pipeline.convert import names
+    from kimi_pipeline.model import megatron_train as mt
+
+    r = load_recipe("tiny")
+    tokens, targets = _fixed_batch(r.model)
+    micro = [{"tokens": tokens, "targets": targets}]
+
+    def step(chunks, opt):
+        mt.forward_backward(chunks, micro, _nll, optimizer=opt)
+        assert mt.optimizer_step(opt)[0]
+
+    def weights(chunks):
+        return {k: v.detach().clone() for k, v in names.model_tensors(chunks).items()}
+
+    chunks, opt = mt.build_trainable(r.model, single_process, r.optimizer)
+    step(chunks, opt)
+    ckpt = tmp_path / "ckpt"
+    mt.save_checkpoint(ckpt, 1, chunks, opt, {"rollout": 1, "data_pos": 64})
+    saved = weights(chunks)
+    assert (ckpt / mt.TRACKER).read_text().strip() == "1"
+    assert (ckpt / "iter_0000001" / "metadata.json").is_file()
+    step(chunks, opt)
+    continued = weights(chunks)  # where training goes from the checkpointed state
+
+    # a crash after the shards are written but before the rename/tracker: "latest" stays at step 1
+    real_save = dist_checkpointing.save
+
+    def crash(*args, **kwargs):
+        real_save(*args, **kwargs)
+        raise RuntimeError("simulated node failure")
+
+    monkeypatch.setattr(dist_checkpointing, "save", crash)
+    with pytest.raises(RuntimeError, match="simulated"):
+        mt.save_checkpoint(ckpt, 2, chunks, opt, {"rollout": 2})
+    monkeypatch.setattr(dist_checkpointing, "save", real_save)
+    assert mt.latest_step(ckpt) == 1 and not (ckpt / "iter_0000002").exists()
+    assert (ckpt / "iter_0000002.tmp").exists()
+
+    # a fresh model + optimizer resumes from "latest": same weights, and (Adam state, step count) the
+    # next step lands exactly where the original run went
+    fresh, fresh_opt = mt.build_trainable(r.model, single_process, r.optimizer)
+    assert mt.load_checkpoint(ckpt, fresh, fresh_opt) == {"rollout": 1, "data_pos": 64}
+    now = weights(fresh)
+    assert all(torch.equal(saved[k], now[k]) for k in saved)
+    step(fresh, fresh_opt)
+    after = weights(fresh)
+    assert [k for k in continued if not torch.equal(continued[k], after[k])] == []
+
+    mt.save_checkpoint(ckpt, 2, fresh, fresh_opt, {"rollout": 2})  # the leftover temp dir is replaced
+    assert mt.latest_step(ckpt) == 2 and not (ckpt / "iter_0000002.tmp").exists()
+
+    # model-only checkpoints (the converter's output) load into a bare, differently initialised GPTModel
+    from kimi_pipeline.model.megatron_model import build_model
+
+    plain = tmp_path / "model_only"
+    mt.save_model_only(plain, fresh)
+    other = build_model(r.model, single_process)
+    assert mt.load_model_only(plain, other) == 0
+    mine, theirs = names.model_tensors(fresh), names.model_tensors(other)
+    assert all(torch.equal(mine[k], theirs[k]) for k in mine)
+    with pytest.raises(mt.CheckpointError, match="no latest_checkpointed_iteration"):
+        mt.load_model_only(tmp_path / "nothing", other)
+
+
+# --------------------------------------------------------------------------- multi-process (real gloo ranks)
+
+
+def _tensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+@pytest.mark.slow
+def test_tp2_ep2_matches_one_process_and_checkpoints_reshard(tmp_path):
+    """1 process vs TP2xEP2 (4 ranks, DDP + distributed optimizer); torch_dist 1 -> TP2xEP2 -> PP2xEP2."""
+    from megatron_worker import launch
+
+    base = {"weights": str(TINY_WEIGHTS), "batch": 8, "seq": 24}
+    ck1, ck2 = tmp_path / "ck_single", tmp_path / "ck_tp2ep2"
+    ref = launch("ops", 1, tmp_path / "a", dict(base, ops=[
+        ["load_hf"], ["train", 2], ["export", str(tmp_path / "ref2.st")], ["save", str(ck1), 2],
+        ["train", 1], ["eval"], ["export", str(tmp_path / "ref3.st")],
+    ]))[0]
+    par = launch("ops", 4, tmp_path / "b", dict(base, tp=2, ep=2, ops=[
+        ["load_hf"], ["train", 2],
+        ["load", str(ck1)], ["export", str(tmp_path / "b2.st")],
+        ["train", 1], ["eval"], ["export", str(tmp_path / "b3.st")], ["logprobs"], ["save", str(ck2), 3],
+    ]))
+    assert all(p == par[0] for p in par[1:]), "ranks disagree"
+    par = par[0]
+
+    # same weights, same batch: the TP2xEP2 loss and grad norm equal the one-process ones
+    assert par["losses"][0] == pytest.approx(ref["losses"][0], rel=1e-6)
+    assert par["grad_norms"][0] == pytest.approx(ref["grad_norms"][0], rel=1e-5)
+    assert par["losses"][1] == pytest.approx(ref["losses"][1], rel=1e-5)  # after a distributed-optimizer step
+
+    # the one-process checkpoint loads under TP2xEP2: every tensor equal, extra state back
+    ref2, b2 = _tensors(tmp_path / "ref2.st"), _tensors(tmp_path / "b2.st")
+    assert sorted(ref2) == sorted(b2)
+    assert [k for k in ref2 if not torch.equal(ref2[k], b2[k])] == []
+    assert par["extra"][0]["rollout"] == 2 and par["extra"][0]["data_pos"] == [1, 2]
+
+    # ...including the Adam state: one more step from it lands where the one-process run did
+    ref3, b3 = _tensors(tmp_path / "ref3.st"), _tensors(tmp_path / "b3.st")
+    worst = max((ref3[k].double() - b3[k].double()).abs().max().item() for k in ref3)
+    assert worst < 1e-5, worst
+    assert par["eval"][0] == pytest.approx(ref["eval"][0], rel=1e-5)
+
+    # the TP2xEP2 checkpoint loads under PP2xEP2 (pipeline stages), bit-exact, logprobs on every stage
+    pp = launch("ops", 4, tmp_path / "c", dict(base, pp=2, ep=2, micro=2, ops=[
+        ["load", str(ck2)], ["export", str(tmp_path / "c3.st")], ["logprobs"],
+    ]))
+    c3 = _tensors(tmp_path / "c3.st")
+    assert [k for k in b3 if not torch.equal(b3[k], c3[k])] == []
+    assert all(p["logprobs"] == pp[0]["logprobs"] for p in pp)
+    assert pp[0]["logprobs"][0][0] == pytest.approx(par["logprobs"][0][0], rel=1e-6)
+    assert "tp=2" in pp[0]["extra"][0]["layout"]
+    assert json.loads((ck2 / "latest_checkpointed_iteration.txt").read_text()) == 3
