@@ -193,8 +193,9 @@ def bring_up(recipe, run_dir: Path, timeout_s: float | None = None, owner_pid: i
                 ensure_token()
             dashboard = c.keep or c.device == "cuda" or os.environ.get("KIMI_RAY_DASHBOARD") == "1"
             cluster = LocalCluster.start(run_dir, head, workers, dashboard=dashboard, owner_pid=None if c.keep else owner_pid)
+        auth = cluster.env.get("RAY_AUTH_MODE", auth)  # a reused cluster keeps the mode it started with
         try:
-            export_driver_env(cluster.env.get("RAY_AUTH_MODE", auth))
+            export_driver_env(auth)
             facts = wait_until_healthy(cluster.address, req, timeout_s or EMBEDDED_TIMEOUT_S)
         except ClusterHealthError as e:
             cluster.stop()
