@@ -355,10 +355,9 @@ class EngineModel:
         self.cos = (freqs.cos() * scale).to(self.device, self.dtype)
         self.sin = (freqs.sin() * scale).to(self.device, self.dtype)
 
-    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x [N, heads, d] at positions [N]. The interleaved variant returns (evens, odds) de-interleaved, as
-        transformers does; q and k get the same permutation, so their dot products are unchanged."""
-        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [N, heads, d]; cos/sin [N, 1, d/2] of its positions. The interleaved variant returns (evens, odds)
+        de-interleaved, as transformers does; q and k get the same permutation, so dot products are unchanged."""
         if self.config.rope_interleave:
             x1, x2 = x[..., 0::2], x[..., 1::2]
         else:
@@ -368,8 +367,10 @@ class EngineModel:
 
     # ------------------------------------------------------------------ forward
     def new_cache(self, batch: int, length: int) -> torch.Tensor:
-        """[layers, batch, length, kv_lora_rank + qk_rope_head_dim]: normalized kv latent ‖ roped shared key."""
-        return torch.empty(self.config.num_layers, batch, length, self.config.latent_dim, device=self.device, dtype=self.dtype)
+        """[layers, batch, length, kv_lora_rank + qk_rope_head_dim]: normalized kv latent ‖ roped shared key.
+
+        Zeroed, not empty: masked slots still enter q·k before the -inf mask, and NaN garbage would survive it."""
+        return torch.zeros(self.config.num_layers, batch, length, self.config.latent_dim, device=self.device, dtype=self.dtype)
 
     @torch.inference_mode()
     def prefill(self, ids: torch.Tensor, all_logits: bool = False, lengths: torch.Tensor | None = None):
@@ -417,9 +418,10 @@ class EngineModel:
         h = F.embedding(ids, self.embed)
         experts = []
         rows = torch.arange(B, device=self.device) if write_pos is not None else None
+        rot = (self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))  # shared by all layers
         for li, L in enumerate(self.layers):
             x = _rms(h, L.in_norm, c.rms_norm_eps)
-            h = h + self._attention(L, x, positions, B, S, cache[li], rows, write_pos, kv_len, bias)
+            h = h + self._attention(L, x, rot, B, S, cache[li], rows, write_pos, kv_len, bias)
             x = _rms(h, L.post_norm, c.rms_norm_eps)
             if L.moe:
                 y, idx = self._moe(L, x)
@@ -431,7 +433,7 @@ class EngineModel:
         ex = torch.stack(experts, dim=1).to(torch.int16) if experts else torch.empty(h.shape[0], 0, c.topk, dtype=torch.int16)
         return h, ex
 
-    def _attention(self, L: _Layer, x, positions, B, S, cache, rows, write_pos, kv_len, bias):
+    def _attention(self, L: _Layer, x, rot, B, S, cache, rows, write_pos, kv_len, bias):
         c = self.config
         nh, dn, dr, r = c.num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.kv_lora_rank
         N, merged = x.shape[0], c.merge_absorbed
@@ -444,7 +446,7 @@ class EngineModel:
         q = q.view(N, nh, dq + dr)
         kv = _rms(kv, L.kv_norm, LATENT_NORM_EPS)
         # rope on the query heads and the shared key in one call
-        pe = self._rope(torch.cat((q[..., dq:], k_pe.view(N, 1, dr)), dim=1), positions)
+        pe = self._rope(torch.cat((q[..., dq:], k_pe.view(N, 1, dr)), dim=1), *rot)
         w_uk, w_uv = L.kv_b_views(c)
         if merged:
             q_lat = q[..., :r]
