@@ -22,7 +22,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 
-def launch(scenario: str, world: int, out_dir: Path, args: dict, timeout: float = 240) -> list[dict]:
+def launch(scenario: str, world: int, out_dir: Path, args: dict, timeout: float = 300) -> list[dict]:
     """Run `scenario` on `world` ranks; returns every rank's JSON result."""
     from kimi_pipeline.model.parallel import free_port
 
@@ -141,23 +141,22 @@ def _hf_reader(path: str):
     return lambda name: handles[index[name]].get_tensor(name)
 
 
-def _export(chunks, spec, layout, out: Path | None):
-    import torch
+def _export(chunks, spec, layout, out: Path) -> None:
+    """Full HF-named tensors (collective); rank 0 writes them as safetensors."""
     from safetensors.torch import save_file
 
     from kimi_pipeline.convert import names
 
     tensors = {n: t.contiguous() for n, t in names.export_hf_tensors(chunks, spec, layout)}
-    if out is not None and int(os.environ.get("RANK", "0")) == 0:
+    if int(os.environ.get("RANK", "0")) == 0:
         save_file(tensors, str(out))
-    return {n: float(t.double().sum()) for n, t in tensors.items()} if tensors else {}
 
 
 def scenario_ops(out_dir: Path, args: dict) -> dict:
     """Run a list of operations on one trainable model; every rank returns the same record.
 
     ops: ["load_hf"], ["train", n], ["eval"], ["logprobs"], ["export", path], ["save", dir, step],
-    ["load", dir] (model + optimizer, reshards), ["save_model", dir], ["load_model", dir].
+    ["load", dir] (model + optimizer + extra; reshards to this layout).
     """
     from kimi_pipeline.convert import names
     from kimi_pipeline.model import megatron_train as mt
@@ -189,10 +188,6 @@ def scenario_ops(out_dir: Path, args: dict) -> dict:
             mt.save_checkpoint(a[0], a[1], chunks, opt, {"rollout": a[1], "data_pos": [1, 2], "layout": str(layout)})
         elif op == "load":
             rec["extra"].append(mt.load_checkpoint(a[0], chunks, opt))
-        elif op == "save_model":
-            mt.save_model_only(a[0], chunks)
-        elif op == "load_model":
-            mt.load_model_only(a[0], chunks)
         else:
             raise ValueError(op)
     return rec
@@ -208,27 +203,7 @@ def main() -> None:
     (out_dir / f"{scenario}.rank{rank}.json").write_text(json.dumps(result))
 
 
-def scenario_grads(out_dir: Path, args: dict) -> dict:
-    """Debug: per-HF-tensor gradient norms after one backward (non-distributed optimizer)."""
-    import torch
-
-    from kimi_pipeline.convert import names
-    from kimi_pipeline.model import megatron_train as mt
-
-    recipe, layout = _setup(args)
-    spec = recipe.model
-    opt_spec = recipe.optimizer.model_copy(update={"use_distributed_optimizer": False})
-    chunks, opt = mt.build_trainable(spec, layout, opt_spec)
-    names.load_hf_tensors_into_model(chunks, _hf_reader(args["weights"]), spec, layout)
-    tokens, targets = _dp_slice(*_batch(spec, args))
-    mt.forward_backward(chunks, _micro(tokens, targets, 1), _nll_loss, optimizer=opt)
-    with torch.no_grad():
-        for p in names.unwrap(chunks).parameters():
-            p.data.copy_(p.main_grad)
-    return _export(chunks, spec, layout, None)
-
-
-SCENARIOS = {"ops": scenario_ops, "grads": scenario_grads}
+SCENARIOS = {"ops": scenario_ops}
 
 
 if __name__ == "__main__":

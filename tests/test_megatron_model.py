@@ -132,6 +132,15 @@ def test_one_process_trains_with_megatron_optimizer(single_process):
     assert torch.allclose(ent, -(logp.exp() * logp).sum(-1), atol=1e-5)
     assert chunks[0].training  # token_logprobs restores train mode
 
+    # the recipe's schedule drives megatron's param scheduler: linear warm-up over 2 steps
+    warm = r.optimizer.model_copy(update={"lr_warmup_steps": 2, "lr_decay_style": "linear"})
+    sched = mt.lr_scheduler(opt, warm, total_steps=10)
+    lrs = {g["lr"] for g in opt.param_groups}
+    mt.forward_backward(chunks, micro, _nll, optimizer=opt)
+    mt.optimizer_step(opt, sched)
+    assert lrs == {0.0}
+    assert [g["lr"] for g in opt.param_groups] == pytest.approx([warm.lr / 2] * len(opt.param_groups))
+
 
 def test_checkpoint_is_atomic_and_round_trips(single_process, tmp_path, monkeypatch):
     from megatron.core import dist_checkpointing
@@ -157,6 +166,13 @@ def test_checkpoint_is_atomic_and_round_trips(single_process, tmp_path, monkeypa
     saved = weights(chunks)
     assert (ckpt / mt.TRACKER).read_text().strip() == "1"
     assert (ckpt / "iter_0000001" / "metadata.json").is_file()
+    # torch_dist keys use Transformer Engine names even from the local (CPU) spec: GPU jobs can load it
+    keys = set(dist_checkpointing.load_tensors_metadata(str(ckpt / "iter_0000001")))
+    assert {"decoder.layers.0.mlp.linear_fc1.layer_norm_weight",
+            "decoder.layers.1.self_attention.linear_q_up_proj.layer_norm_weight",
+            "decoder.layers.1.self_attention.linear_kv_up_proj.layer_norm_weight",
+            "decoder.layers.1.mlp.experts.experts.linear_fc1.weight"} <= keys
+    assert not [k for k in keys if "q_layernorm" in k or "kv_layernorm" in k or "layers.0.pre_mlp" in k]
     step(chunks, opt)
     continued = weights(chunks)  # where training goes from the checkpointed state
 

@@ -83,6 +83,8 @@ def transformer_config(
             f"model.moe_router_num_groups={groups}: group-limited routing matches HF only when "
             f"moe_router_topk / moe_router_group_topk == 2 (got {spec.moe_router_topk}/{spec.moe_router_group_topk})"
         )
+    if layout.cp > 1 and not use_te:
+        raise LayoutError("context parallelism (cp > 1) needs Transformer Engine attention (CUDA + TE)")
     dtype = _DTYPES[spec.params_dtype]
     kwargs: dict[str, Any] = dict(
         # shape

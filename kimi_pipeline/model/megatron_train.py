@@ -402,9 +402,12 @@ def _save(ckpt_dir: Path, step: int, state: dict, extra: dict | None) -> Path:
     _barrier()
     if _rank() == 0:
         atomic_write_json(tmp / EXTRA, {"step": step, "extra": extra or {}})
-        if final.exists():
-            shutil.rmtree(final)
+        old = final.with_name(final.name + ".old")
+        if final.exists():  # re-saving a step: keep the old copy until the new one is in place
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
         os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
         _fsync_dir(ckpt_dir)
         atomic_write_text(ckpt_dir / TRACKER, f"{step}\n")  # last: only now is the checkpoint "latest"
     _barrier()
