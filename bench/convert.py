@@ -153,7 +153,7 @@ def main() -> None:
               f"torch_dist {section['output_bytes'] / 1e9:.3f} GB")
         for r in reports:
             s = r["seconds"]
-            print(f"  rank {r['rank']}: init {s['init']:.2f} s, build {s['build']:.2f} s, read+load {s['load']:.2f} s, "
+            print(f"  rank {r['rank']}: startup {s['startup']:.2f} s, init {s['init']:.2f} s, build {s['build']:.2f} s, read+load {s['load']:.2f} s, "
                   f"save {s['save']:.2f} s, read {r['bytes_read'] / 1e9:.3f} GB, peak RSS {r['peak_rss_mb']:.0f} MiB")
         print(f"  data phase (read + save, slowest rank): {data_s:.2f} s ({data_bps / 1e6:.0f} MB/s)")
         print(f"cp: {cp_s:.2f} s, cp + sync {cp_sync_s:.2f} s ({cp_bps / 1e6:.0f} MB/s with sync, "

@@ -253,13 +253,13 @@ def test_task_cache_key_follows_content_not_paths(tmp_path):
 
 @pytest.mark.slow
 def test_reload_under_tp2_matches_the_source(converted, tiny_ckpt, tmp_path):
-    """The pp2 x ep2 checkpoint, resharded into TP2 (2 ranks): every tensor and the round trip exact."""
+    """The pp2 x ep2 checkpoint, resharded into TP2 x expert-TP2 (2 ranks): every tensor and the round trip exact."""
     from kimi_pipeline.convert.job import write_job_file
     from kimi_pipeline.convert.verify import summarize
     from kimi_pipeline.model.parallel import Layout
 
     run_dir, _ = converted
-    layout = Layout(world_size=2, tp=2)
+    layout = Layout(world_size=2, tp=2, etp=2)  # experts split along expert-TP too
     reports = tmp_path / "reports"
     job = write_job_file(tmp_path / "verify.json", model=load_recipe("tiny").model, layout=layout, model_dir=tiny_ckpt,
                          out_dir=checkpoint_dir(run_dir), ckpt_dir=checkpoint_dir(run_dir), report_dir=reports, logits=False)
