@@ -380,3 +380,25 @@ def test_bridge_mode_skips_the_stage(tmp_path):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["stages"]["convert"]["status"] == "skipped" and section["mode"] == "bridge"
     assert not (tmp_path / "convert").exists()
+
+
+def test_launcher_relaunches_when_the_rendezvous_port_is_taken(tmp_path, monkeypatch):
+    """Another process grabs the port between picking it and node 0 listening: relaunch on a new one."""
+    import socket
+
+    from kimi_pipeline.convert import launch
+
+    squatter = socket.socket()
+    squatter.bind(("127.0.0.1", 0))
+    squatter.listen()
+    taken = squatter.getsockname()[1]
+    picked: list[int] = []
+    real = launch._free_port
+    monkeypatch.setattr(launch, "_free_port", lambda: picked.append(taken if not picked else real()) or picked[-1])
+    try:
+        res = launch_local("platform", [], nodes=2, procs_per_node=1, work_dir=tmp_path, report_dir=tmp_path / "r",
+                           name="probe", timeout=120, grace=5)
+    finally:
+        squatter.close()
+    assert len(picked) == 2 and picked[0] == taken  # the first launch failed on the taken port
+    assert res.nodes == 2 and f"--master-port={picked[1]}" in res.commands[0]

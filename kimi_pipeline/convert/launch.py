@@ -173,24 +173,45 @@ def _stop(procs: list[subprocess.Popen]) -> None:
 
 def launch_local(module: str, args: list[str], *, nodes: int, procs_per_node: int, work_dir: str | Path,
                  report_dir: str | Path, name: str = "job", env: dict[str, str] | None = None,
-                 timeout: float | None = None, grace: float = 15.0) -> JobResult:
+                 timeout: float | None = None, grace: float = 15.0, port_attempts: int = 3) -> JobResult:
     """Run `python -m module args` as a `nodes`×`procs_per_node` torch.distributed job on this host.
 
     Raises ConversionJobPermanentError / ConversionJobError naming the failing rank when any agent fails.
+    The rendezvous port is picked free just before the launch; if another process grabs it in between
+    (node 0 cannot listen), the job is relaunched on a new port, up to `port_attempts` times.
     """
     work_dir, report_dir = Path(work_dir), Path(report_dir)
     log_dir = work_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     report_dir.mkdir(parents=True, exist_ok=True)
-    for stale in report_dir.glob("rank_*.error.json"):
-        stale.unlink()
+    for attempt in range(1, port_attempts + 1):
+        for stale in report_dir.glob("rank_*.error.json"):
+            stale.unlink()
+        codes, seconds, logs, commands, timed_out = _run(module, args, nodes, procs_per_node, log_dir, name, env,
+                                                         timeout, grace)
+        if all(c == 0 for c in codes):
+            return JobResult(nodes, procs_per_node, seconds, logs, commands)
+        failures = read_failures(report_dir)
+        if failures or timed_out or attempt == port_attempts or not _port_clash(logs[0]):
+            raise _job_error(name, nodes, procs_per_node, codes, failures, logs, timed_out, timeout)
+    raise AssertionError("unreachable")
+
+
+def _port_clash(log: Path) -> bool:
+    text = _tail(log, 200)
+    return "Address already in use" in text or "EADDRINUSE" in text
+
+
+def _run(module: str, args: list[str], nodes: int, ppn: int, log_dir: Path, name: str, env: dict[str, str] | None,
+         timeout: float | None, grace: float) -> tuple[list[int | None], float, list[Path], list[list[str]], bool]:
     port = _free_port()
     full_env = {**os.environ, **WORKER_ENV, "KIMI_LAUNCH_TIME": repr(time.time()), **(env or {})}
     commands, procs, logs = [], [], []
     t0 = time.monotonic()
+    timed_out = False
     try:
         for node in range(nodes):
-            cmd = node_command(module, args, nnodes=nodes, node_rank=node, nproc_per_node=procs_per_node,
+            cmd = node_command(module, args, nnodes=nodes, node_rank=node, nproc_per_node=ppn,
                                master_addr="127.0.0.1", master_port=port)
             log = log_dir / f"{name}.node{node}.log"
             with open(log, "wb") as fh:
@@ -199,7 +220,7 @@ def launch_local(module: str, args: list[str], *, nodes: int, procs_per_node: in
                                               start_new_session=True, preexec_fn=die_with_parent))
             commands.append(cmd)
             logs.append(log)
-        failed_at, timed_out = None, False
+        failed_at = None
         while True:
             codes = [p.poll() for p in procs]
             if all(c is not None for c in codes):
@@ -214,12 +235,7 @@ def launch_local(module: str, args: list[str], *, nodes: int, procs_per_node: in
             time.sleep(0.2)
     finally:
         _stop(procs)  # also on KeyboardInterrupt / SIGTERM of the launcher: never leave agents behind
-    seconds = time.monotonic() - t0
-    codes = [p.returncode for p in procs]
-    if all(c == 0 for c in codes):
-        return JobResult(nodes, procs_per_node, seconds, logs, commands)
-    failures = read_failures(report_dir)
-    raise _job_error(name, nodes, procs_per_node, codes, failures, logs, timed_out, timeout)
+    return [p.returncode for p in procs], time.monotonic() - t0, logs, commands, timed_out
 
 
 def _job_error(name: str, nodes: int, ppn: int, codes: list[int | None], failures: list[dict[str, Any]],
