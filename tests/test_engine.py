@@ -298,7 +298,7 @@ def test_http_generate_equals_the_engine(servers, hf_a):
         assert np.array_equal(g.routed_experts, d.routed_experts)
     # SGLang's JSON shapes on the wire
     body = httpx.post(server.url + "/generate", json={
-        "input_ids": prompts[0], "sampling_params": {"max_new_tokens": 3, "temperature": 0, "stop_token_ids": []},
+        "input_ids": prompts[0], "sampling_params": {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True},
         "return_logprob": True, "return_routed_experts": True}, timeout=60).json()
     meta = body["meta_info"]
     assert meta["finish_reason"] == {"type": "length", "length": 3}
@@ -306,6 +306,21 @@ def test_http_generate_equals_the_engine(servers, hf_a):
     assert meta["completion_tokens"] == 3 and meta["weight_version"] == "0"
     ids = np.frombuffer(__import__("base64").b64decode(meta["routed_experts"]), dtype=np.int32)
     assert ids.reshape(len(prompts[0]) + 2, 4, 4)[:, 0].max() == 0  # dense layer 0 carries no experts
+
+
+def test_sglang_stop_semantics():
+    from kimi_pipeline.rl.engine.server import sampling_params_from_json
+
+    p, n = sampling_params_from_json({"stop_token_ids": [7], "n": 2}, eos_token_ids=(3,))
+    assert p.stop_token_ids == (3, 7) and n == 2 and p.max_new_tokens == 128  # SGLang's defaults
+    p, _ = sampling_params_from_json({"stop_token_ids": [7], "ignore_eos": True}, eos_token_ids=(3,))
+    assert p.stop_token_ids == (7,)
+    p, _ = sampling_params_from_json({"skip_special_tokens": False, "no_stop_trim": True, "top_k": -1}, (3,))
+    assert p.stop_token_ids == (3,) and p.top_k == -1
+    with pytest.raises(EngineInputError, match="stop_token_ids"):
+        sampling_params_from_json({"stop": ["</s>"]})
+    with pytest.raises(EngineInputError, match="unknown"):
+        sampling_params_from_json({"temprature": 1.0})
 
 
 def test_http_rejects_what_it_cannot_do(servers):

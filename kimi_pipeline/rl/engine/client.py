@@ -38,8 +38,9 @@ class EngineBadRequest(EngineRequestError, PermanentError):
 def sampling_payload(params: SamplingParams) -> dict[str, Any]:
     sp: dict[str, Any] = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
                           "max_new_tokens": params.max_new_tokens, "n": 1}
-    if params.stop_token_ids is not None:
+    if params.stop_token_ids is not None:  # exactly these (SGLang adds EOS unless ignore_eos)
         sp["stop_token_ids"] = list(params.stop_token_ids)
+        sp["ignore_eos"] = True
     if params.seed is not None:
         sp["sampling_seed"] = params.seed
     return sp

@@ -72,7 +72,7 @@ def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float, top_k:
         logp = torch.log_softmax(logits, dim=-1)
         tok = logits.argmax(dim=-1)
         return tok, logp.gather(1, tok[:, None]).squeeze(1)
-    logp = torch.log_softmax(logits / temperature, dim=-1)
+    logp = torch.log_softmax(logits if temperature == 1.0 else logits / temperature, dim=-1)
     allowed = logp
     if 0 < top_k < logits.shape[-1]:
         kth = logp.topk(top_k, dim=-1)[0][:, -1:]
@@ -84,7 +84,7 @@ def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float, top_k:
         allowed = allowed.scatter(1, order, sorted_lp.masked_fill(drop, float("-inf")))
     # inverse-CDF draw: one uniform per row (the per-element exponential race costs ~20x more on CPU);
     # u < total and right=True never land on a zero-probability token; no host sync (GPU friendly)
-    cdf = torch.softmax(allowed, dim=-1).cumsum(dim=-1)
+    cdf = (logp.exp() if allowed is logp else torch.softmax(allowed, dim=-1)).cumsum(dim=-1)
     u = torch.rand(cdf.shape[0], 1, device=cdf.device, generator=gen) * cdf[:, -1:]
     tok = torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=cdf.shape[1] - 1)
     return tok, logp.gather(1, tok[:, None]).squeeze(1)

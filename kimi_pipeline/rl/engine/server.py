@@ -3,7 +3,8 @@
 Endpoints and JSON shapes follow SGLang's server where practical:
 
 - POST /generate {input_ids: [ids] | [[ids], ...], sampling_params: {temperature, top_p, top_k,
-  max_new_tokens, stop_token_ids, n, sampling_seed}, return_logprob, return_routed_experts, rid}
+  max_new_tokens, stop_token_ids, ignore_eos, n, sampling_seed}, return_logprob, return_routed_experts, rid}
+  (as in SGLang, stop_token_ids add to the model's EOS unless ignore_eos is true)
   → one {text, output_ids, meta_info} per sample (a list unless one prompt and n == 1), prompt-major.
   meta_info: id, prompt_tokens, completion_tokens, finish_reason {type: stop|length|abort, matched|length},
   weight_version, output_token_logprobs [[logprob, token_id, null], ...], routed_experts = base64 of int32
@@ -88,8 +89,10 @@ class AbortRequest(BaseModel):
     abort_all: bool = False
 
 
-def sampling_params_from_json(sp: dict[str, Any]) -> tuple[SamplingParams, int]:
-    """SGLang sampling_params → (SamplingParams, n). Unsupported sampling features are a 400, never ignored."""
+def sampling_params_from_json(sp: dict[str, Any], eos_token_ids: tuple[int, ...] = ()) -> tuple[SamplingParams, int]:
+    """SGLang sampling_params → (SamplingParams, n). Unsupported sampling features are a 400, never ignored.
+
+    SGLang stops on EOS plus any stop_token_ids unless ignore_eos; SamplingParams takes the exact set."""
     sp = dict(sp or {})
     n = int(sp.pop("n", 1) or 1)
     for key in _TEXT_ONLY_KEYS:
@@ -100,18 +103,20 @@ def sampling_params_from_json(sp: dict[str, Any]) -> tuple[SamplingParams, int]:
         value = sp.pop(key, neutral)
         if value != neutral and value is not None:
             raise EngineInputError(f"sampling_params.{key}={value!r} is not supported by the embedded engine")
-    known = {"temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "sampling_seed", "seed"}
+    known = {"temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "ignore_eos", "sampling_seed", "seed"}
     unknown = sorted(set(sp) - known)
     if unknown:
         raise EngineInputError(f"unknown sampling_params {unknown}; supported: {sorted(known | {'n'})}")
-    stop = sp.get("stop_token_ids")
+    stop = [int(t) for t in sp.get("stop_token_ids") or []]
+    if not sp.get("ignore_eos", False):
+        stop = list(eos_token_ids) + [t for t in stop if t not in eos_token_ids]
     seed = sp.get("sampling_seed", sp.get("seed"))
     params = SamplingParams(
         temperature=float(sp.get("temperature", 1.0)),
         top_p=float(sp.get("top_p", 1.0)),
         top_k=int(sp.get("top_k", -1) if sp.get("top_k") is not None else -1),
         max_new_tokens=int(sp.get("max_new_tokens", 128)),
-        stop_token_ids=tuple(int(t) for t in stop) if stop is not None else None,
+        stop_token_ids=tuple(stop),
         seed=int(seed) if seed is not None else None,
     )
     return params, n
@@ -324,7 +329,7 @@ class EngineServer:
             if req.stream:
                 raise EngineInputError("stream=true is not supported by the embedded engine")
             single, prompts = self._prompts(req)
-            params, n = sampling_params_from_json(req.sampling_params)
+            params, n = sampling_params_from_json(req.sampling_params, cfg.eos_token_ids)
             count = len(prompts) * n
             if req.rid is None:
                 rids = [uuid.uuid4().hex for _ in range(count)]
