@@ -379,6 +379,8 @@ class EngineModel:
         Returns (logits, cache [layers, B, S, latent], experts [B, S, moe_layers, topk] int16). logits are
         [B, S, V] if all_logits else the last real position's [B, V] (from `lengths`, default S).
         Padding sits after each prompt, so causal masking alone keeps it out of every real position.
+        Scores are materialized ([B, S*heads, S]): right for short rollout prompts, not for long contexts
+        (those belong on SGLang).
         """
         B, S = ids.shape
         pos = torch.arange(S, device=self.device)
@@ -430,7 +432,10 @@ class EngineModel:
                 g, u = F.linear(x, L.gate_up).chunk(2, dim=-1)
                 y = F.linear(F.silu(g) * u, L.down)
             h = h + y
-        ex = torch.stack(experts, dim=1).to(torch.int16) if experts else torch.empty(h.shape[0], 0, c.topk, dtype=torch.int16)
+        if experts:
+            ex = torch.stack(experts, dim=1).to(torch.int16)
+        else:
+            ex = torch.empty(h.shape[0], 0, c.topk, dtype=torch.int16, device=self.device)
         return h, ex
 
     def _attention(self, L: _Layer, x, rot, B, S, cache, rows, write_pos, kv_len, bias):
