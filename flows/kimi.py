@@ -1,15 +1,20 @@
-"""Flow `kimi`: download → validate (→ convert → cluster → train → eval → export as they land)."""
+"""Flow `kimi`: download → validate → convert → cluster → train (+ periodic eval) → export."""
 
 from __future__ import annotations
 
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
+from kimi_pipeline.cluster import stop_cluster
 from kimi_pipeline.recipes import load_recipe
 from kimi_pipeline.report.markdown import write_summary_markdown
 from kimi_pipeline.stages import STAGES, mark_skipped, prepare_run
+from tasks.cluster import cluster_task
 from tasks.common import outputs_present
+from tasks.convert import convert_task
 from tasks.download import download_task
+from tasks.export import EXPORT_OUTPUTS, export_task
+from tasks.train import train_task
 from tasks.validate import validate_task
 
 
@@ -23,16 +28,29 @@ def kimi(
     """Run the pipeline for a recipe (preset name or YAML path) up to and including stage `until`."""
     r = load_recipe(recipe, overrides or [])
     path = prepare_run(r, run_dir)
+    run = str(path)
     print(f"run directory: {path}")
     selected = STAGES[: STAGES.index(until) + 1] if until else STAGES
     try:
-        dl = download_task.with_options(refresh_cache=not outputs_present(path, "download/manifest.json"))(r, str(path))
+        dl = download_task.with_options(refresh_cache=not outputs_present(path, "download/manifest.json"))(r, run)
         if "validate" in selected:
             validate_task.with_options(
                 refresh_cache=not outputs_present(path, "validate/train.jsonl", "validate/eval.jsonl")
-            )(r, str(path), dl)
+            )(r, run, dl)
+        cv = None
+        if "convert" in selected:
+            cv = convert_task.with_options(
+                refresh_cache=not outputs_present(path, "convert/torch_dist/latest_checkpointed_iteration.txt")
+            )(r, run, dl)
+        cl = cluster_task(r, run) if "cluster" in selected else None
+        tr = train_task(r, run, cl, cv) if "train" in selected else None
+        if "export" in selected and tr is not None:
+            export_task.with_options(refresh_cache=not outputs_present(path, *EXPORT_OUTPUTS))(
+                r, run, tr["checkpoint_dir"], None, tr
+            )
         mark_skipped(path, [s for s in STAGES if s not in selected])
     finally:
+        stop_cluster(path)  # the run's embedded Ray cluster, also on failure (kept only with cluster.keep)
         md = write_summary_markdown(path)
         create_markdown_artifact(md.read_text(), key="run-summary", description=f"{r.name}: {path}")
-    return {"run_dir": str(path), "summary": str(path / "summary.json")}
+    return {"run_dir": run, "summary": str(path / "summary.json")}

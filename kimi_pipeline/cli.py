@@ -11,6 +11,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from kimi_pipeline.cluster.cli import cluster_app
 from kimi_pipeline.plan import plan_command
 from kimi_pipeline.recipes import RecipeError, check_recipe, load_recipe, pipeline_layers, preset_names, recipe_to_yaml
 
@@ -19,6 +20,7 @@ recipe_app = typer.Typer(no_args_is_help=True, help="List, show and check recipe
 data_app = typer.Typer(no_args_is_help=True, help="Project data: the tiny recipe's shipped assets.")
 app.add_typer(recipe_app, name="recipe")
 app.add_typer(data_app, name="data")
+app.add_typer(cluster_app, name="cluster")
 app.command("plan", help="Memory and time model of a recipe's layout (fits or not, before launch).")(plan_command)
 console = Console()
 err = Console(stderr=True)
@@ -114,6 +116,85 @@ def validate(
     r = _load(recipe, set_)
     section = _run_stage(stage_validate, r, prepare_run(r, run_dir))
     console.print_json(json.dumps({k: v for k, v in section.items() if k not in ("train", "eval")}))
+
+
+@app.command()
+def convert(
+    recipe: str = typer.Option("tiny", "--recipe", "-r", help=RECIPE_HELP),
+    set_: list[str] = typer.Option([], "--set", help=SET_HELP),
+    run_dir: Path = typer.Option(..., "--run-dir"),
+) -> None:
+    """Stage `convert` alone: HF → torch_dist over the recipe's conversion nodes, verified."""
+    from kimi_pipeline.convert.stage import stage_convert
+    from kimi_pipeline.stages import prepare_run
+
+    r = _load(recipe, set_)
+    section = _run_stage(stage_convert, r, prepare_run(r, run_dir))
+    console.print_json(json.dumps(section, default=str))
+
+
+@app.command()
+def train(
+    recipe: str = typer.Option("tiny", "--recipe", "-r", help=RECIPE_HELP),
+    set_: list[str] = typer.Option([], "--set", help=SET_HELP),
+    run_dir: Path = typer.Option(..., "--run-dir"),
+    ray_address: Optional[str] = typer.Option(None, "--ray-address", help="Default: the run's cluster stage."),
+) -> None:
+    """Stage `train` alone (after convert + cluster in the same run dir); resumes from its checkpoints."""
+    from kimi_pipeline.rl.stage import stage_train
+    from kimi_pipeline.stages import prepare_run
+
+    r = _load(recipe, set_)
+
+    def step(row: dict) -> None:
+        console.print(f"step {row['step']:>4}  reward {row['reward_mean']:.3f}  solved groups "
+                      f"{row['solved_group_fraction']:.2f}  {row['step_seconds']:.1f} s", highlight=False)
+
+    section = _run_stage(lambda: stage_train(r, prepare_run(r, run_dir), ray_address=ray_address, on_step=step))
+    console.print_json(json.dumps(section, default=str))
+
+
+@app.command()
+def export(
+    recipe: str = typer.Option("tiny", "--recipe", "-r", help=RECIPE_HELP),
+    set_: list[str] = typer.Option([], "--set", help=SET_HELP),
+    run_dir: Path = typer.Option(..., "--run-dir"),
+    checkpoint: Optional[Path] = typer.Option(None, "--checkpoint", help="torch_dist dir (default: the run's training checkpoints)."),
+    step: Optional[int] = typer.Option(None, "--step", help="Iteration to export (default: latest)."),
+) -> None:
+    """Stage `export` alone: a training checkpoint → INT4 compressed-tensors HF directory, verified."""
+    from kimi_pipeline.quant.stage import stage_export
+    from kimi_pipeline.stages import prepare_run
+
+    r = _load(recipe, set_)
+    path = prepare_run(r, run_dir)
+    ckpt = checkpoint or path / "train" / "checkpoints"
+    section = _run_stage(lambda: stage_export(r, path, ckpt, step=step))
+    console.print_json(json.dumps(section, default=str))
+
+
+@app.command("eval")
+def eval_(
+    checkpoint: Path = typer.Option(..., "--checkpoint", help="HF directory or torch_dist checkpoint (dir or iter_N)."),
+    recipe: str = typer.Option("tiny", "--recipe", "-r", help=RECIPE_HELP),
+    set_: list[str] = typer.Option([], "--set", help=SET_HELP),
+    data: Optional[Path] = typer.Option(None, "--data", help="AIME-format jsonl (default: the recipe's eval set)."),
+    model_dir: Optional[Path] = typer.Option(None, "--model-dir", help="HF config + tokenizer dir (torch_dist only)."),
+    out: Path = typer.Option(Path("runs/eval"), "--out", help="Where eval.jsonl and the per-problem table go."),
+) -> None:
+    """Evaluate any checkpoint on an AIME-format set: avg@n, pass@1, pass@n, maj@n."""
+    from kimi_pipeline.eval.stage import evaluate_checkpoint
+    from kimi_pipeline.util.paths import resolve_path
+
+    r = _load(recipe, set_)
+    source = r.data.eval
+    data_file = data or (resolve_path(source.path) / (source.filename or "") if source.kind == "local" else None)
+    if data_file is None:
+        err.print("error: the recipe's eval set is on the hub; pass --data FILE (or run `kimi download` first)")
+        raise typer.Exit(2)
+    mdir = model_dir or (resolve_path(r.hub.model.path) if r.hub.model.kind == "local" else None)
+    result = _run_stage(lambda: evaluate_checkpoint(r, checkpoint, out, model_dir=mdir, data_file=Path(data_file)))
+    console.print_json(json.dumps(result, default=str))
 
 
 @recipe_app.command("list")

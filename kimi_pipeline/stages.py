@@ -19,7 +19,7 @@ from kimi_pipeline.report.summary import RunSummary
 from kimi_pipeline.util.files import atomic_write_text
 from kimi_pipeline.util.paths import new_run_dir, resolve_path
 
-STAGES = ("download", "validate")
+STAGES = ("download", "validate", "convert", "cluster", "train", "export")
 
 
 class StageOrderError(PermanentError):

@@ -32,8 +32,8 @@ def task_states(flow_state) -> dict[str, str]:
     return {tr.name.rsplit("-", 1)[0]: tr.state.name for tr in runs}
 
 
-def run(run_dir, overrides):
-    return kimi(recipe="tiny", overrides=overrides, run_dir=str(run_dir), return_state=True)
+def run(run_dir, overrides, until="convert"):
+    return kimi(recipe="tiny", overrides=overrides, run_dir=str(run_dir), until=until, return_state=True)
 
 
 @pytest.mark.slow
@@ -42,20 +42,23 @@ def test_flow_summary_cache_hit_and_miss(tmp_path, tiny_copy):
     run_dir = tmp_path / "run"
     first = run(run_dir, overrides)
     assert first.is_completed(), first
-    assert task_states(first) == {"download": "Completed", "validate": "Completed"}
+    assert task_states(first) == {"download": "Completed", "validate": "Completed", "convert": "Completed"}
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["recipe"] == "tiny"
-    for stage in ("download", "validate"):
+    for stage in ("download", "validate", "convert"):
         assert summary["stages"][stage]["status"] == "completed"
+    assert summary["convert"]["verified"] is True and summary["convert"]["max_abs_diff"] == 0.0
+    for stage in ("cluster", "train", "export"):
+        assert summary["stages"][stage]["status"] == "skipped"
         assert isinstance(summary["stages"][stage]["seconds"], float)
-    assert summary["validate"]["rows"] == 454 and summary["validate"]["bad_rows"] == 0
+    assert summary["validate"]["rows"] == 187 and summary["validate"]["bad_rows"] == 0
     assert summary["validate"]["contamination"]["overlap"] == 0
     assert (run_dir / "summary.md").read_text().startswith("# Run summary: tiny")
     assert (run_dir / "recipe.yaml").is_file()
 
     second = run(run_dir, overrides)
     assert second.is_completed()
-    assert task_states(second) == {"download": "Cached", "validate": "Cached"}
+    assert task_states(second) == {"download": "Cached", "validate": "Cached", "convert": "Cached"}
 
     # a data change: append a new valid row (and refresh the shipped manifest, as `kimi data make-tiny` would)
     from kimi_pipeline.data.tiny_assets import write_manifests
@@ -65,8 +68,9 @@ def test_flow_summary_cache_hit_and_miss(tmp_path, tiny_copy):
     write_manifests(tiny_copy)
     third = run(run_dir, overrides)
     assert third.is_completed()
-    assert task_states(third) == {"download": "Completed", "validate": "Completed"}
-    assert json.loads((run_dir / "summary.json").read_text())["validate"]["rows"] == 455
+    # the model did not change: its conversion is still valid
+    assert task_states(third) == {"download": "Completed", "validate": "Completed", "convert": "Cached"}
+    assert json.loads((run_dir / "summary.json").read_text())["validate"]["rows"] == 188
 
     # outputs deleted behind the cache's back: the stage runs again instead of trusting a stale result
     (run_dir / "validate" / "train.jsonl").unlink()
@@ -88,7 +92,7 @@ def test_flow_fails_clearly_on_bad_data_without_retrying(tmp_path, tiny_copy):
     assert task_states(state)["validate"] == "Failed"  # not AwaitingRetry: bad data is permanent
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["stages"]["validate"]["status"] == "failed"
-    assert "eval: 1/27 rows bad" in summary["stages"]["validate"]["error"]
+    assert "eval: 1/12 rows bad" in summary["stages"]["validate"]["error"]
     quarantine = (run_dir / "validate" / "quarantine-eval.jsonl").read_text().splitlines()
     assert json.loads(quarantine[0])["reasons"][0].startswith("not valid JSON")
 
@@ -112,3 +116,34 @@ def test_hf_token_from_prefect_secret_block(monkeypatch):
     assert hf_token() == "hf_from_block_123"
     monkeypatch.setenv("HF_TOKEN", "hf_from_env")
     assert hf_token() == "hf_from_env"
+
+
+@pytest.mark.slow
+def test_full_dag_on_tiny_writes_every_summary_section(tmp_path, tiny_copy):
+    """download → validate → convert → cluster → train (+ evals) → export, shortened to 4 rollouts."""
+    overrides = tiny_overrides(tiny_copy) + ["rollout.num_rollout=4", "eval.interval=2", "checkpoint.save_interval=2"]
+    run_dir = tmp_path / "run"
+    state = run(run_dir, overrides, until=None)
+    assert state.is_completed(), state
+    states = task_states(state)
+    for name in ("download", "validate", "convert", "cluster", "train", "export", "eval-step"):
+        assert states.get(name) == "Completed", states
+    s = json.loads((run_dir / "summary.json").read_text())
+    assert all(s["stages"][x]["status"] == "completed" for x in ("download", "validate", "convert", "cluster", "train",
+                                                               "export"))
+    assert s["cluster"]["nodes"] == 1 and s["cluster"]["address"] and s["cluster"]["cpus"] >= 1
+    assert s["train"]["steps"] == 4 and s["train"]["checkpoint"].endswith("iter_0000004")
+    assert isinstance(s["train"]["reward_first"], float) and isinstance(s["train"]["reward_last"], float)
+    assert [e["step"] for e in s["eval"]] == [0, 2, 4]
+    assert s["export"]["dequant_exact"] is True and s["export"]["int4_bytes"] < s["export"]["bf16_bytes"]
+    for png in ("reward", "eval", "response_length", "stability"):
+        assert (run_dir / "plots" / f"{png}.png").stat().st_size > 1000
+    assert "![reward](plots/reward.png)" in (run_dir / "summary.md").read_text()
+    import psutil
+
+    temp_dir = s["cluster"]["temp_dir"]
+    leftovers = [p.info["cmdline"] for p in psutil.process_iter(["cmdline", "status"])
+                 if p.info["status"] != psutil.STATUS_ZOMBIE
+                 and any(temp_dir in part for part in (p.info["cmdline"] or []))]
+    assert not leftovers, leftovers  # the run's Ray cluster is gone
+    assert s["cluster"].get("stopped") is True

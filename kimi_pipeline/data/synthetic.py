@@ -1,8 +1,8 @@
 """Deterministic synthetic math problems in the exact DAPO-Math-17k / AIME-2024 row formats.
 
 The tiny recipe needs a task a ~1.7 M-parameter model can learn in minutes on 2 cores (measured:
-single-digit arithmetic with one-token answers; two-digit answers plateau, modular arithmetic never
-learns). Rows look exactly like the real sets: `{"prompt": [{"role": "user", "content": ...}],
+single-digit sums with one-token answers; two-digit answers plateau, modular arithmetic never learns,
+and mixing in subtraction and products kept GRPO at chance reward for 60 rollouts). Rows look exactly like the real sets: `{"prompt": [{"role": "user", "content": ...}],
 "label": "7"}` (or a plain-string prompt), answers expected in `\\boxed{}`.
 
 Train and eval are drawn from disjoint problem sets (op, a, b) so the contamination check passes
@@ -37,7 +37,7 @@ class MathGenConfig:
     """Difficulty knobs: which operations, operand range, answer range, phrasing."""
 
     seed: int = 0
-    ops: tuple[str, ...] = ("+", "-", "*")
+    ops: tuple[str, ...] = ("+",)  # measured: with -, * mixed in GRPO stays at chance for 60 rollouts
     max_operand: int = 9
     max_answer: int = 9  # answers 0..9 are single tokens for the tiny tokenizer
     min_answer: int = 0

@@ -60,11 +60,19 @@ def rollout_seed(recipe: Recipe, step: int) -> int:
 # --------------------------------------------------------------------------- actors
 
 
-def _worker_env() -> dict[str, Any]:
-    """Ray runtime env for our actors: this interpreter's packages, quiet compile, one thread each."""
-    env = {"TORCHDYNAMO_DISABLE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+def _worker_env(threads: int = 1) -> dict[str, Any]:
+    """Ray runtime env for our actors: this interpreter's packages, no torch.compile, `threads` intra-op
+    threads. Rollout and training alternate (colocated), so on CPU each may use every core of its node."""
+    env = {"TORCHDYNAMO_DISABLE": "1", "OMP_NUM_THREADS": str(max(1, threads)), "TOKENIZERS_PARALLELISM": "false",
            "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     return {"env_vars": env}
+
+
+def _cpu_threads(recipe: Recipe, ranks_per_node: int) -> int:
+    if recipe.cluster.device == "cuda":
+        return 1
+    cores = recipe.cluster.cpus_per_node or os.cpu_count() or 1
+    return max(1, cores // max(1, ranks_per_node))
 
 
 class EngineActor:
@@ -75,7 +83,7 @@ class EngineActor:
         from kimi_pipeline.rl.engine.sampler import RolloutEngine
         from kimi_pipeline.rl.engine.server import EngineServer
 
-        torch.set_num_threads(1)
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         model = EngineModel.from_pretrained(model_dir, device=device)
         self.server = EngineServer(RolloutEngine(model, seed=seed), host, 0, None, model_dir)
@@ -94,7 +102,7 @@ def _start_engines(recipe: Recipe, model_dir: Path, ray) -> tuple[list, list[str
 
         return start_sglang_engines(recipe, str(model_dir))
     gpus = 1 if recipe.cluster.device == "cuda" else 0
-    actor = ray.remote(num_cpus=1, num_gpus=gpus, runtime_env=_worker_env())(EngineActor)
+    actor = ray.remote(num_cpus=1, num_gpus=gpus, runtime_env=_worker_env(_cpu_threads(recipe, 1)))(EngineActor)
     engines = [actor.remote(str(model_dir), recipe.rollout.seed, recipe.sglang.host)]
     return engines, ray.get([e.url.remote() for e in engines])
 
@@ -107,7 +115,8 @@ def _start_trainers(recipe: Recipe, ray) -> list:
     gpus = 1 if recipe.cluster.device == "cuda" else 0
     addr = "127.0.0.1" if recipe.cluster.nodes == 1 else ray.util.get_node_ip_address()
     port = free_port()
-    actor = ray.remote(num_cpus=1, num_gpus=gpus, runtime_env=_worker_env())(PolicyWorker)
+    threads = _cpu_threads(recipe, recipe.cluster.gpus_per_node)
+    actor = ray.remote(num_cpus=1, num_gpus=gpus, runtime_env=_worker_env(threads))(PolicyWorker)
     data = recipe.model_dump(mode="json", exclude={"hub": {"token"}})
     return [actor.remote(data, rank, world, addr, port) for rank in range(world)]
 

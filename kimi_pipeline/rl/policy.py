@@ -63,6 +63,8 @@ class PolicyWorker:
             sched = extra.get("scheduler")
             if sched:
                 self.scheduler.load_state_dict(sched)
+        elif (Path(init_ckpt_dir) / "config.json").is_file():
+            self._load_hf(Path(init_ckpt_dir))  # bridge mode: straight from the HF checkpoint
         else:
             load_model_only(init_ckpt_dir, self.model)
         if self.recipe.grpo.use_kl_loss and self.recipe.grpo.kl_loss_coef > 0:
@@ -73,6 +75,17 @@ class PolicyWorker:
             for p in self.ref_model.parameters():
                 p.requires_grad_(False)
         return extra
+
+    def _load_hf(self, model_dir: Path) -> None:
+        """Bridge mode: each rank reads only the HF tensors it owns (dequantizing FP8/INT4 on the fly)."""
+        from kimi_pipeline.convert.hf_reader import HFCheckpoint
+        from kimi_pipeline.convert.names import load_hf_tensors_into_model, unwrap
+
+        ckpt = HFCheckpoint(model_dir, text_config_key=self.recipe.hub.text_config_key)
+        try:
+            load_hf_tensors_into_model(unwrap(self.model[0]), ckpt.get, self.recipe.model, self.layout)
+        finally:
+            ckpt.close()
 
     # ------------------------------------------------------------------ training
     def _dp_rank(self) -> int:
@@ -165,6 +178,7 @@ class PolicyWorker:
         n_steps = r.rollout.num_steps_per_rollout
         per_step = math.ceil(len(samples) / n_steps)
         sums: dict[str, float] = {}
+        extremes: dict[str, float] = {}
         weight, grad_norms, updated, tokens = 0.0, [], 0, 0
 
         def loss_fn(logits: torch.Tensor, batch: dict):
@@ -197,10 +211,15 @@ class PolicyWorker:
                 w = o.get("_rows", 0.0)
                 weight += w
                 for key, v in o.items():
-                    if key != "_rows" and isinstance(v, (int, float)):
+                    if key == "_rows" or not isinstance(v, (int, float)):
+                        continue
+                    if key.endswith(("_min", "_max")):  # extremes stay extremes across micro-batches
+                        pick = min if key.endswith("_min") else max
+                        extremes[key] = pick(extremes.get(key, float(v)), float(v))
+                    else:
                         sums[key] = sums.get(key, 0.0) + float(v) * w
             tokens += sum(samples[i].num_tokens for mb in mbs for i in mb.index)
-        metrics = {k: v / max(weight, 1.0) for k, v in sums.items()}
+        metrics = {**{k: v / max(weight, 1.0) for k, v in sums.items()}, **extremes}
         seconds = time.perf_counter() - t0
         metrics.update(grad_norm=sum(grad_norms) / max(len(grad_norms), 1), optimizer_steps=float(updated),
                        lr=float(self.optimizer.param_groups[0]["lr"]), train_seconds=seconds,
@@ -239,6 +258,9 @@ class PolicyWorker:
 
         extra = {**extra, "scheduler": self.scheduler.state_dict()}
         return str(save_checkpoint(ckpt_dir, step, self.model, self.optimizer, extra))
+
+    def pid(self) -> int:
+        return os.getpid()
 
     def close(self) -> None:
         from kimi_pipeline.model.parallel import destroy

@@ -14,8 +14,13 @@ from kimi_pipeline.report.summary import RunSummary
 TRACKER = "latest_checkpointed_iteration.txt"
 
 
-def converted_checkpoint(run_dir: Path) -> Path:
-    path = Path(run_dir) / "convert" / "torch_dist"
+def initial_weights(recipe: Recipe, run_dir: Path) -> Path:
+    """The converted torch_dist checkpoint, or (bridge mode, K2.5) the downloaded HF directory itself."""
+    if recipe.convert.mode == "bridge":
+        return model_dir(run_dir)
+    from kimi_pipeline.convert.stage import checkpoint_dir
+
+    path = checkpoint_dir(run_dir)
     if not (path / TRACKER).is_file():
         raise PermanentError(f"{path}: no complete converted checkpoint (tracker {TRACKER} missing); "
                              f"run the convert stage first (`kimi run --until convert`)")
@@ -53,7 +58,7 @@ def stage_train(
         if evaluate is None:
             evaluate = lambda step, urls: run_eval_step(recipe, run_dir, step, urls, hf_dir)  # noqa: E731
         section = run_training(
-            recipe, Path(run_dir), init_checkpoint=converted_checkpoint(run_dir), model_dir=hf_dir,
+            recipe, Path(run_dir), init_checkpoint=initial_weights(recipe, run_dir), model_dir=hf_dir,
             ray_address=ray_address or cluster_address(run_dir), evaluate=evaluate, on_step=on_step,
             stop_after=stop_after,
         )

@@ -1,0 +1,75 @@
+"""Tasks `train` and `eval`.
+
+`train` is not cached: its state lives in its checkpoints, and a retry (or a re-run of the flow on
+the same run dir) resumes from the latest one — a killed trainer costs the steps since the last save.
+Each periodic evaluation is its own `eval` task run (visible in the UI, with a table artifact),
+retried on its own without restarting training. Progress is a Prefect progress artifact.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from prefect import task
+from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
+from prefect.cache_policies import NO_CACHE
+
+from kimi_pipeline.eval.stage import run_eval_step
+from kimi_pipeline.recipes import Recipe
+from kimi_pipeline.rl.stage import stage_train
+from tasks.common import RETRY_DELAYS, retry_unless_permanent
+
+
+@task(
+    name="eval",
+    task_run_name="eval-step-{step}",
+    retries=2,
+    retry_delay_seconds=2,
+    retry_condition_fn=retry_unless_permanent,
+    cache_policy=NO_CACHE,
+    persist_result=False,
+)
+def eval_task(recipe: Recipe, run_dir: str, step: int, engine_urls: list[str], model_dir: str) -> dict[str, Any]:
+    result = run_eval_step(recipe, Path(run_dir), step, engine_urls, Path(model_dir))
+    create_markdown_artifact(result.pop("markdown"), key="eval", description=f"AIME-style eval at step {step}")
+    return result
+
+
+def _train_markdown(section: dict[str, Any]) -> str:
+    return "\n".join([
+        "# GRPO training", "",
+        f"steps **{section['steps']}** · reward first 10 % {section['reward_first']:.3f} → last 10 % "
+        f"**{section['reward_last']:.3f}** · {section['seconds_per_step']:.2f} s/step", "",
+        f"checkpoint: `{section['checkpoint']}`", f"metrics: `{section['metrics']}`",
+    ])
+
+
+@task(
+    name="train",
+    retries=2,
+    retry_delay_seconds=RETRY_DELAYS,
+    retry_condition_fn=retry_unless_permanent,
+    cache_policy=NO_CACHE,
+    persist_result=False,
+)
+def train_task(recipe: Recipe, run_dir: str, cluster: dict[str, Any] | None = None,
+               convert: dict[str, Any] | None = None) -> dict[str, Any]:
+    """`convert` is only the upstream result (ordering in the flow)."""
+    from kimi_pipeline.rl.stage import model_dir
+
+    total = recipe.rollout.num_rollout
+    progress_id = create_progress_artifact(progress=0.0, key="train-progress", description=f"GRPO rollouts of {total}")
+    hf_dir = str(model_dir(Path(run_dir)))
+
+    def on_step(row: dict[str, Any]) -> None:
+        update_progress_artifact(progress_id, progress=100.0 * row["step"] / total)
+
+    def evaluate(step: int, urls: list[str]) -> dict[str, Any]:
+        return eval_task(recipe, run_dir, step, urls, hf_dir)
+
+    section = stage_train(recipe, Path(run_dir), ray_address=(cluster or {}).get("address"),
+                          evaluate=evaluate, on_step=on_step)
+    update_progress_artifact(progress_id, progress=100.0)
+    create_markdown_artifact(_train_markdown(section), key="train", description="GRPO training summary")
+    return section
