@@ -61,7 +61,8 @@ def hf_generate(model, prompts: list[list[int]], n: int, max_new: int, eos: int,
 
 
 def engine_generate(engine: RolloutEngine, prompts, n: int, max_new: int, eos: int, seed: int) -> int:
-    params = SamplingParams(temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=max_new, stop_token_ids=(eos,), seed=seed)
+    params = SamplingParams(temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=max_new, stop_token_ids=(eos,),
+                            seed=seed)
     return sum(len(c.output_ids) for c in engine.generate(prompts, n, params, return_routed_experts=True))
 
 

@@ -331,8 +331,8 @@ def test_http_rejects_what_it_cannot_do(servers):
     r = httpx.post(url + "/generate", json={"input_ids": [1, 2], "sampling_params": {"frequency_penalty": 0.5}},
                    timeout=60)
     assert r.status_code == 400 and "frequency_penalty" in r.text
-    r = httpx.post(url + "/update_weights_from_tensor", json={"serialized_named_tensors": ["AAAA"], "load_format": "direct"},
-                   timeout=60)
+    r = httpx.post(url + "/update_weights_from_tensor",
+                   json={"serialized_named_tensors": ["AAAA"], "load_format": "direct"}, timeout=60)
     assert r.status_code == 400 and "pickled payloads are refused" in r.json()["message"]
     r = httpx.post(url + "/update_weights_from_tensor", json={"serialized_named_tensors": ["bm90IHNhZmV0ZW5zb3Jz"]},
                    timeout=60)
@@ -452,7 +452,8 @@ def test_router_spreads_over_two_engines_and_broadcasts(servers, hf_a, hf_b):
     with Router([s.url for s in servers]) as router:
         assert router.health() and router.health_generate()
         served = [s.scheduler.state()["rows_served"] for s in servers]
-        out = router.generate(prompts, 3, SamplingParams(max_new_tokens=3, stop_token_ids=()), return_routed_experts=True)
+        out = router.generate(prompts, 3, SamplingParams(max_new_tokens=3, stop_token_ids=()),
+                              return_routed_experts=True)
         assert [c.prompt_ids for c in out] == [p for p in prompts for _ in range(3)]
         assert all(c.routed_experts.shape == (len(c.prompt_ids) + 2, 3, 4) for c in out)
         grew = [s.scheduler.state()["rows_served"] - before for s, before in zip(servers, served)]

@@ -78,7 +78,8 @@ def serialize_chunk(chunk: Mapping[str, torch.Tensor]) -> str:
     from safetensors.torch import save
 
     # own, contiguous CPU copies: safetensors refuses views that share storage
-    return base64.b64encode(save({k: v.detach().to("cpu", copy=True).contiguous() for k, v in chunk.items()})).decode("ascii")
+    owned = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in chunk.items()}
+    return base64.b64encode(save(owned)).decode("ascii")
 
 
 class EngineClient:
@@ -130,7 +131,8 @@ class EngineClient:
                 self._layout = (info["num_hidden_layers"], info["num_experts_per_tok"], info["first_k_dense_replace"])
             except KeyError:
                 raise PermanentError(
-                    f"{self.url} does not report its model shape: pass num_layers, topk and first_k_dense to EngineClient"
+                    f"{self.url} does not report its model shape: "
+                    "pass num_layers, topk and first_k_dense to EngineClient"
                 ) from None
         return self._layout
 

@@ -86,9 +86,10 @@ class EngineConfig:
         from transformers.models.deepseek_v3.modeling_deepseek_v3 import yarn_apply_mscale
 
         if getattr(cfg, "attention_bias", False):
-            raise EngineWeightError("attention_bias=true is not a DeepSeek-V3/Kimi layout; the engine does not support it")
+            raise EngineWeightError("attention_bias=true is not a DeepSeek-V3/Kimi layout; the engine lacks it")
         if getattr(cfg, "scoring_func", "sigmoid") != "sigmoid":
-            raise EngineWeightError(f"scoring_func={cfg.scoring_func!r}: the engine (like transformers) implements sigmoid routing only")
+            raise EngineWeightError(
+                f"scoring_func={cfg.scoring_func!r}: the engine (like transformers) implements sigmoid routing only")
         if getattr(cfg, "moe_layer_freq", 1) != 1:
             raise EngineWeightError("moe_layer_freq != 1 is not supported (every layer after first_k_dense is MoE)")
         eos = cfg.eos_token_id
@@ -217,7 +218,8 @@ class EngineModel:
 
     # ------------------------------------------------------------------ construction / weights
     @classmethod
-    def from_hf_model(cls, model, device: str | torch.device | None = None, dtype: torch.dtype | None = None) -> EngineModel:
+    def from_hf_model(cls, model, device: str | torch.device | None = None,
+                      dtype: torch.dtype | None = None) -> EngineModel:
         """Copy an in-memory transformers DeepseekV3ForCausalLM (its fused expert tensors load as-is)."""
         dtype = dtype or next(model.parameters()).dtype
         device = device or next(model.parameters()).device
@@ -226,14 +228,15 @@ class EngineModel:
         return engine
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
-                        text_config_key: str | None = None) -> EngineModel:
+    def from_pretrained(cls, model_dir: str | Path, device: str | torch.device = "cpu",
+                        dtype: torch.dtype | None = None, text_config_key: str | None = None) -> EngineModel:
         """Load a safetensors checkpoint directory (Kimi `kimi_k2` configs included) without transformers' loader."""
         from kimi_pipeline.model.hf_model import deepseek_config
 
         cfg = deepseek_config(model_dir, text_config_key)
         if dtype is None:
-            dtype = cfg.dtype if isinstance(cfg.dtype, torch.dtype) else getattr(torch, str(cfg.dtype).replace("torch.", ""))
+            name = str(cfg.dtype).replace("torch.", "")
+            dtype = cfg.dtype if isinstance(cfg.dtype, torch.dtype) else getattr(torch, name)
         engine = cls(EngineConfig.from_hf(cfg), device, dtype, hf_config=cfg)
         engine.load_weights(iter_safetensors(model_dir), strict=True)
         return engine
@@ -300,7 +303,8 @@ class EngineModel:
             return None
         if name == "lm_head.weight" and self.config.tie_word_embeddings:
             return self.lm_head
-        raise EngineWeightError(f"weight {name!r} is not part of this DeepSeek-V3 model (wrong checkpoint or name mapping)")
+        raise EngineWeightError(
+            f"weight {name!r} is not part of this DeepSeek-V3 model (wrong checkpoint or name mapping)")
 
     def check_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor, str]]:
         """Resolve names and shapes up front, so a bad payload changes nothing."""
@@ -310,12 +314,14 @@ class EngineModel:
             if dst is None:
                 continue
             if tuple(src.shape) != tuple(dst.shape):
-                raise EngineWeightError(f"weight {name!r}: shape {tuple(src.shape)} but the engine expects {tuple(dst.shape)}")
+                raise EngineWeightError(
+                    f"weight {name!r}: shape {tuple(src.shape)} but the engine expects {tuple(dst.shape)}")
             plan.append((dst, src, name))
         return plan
 
     @torch.no_grad()
-    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor], strict: bool = False) -> list[str]:
+    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+                     strict: bool = False) -> list[str]:
         """Copy HF-named tensors in place (dtype/device converted). strict: every engine weight must be covered."""
         items = named.items() if isinstance(named, Mapping) else named
         plan = self.check_weights(items)
@@ -370,7 +376,8 @@ class EngineModel:
         """[layers, batch, length, kv_lora_rank + qk_rope_head_dim]: normalized kv latent ‖ roped shared key.
 
         Zeroed, not empty: masked slots still enter q·k before the -inf mask, and NaN garbage would survive it."""
-        return torch.zeros(self.config.num_layers, batch, length, self.config.latent_dim, device=self.device, dtype=self.dtype)
+        c = self.config
+        return torch.zeros(c.num_layers, batch, length, c.latent_dim, device=self.device, dtype=self.dtype)
 
     @torch.inference_mode()
     def prefill(self, ids: torch.Tensor, all_logits: bool = False, lengths: torch.Tensor | None = None):

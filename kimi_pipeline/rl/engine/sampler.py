@@ -205,7 +205,8 @@ class RolloutEngine:
                 out_exp[active, t] = experts
         return self._assemble(rows, row_map, lens_u, out_tok, out_lp, resp_len, reason, experts_u, out_exp)
 
-    def _assemble(self, rows, row_map, lens_u, out_tok, out_lp, resp_len, reason, experts_u, out_exp) -> list[Completion]:
+    def _assemble(self, rows, row_map, lens_u, out_tok, out_lp, resp_len, reason, experts_u,
+                  out_exp) -> list[Completion]:
         toks, lps = out_tok.tolist(), out_lp.tolist()
         lens, reasons = resp_len.tolist(), reason.tolist()
         ex_u = experts_u.cpu().numpy() if out_exp is not None else None

@@ -284,7 +284,8 @@ class EngineServer:
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(self.app, log_level="warning", lifespan="off", timeout_keep_alive=30)
         self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, name="engine-http", daemon=True)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, name="engine-http",
+                                        daemon=True)
         self._thread.start()
         deadline = time.monotonic() + timeout_s
         while not self._server.started:
@@ -352,7 +353,8 @@ class EngineServer:
             from safetensors.torch import load as load_safetensors
 
             if req.load_format not in (None, "safetensors"):
-                return _fail(f"load_format={req.load_format!r}: only 'safetensors' is accepted (pickled payloads are refused)")
+                return _fail(f"load_format={req.load_format!r}: only 'safetensors' is accepted "
+                             "(pickled payloads are refused)")
             try:
                 named = {}
                 for blob in req.serialized_named_tensors:
@@ -413,7 +415,8 @@ class EngineServer:
         @app.get("/health_generate")
         async def health_generate():
             token = cfg.eos_token_ids[0] if cfg.eos_token_ids else 0
-            fut = self.scheduler.submit(_Request([[token]], 1, SamplingParams(max_new_tokens=1, seed=0), False, frozenset({"health"})))
+            probe = _Request([[token]], 1, SamplingParams(max_new_tokens=1, seed=0), False, frozenset({"health"}))
+            fut = self.scheduler.submit(probe)
             try:
                 await asyncio.wait_for(asyncio.wrap_future(fut), timeout=60)
             except asyncio.TimeoutError:

@@ -82,8 +82,8 @@ class SGLangEngine:
     """Owns one SGLang server process. Use as a Ray actor via `sglang_engine_actor(...)`; the plain class
     also runs in-process (handy on a single GPU box)."""
 
-    def __init__(self, model_path: str | Path, spec: SGLangSpec, *, port: int | None = None, log_dir: str | Path | None = None,
-                 **command_kwargs):
+    def __init__(self, model_path: str | Path, spec: SGLangSpec, *, port: int | None = None,
+                 log_dir: str | Path | None = None, **command_kwargs):
         self.host = command_kwargs.pop("host", None) or spec.host
         self.port = port or free_port(self.host)
         self.node_rank = command_kwargs.get("node_rank", 0)
@@ -105,7 +105,8 @@ class SGLangEngine:
         try:
             import sglang  # noqa: F401  (fail early with a useful message, not inside the subprocess)
         except ImportError:
-            raise PermanentError("rollout.engine=sglang needs the GPU extra: pip install 'kimi-pipeline[sglang]'") from None
+            raise PermanentError(
+                "rollout.engine=sglang needs the GPU extra: pip install 'kimi-pipeline[sglang]'") from None
         out = None
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -117,7 +118,8 @@ class SGLangEngine:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise SGLangLaunchError(f"sglang server exited with {self.process.returncode}: {' '.join(self.command)}")
+                raise SGLangLaunchError(
+                    f"sglang server exited with {self.process.returncode}: {' '.join(self.command)}")
             try:
                 if httpx.get(self.url + "/health_generate", timeout=30).status_code == 200:
                     return self.url
