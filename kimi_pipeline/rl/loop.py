@@ -97,10 +97,14 @@ class EngineActor:
 
 
 def _start_engines(recipe: Recipe, model_dir: Path, ray) -> tuple[list, list[str]]:
-    if recipe.rollout.engine == "sglang":
-        from kimi_pipeline.rl.engine.sglang import start_sglang_engines
+    if recipe.rollout.engine == "sglang":  # GPU: one SGLang server per engine (gpus_per_engine GPUs each)
+        from kimi_pipeline.rl.engine.sglang import sglang_engine_actor
 
-        return start_sglang_engines(recipe, str(model_dir))
+        actor = sglang_engine_actor(recipe.sglang, recipe.cluster.gpus_per_node)
+        count = max(1, recipe.cluster.world_size // recipe.sglang.gpus_per_engine)
+        engines = [actor.remote(str(model_dir), recipe.sglang, routing_replay=recipe.rollout.routing_replay)
+                   for _ in range(count)]
+        return engines, ray.get([e.start.remote() for e in engines])
     gpus = 1 if recipe.cluster.device == "cuda" else 0
     actor = ray.remote(num_cpus=1, num_gpus=gpus, runtime_env=_worker_env(_cpu_threads(recipe, 1)))(EngineActor)
     engines = [actor.remote(str(model_dir), recipe.rollout.seed, recipe.sglang.host)]
@@ -259,7 +263,8 @@ def run_training(
             metrics_log.truncate_after(start)
             log.info("resumed from %s at step %d", paths.checkpoints, start)
         ray.get([w.sync_weights.remote(urls, str(start)) for w in workers])
-        router = Router(urls)
+        m = recipe.model
+        router = Router(urls, num_layers=m.num_layers, topk=m.moe_router_topk, first_k_dense=m.first_k_dense)
         if evaluate and start == 0:
             evaluate(0, urls)
         end = total if stop_after is None else min(total, stop_after)

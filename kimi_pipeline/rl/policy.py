@@ -58,6 +58,7 @@ class PolicyWorker:
         from kimi_pipeline.model.megatron_train import latest_step, load_checkpoint, load_model_only
 
         extra = None
+        self._ckpt_dir = train_ckpt_dir
         if latest_step(train_ckpt_dir) is not None:
             extra = load_checkpoint(train_ckpt_dir, self.model, self.optimizer)
             sched = extra.get("scheduler")
@@ -242,15 +243,59 @@ class PolicyWorker:
     def sync_weights(self, engine_urls: list[str], version: str) -> dict[str, float]:
         """Megatron → HF names → every engine, in update-weight-buffer-sized chunks (rank 0 sends)."""
         t0 = time.perf_counter()
-        named = list(self.hf_tensors())
+        named = self.hf_tensors()
         chunks = 0
-        if self.rank == 0:
-            from kimi_pipeline.rl.engine.client import Router
+        if self.rank != 0:
+            for _ in named:  # collective: every rank drains the export
+                pass
+            return {"sync_seconds": time.perf_counter() - t0, "sync_chunks": 0.0}
+        from kimi_pipeline.rl.engine.client import Router
 
-            with Router(engine_urls) as router:
-                chunks = router.update_weights(named, self.recipe.rollout.update_weight_buffer_size,
-                                               weight_version=version)
+        r = self.recipe
+        with Router(engine_urls, num_layers=r.model.num_layers, topk=r.model.moe_router_topk,
+                    first_k_dense=r.model.first_k_dense) as router:
+            if r.rollout.engine == "sglang":
+                # SGLang's tensor endpoint only takes pickles (never sent): stage safetensors on the shared
+                # filesystem and let every engine load them
+                path = self._write_sync_checkpoint(named, version)
+                router.update_weights_from_disk(str(path), weight_version=version)
+                chunks = 1
+            else:
+                chunks = router.update_weights(named, r.rollout.update_weight_buffer_size, weight_version=version)
         return {"sync_seconds": time.perf_counter() - t0, "sync_chunks": float(chunks or 0)}
+
+    def _write_sync_checkpoint(self, named, version: str) -> Path:
+        """HF safetensors + config under <checkpoint dir>/../weight-sync/<version> (shared storage)."""
+        import shutil
+
+        from safetensors.torch import save_file
+
+        from kimi_pipeline.model.hf_config import hf_config_dict
+        from kimi_pipeline.util.files import atomic_write_json
+
+        root = Path(self._ckpt_dir).parent / "weight-sync"
+        out, tmp = root / version, root / f"{version}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        shard, size, index, n = {}, 0, {}, 0
+        for name, t in named:
+            shard[name] = t.contiguous()
+            size += t.numel() * t.element_size()
+            if size >= self.recipe.rollout.update_weight_buffer_size:
+                save_file(shard, str(tmp / f"model-{n:05d}.safetensors"))
+                index.update({k: f"model-{n:05d}.safetensors" for k in shard})
+                shard, size, n = {}, 0, n + 1
+        if shard:
+            save_file(shard, str(tmp / f"model-{n:05d}.safetensors"))
+            index.update({k: f"model-{n:05d}.safetensors" for k in shard})
+        atomic_write_json(tmp / "model.safetensors.index.json", {"metadata": {}, "weight_map": index})
+        atomic_write_json(tmp / "config.json", hf_config_dict(self.recipe.model))
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)
+        for old in root.iterdir():  # keep only the newest weights
+            if old != out:
+                shutil.rmtree(old, ignore_errors=True)
+        return out
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, ckpt_dir: str, step: int, extra: dict[str, Any]) -> str:
