@@ -1,12 +1,13 @@
 """Conversion throughput vs `cp`: HF safetensors -> torch_dist with the real launcher, same files, one run.
 
-    .venv/bin/python bench/convert.py [--gb 1.1] [--ranks 2] [--keep DIR]
+    .venv/bin/python bench/convert.py [--gb 1.1] [--ranks 1] [--keep DIR]
 
 Generates (in a temp dir) a bf16 checkpoint of the tiny recipe's architecture with larger dims — MLA,
 sigmoid-routed MoE with expert bias, shared expert, first layer dense — of at least `--gb` GB, written
 the way Kimi ships it (per-expert tensors, sharded safetensors + index). It then
-1. converts it with `run_convert` (the stage's code path: torchrun agents, one node × `--ranks` ranks,
-   pp=`--ranks`; verification off — the tests cover it), and
+1. converts it with `run_convert` (the stage's code path: a torchrun agent, one node × `--ranks` ranks,
+   pp=`--ranks`; verification off — the tests cover it). One rank by default: on a 2-core machine one
+   rank plus the writer processes megatron's torch_dist save forks already use both cores; and
 2. copies the same safetensors files with `cp` and, as torch_dist's writer fsyncs its files, `sync`s them.
 Both read the source from the page cache (it was just written). Conversion bytes/s = source bytes ÷ the
 job's wall time (start-up of every rank, imports, model build, read, dequantize, save, tracker); the
@@ -110,7 +111,7 @@ def time_cp(files: list[Path], dst: Path) -> tuple[float, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gb", type=float, default=1.1, help="minimum checkpoint size in GB (1e9 bytes)")
-    ap.add_argument("--ranks", type=int, default=2, help="ranks on the one node (pipeline stages)")
+    ap.add_argument("--ranks", type=int, default=1, help="ranks on the one node (pipeline stages)")
     ap.add_argument("--keep", type=Path, default=None, help="work here and keep the files (default: temp dir)")
     args = ap.parse_args()
 
@@ -154,7 +155,8 @@ def main() -> None:
         for r in reports:
             s = r["seconds"]
             print(f"  rank {r['rank']}: startup {s['startup']:.2f} s, init {s['init']:.2f} s, build {s['build']:.2f} s, read+load {s['load']:.2f} s, "
-                  f"save {s['save']:.2f} s, read {r['bytes_read'] / 1e9:.3f} GB, peak RSS {r['peak_rss_mb']:.0f} MiB")
+                  f"save {s['save']:.2f} s, teardown {s['teardown']:.2f} s, exit {conv_s - s['startup'] - s['total']:.2f} s, "
+                  f"read {r['bytes_read'] / 1e9:.3f} GB, peak RSS {r['peak_rss_mb']:.0f} MiB")
         print(f"  data phase (read + save, slowest rank): {data_s:.2f} s ({data_bps / 1e6:.0f} MB/s)")
         print(f"cp: {cp_s:.2f} s, cp + sync {cp_sync_s:.2f} s ({cp_bps / 1e6:.0f} MB/s with sync, "
               f"{nbytes / cp_s / 1e6:.0f} MB/s without)")

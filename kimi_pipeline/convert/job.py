@@ -150,6 +150,9 @@ def convert_rank(job: dict[str, Any]) -> dict[str, Any]:
                                                   "source_format": reader.format.describe()})
     t_save = time.monotonic()
     params = sum(p.numel() for p in model.parameters())
+    del model
+    destroy()
+    t_destroy = time.monotonic()
     report = {
         **coords,
         "source_format": reader.format.describe(),
@@ -160,10 +163,9 @@ def convert_rank(job: dict[str, Any]) -> dict[str, Any]:
         "peak_rss_mb": round(peak_rss_mb(), 1),
         "seconds": {"startup": round(startup, 3), "init": round(t_init - t0, 3), "build": round(t_build - t_init, 3),
                     "load": round(t_load - t_build, 3), "save": round(t_save - t_load, 3),
-                    "total": round(t_save - t0, 3)},
+                    "teardown": round(t_destroy - t_save, 3), "total": round(t_destroy - t0, 3)},
     }
     atomic_write_json(Path(job["report_dir"]) / f"rank_{coords['rank']}.json", report)
-    destroy()
     return report
 
 
