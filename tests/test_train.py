@@ -78,13 +78,19 @@ def _stable(row: dict) -> dict:
     return {k: v for k, v in row.items() if not any(t in k for t in TIMING)}
 
 
-def test_train_records_metrics_checkpoints_and_evals(prepared, ray_local, tmp_path):
-    from kimi_pipeline.report.summary import RunSummary
+@pytest.fixture(scope="module")
+def trained(prepared, ray_local, tmp_path_factory) -> tuple[Path, Path, dict]:
     from kimi_pipeline.rl.stage import stage_train
 
     tiny, base = prepared
-    run = _copy_run(base, tmp_path / "run")
-    section = stage_train(_recipe(tiny), run)
+    run = _copy_run(base, tmp_path_factory.mktemp("trained") / "run")
+    return tiny, run, stage_train(_recipe(tiny), run)
+
+
+def test_train_records_metrics_checkpoints_and_evals(trained):
+    from kimi_pipeline.report.summary import RunSummary
+
+    tiny, run, section = trained
     rows = _rows(run)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     for key in ("reward_mean", "solved_group_fraction", "response_len_mean", "clip_fraction", "entropy", "tis_mean",
@@ -100,6 +106,30 @@ def test_train_records_metrics_checkpoints_and_evals(prepared, ray_local, tmp_pa
     assert [e["step"] for e in summary["eval"]] == [0, 2, 4]
     assert set(summary["eval"][0]) >= {"avg_at_n", "pass_at_1", "pass_at_n", "maj_at_n"}
     assert (run / "eval" / "eval.jsonl").is_file() and (run / "eval" / "step_0000004.json").is_file()
+    assert list((run / "train" / "tensorboard").glob("events.out.tfevents.*")), "TensorBoard logger"
+
+
+def test_kimi_eval_checkpoint_reproduces_the_in_training_eval(trained, tmp_path):
+    """`kimi eval --checkpoint iter_0000004` (torch_dist) gives the numbers the run recorded at step 4."""
+    import subprocess
+    import sys
+
+    tiny, run, _ = trained
+    recorded = {e["step"]: e for e in json.loads((run / "summary.json").read_text())["eval"]}
+    args = [sys.executable, "-m", "kimi_pipeline.cli", "eval", "--checkpoint",
+            str(run / "train" / "checkpoints" / "iter_0000004"), "--model-dir", str(tiny / "model"),
+            "--data", str(tiny / "aime-tiny.jsonl"), "--out", str(tmp_path / "eval")]
+    for item in TRAIN_SET:
+        args += ["--set", item]
+    out = subprocess.run(args, capture_output=True, text=True, timeout=300, env={**os.environ, "TORCHDYNAMO_DISABLE": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout[out.stdout.index("{"):])
+    for key in ("avg_at_n", "pass_at_1", "pass_at_n", "maj_at_n"):
+        assert result[key] == pytest.approx(recorded[4][key]), key
+    # an HF directory evaluates too (the shipped base policy = step 0 without the fake-INT4 experts)
+    hf = subprocess.run(args[:4] + [str(tiny / "model")] + args[5:], capture_output=True, text=True, timeout=300)
+    assert hf.returncode == 0, hf.stderr[-2000:]
+    assert 0.0 <= json.loads(hf.stdout[hf.stdout.index("{"):])["avg_at_n"] <= 1.0
 
 
 def test_kill_9_then_retry_resumes_with_identical_metrics(prepared, ray_local, tmp_path):

@@ -53,6 +53,8 @@ def evaluate_checkpoint(recipe: Recipe, checkpoint: Path, run_dir: Path, *, mode
     from kimi_pipeline.rl.engine.server import EngineServer
 
     checkpoint = Path(checkpoint)
+    if step is None:  # a training checkpoint evaluates with the seed of the in-training eval at its step
+        step = _checkpoint_step(checkpoint)
     if (checkpoint / "config.json").is_file():
         engine_model = EngineModel.from_pretrained(checkpoint)
         tokenizer_dir = checkpoint if (checkpoint / "tokenizer.json").is_file() else model_dir
@@ -77,6 +79,15 @@ def evaluate_checkpoint(recipe: Recipe, checkpoint: Path, run_dir: Path, *, mode
             return run(client, tokenizer, prompts, recipe.eval, step=step or 0, seed=recipe.rollout.seed,
                        rm_type=recipe.rollout.rm_type, thinking=recipe.rollout.thinking,
                        out_dir=Path(run_dir) / "eval", top_k=recipe.rollout.top_k)
+
+
+def _checkpoint_step(checkpoint: Path) -> int:
+    if checkpoint.name.startswith("iter_") and checkpoint.name[5:].isdigit():
+        return int(checkpoint.name[5:])
+    tracker = checkpoint / "latest_checkpointed_iteration.txt"
+    if tracker.is_file() and tracker.read_text().strip().isdigit():
+        return int(tracker.read_text().strip())
+    return 0
 
 
 def _torch_dist_hf_tensors(recipe: Recipe, checkpoint: Path) -> dict:
