@@ -127,7 +127,7 @@ def test_kimi_eval_checkpoint_reproduces_the_in_training_eval(trained, tmp_path)
     for key in ("avg_at_n", "pass_at_1", "pass_at_n", "maj_at_n"):
         assert result[key] == pytest.approx(recorded[4][key]), key
     # an HF directory evaluates too (the shipped base policy = step 0 without the fake-INT4 experts)
-    hf = subprocess.run(args[:4] + [str(tiny / "model")] + args[5:], capture_output=True, text=True, timeout=300)
+    hf = subprocess.run(args[:5] + [str(tiny / "model")] + args[6:], capture_output=True, text=True, timeout=300)
     assert hf.returncode == 0, hf.stderr[-2000:]
     assert 0.0 <= json.loads(hf.stdout[hf.stdout.index("{"):])["avg_at_n"] <= 1.0
 
