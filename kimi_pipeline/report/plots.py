@@ -65,14 +65,14 @@ def write_plots(run_dir: str | Path) -> dict[str, str]:
             ax.plot(xs2, _smooth(ys2, window), color="tab:green", linestyle="--", label="groups with a solve")
         ax.set_ylim(-0.02, 1.02)
         ax.set_ylabel("reward")
-        ax.legend(loc="lower right")
+        ax.legend(loc="best", framealpha=0.85)
         made["reward"] = str(_save(plt, fig, out_dir / "reward.png"))
 
         plt, fig, ax = _figure("Response length")
         xs, ys = _series(train, "response_len_mean")
         ax.plot(xs, ys, color="tab:purple", label="mean tokens")
         ax.set_ylabel("tokens")
-        ax.legend(loc="upper right")
+        ax.legend(loc="best", framealpha=0.85)
         made["response_length"] = str(_save(plt, fig, out_dir / "response_length.png"))
 
         plt, fig, ax = _figure("Training stability")
@@ -82,7 +82,7 @@ def write_plots(run_dir: str | Path) -> dict[str, str]:
             if xs:
                 ax.plot(xs, ys, color=color, label=key)
         ax.set_yscale("symlog", linthresh=1e-3)
-        ax.legend(loc="upper right")
+        ax.legend(loc="best", framealpha=0.85)
         made["stability"] = str(_save(plt, fig, out_dir / "stability.png"))
 
     if evals:
@@ -93,6 +93,6 @@ def write_plots(run_dir: str | Path) -> dict[str, str]:
                 ax.plot(xs, ys, marker="o", color=color, label=key)
         ax.set_ylim(-0.02, 1.02)
         ax.set_ylabel("accuracy")
-        ax.legend(loc="lower right")
+        ax.legend(loc="best", framealpha=0.85)
         made["eval"] = str(_save(plt, fig, out_dir / "eval.png"))
     return made
