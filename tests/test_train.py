@@ -39,8 +39,9 @@ def _recipe(tiny: Path, extra: list[str] | None = None):
 def ray_local():
     import ray
 
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    from kimi_pipeline.cluster.stage import export_driver_env
+
+    export_driver_env("token")  # as the cluster stage does; also refreshes Ray's cached config
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()

@@ -92,6 +92,17 @@ def load_hf_model(
     return model.eval()
 
 
+def copy_tokenizer_files(src_dir: str | Path, dst_dir: str | Path) -> list[str]:
+    """The tokenizer files a checkpoint directory ships (those present in `src_dir`)."""
+    copied = []
+    for name in TOKENIZER_FILES:
+        src = Path(src_dir) / name
+        if src.is_file():
+            shutil.copy2(src, Path(dst_dir) / name)
+            copied.append(name)
+    return copied
+
+
 def save_hf_model(model, out_dir: str | Path, *, config: dict[str, Any], tokenizer_dir: str | Path | None = None,
                   max_shard_size: str = "4MB") -> Path:
     """Write a sharded safetensors checkpoint + index atomically, with `config` (Kimi's model_type) as config.json.
@@ -105,10 +116,7 @@ def save_hf_model(model, out_dir: str | Path, *, config: dict[str, Any], tokeniz
     (tmp / "generation_config.json").unlink(missing_ok=True)
     atomic_write_json(tmp / "config.json", config)
     if tokenizer_dir is not None:
-        for name in TOKENIZER_FILES:
-            src = Path(tokenizer_dir) / name
-            if src.is_file():
-                shutil.copy2(src, tmp / name)
+        copy_tokenizer_files(tokenizer_dir, tmp)
     if out_dir.exists():
         shutil.rmtree(out_dir)
     tmp.rename(out_dir)

@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import save_file
 
 from kimi_pipeline.errors import PermanentError
-from kimi_pipeline.model.hf_model import TOKENIZER_FILES
+from kimi_pipeline.model.hf_model import copy_tokenizer_files
 from kimi_pipeline.quant.int4 import SCALE_DTYPE, Int4ShapeError, pack_int4, quantize_int4
 from kimi_pipeline.util.files import atomic_write_json
 
@@ -212,10 +212,7 @@ def export_int4(
         cfg["torch_dtype"] = "bfloat16"
         atomic_write_json(tmp / "config.json", cfg)
         if tokenizer_dir is not None:
-            for fname in TOKENIZER_FILES:
-                src = Path(tokenizer_dir) / fname
-                if src.is_file():
-                    shutil.copy2(src, tmp / fname)
+            copy_tokenizer_files(tokenizer_dir, tmp)
         _replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
