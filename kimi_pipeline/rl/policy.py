@@ -26,8 +26,9 @@ class PolicyWorker:
         recipe = recipe if isinstance(recipe, Recipe) else Recipe.model_validate(recipe)
         self.recipe = recipe
         if world_size > 1 or master_port is not None:
-            os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                              LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+            per_node = min(world_size, recipe.cluster.gpus_per_node)  # ranks per node (GPUs, or CPU ranks)
+            os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank % per_node),
+                              LOCAL_WORLD_SIZE=str(per_node), MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
         if threads:
             os.environ["OMP_NUM_THREADS"] = str(threads)
         from kimi_pipeline.model.megatron_train import build_trainable, lr_scheduler
@@ -55,7 +56,7 @@ class PolicyWorker:
 
         Returns the checkpoint's extra state (data position, rollout step) or None for a fresh start.
         """
-        from kimi_pipeline.model.megatron_train import latest_step, load_checkpoint, load_model_only
+        from kimi_pipeline.model.megatron_train import latest_step, load_checkpoint
 
         extra = None
         self._ckpt_dir = train_ckpt_dir
@@ -64,27 +65,31 @@ class PolicyWorker:
             sched = extra.get("scheduler")
             if sched:
                 self.scheduler.load_state_dict(sched)
-        elif (Path(init_ckpt_dir) / "config.json").is_file():
-            self._load_hf(Path(init_ckpt_dir))  # bridge mode: straight from the HF checkpoint
         else:
-            load_model_only(init_ckpt_dir, self.model)
+            self._load_initial(self.model[0], Path(init_ckpt_dir))
         if self.recipe.grpo.use_kl_loss and self.recipe.grpo.kl_loss_coef > 0:
             from kimi_pipeline.model.megatron_model import build_model
 
             self.ref_model = build_model(self.recipe.model, self.layout)
-            load_model_only(init_ckpt_dir, [self.ref_model])
+            self._load_initial(self.ref_model, Path(init_ckpt_dir))
             for p in self.ref_model.parameters():
                 p.requires_grad_(False)
         return extra
 
-    def _load_hf(self, model_dir: Path) -> None:
-        """Bridge mode: each rank reads only the HF tensors it owns (dequantizing FP8/INT4 on the fly)."""
+    def _load_initial(self, model, init: Path) -> None:
+        """The starting weights: a converted torch_dist checkpoint, or (bridge mode) the HF checkpoint itself,
+        each rank reading only the tensors it owns (FP8/INT4 sources dequantized on the fly)."""
+        if not (init / "config.json").is_file():
+            from kimi_pipeline.model.megatron_train import load_model_only
+
+            load_model_only(init, [model])
+            return
         from kimi_pipeline.convert.hf_reader import HFCheckpoint
         from kimi_pipeline.convert.names import load_hf_tensors_into_model, unwrap
 
-        ckpt = HFCheckpoint(model_dir, text_config_key=self.recipe.hub.text_config_key)
+        ckpt = HFCheckpoint(init, text_config_key=self.recipe.hub.text_config_key)
         try:
-            load_hf_tensors_into_model(unwrap(self.model[0]), ckpt.get, self.recipe.model, self.layout)
+            load_hf_tensors_into_model(unwrap(model), ckpt.get, self.recipe.model, self.layout)
         finally:
             ckpt.close()
 
