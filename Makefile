@@ -9,7 +9,7 @@ WHEELS := $(wildcard /opt/wheels)
 PIP_FLAGS := --disable-pip-version-check $(if $(WHEELS),--find-links $(WHEELS))
 ARGS ?=
 
-.PHONY: install run test clean
+.PHONY: install run test clean browser
 
 $(BIN)/.installed: pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -23,7 +23,18 @@ install: $(BIN)/.installed
 run: install
 	$(BIN)/kimi run $(ARGS)
 
-test: install
+# Headless Chromium for the Prefect UI test (tests/test_deployment.py): Debian's `chromium`, installed with apt
+# only when missing. Never fails the suite: without a browser that test skips and says why.
+browser:
+	@if command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1; then :; \
+	elif ! command -v apt-get >/dev/null 2>&1; then echo "note: no chromium and no apt-get: the browser test will skip"; \
+	else SUDO=$$( [ "$$(id -u)" = 0 ] || echo "sudo -n" ); \
+	  echo "installing chromium (apt) for the browser test..."; \
+	  ( $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null 2>&1 \
+	    || ( $$SUDO apt-get update -q >/dev/null 2>&1 && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null 2>&1 ) ) \
+	  || echo "note: could not install chromium with apt: the browser test will skip"; fi
+
+test: install browser
 	$(BIN)/python -m pytest $(ARGS)
 
 clean:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
@@ -9,6 +11,8 @@ from kimi_pipeline.cluster import stop_cluster
 from kimi_pipeline.recipes import load_recipe
 from kimi_pipeline.report.markdown import write_summary_markdown
 from kimi_pipeline.stages import STAGES, mark_skipped, prepare_run
+from flows.limits import cluster_slot
+from flows.notify import clear_failure, notify_failure, remember_run_dir
 from tasks.cluster import cluster_task
 from tasks.common import outputs_present
 from tasks.convert import convert_task
@@ -18,7 +22,8 @@ from tasks.train import train_task
 from tasks.validate import validate_task
 
 
-@flow(name="kimi", log_prints=True)
+@flow(name="kimi", log_prints=True, on_failure=[notify_failure], on_crashed=[notify_failure],
+      on_completion=[clear_failure])
 def kimi(
     recipe: str = "tiny",
     overrides: list[str] | None = None,
@@ -28,9 +33,11 @@ def kimi(
     """Run the pipeline for a recipe (preset name or YAML path) up to and including stage `until`."""
     r = load_recipe(recipe, overrides or [])
     path = prepare_run(r, run_dir)
+    remember_run_dir(path)  # for the failure hook: DIR/FAILED.md
     run = str(path)
     print(f"run directory: {path}")
     selected = STAGES[: STAGES.index(until) + 1] if until else STAGES
+    slot = contextlib.ExitStack()  # one run per Ray cluster: held from the cluster stage to its teardown
     try:
         dl = download_task.with_options(refresh_cache=not outputs_present(path, "download/manifest.json"))(r, run)
         if "validate" in selected:
@@ -42,6 +49,8 @@ def kimi(
             cv = convert_task.with_options(
                 refresh_cache=not outputs_present(path, "convert/torch_dist/latest_checkpointed_iteration.txt")
             )(r, run, dl)
+        if "cluster" in selected:
+            slot.enter_context(cluster_slot(r))
         cl = cluster_task(r, run) if "cluster" in selected else None
         tr = train_task(r, run, cl, cv) if "train" in selected else None
         if "export" in selected and tr is not None:
@@ -50,7 +59,10 @@ def kimi(
             )
         mark_skipped(path, [s for s in STAGES if s not in selected])
     finally:
-        stop_cluster(path)  # the run's embedded Ray cluster, also on failure (kept only with cluster.keep)
+        try:
+            stop_cluster(path)  # the run's embedded Ray cluster, also on failure (kept only with cluster.keep)
+        finally:
+            slot.close()
         md = write_summary_markdown(path)
         create_markdown_artifact(md.read_text(), key="run-summary", description=f"{r.name}: {path}")
     return {"run_dir": run, "summary": str(path / "summary.json")}

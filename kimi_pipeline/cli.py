@@ -91,6 +91,23 @@ def run(
 
 
 @app.command()
+def serve(
+    port: int = typer.Option(4200, "--port", "-p", help="Server port on 127.0.0.1 (0 = any free port)."),
+    schedule: bool = typer.Option(True, "--schedule/--no-schedule", help="Activate prefect.yaml's nightly cron."),
+) -> None:
+    """Local Prefect server (loopback) + deployment kimi/full: UI, nightly schedule, `prefect deployment run`."""
+    configure_prefect_env()
+    from flows.serve import ServeError, serve_local
+
+    try:
+        code = serve_local(port=port, schedule=schedule)
+    except ServeError as e:
+        err.print(f"error: {e}", highlight=False, markup=False)
+        raise typer.Exit(1) from None
+    raise typer.Exit(code)
+
+
+@app.command()
 def download(
     recipe: str = typer.Option("tiny", "--recipe", "-r", help=RECIPE_HELP),
     set_: list[str] = typer.Option([], "--set", help=SET_HELP),

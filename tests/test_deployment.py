@@ -1,0 +1,441 @@
+"""Deployment kimi/full for real: `kimi serve` (a Prefect server on loopback + the served deployment,
+started the way a background job would be) in a fixture, driven with the `prefect` CLI from "another
+shell" on the shortened tiny DAG:
+
+- `prefect deployment run kimi/full --watch` completes; a second run triggered meanwhile waits on the
+  deployment's concurrency limit, then finds download/validate/convert/export Cached;
+- the Prefect UI in headless Chromium shows the flow run (screenshot kept);
+- kill -9 of the trainer mid-run: the train task's retry resumes and ends with the uninterrupted metrics,
+  while the run holds the per-cluster concurrency slot;
+- secrets given to the served runs never reach logs, artifacts, parameters or the run dir;
+- SIGTERM stops `kimi serve` (and its server) cleanly;
+- the multi-host variant: infra/prefect/setup.sh deploys prefect.yaml to a work pool, a worker started
+  as a background job runs a flow and stops on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT))
+
+from prefect.client.orchestration import get_client  # noqa: E402
+from prefect.client.schemas.filters import (  # noqa: E402
+    ArtifactFilter, ArtifactFilterFlowRunId, FlowRunFilter, FlowRunFilterId, LogFilter, LogFilterFlowRunId,
+)
+from prefect.settings import PREFECT_API_URL, temporary_settings  # noqa: E402
+
+from flows.serve import free_port, start_server  # noqa: E402
+from webhook_server import wait_for, webhook_receiver  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+BIN = Path(sys.executable).parent
+SHORT = ["rollout.num_rollout=4", "eval.interval=2", "checkpoint.save_interval=2", "rollout.rollout_batch_size=16",
+         "eval.n_samples_per_prompt=4"]
+HF_SENTINEL = "hf_SentinelTokenKimiG7x2Qw9ZpL4"
+WANDB_SENTINEL = "wandbSentinelKey-93f1c07a5e"
+STAGES = ("download", "validate", "convert", "cluster", "train", "export")
+CACHED = ("download", "validate", "convert", "export")
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                  "--window-size=1400,1000", "--virtual-time-budget=10000"]
+STABLE_COPY = ROOT / "runs" / "test-artifacts" / "prefect-ui.png"
+RUNS: dict[str, dict] = {}  # what the served runs left for later tests of this module
+
+
+def _background_job() -> None:
+    """What `cmd &` in a non-interactive shell does to a child: SIGINT ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@contextlib.contextmanager
+def client(api_url: str):
+    with temporary_settings(updates={PREFECT_API_URL: api_url}):
+        with get_client(sync_client=True) as c:
+            yield c
+
+
+def cli_env(api_url: str, home: Path) -> dict[str, str]:
+    env = dict(os.environ, PREFECT_API_URL=api_url, PREFECT_HOME=str(home), NO_COLOR="1", COLUMNS="200")
+    for var in ("HF_TOKEN", "WANDB_API_KEY"):
+        env.pop(var, None)
+    return env
+
+
+def prefect(*args: str, env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "prefect", *args], env=env, capture_output=True, text=True,
+                          timeout=timeout, cwd="/")
+
+
+def run_deployment(params: dict, env: dict[str, str], watch: bool) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "prefect", "deployment", "run", "kimi/full", "--params", json.dumps(params)]
+    return subprocess.Popen(cmd + (["--watch"] if watch else []), env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, cwd="/")
+
+
+def flow_run_id(output: str) -> str:
+    m = re.search(r"UUID: ([0-9a-f-]{36})", output)
+    assert m, output[-3000:]
+    return m.group(1)
+
+
+def wait_for_id(proc: subprocess.Popen, timeout: float = 60) -> tuple[str, list[str]]:
+    """Read a running `prefect deployment run` until it prints the flow run's UUID."""
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line and proc.poll() is not None:
+            break
+        lines.append(line)
+        if "UUID:" in line:
+            return flow_run_id(line), lines
+    raise AssertionError("no flow run UUID printed:\n" + "".join(lines)[-3000:])
+
+
+def wait_state(api_url: str, run_id: str, done, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with client(api_url) as c:
+            fr = c.read_flow_run(run_id)
+        if fr.state and done(fr.state):
+            return fr
+        time.sleep(1)
+    raise AssertionError(f"flow run {run_id} not {what} after {timeout:.0f} s (state {fr.state})")
+
+
+def task_runs(api_url: str, run_id: str):
+    with client(api_url) as c:
+        return c.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run_id])))
+
+
+def task_states(api_url: str, run_id: str) -> dict[str, str]:
+    return {tr.name.rsplit("-", 1)[0]: tr.state.name for tr in task_runs(api_url, run_id)}
+
+
+def state_names(api_url: str, run_id: str, task_run_id=None) -> list[str]:
+    with client(api_url) as c:
+        states = c.read_task_run_states(task_run_id) if task_run_id else c.read_flow_run_states(run_id)
+    return [s.name for s in states]
+
+
+def all_logs(api_url: str, run_ids: list[str]) -> list:
+    """Every log line of the flow runs (the API pages at 200)."""
+    out: list = []
+    with client(api_url) as c:
+        while page := c.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=run_ids)), limit=200, offset=len(out)):
+            out += page
+    return out
+
+
+def train_rows(run_dir: Path) -> list[dict]:
+    from test_train import _stable
+
+    from kimi_pipeline.report.metrics import read_jsonl
+
+    return [_stable(r) for r in read_jsonl(run_dir / "train" / "metrics.jsonl")]
+
+
+# ------------------------------------------------------------------------------------------------ fixture
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """`kimi serve --port P --no-schedule`, as a background job with (sentinel) secrets in its env."""
+    root = tmp_path_factory.mktemp("served")
+    port = free_port()
+    env = dict(os.environ, PREFECT_HOME=str(root / "prefect-home"), HF_TOKEN=HF_SENTINEL,
+               WANDB_API_KEY=WANDB_SENTINEL, PREFECT_LOGGING_LEVEL="INFO")
+    env.pop("PREFECT_API_URL", None)
+    log = open(root / "serve.log", "w")
+    kimi = [str(BIN / "kimi")] if (BIN / "kimi").exists() else [sys.executable, "-m", "kimi_pipeline.cli"]
+    proc = subprocess.Popen([*kimi, "serve", "--port", str(port), "--no-schedule"], env=env, stdout=log,
+                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                            preexec_fn=_background_job, cwd=root)
+    api_url = f"http://127.0.0.1:{port}/api"
+    info = {"proc": proc, "root": root, "port": port, "api_url": api_url, "ui_url": f"http://127.0.0.1:{port}",
+            "log": root / "serve.log", "env": cli_env(api_url, root / "client-home")}
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            assert proc.poll() is None, (root / "serve.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "kimi serve did not start:\n" + (root / "serve.log").read_text()[-3000:]
+            if "stop with Ctrl-C or SIGTERM" in (root / "serve.log").read_text():
+                with client(api_url) as c, contextlib.suppress(Exception):
+                    info["deployment"] = c.read_deployment_by_name("kimi/full")
+                    break
+            time.sleep(1)
+        yield info
+    finally:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+        log.close()
+
+
+# ------------------------------------------------------------------------------------------------ tests
+
+
+def test_served_deployment_is_the_prefect_yaml_one(served):
+    d = served["deployment"]
+    assert d.parameters == {"recipe": "tiny", "overrides": [], "run_dir": None, "until": None}
+    assert [(s.schedule.cron, s.schedule.timezone, s.active) for s in d.schedules] == [("0 2 * * *", "UTC", False)]
+    assert d.global_concurrency_limit.limit == 1 and d.concurrency_options.collision_strategy.value == "ENQUEUE"
+    assert d.entrypoint == "flows.kimi.kimi" and "kimi" in d.tags
+    from flows.serve import full_deployment
+
+    assert [s.active for s in full_deployment(schedule=True).schedules] == [True]  # `kimi serve` default
+    with client(served["api_url"]) as c:
+        assert c.read_global_concurrency_limit_by_name("kimi-cluster-local").limit == 1
+    log = served["log"].read_text()
+    assert f"Prefect UI:  http://127.0.0.1:{served['port']}" in log
+
+
+def test_deployment_run_watch_completes_and_a_queued_second_run_hits_the_caches(served):
+    api, env = served["api_url"], served["env"]
+    run_dir = served["root"] / "run-a"
+    params = {"recipe": "tiny", "overrides": SHORT, "run_dir": str(run_dir)}
+    t0 = time.monotonic()
+    first = run_deployment(params, env, watch=True)
+    first_id, lines = wait_for_id(first)
+    wait_state(api, first_id, lambda s: s.is_running(), 120, "running")
+    second = prefect("deployment", "run", "kimi/full", "--params", json.dumps(params), env=env)
+    assert second.returncode == 0, second.stdout + second.stderr
+    second_id = flow_run_id(second.stdout)
+    out, _ = first.communicate(timeout=900)
+    first_s = time.monotonic() - t0
+    assert first.returncode == 0, "".join(lines) + out[-4000:]
+    assert "Flow run finished successfully in 'Completed'" in out
+    states = task_states(api, first_id)
+    for stage in (*STAGES, "eval-step"):
+        assert states.get(stage) == "Completed", states
+
+    fr2 = wait_state(api, second_id, lambda s: s.is_final(), 600, "finished")
+    assert fr2.state.is_completed(), fr2.state
+    history = state_names(api, second_id)
+    assert "AwaitingConcurrencySlot" in history, history  # queued behind the first by concurrency_limit 1
+    with client(api) as c:
+        fr1 = c.read_flow_run(first_id)
+    assert fr2.start_time >= fr1.end_time, (fr1.end_time, fr2.start_time)
+    states2 = task_states(api, second_id)
+    assert {s: states2[s] for s in CACHED} == {s: "Cached" for s in CACHED}, states2
+    assert states2["cluster"] == "Completed" and states2["train"] == "Completed"  # live state: never cached
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert all(summary["stages"][s]["status"] == "completed" for s in STAGES), summary["stages"]
+    assert summary["train"]["steps"] == 4 and len(train_rows(run_dir)) == 4
+    assert not (run_dir / "FAILED.md").exists()
+    RUNS["a"] = {"id": first_id, "name": fr1.name, "run_dir": run_dir, "second_id": second_id,
+                 "seconds": round(first_s, 1), "second_seconds": round(fr2.total_run_time.total_seconds(), 1)}
+    print(f"first run {first_s:.0f} s wall; queued second run {RUNS['a']['second_seconds']} s of run time")
+
+
+def _chromium() -> str | None:
+    return shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def test_prefect_ui_shows_the_flow_run_in_headless_chromium(served, tmp_path):
+    exe = _chromium()
+    if exe is None:
+        pytest.skip("headless Chromium not installed (`make browser` installs Debian's chromium with apt)")
+    if "a" not in RUNS:
+        pytest.skip("needs the served run of the previous test")
+    url = f"{served['ui_url']}/runs/flow-run/{RUNS['a']['id']}"
+    png = tmp_path / "prefect-ui.png"
+    common = [exe, *CHROMIUM_FLAGS]
+    shot = subprocess.run([*common, f"--user-data-dir={tmp_path / 'profile-1'}", f"--screenshot={png}", url],
+                          capture_output=True, text=True, timeout=180)
+    assert png.is_file() and png.stat().st_size > 20_000, shot.stderr[-2000:]
+    dom = subprocess.run([*common, f"--user-data-dir={tmp_path / 'profile-2'}", "--dump-dom", url],
+                         capture_output=True, text=True, timeout=180).stdout
+    text = re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", dom))
+    STABLE_COPY.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(png, STABLE_COPY)
+    assert "Can't connect to Server API" not in text, text[:2000]
+    assert f"Flow Run: {RUNS['a']['name']}" in text, text[:2000]
+    assert "Completed" in text and "Deployment full" in text, text[:2000]
+    logged_tasks = set(re.findall(r"\b(download|validate|convert|cluster|train|export)-[0-9a-f]{3}\b", text))
+    assert logged_tasks == set(STAGES), (logged_tasks, text[:3000])
+    print(f"screenshot {png.stat().st_size} bytes -> {STABLE_COPY}")
+
+
+def test_kill_9_of_the_trainer_in_a_served_run_retries_and_resumes_with_identical_metrics(served):
+    from kimi_pipeline.cluster import LocalCluster
+
+    if "a" not in RUNS:
+        pytest.skip("needs the uninterrupted served run of test 2 as the reference")
+    api, env = served["api_url"], served["env"]
+    run_dir = served["root"] / "run-c"
+    proc = run_deployment({"recipe": "tiny", "overrides": SHORT, "run_dir": str(run_dir), "until": "train"}, env,
+                          watch=True)
+    run_id, _ = wait_for_id(proc)
+    tracker = run_dir / "train" / "checkpoints" / "latest_checkpointed_iteration.txt"
+    deadline = time.monotonic() + 600
+    while not (tracker.is_file() and tracker.read_text().strip() == "2"):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()[-3000:]
+        time.sleep(0.2)
+    cluster = LocalCluster.load(run_dir)
+    trainers = [p for p in cluster.processes() if "ray::PolicyWorker" in " ".join(p.cmdline())]
+    assert trainers, "no PolicyWorker process in the run's Ray cluster"
+    assert HF_SENTINEL == trainers[0].environ().get("HF_TOKEN")  # the secrets did reach the run's processes
+    with client(api) as c:
+        slots = c.read_global_concurrency_limit_by_name("kimi-cluster-local").active_slots
+    for p in trainers:
+        p.kill()  # SIGKILL, after the step-2 checkpoint, before step 4's
+    killed_at = time.monotonic()
+    out, _ = proc.communicate(timeout=900)
+    assert proc.returncode == 0, out[-4000:]
+    assert slots == 1  # the run held the cluster's slot while training
+    train = [tr for tr in task_runs(api, run_id) if tr.name.startswith("train-")]
+    assert len(train) == 1 and train[0].state.is_completed()
+    history = state_names(api, run_id, train[0].id)
+    assert "AwaitingRetry" in history and "Retrying" in history, history
+    assert train[0].run_count == 2, train[0].run_count
+    logs = all_logs(api, [run_id])
+    assert any("a retry resumes from the latest checkpoint" in lg.message for lg in logs)
+    rows = train_rows(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert rows == train_rows(RUNS["a"]["run_dir"])  # the retry's final metrics == the uninterrupted run's
+    s = json.loads((run_dir / "summary.json").read_text())
+    assert s["stages"]["train"]["status"] == "completed" and s["train"]["checkpoint"].endswith("iter_0000004")
+    RUNS["c"] = {"id": run_id, "run_dir": run_dir, "retry_to_done_s": round(time.monotonic() - killed_at, 1)}
+    print(f"killed {len(trainers)} trainer process(es); retry finished {RUNS['c']['retry_to_done_s']} s later")
+
+
+def test_secrets_never_reach_logs_artifacts_parameters_or_the_run_dir(served):
+    runs = [r for r in (RUNS.get("a"), RUNS.get("c")) if r]
+    if not runs:
+        pytest.skip("needs the served runs")
+    ids = [r["id"] for r in runs] + ([RUNS["a"]["second_id"]] if "a" in RUNS else [])
+    logs = all_logs(served["api_url"], ids)
+    with client(served["api_url"]) as c:
+        artifacts = c.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=ids)))
+        params = [c.read_flow_run(i).parameters for i in ids]
+    assert len(logs) > 20 and len(artifacts) >= 6  # there is something to search
+    texts = {"logs": "\n".join(lg.message for lg in logs),
+             "artifacts": "\n".join(f"{a.key} {a.description} {json.dumps(a.data, default=str)}" for a in artifacts),
+             "parameters": json.dumps(params),
+             "serve output": served["log"].read_text(errors="replace")}
+    for r in runs:
+        for p in r["run_dir"].rglob("*"):
+            if p.is_file() and not p.is_symlink():
+                texts[str(p)] = p.read_bytes().decode("latin-1")
+    assert any(k.endswith("summary.json") for k in texts) and any(k.endswith("summary.md") for k in texts)
+    leaks = [where for where, text in texts.items() if HF_SENTINEL in text or WANDB_SENTINEL in text]
+    assert leaks == []
+    print(f"searched {len(texts)} places ({len(logs)} log lines, {len(artifacts)} artifacts): no secret")
+
+
+def test_kimi_serve_stops_cleanly_on_sigterm(served):
+    proc = served["proc"]
+    assert proc.poll() is None
+    family = psutil.Process(proc.pid).children(recursive=True)  # the server (own session), flow-run leftovers
+    assert any("prefect" in " ".join(p.cmdline()) and "server" in p.cmdline() for p in family)
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    rc = proc.wait(timeout=90)
+    seconds = time.monotonic() - t0
+    assert rc == 0, served["log"].read_text()[-3000:]
+    with socket.socket() as s:
+        assert s.connect_ex(("127.0.0.1", served["port"])) != 0  # the server is gone
+    deadline = time.monotonic() + 30
+    while (left := [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]) and \
+            time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left, [p.cmdline() for p in left]
+    print(f"kimi serve stopped {seconds:.1f} s after SIGTERM")
+
+
+# ------------------------------------------------------------------------------------- the work-pool variant
+
+
+def test_prefect_yaml_work_pool_worker_failure_notices_and_sigterm(tmp_path):
+    """infra/prefect/setup.sh (work pool, cluster limit, failure Automation, `prefect deploy` of prefect.yaml)
+    against a real server; worker.sh started as a background job runs a flow; a failing run is reported
+    by the flow's hook and by the server-side Automation; SIGTERM stops the worker."""
+    server = start_server(port=0, home=tmp_path / "server-home")
+    worker = None
+    try:
+        with webhook_receiver() as (hook_url, received):
+            env = cli_env(server.api_url, tmp_path / "client-home")
+            env.update(KIMI_NOTIFY_WEBHOOK=hook_url, KIMI_NOTIFY_STATES="Failed Crashed")
+            setup = subprocess.run(["bash", str(ROOT / "infra" / "prefect" / "setup.sh")], env=env,
+                                   capture_output=True, text=True, timeout=300, cwd=tmp_path)
+            assert setup.returncode == 0, setup.stdout[-3000:] + setup.stderr[-3000:]
+            with client(server.api_url) as c:
+                d = c.read_deployment_by_name("kimi/full")
+                assert c.read_global_concurrency_limit_by_name("kimi-cluster-local").limit == 1
+                automation = c.read_automations_by_name("kimi-run-failed")
+                c.pause_deployment(d.id)  # no 02:00 run mid-test
+            assert d.work_pool_name == "kimi-process" and d.entrypoint == "flows/kimi.py:kimi"
+            assert d.parameters == {"recipe": "tiny", "overrides": [], "run_dir": None, "until": None}
+            schedules = [(x.schedule.cron, x.schedule.timezone, x.active) for x in d.schedules]
+            assert schedules == [("0 2 * * *", "UTC", True)]
+            assert d.global_concurrency_limit.limit == 1 and d.concurrency_options.collision_strategy.value == "ENQUEUE"
+            assert d.pull_steps == [{"prefect.deployments.steps.set_working_directory":
+                                     {"directory": "{{ $KIMI_PROJECT_DIR }}"}}]
+            assert len(automation) == 1 and automation[0].trigger.expect == {"prefect.flow-run.Failed",
+                                                                             "prefect.flow-run.Crashed"}
+
+            # `cmd &` from a script leaves SIGINT ignored in the child (what Prefect's worker stops on) ...
+            probe = subprocess.run(["bash", "-c", f"{sys.executable} -c 'import signal; print(signal.getsignal("
+                                    "signal.SIGINT) == signal.SIG_IGN)' & wait"], capture_output=True, text=True,
+                                   timeout=60)
+            assert probe.stdout.strip() == "True", probe.stdout + probe.stderr
+            # ... worker.sh started exactly that way still stops on SIGTERM
+            pidfile, log = tmp_path / "worker.pid", tmp_path / "worker.log"
+            subprocess.run(["bash", "-c", f"bash {ROOT}/infra/prefect/worker.sh --name ci-worker > {log} 2>&1 & "
+                            f"echo $! > {pidfile}"], env=env, check=True, timeout=30, cwd=tmp_path)
+            worker = psutil.Process(int(pidfile.read_text()))
+
+            def deployment_run(params: dict) -> subprocess.CompletedProcess:
+                return subprocess.run([sys.executable, "-m", "prefect", "deployment", "run", "kimi/full", "--watch",
+                                       "--params", json.dumps(params)], env=env, capture_output=True, text=True,
+                                      timeout=300, cwd="/")
+
+            run_dir = tmp_path / "run-w"
+            done = deployment_run({"until": "download", "run_dir": str(run_dir)})
+            assert done.returncode == 0, done.stdout[-3000:] + log.read_text()[-3000:]
+            with client(server.api_url) as c:
+                fr = c.read_flow_run(flow_run_id(done.stdout))
+            assert fr.state.is_completed() and fr.work_pool_name == "kimi-process"
+            assert (run_dir / "download" / "manifest.json").is_file()
+            assert received == []
+
+            bad = deployment_run({"recipe": "no-such-recipe", "run_dir": str(tmp_path / "run-bad")})
+            assert bad.returncode == 1 and "Flow run finished in state 'Failed'" in bad.stdout, bad.stdout[-3000:]
+            bad_id = flow_run_id(bad.stdout)
+            t0 = time.monotonic()
+            wait_for(received, 2, 90)
+            by_source = {n.get("source", "hook"): n for n in received}
+            assert set(by_source) == {"hook", "prefect-automation"}, received
+            assert by_source["hook"]["flow_run_id"] == bad_id and "no-such-recipe" in by_source["hook"]["text"]
+            assert by_source["prefect-automation"] == {**by_source["prefect-automation"], "flow_run_id": bad_id,
+                                                       "state": "Failed"}
+            print(f"failure notices: hook + automation within {time.monotonic() - t0:.1f} s of the failed run")
+
+            t0 = time.monotonic()
+            worker.send_signal(signal.SIGTERM)
+            worker.wait(timeout=60)
+            print(f"worker stopped {time.monotonic() - t0:.1f} s after SIGTERM")
+            assert "Worker 'ci-worker' stopped!" in log.read_text(), log.read_text()[-2000:]
+    finally:
+        if worker is not None and worker.is_running():
+            worker.kill()
+        server.stop()
