@@ -75,10 +75,16 @@ def free_port(host: str = LOOPBACK) -> int:
         return s.getsockname()[1]
 
 
-def _default_signals() -> None:
-    """Child processes get default SIGINT/SIGTERM even when we were started with them ignored (`&`)."""
+def _child_setup() -> None:
+    """In the server process before exec: default SIGINT/SIGTERM even when we were started with them ignored
+    (`&`), and (Linux) a SIGTERM when we die, so that even a SIGKILLed `kimi serve` leaves no server behind."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 @dataclass
@@ -141,7 +147,7 @@ def start_server(port: int = DEFAULT_PORT, host: str = LOOPBACK, home: Path | No
             [sys.executable, "-m", "prefect", "server", "start", "--host", host, "--port", str(port),
              "--analytics-off"],
             env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-            preexec_fn=_default_signals,
+            preexec_fn=_child_setup,
         )
     server = PrefectServer(proc, host, port, log_path)
     deadline = time.monotonic() + timeout_s

@@ -362,6 +362,27 @@ def test_kimi_serve_stops_cleanly_on_sigterm(served):
     print(f"kimi serve stopped {seconds:.1f} s after SIGTERM")
 
 
+def test_a_sigkilled_server_owner_leaves_no_server_behind(tmp_path):
+    """kill -9 can't be handled, so the server (own session, for Ctrl-C ordering) dies with its owner."""
+    code = ("import sys, time; from pathlib import Path; from flows.serve import start_server; "
+            "s = start_server(0, home=Path(sys.argv[1])); print(s.port, s.process.pid, flush=True); time.sleep(600)")
+    owner = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "home")], stdout=subprocess.PIPE, text=True,
+                             cwd=ROOT)
+    try:
+        port, server_pid = map(int, owner.stdout.readline().split())
+        owner.kill()
+        owner.wait(timeout=10)
+        server = psutil.Process(server_pid)
+        server.wait(timeout=30)
+        with socket.socket() as s:
+            assert s.connect_ex(("127.0.0.1", port)) != 0
+    finally:
+        owner.kill()
+        with contextlib.suppress(psutil.NoSuchProcess, UnboundLocalError):
+            if server.is_running():
+                server.kill()
+
+
 # ------------------------------------------------------------------------------------- the work-pool variant
 
 
