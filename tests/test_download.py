@@ -108,3 +108,17 @@ def test_cli_stage_errors_are_messages_not_tracebacks(tmp_path):
     assert res.exit_code == 1 and "does not exist" in res.output and "Traceback" not in res.output
     res = CliRunner().invoke(app, ["validate", "--run-dir", str(tmp_path / "r2")])
     assert res.exit_code == 1 and "run the download stage first" in res.output
+
+
+def test_model_without_safetensors_is_refused(tmp_path, tiny_copy):
+    """Only pickle-based weights (pytorch_model.bin) → refused by name; nothing ever unpickles them."""
+    from kimi_pipeline.data.tiny_assets import write_manifests
+
+    model = tiny_copy / "model"
+    for f in model.glob("model*.safetensors*"):
+        f.unlink()
+    (model / "pytorch_model.bin").write_bytes(b"\x80\x04not really a pickle")
+    write_manifests(tiny_copy)
+    r = load_recipe("tiny", tiny_overrides(tiny_copy))
+    with pytest.raises(LocalSourceError, match=r"no \.safetensors weights \(only pickle-based pytorch_model\.bin"):
+        run_download(r, tmp_path / "run")

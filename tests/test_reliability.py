@@ -226,8 +226,6 @@ def test_no_code_path_calls_an_unpickler():
     assert problems == [], "\n".join(problems)
 
 
-@pytest.mark.xfail(strict=True, reason="kimi_pipeline/model/hf_model.py and quant/verify.py call transformers' "
-                   "from_pretrained without use_safetensors=True; add it there, then drop this mark")
 def test_transformers_model_loaders_are_told_safetensors_only():
     """Without use_safetensors=True, transformers falls back to unpickling pytorch_model.bin when a
     directory has no safetensors (weights_only, but still a pickle of a downloaded file)."""

@@ -258,6 +258,13 @@ def inspect_model(fetched: Fetched, recipe: Recipe) -> dict[str, Any]:
         )
     model_type = tcfg.get("model_type", config.get("model_type"))
     n_weights = sum(1 for f in fetched.files if f.endswith(".safetensors"))
+    if n_weights == 0:
+        pickled = sorted(f for f in fetched.files if f.endswith((".bin", ".pt", ".pth", ".ckpt")))
+        raise LocalSourceError(
+            f"model: {fetched.source} has no .safetensors weights"
+            + (f" (only pickle-based {', '.join(pickled[:3])}, which this pipeline never loads)" if pickled else "")
+            + "; use a safetensors checkpoint (or widen hub.model.allow_patterns to include *.safetensors)"
+        )
     return {
         "model_type": model_type,
         "top_level_model_type": config.get("model_type"),

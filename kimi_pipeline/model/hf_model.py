@@ -82,6 +82,7 @@ def load_hf_model(
         attn_implementation=attn_implementation,
         output_loading_info=True,
         trust_remote_code=False,
+        use_safetensors=True,  # never fall back to unpickling pytorch_model.bin
     )
     bad = {k: sorted(v)[:5] for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
     if bad:

@@ -127,6 +127,7 @@ def load_int4_model(export_dir: str | Path, dtype: torch.dtype = torch.float32):
     model, info = DeepseekV3ForCausalLM.from_pretrained(
         export_dir, config=cfg, dtype=dtype, attn_implementation="eager", output_loading_info=True,
         trust_remote_code=False,
+        use_safetensors=True,  # never fall back to unpickling pytorch_model.bin
     )
     strict = ("missing_keys", "unexpected_keys", "mismatched_keys")
     bad = {k: sorted(v)[:5] for k, v in info.items() if v and k in strict}

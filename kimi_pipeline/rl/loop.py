@@ -215,6 +215,18 @@ def rollout(client, tokenizer, reward, stream: PromptStream, recipe: Recipe, ste
 # --------------------------------------------------------------------------- the loop
 
 
+def _require_healthy_cluster(recipe: Recipe, address: str | None, timeout_s: float = 60.0) -> None:
+    """Actors on a cluster that lost a node would wait forever for resources: check first, fail clearly
+    (a transient error: the task retry waits again, e.g. for the node to come back)."""
+    from kimi_pipeline.cluster.health import Requirements, wait_until_healthy
+
+    import ray
+
+    wait_until_healthy(address or ray.get_runtime_context().gcs_address, Requirements.from_recipe(recipe),
+                       timeout_s=timeout_s, progress=log.info)
+
+
+
 def run_training(
     recipe: Recipe,
     run_dir: Path,
@@ -246,6 +258,7 @@ def run_training(
         if ray_address is None:
             raise PermanentError("no Ray cluster: run the cluster stage first (or pass --ray-address)")
         ray.init(address=ray_address, log_to_driver=False)
+    _require_healthy_cluster(recipe, ray_address)
     total = recipe.rollout.num_rollout
     wandb_run = open_wandb(None, f"{recipe.name}-{Path(run_dir).name}", recipe.model_dump(mode="json",
                                                                                           exclude={"hub": {"token"}}))
