@@ -241,9 +241,24 @@ def test_deployment_run_watch_completes_and_a_queued_second_run_hits_the_caches(
     assert all(summary["stages"][s]["status"] == "completed" for s in STAGES), summary["stages"]
     assert summary["train"]["steps"] == 4 and len(train_rows(run_dir)) == 4
     assert not (run_dir / "FAILED.md").exists()
+    check_summary_contract(run_dir, summary)
     RUNS["a"] = {"id": first_id, "name": fr1.name, "run_dir": run_dir, "second_id": second_id,
                  "seconds": round(first_s, 1), "second_seconds": round(fr2.total_run_time.total_seconds(), 1)}
     print(f"first run {first_s:.0f} s wall; queued second run {RUNS['a']['second_seconds']} s of run time")
+
+
+def check_summary_contract(run_dir: Path, s: dict) -> None:
+    """Every section automation reads, with the keys the issues name, plus the plots summary.md links."""
+    assert s["convert"]["verified"] is True and s["convert"]["max_abs_diff"] == 0.0 and s["convert"]["nodes"] == 4
+    assert s["cluster"]["nodes"] == 1 and s["cluster"]["address"] and s["cluster"]["cpus"] >= 1
+    assert s["train"]["checkpoint"].endswith("iter_0000004")
+    assert isinstance(s["train"]["reward_first"], float) and isinstance(s["train"]["reward_last"], float)
+    assert [e["step"] for e in s["eval"]] == [0, 2, 4]
+    assert set(s["eval"][0]) >= {"avg_at_n", "pass_at_1", "pass_at_n", "maj_at_n"}
+    assert s["export"]["dequant_exact"] is True and s["export"]["int4_bytes"] < s["export"]["bf16_bytes"]
+    for png in ("reward", "eval", "response_length", "stability"):
+        assert (run_dir / "plots" / f"{png}.png").stat().st_size > 1000
+    assert "![reward](plots/reward.png)" in (run_dir / "summary.md").read_text()
 
 
 def _chromium() -> str | None:

@@ -448,13 +448,16 @@ def save_model_only(ckpt_dir: str | Path, model_chunks, step: int = 0, extra: di
     return _save(Path(ckpt_dir), step, state, extra)
 
 
-def _resolve(ckpt_dir: str | Path, step: int | None) -> tuple[Path, int]:
+def resolve_iteration(ckpt_dir: str | Path, step: int | None = None) -> tuple[Path, int]:
+    """(iter_XXXXXXX dir, step): the tracker's latest complete iteration, or `step` if it is complete."""
     ckpt_dir = Path(ckpt_dir)
     if step is None:
         step = latest_step(ckpt_dir)
         if step is None:
             raise CheckpointError(f"{ckpt_dir}: no {TRACKER}; no complete checkpoint was written there")
     path = iteration_dir(ckpt_dir, step)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: not found (no checkpoint of step {step} in {ckpt_dir})")
     if not (path / "metadata.json").is_file():
         raise CheckpointError(f"{path}: not a complete torch_dist checkpoint (metadata.json missing)")
     return path, step
@@ -479,7 +482,7 @@ def load_checkpoint(
     """
     from megatron.core import dist_checkpointing
 
-    path, step = _resolve(ckpt_dir, step)
+    path, step = resolve_iteration(ckpt_dir, step)
     model_sd = _model_sharded_state_dict(model_chunks)
     state: dict = {"model": model_sd}
     if optimizer is not None:
@@ -523,7 +526,7 @@ def load_model_only(ckpt_dir: str | Path, model_chunks, step: int | None = None)
     """Load weights from a torch_dist checkpoint (e.g. the converter's) into a model; returns the step."""
     from megatron.core import dist_checkpointing
 
-    path, step = _resolve(ckpt_dir, step)
+    path, step = resolve_iteration(ckpt_dir, step)
     loaded = dist_checkpointing.load({"model": _model_sharded_state_dict(model_chunks)}, str(path))
     _load_model_state(model_chunks, loaded)
     _barrier()

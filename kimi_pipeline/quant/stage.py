@@ -148,18 +148,12 @@ def run_export(
 
 def resolve_checkpoint(checkpoint_dir: str | Path, step: int | None = None) -> tuple[Path, int]:
     """(iter_XXXXXXX dir, step) of a megatron checkpoint: the tracker's latest, or `step`."""
-    from kimi_pipeline.model.megatron_train import TRACKER, iteration_dir, latest_step
+    from kimi_pipeline.model.megatron_train import CheckpointError, resolve_iteration
 
-    if step is None:
-        step = latest_step(checkpoint_dir)
-        if step is None:
-            raise ExportInputError(f"{checkpoint_dir}: no {TRACKER}; no complete training checkpoint to export")
-    path = iteration_dir(checkpoint_dir, step)
-    if not (path / "metadata.json").is_file():
-        raise ExportInputError(
-            f"{path}: not a complete torch_dist checkpoint (metadata.json missing); pick another step"
-        )
-    return path, step
+    try:
+        return resolve_iteration(checkpoint_dir, step)
+    except CheckpointError as e:
+        raise ExportInputError(f"{e}; nothing to export (pick another --step or train first)") from None
 
 
 def checkpoint_content_hash(checkpoint_dir: str | Path, step: int | None = None) -> str:
