@@ -15,7 +15,7 @@ from flows.limits import cluster_slot
 from flows.notify import clear_failure, notify_failure, remember_run_dir
 from tasks.cluster import cluster_task
 from tasks.common import outputs_present
-from tasks.convert import convert_task
+from tasks.convert import CONVERT_OUTPUTS, convert_task
 from tasks.download import download_task
 from tasks.export import EXPORT_OUTPUTS, export_task
 from tasks.train import train_task
@@ -46,9 +46,7 @@ def kimi(
             )(r, run, dl)
         cv = None
         if "convert" in selected:
-            cv = convert_task.with_options(
-                refresh_cache=not outputs_present(path, "convert/torch_dist/latest_checkpointed_iteration.txt")
-            )(r, run, dl)
+            cv = convert_task.with_options(refresh_cache=not outputs_present(path, *CONVERT_OUTPUTS))(r, run, dl)
         if "cluster" in selected:
             slot.enter_context(cluster_slot(r))
         cl = cluster_task(r, run) if "cluster" in selected else None
