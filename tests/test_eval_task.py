@@ -8,7 +8,6 @@ import shutil
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 from conftest import ROOT, TINY

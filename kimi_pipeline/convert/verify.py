@@ -116,7 +116,6 @@ def verify_rank(job: dict[str, Any]) -> dict[str, Any]:
     t0 = time.monotonic()
     spec = ModelSpec.model_validate(job["model"])
     layout = Layout(**job["layout"])
-    dtype = dtype_of(spec.params_dtype)
     init_distributed(layout)
     coords = ranks()
     reader = HFCheckpoint(job["model_dir"], text_config_key=job.get("text_config_key"))

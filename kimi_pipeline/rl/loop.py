@@ -29,9 +29,6 @@ from kimi_pipeline.rl.samples import Sample
 
 log = logging.getLogger(__name__)
 
-EvalFn = Callable[[int], dict[str, Any]]
-
-
 class TrainingError(RuntimeError):
     """A transient training failure (lost actor, engine down): the stage retry resumes from the checkpoint."""
 
