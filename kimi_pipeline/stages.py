@@ -6,13 +6,11 @@ same name. Prefect tasks (tasks/) and the CLI call exactly these; nothing here i
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from kimi_pipeline.data.validate import DataValidationError, run_validate
-from kimi_pipeline.errors import PermanentError
-from kimi_pipeline.hub.download import dataset_path, run_download
+from kimi_pipeline.hub.download import dataset_path, read_manifest, run_download
 from kimi_pipeline.model.tokenizer import load_tokenizer
 from kimi_pipeline.recipes import Recipe, recipe_to_yaml
 from kimi_pipeline.report.summary import RunSummary
@@ -22,10 +20,6 @@ from kimi_pipeline.util.paths import new_run_dir, resolve_path
 STAGES = ("download", "validate", "convert", "cluster", "train", "export")
 
 
-class StageOrderError(PermanentError):
-    pass
-
-
 def prepare_run(recipe: Recipe, run_dir: str | Path | None = None) -> Path:
     """Create the run directory, write the resolved recipe and start summary.json."""
     path = resolve_path(run_dir, recipe.paths.base_dir) if run_dir else new_run_dir(recipe.paths.base_dir, recipe.name)
@@ -33,13 +27,6 @@ def prepare_run(recipe: Recipe, run_dir: str | Path | None = None) -> Path:
     atomic_write_text(path / "recipe.yaml", recipe_to_yaml(recipe))
     RunSummary(path, recipe.name)
     return path
-
-
-def _manifest(run_dir: Path) -> dict[str, Any]:
-    p = Path(run_dir) / "download" / "manifest.json"
-    if not p.is_file():
-        raise StageOrderError(f"{p} not found: run the download stage first (`kimi download --run-dir {run_dir}`)")
-    return json.loads(p.read_text())
 
 
 def stage_download(recipe: Recipe, run_dir: Path, token: str | None = None) -> dict[str, Any]:
@@ -53,7 +40,7 @@ def stage_download(recipe: Recipe, run_dir: Path, token: str | None = None) -> d
 def stage_validate(recipe: Recipe, run_dir: Path) -> dict[str, Any]:
     summary = RunSummary(run_dir, recipe.name)
     with summary.stage("validate"):
-        manifest = _manifest(run_dir)
+        manifest = read_manifest(run_dir)
         tokenizer = load_tokenizer(manifest["model"]["root"], recipe.hub.trust_remote_code)
         try:
             section = run_validate(

@@ -16,6 +16,7 @@ from prefect.artifacts import create_markdown_artifact, create_progress_artifact
 from prefect.cache_policies import NO_CACHE
 
 from kimi_pipeline.eval.stage import run_eval_step
+from kimi_pipeline.hub.download import model_root
 from kimi_pipeline.recipes import Recipe
 from kimi_pipeline.rl.stage import stage_train
 from tasks.common import RETRY_DELAYS, retry_unless_permanent
@@ -56,11 +57,9 @@ def _train_markdown(section: dict[str, Any]) -> str:
 def train_task(recipe: Recipe, run_dir: str, cluster: dict[str, Any] | None = None,
                convert: dict[str, Any] | None = None) -> dict[str, Any]:
     """`convert` is only the upstream result (ordering in the flow)."""
-    from kimi_pipeline.rl.stage import model_dir
-
     total = recipe.rollout.num_rollout
     progress_id = create_progress_artifact(progress=0.0, key="train-progress", description=f"GRPO rollouts of {total}")
-    hf_dir = str(model_dir(Path(run_dir)))
+    hf_dir = str(model_root(run_dir))
 
     def on_step(row: dict[str, Any]) -> None:
         update_progress_artifact(progress_id, progress=100.0 * row["step"] / total)

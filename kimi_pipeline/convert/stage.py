@@ -21,6 +21,7 @@ from typing import Any
 
 from kimi_pipeline.convert.launch import launch_local, scale_out_command
 from kimi_pipeline.errors import PermanentError
+from kimi_pipeline.hub.download import read_manifest
 from kimi_pipeline.recipes import Recipe
 from kimi_pipeline.util.files import atomic_write_json, sha256_json
 
@@ -212,10 +213,7 @@ def stage_convert(recipe: Recipe, run_dir: str | Path) -> dict[str, Any]:
         summary.set_section("convert", section)
         return section
     with summary.stage("convert"):
-        manifest_path = run_dir / "download" / "manifest.json"
-        if not manifest_path.is_file():
-            raise ConvertStageError(f"{manifest_path} not found: run the download stage first (`kimi download --run-dir {run_dir}`)")
-        model = json.loads(manifest_path.read_text())["model"]
+        model = read_manifest(run_dir)["model"]
         section = run_convert(recipe, run_dir, model["root"], source_files=model["files"])
         summary.set_section("convert", section)
     return section

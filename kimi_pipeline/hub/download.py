@@ -309,6 +309,23 @@ def run_download(recipe: Recipe, run_dir: Path, token: str | None = None) -> dic
     }
 
 
+class StageOrderError(PermanentError):
+    """A stage ran before the stage whose outputs it reads."""
+
+
+def read_manifest(run_dir: str | Path) -> dict[str, Any]:
+    """DIR/download/manifest.json: what every later stage reads its inputs from."""
+    p = Path(run_dir) / "download" / "manifest.json"
+    if not p.is_file():
+        raise StageOrderError(f"{p} not found: run the download stage first (`kimi download --run-dir {run_dir}`)")
+    return json.loads(p.read_text())
+
+
+def model_root(run_dir: str | Path) -> Path:
+    """The downloaded model directory (config, tokenizer, weights) of a run."""
+    return Path(read_manifest(run_dir)["model"]["root"])
+
+
 def dataset_path(manifest: dict[str, Any], name: str) -> Path:
     """The single data file a download manifest recorded for `train` / `eval`."""
     entry = manifest[name]

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from kimi_pipeline.errors import PermanentError
+from kimi_pipeline.hub.download import model_root
 from kimi_pipeline.plan.params import count_params
 from kimi_pipeline.quant.export import export_int4
 from kimi_pipeline.quant.verify import (
@@ -196,13 +197,6 @@ def export_checkpoint(recipe: Recipe, run_dir: str | Path, checkpoint_dir: str |
         destroy()
 
 
-def _model_dir_from_manifest(run_dir: Path) -> Path:
-    manifest = run_dir / "download" / "manifest.json"
-    if not manifest.is_file():
-        raise ExportInputError(f"{manifest} not found: run the download stage first, or pass model_dir")
-    return Path(json.loads(manifest.read_text())["model"]["root"])
-
-
 def stage_export(recipe: Recipe, run_dir: str | Path, checkpoint_dir: str | Path, *, step: int | None = None,
                  model_dir: str | Path | None = None, timeout_s: float | None = None) -> dict[str, Any]:
     """The pipeline stage: export checkpoint `step` (default: latest) of `checkpoint_dir` in a child process.
@@ -219,7 +213,7 @@ def stage_export(recipe: Recipe, run_dir: str | Path, checkpoint_dir: str | Path
             section = {"skipped": f"quant.export_format={recipe.quant.export_format!r}"}
             summary.set_section("export", section)
             return section
-        model_dir = Path(model_dir) if model_dir else _model_dir_from_manifest(run_dir)
+        model_dir = Path(model_dir) if model_dir else model_root(run_dir)
         resolve_checkpoint(checkpoint_dir, step)  # fail here, clearly, before spawning anything
         out = export_dir(run_dir)
         out.mkdir(parents=True, exist_ok=True)

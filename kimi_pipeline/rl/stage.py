@@ -2,36 +2,25 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from kimi_pipeline.errors import PermanentError
+from kimi_pipeline.hub.download import model_root
 from kimi_pipeline.recipes import Recipe
 from kimi_pipeline.report.summary import RunSummary
-
-TRACKER = "latest_checkpointed_iteration.txt"
-
 
 def initial_weights(recipe: Recipe, run_dir: Path) -> Path:
     """The converted torch_dist checkpoint, or (bridge mode, K2.5) the downloaded HF directory itself."""
     if recipe.convert.mode == "bridge":
-        return model_dir(run_dir)
-    from kimi_pipeline.convert.stage import checkpoint_dir
+        return model_root(run_dir)
+    from kimi_pipeline.convert.stage import checkpoint_dir, completed
 
-    path = checkpoint_dir(run_dir)
-    if not (path / TRACKER).is_file():
-        raise PermanentError(f"{path}: no complete converted checkpoint (tracker {TRACKER} missing); "
+    if completed(run_dir) is None:  # tracker and the stage's completion marker, both written last
+        raise PermanentError(f"{checkpoint_dir(run_dir)}: no complete converted checkpoint; "
                              f"run the convert stage first (`kimi run --until convert`)")
-    return path
-
-
-def model_dir(run_dir: Path) -> Path:
-    p = Path(run_dir) / "download" / "manifest.json"
-    if not p.is_file():
-        raise PermanentError(f"{p} not found: run the download stage first")
-    return Path(json.loads(p.read_text())["model"]["root"])
+    return checkpoint_dir(run_dir)
 
 
 def cluster_address(run_dir: Path) -> str | None:
@@ -54,7 +43,7 @@ def stage_train(
 
     summary = RunSummary(run_dir, recipe.name)
     with summary.stage("train"):
-        hf_dir = model_dir(run_dir)
+        hf_dir = model_root(run_dir)
         if evaluate is None:
             evaluate = lambda step, urls: run_eval_step(recipe, run_dir, step, urls, hf_dir)  # noqa: E731
         section = run_training(
