@@ -13,6 +13,7 @@ from rich.table import Table
 
 from kimi_pipeline.cluster.cli import cluster_app
 from kimi_pipeline.plan import plan_command
+from kimi_pipeline.report.progress import echo_to_stderr, set_quiet
 from kimi_pipeline.recipes import RecipeError, check_recipe, load_recipe, pipeline_layers, preset_names, recipe_to_yaml
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Kimi-K2-family RL post-training pipeline.")
@@ -27,6 +28,7 @@ err = Console(stderr=True)
 
 SET_HELP = "Override a recipe field: section.field=value (repeatable)."
 RECIPE_HELP = "Preset name or YAML file (which may `extends:` a preset)."
+QUIET_HELP = "No per-rollout / per-eval progress lines (and only warnings from Prefect)."
 
 
 def _load(recipe: str, overrides: list[str], check: bool = True):
@@ -67,6 +69,7 @@ def run(
     set_: list[str] = typer.Option([], "--set", help=SET_HELP),
     run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="Run directory (default: <base_dir>/<time>-<recipe>)."),
     until: Optional[str] = typer.Option(None, "--until", help="Stop after this stage."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help=QUIET_HELP),
 ) -> None:
     """Run the whole pipeline in-process (Prefect flow `kimi`, ephemeral API)."""
     r = _load(recipe, set_)
@@ -75,6 +78,9 @@ def run(
     if until is not None and until not in STAGES:
         err.print(f"error: --until must be one of {', '.join(STAGES)}")
         raise typer.Exit(2)
+    if quiet:
+        os.environ["PREFECT_LOGGING_LEVEL"] = "WARNING"
+    set_quiet(quiet)
     configure_prefect_env()
     from flows.kimi import kimi
 
@@ -156,18 +162,16 @@ def train(
     set_: list[str] = typer.Option([], "--set", help=SET_HELP),
     run_dir: Path = typer.Option(..., "--run-dir"),
     ray_address: Optional[str] = typer.Option(None, "--ray-address", help="Default: the run's cluster stage."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help=QUIET_HELP),
 ) -> None:
     """Stage `train` alone (after convert + cluster in the same run dir); resumes from its checkpoints."""
     from kimi_pipeline.rl.stage import stage_train
     from kimi_pipeline.stages import prepare_run
 
     r = _load(recipe, set_)
-
-    def step(row: dict) -> None:
-        console.print(f"step {row['step']:>4}  reward {row['reward_mean']:.3f}  solved groups "
-                      f"{row['solved_group_fraction']:.2f}  {row['step_seconds']:.1f} s", highlight=False)
-
-    section = _run_stage(lambda: stage_train(r, prepare_run(r, run_dir), ray_address=ray_address, on_step=step))
+    set_quiet(quiet)
+    echo_to_stderr()
+    section = _run_stage(lambda: stage_train(r, prepare_run(r, run_dir), ray_address=ray_address))
     console.print_json(json.dumps(section, default=str))
 
 

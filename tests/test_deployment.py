@@ -46,7 +46,7 @@ pytestmark = pytest.mark.slow
 
 BIN = Path(sys.executable).parent
 SHORT = ["rollout.num_rollout=4", "eval.interval=2", "checkpoint.save_interval=2", "rollout.rollout_batch_size=16",
-         "eval.n_samples_per_prompt=4"]
+         "rollout.over_sampling_batch_size=32", "eval.n_samples_per_prompt=4", "quant.int4_qat=true"]
 HF_SENTINEL = "hf_SentinelTokenKimiG7x2Qw9ZpL4"
 WANDB_SENTINEL = "wandbSentinelKey-93f1c07a5e"
 STAGES = ("download", "validate", "convert", "cluster", "train", "export")

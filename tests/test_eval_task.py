@@ -70,5 +70,5 @@ def test_eval_task_retries_until_the_engine_answers(tmp_path):
     row = json.loads((run / "eval" / "eval.jsonl").read_text().splitlines()[-1])
     assert row["step"] == 20 and 0.0 <= row["avg_at_n"] <= 1.0 and row["n"] == 2
     table = json.loads((run / "eval" / "step_0000020.json").read_text())["problems_table"]
-    assert len(table) == 11 and {"label", "correct", "pass@1", "pass@2"} <= set(table[0])
+    assert len(table) == sum(1 for _ in open(TINY / "aime-tiny.jsonl")) and {"label", "correct", "pass@1", "pass@2"} <= set(table[0])
     assert json.loads((run / "summary.json").read_text())["eval"][0]["step"] == 20

@@ -51,7 +51,7 @@ def test_flow_summary_cache_hit_and_miss(tmp_path, tiny_copy):
     for stage in ("cluster", "train", "export"):
         assert summary["stages"][stage]["status"] == "skipped"
         assert isinstance(summary["stages"][stage]["seconds"], float)
-    assert summary["validate"]["rows"] == 187 and summary["validate"]["bad_rows"] == 0
+    assert summary["validate"]["rows"] == 844 and summary["validate"]["bad_rows"] == 0
     assert summary["validate"]["contamination"]["overlap"] == 0
     assert (run_dir / "summary.md").read_text().startswith("# Run summary: tiny")
     assert (run_dir / "recipe.yaml").is_file()
@@ -70,7 +70,7 @@ def test_flow_summary_cache_hit_and_miss(tmp_path, tiny_copy):
     assert third.is_completed()
     # the model did not change: its conversion is still valid
     assert task_states(third) == {"download": "Completed", "validate": "Completed", "convert": "Cached"}
-    assert json.loads((run_dir / "summary.json").read_text())["validate"]["rows"] == 188
+    assert json.loads((run_dir / "summary.json").read_text())["validate"]["rows"] == 845
 
     # outputs deleted behind the cache's back: the stage runs again instead of trusting a stale result
     (run_dir / "validate" / "train.jsonl").unlink()
@@ -92,7 +92,8 @@ def test_flow_fails_clearly_on_bad_data_without_retrying(tmp_path, tiny_copy):
     assert task_states(state)["validate"] == "Failed"  # not AwaitingRetry: bad data is permanent
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["stages"]["validate"]["status"] == "failed"
-    assert "eval: 1/12 rows bad" in summary["stages"]["validate"]["error"]
+    rows = len((tiny_copy / "aime-tiny.jsonl").read_text().splitlines())
+    assert f"eval: 1/{rows} rows bad" in summary["stages"]["validate"]["error"]
     quarantine = (run_dir / "validate" / "quarantine-eval.jsonl").read_text().splitlines()
     assert json.loads(quarantine[0])["reasons"][0].startswith("not valid JSON")
 

@@ -396,7 +396,7 @@ def test_stage_export_from_a_megatron_checkpoint(megatron_pair, tmp_path):
     from kimi_pipeline.quant.stage import checkpoint_content_hash, stage_export
     from kimi_pipeline.recipes import load_recipe
 
-    recipe = load_recipe("tiny")
+    recipe = load_recipe("tiny", ["quant.int4_qat=true"])  # the QAT export path (the preset trains without QAT)
     src = dict(iter_hf_dir_tensors(TINY_MODEL))
     model = build_model(recipe.model, Layout(), perform_initialization=False)
     load_hf_tensors_into_model(model, src.__getitem__, recipe.model, Layout())

@@ -142,6 +142,131 @@ def test_one_process_trains_with_megatron_optimizer(single_process):
     assert [g["lr"] for g in opt.param_groups] == pytest.approx([warm.lr / 2] * len(opt.param_groups))
 
 
+def _moe_layer(chunks):
+    from kimi_pipeline.convert.names import unwrap
+
+    return unwrap(chunks[0]).decoder.layers[1].mlp
+
+
+@pytest.mark.parametrize("qat", [False, True])
+def test_grouped_experts_equal_megatrons_expert_loop(single_process, qat):
+    """The grouped-GEMM experts compute what megatron's SequentialMLP loop computes (forward and every
+    expert's gradient), with and without INT4 QAT, empty experts included."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    from kimi_pipeline.model import megatron_train as mt
+    from kimi_pipeline.model.grouped_experts import grouped_sequential_mlp
+    from kimi_pipeline.quant.qat import enable_int4_qat
+
+    r = load_recipe("tiny")
+    chunks, _ = mt.build_trainable(r.model, single_process, r.optimizer)
+    if qat:
+        enable_int4_qat(chunks[0], r.quant.group_size)
+    experts = _moe_layer(chunks).experts
+    assert type(experts) is grouped_sequential_mlp() and isinstance(experts, SequentialMLP)
+    g = torch.Generator().manual_seed(3)
+    counts = torch.tensor([5, 0, 9, 1] + [3] * (len(experts.local_experts) - 4))
+    x = torch.randn(int(counts.sum()), r.model.hidden_size, generator=g)
+    probs = torch.rand(x.shape[0], generator=g)
+    upstream = torch.randn(x.shape[0], r.model.hidden_size, generator=g)
+    results = []
+    for forward in (type(experts).forward, SequentialMLP.forward):
+        xi = x.clone().requires_grad_()
+        out, bias = forward(experts, xi, counts, probs)
+        assert bias is None
+        experts.zero_grad(set_to_none=True)
+        for p in experts.parameters():
+            p.main_grad = None if not hasattr(p, "main_grad") else p.main_grad.zero_()
+        out.backward(upstream)
+        grads = [p.main_grad.clone() if getattr(p, "main_grad", None) is not None else p.grad.clone()
+                 for p in experts.parameters()]
+        results.append((out.detach(), xi.grad.clone(), grads))
+    (o1, gx1, gw1), (o2, gx2, gw2) = results
+    assert torch.allclose(o1, o2, atol=1e-5), (o1 - o2).abs().max()
+    assert torch.allclose(gx1, gx2, atol=1e-5)
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(gw1, gw2))
+    assert any(a.abs().sum() > 0 for a in gw1)
+
+
+def test_sdpa_attention_equals_megatrons_local_attention(single_process):
+    """The local MLA core attention's SDPA path equals megatron's baddbmm + masked softmax + bmm."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    from kimi_pipeline.model import megatron_train as mt
+    from kimi_pipeline.model.megatron_model import causal_mask
+
+    r = load_recipe("tiny")
+    chunks, _ = mt.build_trainable(r.model, single_process, r.optimizer)
+    from kimi_pipeline.convert.names import unwrap
+
+    core = unwrap(chunks[0]).decoder.layers[0].self_attention.core_attention
+    m = r.model
+    s, b, n = 11, 3, m.num_attention_heads
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(s, b, n, m.qk_head_dim + m.qk_pos_emb_head_dim, generator=g)
+    k = torch.randn(s, b, n, m.qk_head_dim + m.qk_pos_emb_head_dim, generator=g)
+    v = torch.randn(s, b, n, m.v_head_dim, generator=g)
+    mask = causal_mask(s)
+    fast = core(q, k, v, mask)
+    slow = DotProductAttention.forward(core, q, k, v, mask)
+    assert fast.shape == slow.shape == (s, b, n * m.v_head_dim)
+    assert torch.allclose(fast, slow, atol=1e-5)
+    other = mask.clone()
+    other[..., 0] = True  # not the causal mask: megatron's own path, never SDPA's is_causal
+    from kimi_pipeline.model.megatron_model import _is_causal
+
+    assert _is_causal(mask, s, s) and not _is_causal(other, s, s) and not _is_causal(None, s, s)
+
+
+def test_cpu_speed_patches_compute_what_megatron_computes():
+    """The dispatcher / DDP speed patches of the CPU shim are exact: identity expert sort skipped, unpermute by
+    index_add, 1-rank collectives as local copies."""
+    from megatron.core.transformer.moe import moe_utils
+
+    megatron_compat.apply_cpu_compat()
+    orig = megatron_compat._originals
+    x = torch.randn(10, 4)
+    sizes = torch.tensor([3, 0, 7])
+    sort = megatron_compat._skip_identity_sort(moe_utils.sort_chunks_by_idxs)
+    assert sort(x, sizes, torch.arange(3))[0] is x
+    perm = torch.tensor([2, 0, 1])
+    assert torch.equal(sort(x, sizes, perm)[0], moe_utils.sort_chunks_by_idxs(x, sizes, perm)[0])
+
+    idx = torch.tensor([3, 1, 3, 0, 2, 1])
+    tokens = torch.randn(6, 4)
+    fast = megatron_compat._unpermute_with_index_add(moe_utils.unpermute)(tokens, idx, torch.Size([5, 4]))
+    assert torch.allclose(fast, moe_utils.unpermute(tokens, idx, torch.Size([5, 4])), atol=1e-6)
+
+    class OneRank:
+        def size(self):
+            return 1
+
+    calls = []
+    gather = megatron_compat._local_when_one_rank(lambda *a, **k: calls.append(a))
+    out, inp = torch.zeros(6), torch.arange(6.0)
+    assert gather(out, inp, group=OneRank()) is None and torch.equal(out, inp) and not calls
+    assert gather(out, inp, group=OneRank(), async_op=True).wait()
+    with megatron_compat._coalescing_when_one_rank(None)(OneRank(), async_ops=True) as cm:
+        assert cm.wait()
+    assert ("megatron.core.distributed.param_and_grad_buffer", "dist_all_gather_func") in orig
+
+    from megatron.core.tensor_parallel import layers
+
+    w = torch.randn(5, 4, requires_grad=True)
+    x0 = torch.randn(3, 2, 4)
+    xs = [x0.clone().requires_grad_() for _ in range(2)]
+    outs = [megatron_compat._plain_linear_without_tp(layers.linear_with_grad_accumulation_and_async_allreduce)(
+                xs[0], w, None, False, False, False),
+            orig[("megatron.core.tensor_parallel.layers", "linear_with_grad_accumulation_and_async_allreduce")](
+                xs[1], w, None, False, False, False)]
+    grads = []
+    for x, out in zip(xs, outs):
+        w.grad = None
+        out.backward(torch.ones_like(out))
+        grads.append((x.grad.clone(), w.grad.clone()))
+    assert torch.allclose(outs[0], outs[1]) and all(torch.allclose(a, b) for a, b in zip(*grads))
+
+
 def test_checkpoint_is_atomic_and_round_trips(single_process, tmp_path, monkeypatch):
     from megatron.core import dist_checkpointing
 

@@ -33,7 +33,7 @@ def _rollout(url: str, sets: list[str], step: int = 0):
 
 
 def test_rollout_samples_rewards_and_advantages(engine_url):
-    recipe, stream, samples, m = _rollout(engine_url, [])
+    recipe, stream, samples, m = _rollout(engine_url, ["rollout.dynamic_sampling=false"])
     assert len(samples) == 32 and stream.state() == {"epoch": 0, "index": 8}
     for g in range(8):
         group = [s for s in samples if s.group == g]
@@ -47,15 +47,19 @@ def test_rollout_samples_rewards_and_advantages(engine_url):
         assert len(s.rollout_logprobs) == len(s.response_ids) and all(lp <= 0 for lp in s.rollout_logprobs)
     assert m["samples"] == 32 and 0 <= m["reward_mean"] <= 1 and m["rollout_tokens_per_s"] > 0
     # same seed and step: the same rollout (resume relies on it)
-    again = _rollout(engine_url, [])[2]
+    again = _rollout(engine_url, ["rollout.dynamic_sampling=false"])[2]
     assert [s.response_ids for s in again] == [s.response_ids for s in samples]
 
 
 def test_dynamic_sampling_keeps_only_groups_with_signal(engine_url):
-    _, stream, samples, m = _rollout(engine_url, ["rollout.dynamic_sampling=true"])
+    _, stream, samples, m = _rollout(engine_url, ["rollout.dynamic_sampling=true",
+                                                  "rollout.over_sampling_batch_size=16"])
     assert m["dynamic_draws"] >= 1 and m["dynamic_kept_groups"] >= 1
     groups = {}
     for s in samples:
         groups.setdefault(s.group, []).append(s.reward)
     assert all(len(set(r)) > 1 for r in groups.values()), groups  # zero-variance groups were dropped
+    # reward_mean is the policy's (every sample drawn), not the filtered batch's (biased towards 0.5)
+    assert m["samples_drawn"] == m["dynamic_draws"] * 16 * 4 and m["samples"] == len(samples)
+    assert m["reward_trained_mean"] == pytest.approx(sum(s.reward for s in samples) / len(samples))
     assert len(groups) <= 8 and stream.state()["index"] >= 8 * m["dynamic_draws"]

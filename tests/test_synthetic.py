@@ -8,7 +8,9 @@ import re
 from typer.testing import CliRunner
 
 from kimi_pipeline.cli import app
-from kimi_pipeline.data.rows import label_problem, normalize_problem, prompt_problem
+import pytest
+
+from kimi_pipeline.data.rows import label_problem, normalize_problem, problem_signature, prompt_problem
 from kimi_pipeline.data.synthetic import MathGenConfig, generate
 
 from conftest import ROOT
@@ -27,15 +29,39 @@ def test_row_format_and_answers():
         assert label_problem(row["label"]) is None and 0 <= int(row["label"]) <= 9
         text = row["prompt"] if isinstance(row["prompt"], str) else row["prompt"][0]["content"]
         assert "\\boxed{}" in text and re.search(r"\d", text)
+        numbers = [int(n) for n in re.findall(r"\d+", text)]
+        if "largest" in text.lower() or "maximum" in text.lower():
+            assert int(row["label"]) == max(numbers)
+        elif "smallest" in text.lower() or "minimum" in text.lower():
+            assert int(row["label"]) == min(numbers)
+        else:
+            assert int(row["label"]) == sum(numbers)
 
 
-def test_train_eval_disjoint_and_knobs():
+def test_train_eval_disjoint_by_problem_not_just_by_text():
+    """≥ 64 eval problems, none of which occurs in train reordered or reworded (the validate stage's key)."""
     train, evals = generate(MathGenConfig())
-    assert not {normalize_problem(r["prompt"]) for r in evals} & {normalize_problem(r["prompt"]) for r in train}
-    harder_train, _ = generate(MathGenConfig(max_operand=20, max_answer=40, ops=("+",)))
+    assert len(evals) >= 64
+    assert len({normalize_problem(r["prompt"]) for r in train}) == len(train)  # no duplicate rows
+    train_sigs = {problem_signature(r["prompt"], r["label"]) for r in train}
+    assert not {problem_signature(r["prompt"], r["label"]) for r in evals} & train_sigs
+    texts = [(r["prompt"] if isinstance(r["prompt"], str) else r["prompt"][0]["content"]).lower() for r in evals]
+    assert any("larg" in t or "maxi" in t for t in texts) and any("small" in t or "mini" in t for t in texts)
+    harder_train, _ = generate(MathGenConfig(max_operand=20, max_answer=40, ops=("+",), eval_problems=10))
     assert max(int(r["label"]) for r in harder_train) > 9
     dapo_train, _ = generate(MathGenConfig(wrapper="dapo"))
     assert dapo_train[0]["prompt"][0]["content"].startswith("Solve the following math problem step by step.")
+    with pytest.raises(ValueError, match="unknown problem family"):
+        generate(MathGenConfig(ops=("%",)))
+    with pytest.raises(ValueError, match="leaves no training problems"):
+        generate(MathGenConfig(ops=("+",), eval_problems=1000))
+
+
+def test_problem_signature_ignores_order_and_wording():
+    assert problem_signature("What is 2+3? Answer in \\boxed{}.", "5") == problem_signature(
+        [{"role": "user", "content": "Find the sum of 3 and 2."}], " 5")
+    assert problem_signature("What is 2+3?", "5") != problem_signature("What is 2+3?", "6")
+    assert problem_signature("What is 7?", "7") is None  # one number says too little
 
 
 def test_shipped_tiny_assets_match_a_fresh_build():

@@ -23,6 +23,7 @@ pytestmark = pytest.mark.slow
 # small and quick: 4 rollouts of 8 prompts x 4 samples, checkpoint every 2, eval every 2
 TRAIN_SET = [
     "rollout.num_rollout=4", "rollout.rollout_batch_size=8", "rollout.n_samples_per_prompt=4",
+    "rollout.over_sampling_batch_size=16", "quant.int4_qat=true",  # the QAT loop: engines sample the fake-INT4 policy
     "checkpoint.save_interval=2", "eval.interval=2", "eval.n_samples_per_prompt=2",
     "convert.nodes=1", "convert.pp=1", "convert.ep=1",
 ]

@@ -73,6 +73,18 @@ def test_contamination_detected(tmp_path, tok):
     assert ok["contamination"]["overlap"] == 1
 
 
+def test_contamination_catches_commuted_and_reworded_problems(tmp_path, tok):
+    """2+5 in train, 5+2 / "the sum of 5 and 2" in eval: the same problem, not the same text."""
+    train = write(tmp_path / "train.jsonl", [json.dumps(GOOD), json.dumps({"prompt": "What is 2+5?", "label": "7"})])
+    evals = write(tmp_path / "eval.jsonl", [json.dumps({"prompt": "What is 5+2?", "label": "7"}),
+                                            json.dumps({"prompt": "Find the sum of 5 and 2.", "label": "7"}),
+                                            json.dumps({"prompt": "What is 5-2?", "label": "3"})])
+    with pytest.raises(DataValidationError, match=r"contamination: 2/3 eval prompts .*2 as equivalent problems") as e:
+        run_validate(load_recipe("tiny"), tmp_path / "run", train, evals, tok)
+    cont = e.value.section["contamination"]
+    assert [x["line"] for x in cont["examples"]] == [1, 2] and cont["examples"][0]["match"].startswith("equivalent")
+
+
 def test_parquet_loads_through_datasets(tmp_path, tok):
     import pandas as pd
 

@@ -99,5 +99,20 @@ def normalize_problem(prompt: Any) -> str:
     return "".join(text.lower().translate(_PUNCT).split())
 
 
+_NUMBERS_IN_TEXT = re.compile(r"\d+(?:\.\d+)?")
+MIN_SIGNATURE_NUMBERS = 2  # fewer numbers say too little about a problem to call two problems equivalent
+
+
+def problem_signature(prompt: Any, label: Any) -> tuple | None:
+    """An order- and wording-free key for "the same problem": the multiset of numbers in the problem text
+    (wrapper removed) plus the normalized answer. "What is 2+3?" and "Find the sum of 3 and 2." share one;
+    problems with fewer than two numbers get None (text identity is all that can be said of them)."""
+    text = prompt_text(prompt).replace(DAPO_PREFIX, " ").replace(DAPO_SUFFIX, " ")
+    numbers = sorted(float(n) for n in _NUMBERS_IN_TEXT.findall(text))
+    if len(numbers) < MIN_SIGNATURE_NUMBERS:
+        return None
+    return (tuple(numbers), "".join(str(label).split()).lower())
+
+
 def as_messages(prompt: Any) -> list[dict[str, str]]:
     return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt

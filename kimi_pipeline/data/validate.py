@@ -18,7 +18,8 @@ from typing import Any
 import pandas as pd
 import pandera.errors as pa_errors
 
-from kimi_pipeline.data.rows import as_messages, label_value_problem, normalize_problem, prompt_problem
+from kimi_pipeline.data.rows import (as_messages, label_value_problem, normalize_problem, problem_signature,
+                                     prompt_problem)
 from kimi_pipeline.data.schemas import row_schema
 from kimi_pipeline.errors import PermanentError
 from kimi_pipeline.recipes import Recipe
@@ -172,15 +173,24 @@ def _reason_kind(message: str) -> str:
     return message.split("(")[0].strip()[:60]
 
 
-def contamination(train_rows: list[dict], eval_rows: list[dict], key: str) -> dict[str, Any]:
-    """Eval problems whose normalized text also appears in train (prompt overlap)."""
-    train_keys = {normalize_problem(r[key]) for r in train_rows}
-    hits = [r for r in eval_rows if normalize_problem(r[key]) in train_keys]
+def contamination(train_rows: list[dict], eval_rows: list[dict], key: str, label_key: str = "label") -> dict[str, Any]:
+    """Eval problems that also occur in train: the same normalized text, or an equivalent problem (the same
+    numbers in any order, any wording, the same answer: `problem_signature`), e.g. 2+3 in eval vs 3+2 in train."""
+    train_text = {normalize_problem(r[key]) for r in train_rows}
+    train_sig = {s for r in train_rows if (s := problem_signature(r[key], r.get(label_key))) is not None}
+    hits = []
+    for r in eval_rows:
+        if normalize_problem(r[key]) in train_text:
+            hits.append((r, "same text"))
+        elif problem_signature(r[key], r.get(label_key)) in train_sig:
+            hits.append((r, "equivalent (same numbers and answer)"))
     return {
         "overlap": len(hits),
         "eval_rows": len(eval_rows),
         "fraction": round(len(hits) / len(eval_rows), 6) if eval_rows else 0.0,
-        "examples": [{"line": r["_source_line"], "prompt": normalize_problem(r[key])[:200]} for r in hits[:5]],
+        "equivalent": sum(1 for _, why in hits if why != "same text"),
+        "examples": [{"line": r["_source_line"], "prompt": normalize_problem(r[key])[:200], "match": why}
+                     for r, why in hits[:5]],
     }
 
 
@@ -197,7 +207,7 @@ def run_validate(recipe: Recipe, run_dir: Path, train_path: Path, eval_path: Pat
         stats["examples"] = [{"line": b["line"], "reasons": b["reasons"], "raw": b["raw"][:300]} for b in bad[:5]]
         splits[split] = stats
         clean[split] = rows
-    cont = contamination(clean["train"], clean["eval"], recipe.data.input_key)
+    cont = contamination(clean["train"], clean["eval"], recipe.data.input_key, recipe.data.label_key)
     section = {
         "rows": sum(s["rows"] for s in splits.values()),
         "bad_rows": sum(s["bad_rows"] for s in splits.values()),
@@ -216,7 +226,9 @@ def run_validate(recipe: Recipe, run_dir: Path, train_path: Path, eval_path: Pat
     if cont["fraction"] > recipe.data.max_contamination:
         failures.append(
             f"contamination: {cont['overlap']}/{cont['eval_rows']} eval prompts also appear in train "
-            f"({cont['fraction']:.2%} > data.max_contamination={recipe.data.max_contamination:.2%})"
+            f"({cont['equivalent']} as equivalent problems: same numbers and answer, reordered or reworded) "
+            f"({cont['fraction']:.2%} > data.max_contamination={recipe.data.max_contamination:.2%}); "
+            f"first eval lines: {[e['line'] for e in cont['examples']]}"
         )
     section["passed"] = not failures
     atomic_write_json(out / "report.json", section)

@@ -152,6 +152,29 @@ class _CpuTorch:
         return attr
 
 
+class _FusedAdamTorch:
+    """A view of `torch` for megatron's optimizer factory: its torch Adam/AdamW (the fallback without TE/apex) is
+    built with `fused=True`, torch's one-kernel CPU Adam. The default per-tensor loop costs ~6 small ops for each
+    of the 146 parameter tensors of tiny (every routed expert is its own tensor): measured 2x slower per step."""
+
+    def __init__(self, real: Any) -> None:
+        object.__setattr__(self, "_real", real)
+        object.__setattr__(self, "optim", _FusedAdamOptim(real.optim))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+
+class _FusedAdamOptim:
+    def __init__(self, real: Any) -> None:
+        self._real = real
+        self.Adam = functools.partial(real.Adam, fused=True)
+        self.AdamW = functools.partial(real.AdamW, fused=True)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+
 @contextlib.contextmanager
 def _cuda_type_names():
     """Make `tensor.type()` report `torch.cuda.*Tensor` names, which megatron's optimizers require."""
@@ -300,6 +323,101 @@ def _unshare_adam_steps(original: Callable) -> Callable:
     return load_state_dict
 
 
+def _skip_identity_sort(original: Callable) -> Callable:
+    """With EP x TP = 1 the dispatcher's 'sort chunks by local expert' permutation is the identity, yet it
+    splits and re-concatenates every token (forward and backward): ~20 % of a CPU training step."""
+
+    @functools.wraps(original)
+    def sort_chunks_by_idxs(input: torch.Tensor, split_sizes: torch.Tensor, sorted_idxs: torch.Tensor,
+                            probs: torch.Tensor | None = None, fused: bool = False):
+        if not fused and torch.equal(sorted_idxs.cpu(), torch.arange(sorted_idxs.numel())):
+            return input, probs
+        return original(input, split_sizes, sorted_idxs, probs=probs, fused=fused)
+
+    return sort_chunks_by_idxs
+
+
+def _unpermute_with_index_add(original: Callable) -> Callable:
+    """The non-deterministic unpermute scatter_adds with an expanded [tokens, hidden] index, whose backward is a
+    gather that costs ~7 ms per MoE layer on CPU; index_add (megatron's own deterministic branch) sums the same
+    rows and its backward is an index_select."""
+
+    @functools.wraps(original)
+    def unpermute(permuted_tokens: torch.Tensor, sorted_indices: torch.Tensor, restore_shape: torch.Size,
+                  probs: torch.Tensor | None = None, routing_map: torch.Tensor | None = None,
+                  fused: bool = False, drop_and_pad: bool = False) -> torch.Tensor:
+        if fused or drop_and_pad or probs is not None:
+            return original(permuted_tokens, sorted_indices, restore_shape, probs=probs, routing_map=routing_map,
+                            fused=fused, drop_and_pad=drop_and_pad)
+        out = permuted_tokens.new_zeros(restore_shape)
+        return out.index_add_(0, sorted_indices, permuted_tokens)
+
+    return unpermute
+
+
+def _plain_linear_without_tp(original: Callable) -> Callable:
+    """With nothing to communicate or fuse (TP = 1 or expert-TP = 1, no sequence parallel, no wgrad fusion), megatron's
+    Linear still runs its Python autograd Function (~21 calls per tiny step); torch's own linear computes the same
+    values and gradients (DDP's grad hooks see the same param.grad)."""
+
+    @functools.wraps(original)
+    def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gradient_accumulation_fusion: bool,
+               allreduce_dgrad: bool, sequence_parallel: bool, grad_output_buffer: Any = None,
+               wgrad_deferral_limit: Any = 0, async_grad_allreduce: Any = None, tp_group: Any = None):
+        if (gradient_accumulation_fusion or allreduce_dgrad or sequence_parallel or grad_output_buffer is not None
+                or async_grad_allreduce):
+            return original(input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
+                            grad_output_buffer, wgrad_deferral_limit, async_grad_allreduce, tp_group)
+        return torch.nn.functional.linear(input, weight, bias)
+
+    return linear
+
+
+class _DoneWork:
+    """A finished collective's handle (what `wait()` callers expect)."""
+
+    def wait(self, *args: Any, **kwargs: Any) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+def _one_rank(group: Any) -> bool:
+    return group is not None and group.size() == 1
+
+
+def _local_when_one_rank(original: Callable) -> Callable:
+    """DDP's grad reduce-scatter / param all-gather over a 1-rank group is a copy, yet gloo runs it on its own
+    thread, whose parallel copy of the multi-MB buffer starts a second OpenMP team: from then on every op of the
+    training step ran at one-thread speed (measured: forward 53 -> 78 ms at 2 threads). Copy locally instead."""
+
+    @functools.wraps(original)
+    def collective(output: torch.Tensor, input_: torch.Tensor, *args: Any, group: Any = None, async_op: bool = False,
+                   **kwargs: Any):
+        if not _one_rank(group):
+            return original(output, input_, *args, group=group, async_op=async_op, **kwargs)
+        if output.data_ptr() != input_.data_ptr():
+            output.view(-1).copy_(input_.reshape(-1))
+        return _DoneWork() if async_op else None
+
+    return collective
+
+
+def _coalescing_when_one_rank(original: Callable) -> Callable:
+    """The coalescing context around those collectives: nothing to coalesce on a 1-rank group."""
+
+    @contextlib.contextmanager
+    def coalescing_manager(group: Any = None, device: Any = None, async_ops: bool = False):
+        if _one_rank(group):
+            yield _DoneWork()
+            return
+        with original(group, device, async_ops) as cm:
+            yield cm
+
+    return coalescing_manager
+
+
 def _noop(*args: Any, **kwargs: Any) -> None:
     return None
 
@@ -334,6 +452,22 @@ PATCHES: list[Patch] = [
           lambda orig: _router_gating_linear),
     Patch("megatron.core.transformer.moe.token_dispatcher", "all_to_all",
           "expert all-to-all passes tensor split sizes; gloo accepts int lists only", _split_sizes_as_lists),
+    Patch("megatron.core.tensor_parallel.layers", "linear_with_grad_accumulation_and_async_allreduce",
+          "speed: megatron's Python autograd Linear where it has nothing to communicate; torch's linear instead",
+          _plain_linear_without_tp),
+    Patch("megatron.core.transformer.moe.token_dispatcher", "sort_chunks_by_idxs",
+          "speed: an identity expert sort (EP x TP = 1) still copies every token twice per layer", _skip_identity_sort),
+    Patch("megatron.core.transformer.moe.token_dispatcher", "unpermute",
+          "speed: scatter_add with an expanded index has a slow CPU backward; index_add sums the same rows",
+          _unpermute_with_index_add),
+    Patch("megatron.core.distributed.param_and_grad_buffer", "dist_all_gather_func",
+          "speed: a 1-rank param all-gather on gloo's thread leaves the trainer at one-thread speed",
+          _local_when_one_rank),
+    Patch("megatron.core.distributed.param_and_grad_buffer", "dist_reduce_scatter_func",
+          "speed: a 1-rank grad reduce-scatter on gloo's thread leaves the trainer at one-thread speed",
+          _local_when_one_rank),
+    Patch("megatron.core.distributed.param_and_grad_buffer", "_coalescing_manager",
+          "the coalescing context of those 1-rank collectives has nothing to coalesce", _coalescing_when_one_rank),
     Patch("megatron.core.tensor_parallel.mappings", "_gather_along_first_dim",
           "uneven all_gather (MoE tokens under TP x EP) is unsupported by gloo", _uneven_gather),
     Patch("megatron.core.tensor_parallel.mappings", "_reduce_scatter_along_first_dim",
@@ -351,6 +485,8 @@ PATCHES: list[Patch] = [
           _CpuTorch),
     Patch("megatron.core.optimizer.clip_grads", "l2_norm_impl",
           "the local l2-norm fallback returns its result on device='cuda'", lambda orig: _l2_norm),
+    Patch("megatron.core.optimizer", "torch", "speed: torch's per-tensor CPU Adam loop; build it fused",
+          _FusedAdamTorch),
     Patch("megatron.core.optimizer.optimizer", "torch", "found_inf / scale buffers are created with device='cuda'",
           _CpuTorch),
     Patch("megatron.core.pipeline_parallel.schedules", "torch", "token counters are created with device='cuda'",

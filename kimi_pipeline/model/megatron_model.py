@@ -193,7 +193,29 @@ def _local_mla_core_attention() -> type:
             if v_channels is not None and v_channels != self.config.kv_channels:
                 raise ValueError(f"local MLA attention needs config.kv_channels == v_head_dim ({v_channels})")
 
+        def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                    packed_seq_params=None):
+            """Causal attention through torch's fused SDPA (measured 2x faster fwd+bwd than megatron's local
+            baddbmm + masked softmax + bmm on CPU, equal to float rounding); anything else goes to megatron."""
+            dropout = self.attention_dropout.p if self.training else 0.0
+            if (dropout or attention_bias is not None or packed_seq_params is not None
+                    or self.softmax_offset is not None or query.shape[2] != key.shape[2]
+                    or not _is_causal(attention_mask, query.shape[0], key.shape[0])):
+                return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias,
+                                       packed_seq_params)
+            # [s, b, n, d] -> [b, n, s, d], contiguous: strided inputs drop SDPA to its slow math path on CPU
+            q, k, v = (t.permute(1, 2, 0, 3).contiguous() for t in (query, key, value))
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
+            return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)  # [s, b, n * dv]
+
     return MLADotProductAttention
+
+
+def _is_causal(mask: torch.Tensor | None, sq: int, sk: int) -> bool:
+    """Whether megatron's explicit mask (True = masked) is the plain causal one, which SDPA builds itself."""
+    if mask is None or sq != sk or mask.dtype != torch.bool or mask.shape[-2:] != (sq, sk) or mask.numel() != sq * sk:
+        return False
+    return bool(torch.equal(mask.reshape(sq, sk), causal_mask(sq, device=mask.device)[0, 0]))
 
 
 # transformers' DeepSeek-V3 builds q_a_layernorm / kv_a_layernorm with RMSNorm's default eps (1e-6), not
@@ -225,6 +247,9 @@ def decoder_block_spec(config, use_te: bool, pp_rank: int | None = None):
     if not use_te:
         from megatron.core.post_training.modelopt.layers import Linear
         from megatron.core.transformer.mlp import MLP
+        from megatron.core.transformer.moe.experts import SequentialMLP
+
+        from kimi_pipeline.model.grouped_experts import grouped_sequential_mlp
 
         attention = _local_mla_core_attention()
         for layer in block.layer_specs:
@@ -240,6 +265,9 @@ def decoder_block_spec(config, use_te: bool, pp_rank: int | None = None):
             sub.sharded_state_dict_keys_map = dict(LOCAL_TO_TE_CHECKPOINT_KEYS)
             if sub.mlp.module is MLP:  # dense layer: TE fuses this norm into fc1
                 sub.sharded_state_dict_keys_map.update(LOCAL_TO_TE_DENSE_KEYS)
+            experts = getattr(getattr(sub.mlp, "submodules", None), "experts", None)
+            if experts is not None and experts.module is SequentialMLP:  # same params, grouped GEMMs
+                experts.module = grouped_sequential_mlp()
     return block
 
 

@@ -27,6 +27,7 @@ from kimi_pipeline.model.megatron_model import build_model, causal_mask, check_p
 from kimi_pipeline.model.parallel import Layout
 from kimi_pipeline.recipes.models import ModelSpec, OptimizerSpec
 from kimi_pipeline.util.files import atomic_write_json, atomic_write_text
+from kimi_pipeline.util.threads import one_intraop_thread_for_helpers
 
 log = logging.getLogger(__name__)
 
@@ -274,12 +275,14 @@ def _broadcast_from_last_stage(t: torch.Tensor | None, shape: tuple[int, ...]) -
 
 @torch.no_grad()
 def token_logprobs(
-    model_chunks, tokens: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0, micro_batch_size: int | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
+    model_chunks, tokens: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0,
+    micro_batch_size: int | None = None, with_entropy: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(logprobs, entropy) [b, s] of `targets` under the model, on every rank (no grad).
 
     `targets[:, t]` is the token predicted at position t (usually tokens shifted left; pad the end).
     Runs the forward schedule, so pipeline parallelism works; results go to all pipeline stages.
+    `with_entropy=False` skips the entropy (a full-vocab pass) and returns None for it.
     """
     chunks = model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]
     for m in chunks:
@@ -290,7 +293,7 @@ def token_logprobs(
     ]
 
     def collect(logits, batch):
-        lp, ent = logprobs_from_logits(logits, batch["targets"], temperature=temperature)
+        lp, ent = logprobs_from_logits(logits, batch["targets"], temperature=temperature, with_entropy=with_entropy)
         return lp.sum() * 0, 1, {"logprobs": lp, "entropy": ent}
 
     try:
@@ -299,8 +302,10 @@ def token_logprobs(
         for m in chunks:
             m.train()
     lp = torch.cat([o["logprobs"] for o in out]) if out else None
-    ent = torch.cat([o["entropy"] for o in out]) if out else None
     shape = tuple(targets.shape)
+    if not with_entropy:
+        return _broadcast_from_last_stage(lp, shape), None
+    ent = torch.cat([o["entropy"] for o in out]) if out else None
     return _broadcast_from_last_stage(lp, shape), _broadcast_from_last_stage(ent, shape)
 
 
@@ -422,6 +427,7 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+@one_intraop_thread_for_helpers()
 def save_checkpoint(ckpt_dir: str | Path, step: int, model_chunks, optimizer, extra: dict | None = None) -> Path:
     """Model + optimizer (+ per-rank RNG + JSON `extra`) as megatron torch_dist `iter_{step:07d}`.
 
@@ -438,6 +444,7 @@ def save_checkpoint(ckpt_dir: str | Path, step: int, model_chunks, optimizer, ex
     return _save(Path(ckpt_dir), step, state, extra)
 
 
+@one_intraop_thread_for_helpers()
 def save_model_only(ckpt_dir: str | Path, model_chunks, step: int = 0, extra: dict | None = None) -> Path:
     """Weights only, in the layout Megatron `--load` reads (the converter's output)."""
     state = {
@@ -467,6 +474,7 @@ def _load_model_state(model_chunks, loaded: dict) -> None:
     _unwrapped(model_chunks).load_state_dict(loaded["model"], strict=True)
 
 
+@one_intraop_thread_for_helpers()
 def load_checkpoint(
     ckpt_dir: str | Path,
     model_chunks,
@@ -522,6 +530,7 @@ def _ensure_optimizer_state(optimizer) -> None:
                     inner.state[p].setdefault("step", torch.tensor(0.0))
 
 
+@one_intraop_thread_for_helpers()
 def load_model_only(ckpt_dir: str | Path, model_chunks, step: int | None = None) -> int:
     """Load weights from a torch_dist checkpoint (e.g. the converter's) into a model; returns the step."""
     from megatron.core import dist_checkpointing

@@ -173,6 +173,8 @@ class RolloutSpec(Section):
     use_dynamic_global_batch_size: bool = False
     over_sampling_batch_size: int | None = Field(None, gt=0)
     dynamic_sampling: bool = Field(False, description="keep only groups with reward std > 1e-8")
+    dynamic_sampling_max_draws: int = Field(
+        4, gt=0, description="over-sampled batches drawn per rollout before training on the groups found so far")
     shuffle: bool = True
     balance_data: bool = True
     rm_type: Literal["math", "deepscaler"] = "math"

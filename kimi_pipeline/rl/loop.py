@@ -24,6 +24,7 @@ from kimi_pipeline.errors import PermanentError
 from kimi_pipeline.model.tokenizer import load_tokenizer
 from kimi_pipeline.recipes import Recipe
 from kimi_pipeline.report.metrics import MetricsLog, first_last_mean, open_wandb, read_jsonl
+from kimi_pipeline.report.progress import TrainProgress
 from kimi_pipeline.rl.prompts import Prompt, PromptStream, load_prompts
 from kimi_pipeline.rl.samples import Sample
 
@@ -168,11 +169,17 @@ def rollout(client, tokenizer, reward, stream: PromptStream, recipe: Recipe, ste
         from kimi_pipeline.rl.sampling import collect_groups
 
         per_draw = ro.over_sampling_batch_size or ro.rollout_batch_size
-        kept, _surplus, report = collect_groups(
-            lambda d: generate_groups(client, tokenizer, reward, stream.take(per_draw), recipe,
-                                      rollout_seed(recipe, step) * 31 + d, first_group=d * per_draw),
-            target=ro.rollout_batch_size, max_draws=4,
-            rewards_of=lambda grp: [s.reward for s in grp])
+        seen: list[Sample] = []  # every sample drawn: the policy's reward, not the filtered batch's
+
+        def draw(d: int) -> list[list[Sample]]:
+            drawn = generate_groups(client, tokenizer, reward, stream.take(per_draw), recipe,
+                                    rollout_seed(recipe, step) * 31 + d, first_group=d * per_draw)
+            seen.extend(s for g in drawn for s in g)
+            return drawn
+
+        kept, _surplus, report = collect_groups(draw, target=ro.rollout_batch_size,
+                                                max_draws=ro.dynamic_sampling_max_draws,
+                                                rewards_of=lambda grp: [s.reward for s in grp])
         groups, extra = kept, {"dynamic_kept_groups": float(report.kept), "dynamic_dropped_groups": float(report.dropped),
                                "dynamic_draws": float(report.draws)}
         if not groups:  # every group was all-right or all-wrong: nothing to learn from this rollout
@@ -181,28 +188,33 @@ def rollout(client, tokenizer, reward, stream: PromptStream, recipe: Recipe, ste
     else:
         groups = generate_groups(client, tokenizer, reward, stream.take(ro.rollout_batch_size), recipe,
                                  rollout_seed(recipe, step))
-        extra = {}
+        seen, extra = [], {}
     gen_seconds = time.perf_counter() - t0
     samples = [s for g in groups for s in g]
+    seen = seen or samples
     rewards = torch.tensor([s.reward for s in samples])
+    if ro.dynamic_sampling:
+        extra["reward_trained_mean"] = float(rewards.mean())
+    seen_rewards = torch.tensor([s.reward for s in seen])
     adv = group_advantages(rewards, ro.n_samples_per_prompt)
     for s, a in zip(samples, adv.tolist()):
         s.advantage = float(a)
     n = ro.n_samples_per_prompt
-    per_group = rewards.view(-1, n)
-    lengths = [len(s.response_ids) for s in samples]
+    lengths = [len(s.response_ids) for s in seen]
     out_tokens = sum(lengths)
+    seen_groups = seen_rewards.view(-1, n)
     metrics = {
-        "reward_mean": float(rewards.mean()),
-        "reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,
-        "solved_group_fraction": float((per_group.max(dim=1).values > 0.5).float().mean()),
-        "all_solved_group_fraction": float((per_group.min(dim=1).values > 0.5).float().mean()),
-        "response_len_mean": out_tokens / len(samples),
+        "reward_mean": float(seen_rewards.mean()),  # over every sample drawn (dynamic sampling keeps a subset)
+        "reward_std": float(seen_rewards.std()) if len(seen_rewards) > 1 else 0.0,
+        "solved_group_fraction": float((seen_groups.max(dim=1).values > 0.5).float().mean()),
+        "all_solved_group_fraction": float((seen_groups.min(dim=1).values > 0.5).float().mean()),
+        "response_len_mean": out_tokens / len(seen),
         "response_len_max": float(max(lengths)),
-        "truncated_fraction": sum(s.finish_reason == "length" for s in samples) / len(samples),
+        "truncated_fraction": sum(s.finish_reason == "length" for s in seen) / len(seen),
         "rollout_seconds": gen_seconds,
         "rollout_tokens_per_s": out_tokens / gen_seconds if gen_seconds > 0 else 0.0,
         "samples": float(len(samples)),
+        "samples_drawn": float(len(seen)),
         "reward_timeouts": float(reward.last_stats.as_dict().get("timeouts", 0)),
         **extra,
     }
@@ -275,8 +287,10 @@ def run_training(
         ray.get([w.sync_weights.remote(urls, str(start)) for w in workers])
         m = recipe.model
         router = Router(urls, num_layers=m.num_layers, topk=m.moe_router_topk, first_k_dense=m.first_k_dense)
+        progress = TrainProgress(total, start)
         if evaluate and start == 0:
-            evaluate(0, urls)
+            progress.log_eval(0, evaluate(0, urls))
+        progress.start_clock()
         end = total if stop_after is None else min(total, stop_after)
         for step in range(start, end):
             t0 = time.perf_counter()
@@ -285,6 +299,7 @@ def run_training(
             sync = _merge_rank_metrics(ray.get([w.sync_weights.remote(urls, str(step + 1)) for w in workers]))
             row = {"step": step + 1, **row, **train, **sync, "step_seconds": time.perf_counter() - t0}
             metrics_log.log(row)
+            progress.log_step(row)
             done = step + 1
             if done % recipe.checkpoint.save_interval == 0 or done == total:
                 state = {"step": done, "data": stream.state()}
@@ -292,7 +307,7 @@ def run_training(
             if on_step:
                 on_step(row)
             if evaluate and (done % recipe.eval.interval == 0 or done == total):
-                evaluate(done, urls)
+                progress.log_eval(done, evaluate(done, urls))
     except ray.exceptions.RayError as e:
         raise TrainingError(f"training actors failed ({type(e).__name__}): {str(e).splitlines()[0][:300]}; "
                             "a retry resumes from the latest checkpoint") from e

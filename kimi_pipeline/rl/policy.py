@@ -164,7 +164,7 @@ class PolicyWorker:
         mbs = [collate([samples[i] for i in mb], mb, pad_id=0) for mb in plan.ranks[0] if mb]
         for mb in mbs:
             lp, _ = self._with_replay([mb], lambda mb=mb: token_logprobs(model_chunks, mb.tokens, mb.targets,
-                                                                          temperature=temperature))
+                                                                          temperature=temperature, with_entropy=False))
             for row, i in enumerate(mb.index):
                 out[i] = response_values(lp[row], samples[i])
         return out  # type: ignore[return-value]

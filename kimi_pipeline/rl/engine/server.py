@@ -44,6 +44,7 @@ from pydantic import BaseModel, ConfigDict
 
 from kimi_pipeline.rl.engine.model import EngineModel, EngineWeightError, config_summary, iter_safetensors
 from kimi_pipeline.rl.engine.sampler import FINISH_ABORT, Completion, EngineInputError, RolloutEngine, SamplingParams
+from kimi_pipeline.util.threads import one_intraop_thread_for_helpers
 
 log = logging.getLogger(__name__)
 
@@ -359,7 +360,7 @@ class EngineServer:
                 named = {}
                 for blob in req.serialized_named_tensors:
                     named.update(load_safetensors(base64.b64decode(blob)))
-                with engine.model_lock:
+                with engine.model_lock, one_intraop_thread_for_helpers():  # a request thread: see util/threads.py
                     names = engine.model.load_weights(named)
                     if req.weight_version is not None:
                         engine.weight_version = req.weight_version
@@ -373,7 +374,7 @@ class EngineServer:
         @app.post("/update_weights_from_disk")
         def update_weights_from_disk(req: DiskUpdate):
             try:
-                with engine.model_lock:
+                with engine.model_lock, one_intraop_thread_for_helpers():
                     names = engine.model.load_weights(iter_safetensors(req.model_path), strict=True)
                     if req.weight_version is not None:
                         engine.weight_version = req.weight_version
