@@ -22,6 +22,25 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "data" / "tiny"
 
 
+# Runs whose metrics are compared bit for bit (kill -9 + retry vs an uninterrupted run) use one intra-op thread
+# per process: a multi-threaded CPU reduction may split work differently from one process to the next, and
+# on the tiny model a 1e-7 difference can flip a near-tied expert choice (CI saw two runs differ at step 1).
+REPRODUCIBLE = ["cluster.cpus_per_node=1"]
+
+
+def assert_same_rows(got: list[dict], expected: list[dict], resumed_after: int) -> None:
+    """Metrics rows equal, or a failure naming the first step/keys that differ and whether that step ran
+    before the checkpoint the retry resumed from (then the runs themselves are not reproducible)."""
+    for g, e in zip(got, expected):
+        diff = sorted((k, g.get(k), e.get(k)) for k in set(g) | set(e) if g.get(k) != e.get(k))
+        if diff:
+            where = (f"before the step-{resumed_after} checkpoint the retry resumed from: two uninterrupted "
+                     "processes already disagree (not a resume bug)" if g["step"] <= resumed_after
+                     else f"after resuming from the step-{resumed_after} checkpoint")
+            pytest.fail(f"step {g['step']} differs {where}: (key, got, expected) {diff[:10]}")
+    assert [r["step"] for r in got] == [r["step"] for r in expected]
+
+
 @pytest.fixture
 def tiny_copy(tmp_path: Path) -> Path:
     """A writable copy of data/tiny (tests corrupt or edit it)."""

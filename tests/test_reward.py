@@ -78,15 +78,25 @@ def test_math_hand_cases(response, label, expected):
     ],
 )
 def test_strict_parse_rejects_sloppy_endings(response):
-    assert extract_answer(response, "math") is None
-    assert grade(response, "9", "math") == 0.0
-    assert grade(response, "9", "deepscaler") == 0.0
+    assert extract_answer(response, "math", strict=True) is None
+    assert grade(response, "9", "math", strict=True) == 0.0
+    assert grade(response, "9", "deepscaler", strict=True) == 0.0
 
 
-def test_non_strict_mode_takes_the_last_box_anywhere():
-    assert grade("\\boxed{9} and then some more text", "9", "deepscaler", strict=False) == 1.0
-    assert grade("so \\boxed{8}, no wait \\boxed{9}. Done.", "9", "deepscaler", strict=False) == 1.0
-    assert grade("\\boxed{9", "9", "deepscaler", strict=False) == 0.0
+def test_default_is_the_seeds_deepscaler_semantics():
+    """The seeds' reward: the last box of the answer region, whatever follows it; `###Response` splits too."""
+    for rm in ("math", "deepscaler"):
+        assert grade("\\boxed{5}. I hope this helps!", "5", rm) == 1.0
+        assert grade("\\boxed{9} and then some more text", "9", rm) == 1.0
+        assert grade("so \\boxed{8}, no wait \\boxed{9}. Done.", "9", rm) == 1.0
+        assert grade("\\boxed{9", "9", rm) == 0.0  # never closed
+        assert grade("<think>\\boxed{5}</think>So: \\boxed{5}. I hope this helps!", "5", rm, thinking=True) == 1.0
+    # upstream deepscaler: no </think> -> the text after ###Response
+    assert grade("draft \\boxed{3} ###Response The answer is \\boxed{5}, done.", "5", "deepscaler", thinking=True) == 1.0
+    assert grade("###Response \\boxed{5}", "3", "deepscaler", thinking=True) == 0.0
+    assert grade("\\boxed{3} ###Response nothing boxed here", "3", "deepscaler", thinking=True) == 0.0
+    assert grade("no marker at all \\boxed{5}", "5", "deepscaler", thinking=True) == 0.0  # never answered
+    assert grade("###Response \\boxed{5}", "5", "math", thinking=True) == 0.0  # the split is deepscaler's only
 
 
 def test_thinking_models_must_close_their_thinking():

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import tiny_overrides
+from conftest import REPRODUCIBLE, assert_same_rows, tiny_overrides
 
 pytestmark = pytest.mark.slow
 
@@ -139,7 +139,7 @@ def test_kill_9_then_retry_resumes_with_identical_metrics(prepared, ray_local, t
     from kimi_pipeline.rl.stage import stage_train
 
     tiny, base = prepared
-    r = _recipe(tiny)
+    r = _recipe(tiny, REPRODUCIBLE)
     straight = _copy_run(base, tmp_path / "straight")
     stage_train(r, straight, evaluate=lambda step, urls: {})
     expected = [_stable(x) for x in _rows(straight)]
@@ -157,7 +157,7 @@ def test_kill_9_then_retry_resumes_with_identical_metrics(prepared, ray_local, t
         stage_train(r, crashed, evaluate=lambda step, urls: {}, on_step=kill_trainer)
     assert json.loads((crashed / "summary.json").read_text())["stages"]["train"]["status"] == "failed"
     stage_train(r, crashed, evaluate=lambda step, urls: {})  # the retry
-    assert [_stable(x) for x in _rows(crashed)] == expected
+    assert_same_rows([_stable(x) for x in _rows(crashed)], expected, resumed_after=2)
 
 
 def _trainer_pids() -> list[int]:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from kimi_pipeline.eval.metrics import summarize
+from kimi_pipeline.model.tokenizer import decode_responses
 from kimi_pipeline.recipes.models import EvalSpec
 from kimi_pipeline.report.metrics import read_jsonl
 from kimi_pipeline.rl.prompts import Prompt
@@ -26,7 +27,8 @@ def eval_step_path(out_dir: Path, step: int) -> Path:
 
 
 def evaluate(client, tokenizer, prompts: list[Prompt], spec: EvalSpec, *, step: int, seed: int, rm_type: str,
-             thinking: bool = False, out_dir: str | Path | None = None, top_k: int = -1) -> dict[str, Any]:
+             thinking: bool = False, strict: bool = False, out_dir: str | Path | None = None,
+             top_k: int = -1) -> dict[str, Any]:
     """Evaluate the engines' current weights; write the per-problem table and append eval.jsonl."""
     from kimi_pipeline.rl.engine.sampler import SamplingParams
     from kimi_pipeline.rl.reward import RewardModel
@@ -36,9 +38,9 @@ def evaluate(client, tokenizer, prompts: list[Prompt], spec: EvalSpec, *, step: 
     params = SamplingParams(temperature=spec.temperature, top_p=spec.top_p, top_k=top_k,
                             max_new_tokens=spec.max_response_len, seed=seed + EVAL_SEED_OFFSET + step)
     completions = client.generate([p.ids for p in prompts], n=n, params=params)
-    texts = tokenizer.batch_decode([c.output_ids for c in completions], skip_special_tokens=True)
+    texts = decode_responses(tokenizer, [c.output_ids for c in completions])
     labels = [p.label for p in prompts for _ in range(n)]
-    with RewardModel(rm_type, thinking) as rm:
+    with RewardModel(rm_type, thinking, strict=strict) as rm:
         rewards = rm.score(texts, labels)
         answers = rm.answers(texts)
         stats = rm.last_stats.as_dict()

@@ -34,8 +34,8 @@ def run_eval_step(recipe: Recipe, run_dir: Path, step: int, engine_urls: list[st
     out_dir = Path(run_dir) / "eval"
     with Router(engine_urls) as client:
         result = evaluate(client, tokenizer, prompts, recipe.eval, step=step, seed=recipe.rollout.seed,
-                          rm_type=recipe.rollout.rm_type, thinking=recipe.rollout.thinking, out_dir=out_dir,
-                          top_k=recipe.rollout.top_k)
+                          rm_type=recipe.rollout.rm_type, thinking=recipe.rollout.thinking,
+                          strict=recipe.rollout.reward_strict, out_dir=out_dir, top_k=recipe.rollout.top_k)
     RunSummary(run_dir).upsert_row("eval", {k: result[k] for k in SUMMARY_KEYS})
     table = json.loads(eval_step_path(out_dir, step).read_text()).get("problems_table")
     return {**result, "markdown": table_markdown(result, table)}
@@ -78,7 +78,7 @@ def evaluate_checkpoint(recipe: Recipe, checkpoint: Path, run_dir: Path, *, mode
             torch.manual_seed(recipe.rollout.seed)
             return run(client, tokenizer, prompts, recipe.eval, step=step or 0, seed=recipe.rollout.seed,
                        rm_type=recipe.rollout.rm_type, thinking=recipe.rollout.thinking,
-                       out_dir=Path(run_dir) / "eval", top_k=recipe.rollout.top_k)
+                       strict=recipe.rollout.reward_strict, out_dir=Path(run_dir) / "eval", top_k=recipe.rollout.top_k)
 
 
 def _checkpoint_step(checkpoint: Path) -> int:

@@ -179,6 +179,8 @@ class RolloutSpec(Section):
     balance_data: bool = True
     rm_type: Literal["math", "deepscaler"] = "math"
     thinking: bool = Field(False, description="responses open with <think>…</think>: grade only the text after it")
+    reward_strict: bool = Field(
+        False, description="stricter than the seeds' reward: the answer region must END with the boxed answer")
     update_weight_buffer_size: int = Field(4 * 512 * 1024 * 1024, gt=0, description="bytes per weight-sync chunk")
     routing_replay: bool = False
     use_router: bool = False

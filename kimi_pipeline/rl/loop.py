@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from kimi_pipeline.errors import PermanentError
-from kimi_pipeline.model.tokenizer import load_tokenizer
+from kimi_pipeline.model.tokenizer import decode_responses, load_tokenizer
 from kimi_pipeline.recipes import Recipe
 from kimi_pipeline.report.metrics import MetricsLog, first_last_mean, open_wandb, read_jsonl
 from kimi_pipeline.report.progress import TrainProgress
@@ -143,7 +143,7 @@ def generate_groups(client, tokenizer, reward, prompts: list[Prompt], recipe: Re
     n = ro.n_samples_per_prompt
     completions = client.generate([p.ids for p in prompts], n=n, params=params,
                                   return_routed_experts=ro.routing_replay)
-    texts = tokenizer.batch_decode([c.output_ids for c in completions], skip_special_tokens=True)
+    texts = decode_responses(tokenizer, [c.output_ids for c in completions])
     rewards = reward.score(texts, [p.label for p in prompts for _ in range(n)])
     groups: list[list[Sample]] = []
     for g, p in enumerate(prompts):
@@ -273,7 +273,7 @@ def run_training(
                                                                                           exclude={"hub": {"token"}}))
     metrics_log = MetricsLog(paths.metrics, tensorboard_dir=paths.tensorboard, wandb_run=wandb_run)
     engines, workers, router = [], [], None
-    reward = RewardModel(recipe.rollout.rm_type, recipe.rollout.thinking)
+    reward = RewardModel(recipe.rollout.rm_type, recipe.rollout.thinking, strict=recipe.rollout.reward_strict)
     try:
         engines, urls = _start_engines(recipe, model_dir, ray)
         workers = _start_trainers(recipe, ray)

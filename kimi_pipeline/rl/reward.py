@@ -8,17 +8,19 @@ Two variants (recipe field `rollout.rm_type`):
 * ``deepscaler``: the final ``\\boxed{X}`` only; same fast checks, then symbolic equality with
   math-verify (sympy) in worker processes under a hard time limit.
 
-Where the answer is read:
+Where the answer is read (the seeds' deepscaler semantics by default):
 
-1. ``thinking=True``: only the text after the last ``</think>``; a response that never closes its
-   thinking gets 0 (it never answered). ``thinking=False`` still drops a ``</think>`` prefix if present.
-2. Only the last ``MAX_TAIL_CHARS`` characters are searched (megabytes of text cost nothing).
-3. Strict parsing (default): the response must END with the boxed answer. After it only whitespace,
+1. The answer region: the text after the last ``</think>``. With ``deepscaler`` and no ``</think>``, the
+   text after ``###Response`` (as upstream deepscaler splits). A ``thinking=True`` response with neither
+   gets 0 (it never answered); ``thinking=False`` grades the whole response.
+2. Only the last ``MAX_TAIL_CHARS`` characters of the region are searched (megabytes of text cost nothing).
+3. Default (``strict=False``, the seeds' behaviour): the last ``\\boxed{…}`` of the region by brace
+   matching, whatever follows it (``… \\boxed{5}. I hope this helps!`` scores). ``math`` falls back to a
+   last line ``Answer: X`` when there is no box. ``strict=True`` (recipe ``rollout.reward_strict``) is an
+   explicit, stricter option: the region must END with the boxed answer — after it only whitespace,
    end-of-turn special tokens (``<|im_end|>``, ``[EOS]``, ``</s>``), closing math delimiters
-   (``$``, ``\\]``, ``\\)``) and at most ``MAX_TRAILER_CHARS`` of ``.,;!*`` may follow. The braces are
-   matched backwards from the end, so ``\\boxed{9}}}}`` or ``\\boxed{9} then more text`` earn 0 — a
-   loose parser rewards the former and the policy learns to spam braces. ``strict=False`` takes the
-   last ``\\boxed{…}`` anywhere, as upstream deepscaler does (for grading other people's models).
+   (``$``, ``\\]``, ``\\)``) and at most ``MAX_TRAILER_CHARS`` of ``.,;!*``; braces are matched backwards
+   from the end, so ``\\boxed{9}}}}`` earns 0 (a policy can learn to spam braces under a loose parser).
 4. A boxed answer longer than ``MAX_ANSWER_CHARS`` earns 0 without being parsed.
 
 Why processes, not signals: sympy can spin inside C (big-integer powers, factorials) where
@@ -53,6 +55,7 @@ log = logging.getLogger(__name__)
 RmType = Literal["math", "deepscaler"]
 RM_TYPES: tuple[str, ...] = ("math", "deepscaler")
 THINK_CLOSE = "</think>"
+RESPONSE_MARK = "###Response"  # upstream deepscaler's split when there is no </think>
 MAX_TAIL_CHARS = 4096
 MAX_ANSWER_CHARS = 256
 MAX_LABEL_CHARS = 1024
@@ -74,16 +77,14 @@ _BOX_COMMANDS = ("\\boxed", "\\fbox")
 _ANSWER_LINE = re.compile(r"\s*(?:\*\*)?answer\s*(?:\*\*)?\s*:\s*(?:\*\*)?\s*(.+?)\s*", re.IGNORECASE)
 
 
-def _answer_region(response: str, thinking: bool) -> str | None:
+def _answer_region(response: str, thinking: bool, rm_type: str = "math") -> str | None:
     """The part of a response that may hold the final answer (None: a thinking model never answered)."""
-    cut = response.rfind(THINK_CLOSE)
+    cut, mark = response.rfind(THINK_CLOSE), THINK_CLOSE
+    if cut < 0 and rm_type == "deepscaler":
+        cut, mark = response.rfind(RESPONSE_MARK), RESPONSE_MARK
     if cut < 0:
-        if thinking:
-            return None
-        region = response
-    else:
-        region = response[cut + len(THINK_CLOSE) :]
-    return region[-MAX_TAIL_CHARS:]
+        return None if thinking else response[-MAX_TAIL_CHARS:]
+    return response[cut + len(mark) :][-MAX_TAIL_CHARS:]
 
 
 def _strip_end_tokens(s: str) -> str:
@@ -171,25 +172,26 @@ def _last_boxed_anywhere(s: str) -> str | None:
 
 
 def extract_answer(
-    response: str, rm_type: RmType = "math", thinking: bool = False, strict: bool = True
+    response: str, rm_type: RmType = "math", thinking: bool = False, strict: bool = False
 ) -> str | None:
     """The final answer a response commits to (raw LaTeX), or None if it gives none we accept."""
     _check_rm_type(rm_type)
-    region = _answer_region(response, thinking)
+    region = _answer_region(response, thinking, rm_type)
     if region is None:
         return None
-    region = _strip_end_tokens(region)
+    body = _strip_end_tokens(region)
     if not strict:
-        answer = _last_boxed_anywhere(region)
+        answer = _last_boxed_anywhere(body)
     else:
-        body = _strip_trailer(region)
+        body = _strip_trailer(body)
         if body is None:
             return None
         answer = _final_boxed(body)
-        if answer is None and rm_type == "math":
-            last_line = body[body.rfind("\n") + 1 :]
-            m = _ANSWER_LINE.fullmatch(last_line[-(MAX_ANSWER_CHARS + 32) :])
-            answer = m.group(1).strip().strip("$").strip() if m else None
+    if answer is None and rm_type == "math":  # DAPO's plain "Answer: X" last line
+        body = body.rstrip()
+        last_line = body[body.rfind("\n") + 1 :]
+        m = _ANSWER_LINE.fullmatch(last_line[-(MAX_ANSWER_CHARS + 32) :])
+        answer = m.group(1).strip().strip("$").strip().rstrip(".").strip("$").strip() if m else None
     if answer is None or len(answer) > MAX_ANSWER_CHARS or not answer.strip():
         return None
     return answer
@@ -555,7 +557,7 @@ class RewardModel:
         *,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         workers: int = 2,
-        strict: bool = True,
+        strict: bool = False,
         memory_mb: int = DEFAULT_MEMORY_MB,
     ):
         _check_rm_type(rm_type)
@@ -622,7 +624,7 @@ def grade(
     rm_type: RmType = "math",
     thinking: bool = False,
     *,
-    strict: bool = True,
+    strict: bool = False,
     timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> float:
     """Grade one response (1.0 / 0.0). Symbolic checks use a shared one-worker pool, under the same limit."""
