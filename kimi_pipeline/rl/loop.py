@@ -20,11 +20,13 @@ from typing import Any
 
 import torch
 
+from kimi_pipeline.cluster.placement import create_placement_groups, remove_placement_groups
 from kimi_pipeline.errors import PermanentError
 from kimi_pipeline.model.tokenizer import decode_responses, load_tokenizer
 from kimi_pipeline.recipes import Recipe
 from kimi_pipeline.report.metrics import MetricsLog, first_last_mean, open_wandb, read_jsonl
 from kimi_pipeline.report.progress import TrainProgress
+from kimi_pipeline.rl.launch import LaunchPlan, check_launch, engine_options, plan_launch, trainer_options
 from kimi_pipeline.rl.prompts import Prompt, PromptStream, load_prompts
 from kimi_pipeline.rl.samples import Sample
 
@@ -58,14 +60,6 @@ def rollout_seed(recipe: Recipe, step: int) -> int:
 # --------------------------------------------------------------------------- actors
 
 
-def _worker_env(threads: int = 1) -> dict[str, Any]:
-    """Ray runtime env for our actors: this interpreter's packages, no torch.compile, `threads` intra-op
-    threads. Rollout and training alternate (colocated), so on CPU each may use every core of its node."""
-    env = {"TORCHDYNAMO_DISABLE": "1", "OMP_NUM_THREADS": str(max(1, threads)), "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    return {"env_vars": env}
-
-
 def _cpu_threads(recipe: Recipe, ranks_per_node: int) -> int:
     if recipe.cluster.device == "cuda":
         return 1
@@ -94,33 +88,67 @@ class EngineActor:
         self.server.stop()
 
 
-def _start_engines(recipe: Recipe, model_dir: Path, ray) -> tuple[list, list[str]]:
-    if recipe.rollout.engine == "sglang":  # GPU: one SGLang server per engine (gpus_per_engine GPUs each)
-        from kimi_pipeline.rl.engine.sglang import sglang_engine_actor
+def _free_port_on(pg, bundle: int) -> tuple[str, int]:
+    """(IP, free port) of the node holding `bundle`: rendezvous addresses must be free where they are bound."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        actor = sglang_engine_actor(recipe.sglang, recipe.cluster.gpus_per_node)
-        count = max(1, recipe.cluster.world_size // recipe.sglang.gpus_per_engine)
-        engines = [actor.remote(str(model_dir), recipe.sglang, routing_replay=recipe.rollout.routing_replay)
-                   for _ in range(count)]
-        return engines, ray.get([e.start.remote() for e in engines])
-    gpus = 1 if recipe.cluster.device == "cuda" else 0
-    actor = ray.remote(num_cpus=1, num_gpus=gpus, runtime_env=_worker_env(_cpu_threads(recipe, 1)))(EngineActor)
-    engines = [actor.remote(str(model_dir), recipe.rollout.seed, recipe.sglang.host)]
-    return engines, ray.get([e.url.remote() for e in engines])
-
-
-def _start_trainers(recipe: Recipe, ray) -> list:
     from kimi_pipeline.model.parallel import free_port
+
+    @ray.remote(num_cpus=0.01)
+    def probe() -> tuple[str, int]:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return ray.util.get_node_ip_address(), s.getsockname()[1]
+
+    if ray.is_initialized() and len(ray.nodes()) > 1:
+        return ray.get(probe.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+            pg, placement_group_bundle_index=bundle)).remote())
+    return "127.0.0.1", free_port()
+
+
+def _start_engines(recipe: Recipe, plan: LaunchPlan, pgs: dict, model_dir: Path, ray) -> tuple[list, list[str]]:
+    """One actor per engine node process, where the launch plan puts it; returns (actors, node-0 URLs)."""
+    threads = _cpu_threads(recipe, 1)
+    if recipe.rollout.engine != "sglang":  # the embedded engine (CPU, or a single GPU)
+        engines = [ray.remote(EngineActor).options(**engine_options(plan, recipe, pgs, e.id, 0, threads)).remote(
+            str(model_dir), recipe.rollout.seed, recipe.sglang.host) for e in plan.engines]
+        return engines, ray.get([e.url.remote() for e in engines])
+    from kimi_pipeline.rl.engine.sglang import SGLangEngine
+
+    actors, heads = [], []
+    for e in plan.engines:
+        slot = plan.placement.engines[e.id]
+        addr = None
+        if len(e.nodes) > 1:  # SGLang's multi-node rendezvous on the engine's node 0
+            ip, port = _free_port_on(pgs[slot.group], slot.bundles[0])
+            addr = f"{ip}:{port}"
+        for n in e.nodes:
+            actor = ray.remote(SGLangEngine).options(**engine_options(plan, recipe, pgs, e.id, n.node_rank, threads))
+            a = actor.remote(str(model_dir), recipe.sglang, gpus_per_node=recipe.cluster.gpus_per_node,
+                             node_rank=n.node_rank, dist_init_addr=addr, base_gpu_id=n.base_gpu_id,
+                             routing_replay=recipe.rollout.routing_replay, seed=recipe.rollout.seed,
+                             trust_remote_code=recipe.hub.trust_remote_code)
+            actors.append(a)
+            if n.node_rank == 0:
+                heads.append(a)
+    starts = [a.start.remote() for a in actors]
+    ray.get(starts)
+    return actors, ray.get([a.get_url.remote() for a in heads])
+
+
+def _start_trainers(recipe: Recipe, plan: LaunchPlan, pgs: dict, ray) -> list:
+    """One actor per trainer rank in its node's bundle; MASTER_ADDR is rank 0's node (bundle 0)."""
     from kimi_pipeline.rl.policy import PolicyWorker
 
     world = recipe.cluster.world_size
-    gpus = 1 if recipe.cluster.device == "cuda" else 0
-    addr = "127.0.0.1" if recipe.cluster.nodes == 1 else ray.util.get_node_ip_address()
-    port = free_port()
+    addr, port = _free_port_on(pgs["trainer"], plan.ranks[0].node)
     threads = _cpu_threads(recipe, recipe.cluster.gpus_per_node)
-    actor = ray.remote(num_cpus=1, num_gpus=gpus, runtime_env=_worker_env(threads))(PolicyWorker)
     data = recipe.model_dump(mode="json", exclude={"hub": {"token"}})
-    return [actor.remote(data, rank, world, addr, port) for rank in range(world)]
+    return [ray.remote(PolicyWorker).options(**trainer_options(plan, recipe, pgs["trainer"], rank, threads)).remote(
+        data, rank, world, addr, port) for rank in range(world)]
 
 
 def _merge_rank_metrics(results: list[dict[str, float]]) -> dict[str, float]:
@@ -272,11 +300,14 @@ def run_training(
     wandb_run = open_wandb(None, f"{recipe.name}-{Path(run_dir).name}", recipe.model_dump(mode="json",
                                                                                           exclude={"hub": {"token"}}))
     metrics_log = MetricsLog(paths.metrics, tensorboard_dir=paths.tensorboard, wandb_run=wandb_run)
-    engines, workers, router = [], [], None
+    engines, workers, router, pgs = [], [], None, {}
     reward = RewardModel(recipe.rollout.rm_type, recipe.rollout.thinking, strict=recipe.rollout.reward_strict)
     try:
-        engines, urls = _start_engines(recipe, model_dir, ray)
-        workers = _start_trainers(recipe, ray)
+        plan = plan_launch(recipe, str(model_dir))
+        check_launch(plan)
+        pgs = create_placement_groups(plan.placement)
+        engines, urls = _start_engines(recipe, plan, pgs, model_dir, ray)
+        workers = _start_trainers(recipe, plan, pgs, ray)
         extras = ray.get([w.load.remote(str(paths.checkpoints), str(init_checkpoint)) for w in workers])
         extra = extras[0] or {}
         start = int(extra.get("step", 0))
@@ -321,6 +352,7 @@ def run_training(
                 ray.kill(a)
             except Exception:  # noqa: BLE001 - best effort: the actor may already be gone
                 pass
+        remove_placement_groups(pgs)  # a retry in this driver must find the bundles free again
     rows = read_jsonl(paths.metrics)
     first, last = first_last_mean(rows, "reward_mean")
     from kimi_pipeline.model.megatron_train import latest_step, iteration_dir

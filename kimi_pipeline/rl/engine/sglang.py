@@ -79,8 +79,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class SGLangEngine:
-    """Owns one SGLang server process. Use as a Ray actor via `sglang_engine_actor(...)`; the plain class
-    also runs in-process (handy on a single GPU box)."""
+    """Owns one SGLang server process (one node of an engine). The train stage runs it as a Ray actor where
+    `rl/launch.py` places it; the plain class also runs in-process (handy on a single GPU box)."""
 
     def __init__(self, model_path: str | Path, spec: SGLangSpec, *, port: int | None = None,
                  log_dir: str | Path | None = None, **command_kwargs):
@@ -138,10 +138,3 @@ class SGLangEngine:
         except subprocess.TimeoutExpired:
             os.killpg(self.process.pid, 9)
             self.process.wait()
-
-
-def sglang_engine_actor(spec: SGLangSpec, gpus_per_node: int = 8):
-    """The Ray actor class for one engine node: reserves min(gpus_per_engine, gpus_per_node) GPUs."""
-    import ray
-
-    return ray.remote(num_gpus=min(spec.gpus_per_engine, gpus_per_node), num_cpus=1)(SGLangEngine)

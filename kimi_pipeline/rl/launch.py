@@ -1,0 +1,287 @@
+"""How the train stage lays its actors onto the cluster: one plan, used by the real launch and by `kimi rehearse`.
+
+slime-style colocation, on the placement of `cluster/placement.py`: one placement group with a bundle per node
+(STRICT_SPREAD). Trainer rank r lives in bundle r // gpus_per_node and drives local GPU r % gpus_per_node, so
+a TP group (consecutive ranks) never leaves its node; the rollout engine e of a colocated run covers the same
+global GPUs [e·g, (e+1)·g) as the trainer ranks it shares them with (one SGLang node process per node it
+spans, `--nnodes/--node-rank/--dist-init-addr`, `--base-gpu-id` = its first local GPU). Colocated actors ask
+Ray for GPU *fractions* of their bundle (a GPU is time-shared between training and rollout) and choose their
+device themselves (`RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES`), so 256 trainer ranks plus the engines
+request exactly the 256 GPUs of 32 × 8 nodes. Rank 0 — the `MASTER_ADDR` of the trainer process group —
+is in bundle 0, and so is engine 0's node 0.
+
+`plan_launch` is pure (no Ray): every problem it finds names the recipe field to change.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from kimi_pipeline.cluster.errors import ClusterConfigError
+from kimi_pipeline.cluster.placement import PlacementPlan, plan_placement
+from kimi_pipeline.recipes import Problem, Recipe
+
+# The seeds' launcher environment for GPU jobs (seed 001): a long NCCL timeout for 1 T-parameter weight syncs
+# and checkpoint barriers, and one CUDA work queue so megatron's TP/SP communication overlaps in order.
+SEED_CUDA_ENV = {"NCCL_TIMEOUT": "3600", "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+NOSET_VISIBLE_DEVICES = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
+MODEL_PLACEHOLDER = "<run_dir>/download/model"
+
+
+@dataclass(frozen=True)
+class RankPlacement:
+    rank: int
+    node: int  # bundle index of the trainer placement group = simulated/real node order
+    gpus: tuple[int, ...]  # local GPU ids this rank drives (empty on CPU)
+    tp: int
+    pp: int
+    cp: int
+    ep: int
+    dp: int
+
+
+@dataclass(frozen=True)
+class EngineNode:
+    node: int
+    node_rank: int
+    gpus: tuple[int, ...]
+    base_gpu_id: int
+    command: tuple[str, ...]  # SGLang launch command (empty for the embedded CPU engine)
+
+
+@dataclass(frozen=True)
+class EnginePlacement:
+    id: int
+    nodes: tuple[EngineNode, ...]
+
+    @property
+    def gpus(self) -> int:
+        return sum(len(n.gpus) for n in self.nodes)
+
+
+@dataclass
+class LaunchPlan:
+    recipe: str
+    device: str
+    nodes: int
+    gpus_per_node: int
+    colocate: bool
+    placement: PlacementPlan | None
+    ranks: list[RankPlacement] = field(default_factory=list)
+    engines: list[EnginePlacement] = field(default_factory=list)
+    master_addr_node: int = 0
+    env: dict[str, str] = field(default_factory=dict)
+    problems: list[Problem] = field(default_factory=list)
+
+    @property
+    def gpus_requested(self) -> int:
+        """Whole GPUs the run occupies: the trainer's, plus the engines' own when not colocated."""
+        if self.device != "cuda":
+            return 0
+        trainer = len(self.ranks)
+        return trainer if self.colocate else trainer + sum(e.gpus for e in self.engines)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "recipe": self.recipe, "ok": self.ok, "device": self.device, "nodes": self.nodes,
+            "gpus_per_node": self.gpus_per_node, "colocate": self.colocate, "gpus_requested": self.gpus_requested,
+            "master_addr_node": self.master_addr_node, "env": dict(self.env),
+            "ranks": [asdict(r) for r in self.ranks],
+            "engines": [{"id": e.id, "nodes": [n.node for n in e.nodes], "gpus": e.gpus,
+                         "node_processes": [asdict(n) for n in e.nodes],
+                         "command": list(e.nodes[0].command) if e.nodes else []} for e in self.engines],
+            "placement": self.placement.to_dict() if self.placement else None,
+            "problems": [{"field": p.field, "message": p.message} for p in self.problems],
+        }
+
+
+# --------------------------------------------------------------------------- the plan
+
+
+def worker_env(recipe: Recipe, threads: int = 1, *, choose_own_gpu: bool = False) -> dict[str, str]:
+    """Environment of every trainer/engine actor: this interpreter's packages, no torch.compile, `threads`
+    intra-op threads; on CUDA the seeds' NCCL/CUDA settings, and (colocated) no Ray-set CUDA_VISIBLE_DEVICES."""
+    env = {"TORCHDYNAMO_DISABLE": "1", "OMP_NUM_THREADS": str(max(1, threads)), "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    if recipe.cluster.device == "cuda":
+        env.update(SEED_CUDA_ENV)
+        if choose_own_gpu:
+            env[NOSET_VISIBLE_DEVICES] = "1"
+    return env
+
+
+def rank_coordinates(recipe: Recipe) -> list[dict[str, int]]:
+    """(tp, pp, cp, ep, dp) index of every trainer rank, from megatron's own rank generator."""
+    from megatron.core.parallel_state import RankGenerator
+
+    from kimi_pipeline.model.parallel import Layout
+
+    layout = Layout.from_parallel(recipe.parallel, recipe.cluster.world_size)
+    order = "tp-cp-ep-dp-pp"
+    dense = RankGenerator(tp=layout.tp, ep=1, dp=layout.dp, pp=layout.pp, cp=layout.cp, order=order)
+    expert = RankGenerator(tp=layout.etp, ep=layout.ep, dp=layout.edp, pp=layout.pp, cp=1, order=order)
+    coords: list[dict[str, int]] = [{} for _ in range(layout.world_size)]
+    for gen, tokens in ((dense, ("tp", "pp", "cp", "dp")), (expert, ("ep",))):
+        for token in tokens:
+            for group in gen.get_ranks(token):
+                for i, r in enumerate(group):
+                    coords[r][token] = i
+    return coords
+
+
+def plan_launch(recipe: Recipe, model_path: str = MODEL_PLACEHOLDER) -> LaunchPlan:
+    """Where every trainer rank and engine process goes, with the exact commands and environment."""
+    from kimi_pipeline.model.parallel import Layout, LayoutError
+
+    c = recipe.cluster
+    cuda = c.device == "cuda"
+    plan = LaunchPlan(recipe.name, c.device, c.nodes, c.gpus_per_node, c.colocate, None,
+                      env=worker_env(recipe, choose_own_gpu=c.colocate))
+    add = lambda f, m: plan.problems.append(Problem(f, m))  # noqa: E731
+    p = recipe.parallel
+    try:
+        layout = Layout.from_parallel(p, c.world_size)
+        layout.check_model(recipe.model)
+    except LayoutError as e:
+        add("parallel", f"{e} (cluster.nodes × cluster.gpus_per_node = {c.world_size} ranks)")
+        layout = None
+    if cuda and (p.tp > c.gpus_per_node or c.gpus_per_node % p.tp):
+        add("parallel.tp", f"tp={p.tp} must divide cluster.gpus_per_node={c.gpus_per_node}: a TP group must stay "
+                           "inside one node (NVLink)")
+    if p.dp is not None and layout is not None and p.dp != layout.dp:
+        add("parallel.dp", f"dp={p.dp} but {c.world_size} ranks / (tp·pp·cp) = {layout.dp}")
+    try:
+        plan.placement = plan_placement(recipe)
+    except ClusterConfigError as e:
+        add("sglang.gpus_per_engine", str(e))
+    if layout is not None:
+        coords = rank_coordinates(recipe)
+        for r in range(c.world_size):
+            gpus = (r % c.gpus_per_node,) if cuda else ()
+            plan.ranks.append(RankPlacement(r, r // c.gpus_per_node, gpus, **coords[r]))
+    if plan.placement is not None:
+        plan.engines = _engines(recipe, plan.placement, model_path, add)
+    return plan
+
+
+def _engines(recipe: Recipe, placement: PlacementPlan, model_path: str, add) -> list[EnginePlacement]:
+    from kimi_pipeline.rl.engine.sglang import sglang_command
+
+    c = recipe.cluster
+    out = []
+    for e, slot in enumerate(placement.engines):
+        if recipe.rollout.engine != "sglang":  # embedded CPU engine: one process, no command line
+            out.append(EnginePlacement(e, (EngineNode(slot.bundles[0], 0, (), 0, ()),)))
+            continue
+        g, per = slot.devices, c.gpus_per_node
+        first_global = e * g if placement.colocate else 0
+        nodes = []
+        for j, bundle in enumerate(slot.bundles):
+            if g >= per:
+                local = tuple(range(per))
+            else:
+                base = first_global % per if placement.colocate else 0
+                local = tuple(range(base, base + g))
+            addr = f"<node {slot.bundles[0]} ip>:<port>" if len(slot.bundles) > 1 else None
+            try:
+                cmd = sglang_command(model_path, recipe.sglang, port=0, gpus_per_node=per, node_rank=j,
+                                     dist_init_addr=addr, base_gpu_id=local[0],
+                                     routing_replay=recipe.rollout.routing_replay, seed=recipe.rollout.seed,
+                                     trust_remote_code=recipe.hub.trust_remote_code, python="python")
+            except Exception as exc:  # noqa: BLE001 - a recipe SGLang cannot run: report it, with its field
+                add("sglang", str(exc))
+                cmd = []
+            nodes.append(EngineNode(bundle, j, local, local[0], tuple(cmd)))
+        out.append(EnginePlacement(e, tuple(nodes)))
+    return out
+
+
+# --------------------------------------------------------------------------- Ray actor options
+
+
+def trainer_options(plan: LaunchPlan, recipe: Recipe, pg, rank: int, threads: int) -> dict[str, Any]:
+    """`ray.remote(...).options(**these)` for trainer rank `rank`: its node's bundle, a GPU share, its env."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    assert plan.placement is not None
+    want = plan.placement.trainer_actor
+    opts: dict[str, Any] = {
+        "num_cpus": want.get("CPU", 0.0), "num_gpus": want.get("GPU", 0.0),
+        "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=plan.ranks[rank].node),
+        "runtime_env": {"env_vars": worker_env(recipe, threads, choose_own_gpu=plan.colocate)},
+    }
+    return opts
+
+
+def engine_options(plan: LaunchPlan, recipe: Recipe, pgs: dict[str, Any], engine: int, node_rank: int,
+                   threads: int) -> dict[str, Any]:
+    """Options for engine `engine`'s process on its `node_rank`-th node (colocated: a share of the trainer
+    bundle; otherwise the whole GPUs of its own rollout bundle, which Ray makes visible)."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    assert plan.placement is not None
+    slot = plan.placement.engines[engine]
+    bundle = slot.bundles[node_rank]
+    if plan.colocate or plan.device != "cuda":
+        res = dict(plan.placement.engine_actor)
+    else:
+        res = {"GPU": float(len(plan.engines[engine].nodes[node_rank].gpus)), "CPU": 1.0}
+    return {
+        "num_cpus": res.get("CPU", 0.0), "num_gpus": res.get("GPU", 0.0),
+        "scheduling_strategy": PlacementGroupSchedulingStrategy(pgs[slot.group], placement_group_bundle_index=bundle),
+        "runtime_env": {"env_vars": worker_env(recipe, threads, choose_own_gpu=plan.colocate)},
+    }
+
+
+def bundle_addresses(pg) -> list[str]:
+    """Node IP of each bundle of a ready placement group (for MASTER_ADDR and SGLang's dist_init_addr)."""
+    import ray
+
+    from kimi_pipeline.cluster.placement import bundle_nodes
+
+    ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+    return [ips[node] for node in bundle_nodes(pg)]
+
+
+def check_launch(plan: LaunchPlan) -> None:
+    """Refuse to start actors for a plan with problems (each names its recipe field)."""
+    if plan.problems:
+        raise ClusterConfigError("the recipe cannot launch on its cluster layout:\n  - "
+                                 + "\n  - ".join(map(str, plan.problems)) + "\n(`kimi rehearse` shows the plan)")
+
+
+def plan_markdown(plan: LaunchPlan, extra: dict[str, Any] | None = None) -> str:
+    """Human-readable launch plan (Prefect artifact and launch-plan.md)."""
+    d = plan.to_dict() | (extra or {})
+    lines = [f"# Launch plan: {plan.recipe}", "",
+             f"- ok: **{d['ok']}**; {plan.nodes} node(s) × {plan.gpus_per_node} {'GPU' if plan.device == 'cuda' else 'rank'}"
+             f"(s), colocate={plan.colocate}",
+             f"- GPUs requested: {d['gpus_requested']}" + (f" of {d['gpus_available']} available"
+                                                           if "gpus_available" in d else ""),
+             f"- MASTER_ADDR: node {plan.master_addr_node} (rank 0)",
+             "- env: " + ", ".join(f"`{k}={v}`" for k, v in sorted(plan.env.items()) if k != "PYTHONPATH")]
+    if plan.problems:
+        lines += ["", "## Problems", ""] + [f"- `{p.field}`: {p.message}" for p in plan.problems]
+    if d.get("observed"):
+        lines += ["", "## Stand-in actors (what Ray gave them)", "", "| actor | node | GPU ids |", "|---|---|---|"]
+        lines += [f"| {o['actor']} | {o['node']} | {o.get('gpu_ids', [])} |" for o in d["observed"]]
+    lines += ["", "## Engines", "", "| engine | nodes | GPUs | command (node 0) |", "|---|---|---|---|"]
+    for e in d["engines"]:
+        lines.append(f"| {e['id']} | {e['nodes']} | {e['gpus']} | `{' '.join(e['command'])}` |")
+    nodes: dict[int, list[RankPlacement]] = {}
+    for r in plan.ranks:
+        nodes.setdefault(r.node, []).append(r)
+    lines += ["", "## Trainer ranks by node", "", "| node | ranks | tp | pp | cp | ep | dp |", "|---|---|---|---|---|---|---|"]
+    for n, rs in sorted(nodes.items()):
+        span = lambda k: sorted({getattr(r, k) for r in rs})  # noqa: E731
+        fmt = lambda v: f"{v[0]}–{v[-1]}" if len(v) > 1 else str(v[0])  # noqa: E731
+        lines.append(f"| {n} | {rs[0].rank}–{rs[-1].rank} | {fmt(span('tp'))} | {fmt(span('pp'))} | "
+                     f"{fmt(span('cp'))} | {fmt(span('ep'))} | {fmt(span('dp'))} |")
+    return "\n".join(lines) + "\n"
