@@ -194,6 +194,44 @@ def export(
     console.print_json(json.dumps(section, default=str))
 
 
+@app.command()
+def rehearse(
+    recipe: str = typer.Argument(..., help=RECIPE_HELP),
+    set_: list[str] = typer.Option([], "--set", help=SET_HELP),
+    out: Path = typer.Option(Path("rehearsal"), "--out", help="where launch-plan.json / launch-plan.md go"),
+    json_out: bool = typer.Option(False, "--json", help="print launch-plan.json instead of the summary"),
+    stand_in_nodes: int = typer.Option(1, "--stand-in-nodes", min=1,
+                                       help="start stand-in actors for the ranks and engines of this many nodes"),
+) -> None:
+    """Launch rehearsal: the train stage's own placement and actor options on a simulated cluster of the
+    recipe's shape (nodes × GPUs as Ray resources, no GPUs, no weights). Exit 1 when the launch would fail."""
+    from kimi_pipeline.cluster.rehearse import refused_plan, run_rehearsal
+
+    out = out / recipe.replace("/", "_").removesuffix(".yaml")
+    try:
+        r = load_recipe(recipe, set_)
+    except RecipeError as e:
+        if any(p.field in ("<name>", "<file>") for p in e.problems):
+            err.print(f"[red]error:[/red] {e}", markup=True, highlight=False)
+            raise typer.Exit(2) from None
+        d = refused_plan(recipe, e.problems, out)
+    else:
+        d = _run_stage(run_rehearsal, r, out)
+    if json_out:
+        typer.echo(json.dumps(d, indent=1, default=str))
+    else:
+        status = "[green]ok[/green]" if d["ok"] else "[red]NOT OK[/red]"
+        console.print(f"{d['recipe']}: {status} — GPUs requested {d.get('gpus_requested')} of "
+                      f"{d.get('gpus_available', '?')} available; {len(d.get('ranks', []))} trainer ranks, "
+                      f"{len(d.get('engines', []))} engines; rank 0 / MASTER_ADDR on node {d.get('master_addr_node')}"
+                      f"; {len(d.get('observed', []))} stand-in actors started", highlight=False)
+        for p in d.get("problems", []):
+            console.print(f"  - {p['field']}: {p['message']}", highlight=False, markup=False)
+        console.print(f"wrote {out / 'launch-plan.json'} and {out / 'launch-plan.md'}", highlight=False)
+    if not d["ok"]:
+        raise typer.Exit(1)
+
+
 @app.command("eval")
 def eval_(
     checkpoint: Path = typer.Option(..., "--checkpoint", help="HF directory or torch_dist checkpoint (dir or iter_N)."),

@@ -18,6 +18,7 @@ from prefect.cache_policies import NO_CACHE
 from kimi_pipeline.eval.stage import run_eval_step
 from kimi_pipeline.hub.download import model_root
 from kimi_pipeline.recipes import Recipe
+from kimi_pipeline.rl.launch import plan_launch, plan_markdown
 from kimi_pipeline.rl.stage import stage_train
 from tasks.common import RETRY_DELAYS, retry_unless_permanent
 
@@ -67,6 +68,8 @@ def train_task(recipe: Recipe, run_dir: str, cluster: dict[str, Any] | None = No
     def evaluate(step: int, urls: list[str]) -> dict[str, Any]:
         return eval_task(recipe, run_dir, step, urls, hf_dir)
 
+    plan = plan_launch(recipe, hf_dir)  # the train stage refuses a plan with problems (check_launch) before any actor
+    create_markdown_artifact(plan_markdown(plan), key="launch-plan", description="trainer ranks and engines → nodes/GPUs")
     section = stage_train(recipe, Path(run_dir), ray_address=(cluster or {}).get("address"),
                           evaluate=evaluate, on_step=on_step)
     update_progress_artifact(progress_id, progress=100.0)

@@ -42,9 +42,10 @@ class NodeSpec:
     num_gpus: int | None = None
     resources: dict[str, float] = field(default_factory=dict)
     object_store_bytes: int | None = None
+    log_monitor: bool = True  # simulated nodes share the head's log directory: one monitor is enough
 
     def args(self) -> list[str]:
-        out: list[str] = []
+        out: list[str] = [] if self.log_monitor else ["--include-log-monitor", "false"]
         if self.num_cpus is not None:
             out += ["--num-cpus", str(self.num_cpus)]
         if self.num_gpus is not None:

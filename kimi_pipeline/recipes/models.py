@@ -141,6 +141,8 @@ class ParallelSpec(Section):
     recompute_granularity: Literal["full", "selective"] | None = None
     recompute_method: Literal["uniform", "block"] | None = None
     recompute_num_layers: int | None = None
+    moe_token_dispatcher_type: Literal["alltoall", "flex"] = Field(
+        "alltoall", description="flex = DeepEP (seed 000's K2-Instruct); falls back to alltoall where deep_ep is absent")
 
 
 class ClusterSpec(Section):
@@ -183,7 +185,6 @@ class RolloutSpec(Section):
         False, description="stricter than the seeds' reward: the answer region must END with the boxed answer")
     update_weight_buffer_size: int = Field(4 * 512 * 1024 * 1024, gt=0, description="bytes per weight-sync chunk")
     routing_replay: bool = False
-    use_router: bool = False
     seed: int = 42
 
     @property
@@ -251,7 +252,7 @@ class QuantSpec(Section):
 
 class CheckpointSpec(Section):
     save_interval: int = Field(20, gt=0, description="rollouts between torch_dist checkpoints")
-    keep_last: int | None = Field(None, gt=0)
+    keep_last: int | None = Field(None, gt=0, description="delete older iterations after each save (None: keep all)")
 
 
 class PathsSpec(Section):

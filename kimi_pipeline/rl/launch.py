@@ -119,9 +119,13 @@ def worker_env(recipe: Recipe, threads: int = 1, *, choose_own_gpu: bool = False
 
 def rank_coordinates(recipe: Recipe) -> list[dict[str, int]]:
     """(tp, pp, cp, ep, dp) index of every trainer rank, from megatron's own rank generator."""
-    from megatron.core.parallel_state import RankGenerator
+    import warnings
 
     from kimi_pipeline.model.parallel import Layout
+
+    with warnings.catch_warnings():  # megatron warns about missing Transformer Engine / apex on import
+        warnings.simplefilter("ignore")
+        from megatron.core.parallel_state import RankGenerator
 
     layout = Layout.from_parallel(recipe.parallel, recipe.cluster.world_size)
     order = "tp-cp-ep-dp-pp"
@@ -270,8 +274,12 @@ def plan_markdown(plan: LaunchPlan, extra: dict[str, Any] | None = None) -> str:
     if plan.problems:
         lines += ["", "## Problems", ""] + [f"- `{p.field}`: {p.message}" for p in plan.problems]
     if d.get("observed"):
-        lines += ["", "## Stand-in actors (what Ray gave them)", "", "| actor | node | GPU ids |", "|---|---|---|"]
-        lines += [f"| {o['actor']} | {o['node']} | {o.get('gpu_ids', [])} |" for o in d["observed"]]
+        lines += ["", "## Stand-in actors (what Ray gave them)", "",
+                  "Colocated actors hold a GPU *share* for Ray's accounting (Ray's id) and drive the GPU the plan gives "
+                  "them (CUDA_VISIBLE_DEVICES is not set by Ray).", "",
+                  "| actor | node (plan) | drives GPUs | Ray's GPU id |", "|---|---|---|---|"]
+        lines += [f"| {o['actor']} | {o['node']} ({o['expected_node']}) | {o['drives_gpus']} | {o['ray_gpu_ids']} |"
+                  for o in d["observed"]]
     lines += ["", "## Engines", "", "| engine | nodes | GPUs | command (node 0) |", "|---|---|---|---|"]
     for e in d["engines"]:
         lines.append(f"| {e['id']} | {e['nodes']} | {e['gpus']} | `{' '.join(e['command'])}` |")

@@ -282,6 +282,7 @@ def run_training(
     """
     import ray
 
+    from kimi_pipeline.model.megatron_train import prune_checkpoints
     from kimi_pipeline.rl.engine.client import Router
     from kimi_pipeline.rl.reward import RewardModel
 
@@ -335,6 +336,7 @@ def run_training(
             if done % recipe.checkpoint.save_interval == 0 or done == total:
                 state = {"step": done, "data": stream.state()}
                 ray.get([w.save.remote(str(paths.checkpoints), done, state) for w in workers])
+                prune_checkpoints(paths.checkpoints, recipe.checkpoint.keep_last)
             if on_step:
                 on_step(row)
             if evaluate and (done % recipe.eval.interval == 0 or done == total):

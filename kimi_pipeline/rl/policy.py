@@ -8,6 +8,7 @@ its data-parallel share through the micro-batch plan, so all ranks agree on the 
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import time
@@ -18,6 +19,48 @@ import torch
 
 from kimi_pipeline.recipes import Recipe
 from kimi_pipeline.rl.samples import MicroBatch, Sample, collate
+
+log = logging.getLogger(__name__)
+
+
+def trainer_config_overrides(recipe: Recipe) -> dict[str, Any]:
+    """The recipe's megatron TransformerConfig settings beyond the model shape: routing replay, activation
+    recompute, the MoE token dispatcher (flex/DeepEP only where deep_ep is installed, else alltoall)."""
+    p = recipe.parallel
+    out: dict[str, Any] = {}
+    if recipe.rollout.routing_replay:
+        out["moe_enable_routing_replay"] = True
+    if p.recompute_granularity is not None:
+        out.update(recompute_granularity=p.recompute_granularity, recompute_method=p.recompute_method,
+                   recompute_num_layers=p.recompute_num_layers)
+    if p.moe_token_dispatcher_type == "flex":
+        import importlib.util
+
+        if torch.cuda.is_available() and importlib.util.find_spec("deep_ep") is not None:
+            out.update(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="deepep")
+        else:
+            log.warning("parallel.moe_token_dispatcher_type=flex needs DeepEP (deep_ep) on CUDA; using alltoall")
+    return out
+
+
+def microbatch_loss(logits: torch.Tensor, batch: dict[str, Any], grpo, temperature: float = 1.0):
+    """megatron's per-token-loss contract for one micro-batch: (loss sum, its denominator, metrics).
+
+    Rows without response tokens (the padding that makes pipeline-parallel micro-batches one shape) are
+    dropped first: counted in the per-sample mean they scaled the gradient by real/padded rows."""
+    from kimi_pipeline.model.megatron_train import logprobs_from_logits
+    from kimi_pipeline.rl.grpo import grpo_loss
+
+    lp, ent = logprobs_from_logits(logits, batch["targets"], temperature=temperature)
+    keep = batch["mask"].sum(-1) > 0
+    rows = int(keep.sum())
+    if rows == 0:  # an all-padding micro-batch: no loss, but keep the graph connected for the pipeline
+        return lp.sum() * 0.0, 0, {"_rows": 0.0}
+    sel = lambda t: None if t is None else t[keep]  # noqa: E731
+    loss, m = grpo_loss(sel(lp), sel(batch["old_logprobs"]), sel(batch["rollout_logprobs"]),
+                        sel(batch.get("ref_logprobs")), sel(ent), sel(batch["advantages"]), sel(batch["mask"]), grpo)
+    # gradient of sum(loss_sum) / sum(denominator) over the step's micro-batches = the per-sample mean
+    return loss * rows, rows, {**m, "_rows": float(rows)}
 
 
 class PolicyWorker:
@@ -36,9 +79,7 @@ class PolicyWorker:
 
         self.layout = Layout.from_parallel(recipe.parallel, world_size)
         self.rank = init_distributed(self.layout, seed=recipe.rollout.seed)
-        overrides: dict[str, Any] = {}
-        if recipe.rollout.routing_replay:
-            overrides["moe_enable_routing_replay"] = True
+        overrides = trainer_config_overrides(recipe)
         self.model, self.optimizer = build_trainable(recipe.model, self.layout, recipe.optimizer, **overrides)
         total = total_steps or recipe.rollout.num_rollout * recipe.rollout.num_steps_per_rollout
         self.scheduler = lr_scheduler(self.optimizer, recipe.optimizer, total)
@@ -172,8 +213,7 @@ class PolicyWorker:
     def train(self, samples: list[Sample], step: int) -> dict[str, float]:
         """One rollout's worth of GRPO: old logprobs under the rollout policy, then
         `num_steps_per_rollout` optimizer steps over consecutive slices of the samples."""
-        from kimi_pipeline.model.megatron_train import forward_backward, logprobs_from_logits, optimizer_step
-        from kimi_pipeline.rl.grpo import grpo_loss
+        from kimi_pipeline.model.megatron_train import forward_backward, optimizer_step
 
         t0 = time.perf_counter()
         r = self.recipe
@@ -188,13 +228,7 @@ class PolicyWorker:
         weight, grad_norms, updated, tokens = 0.0, [], 0, 0
 
         def loss_fn(logits: torch.Tensor, batch: dict):
-            lp, ent = logprobs_from_logits(logits, batch["targets"], temperature=temperature)
-            mask = batch["mask"]
-            loss, m = grpo_loss(lp, batch["old_logprobs"], batch["rollout_logprobs"], batch.get("ref_logprobs"),
-                                ent, batch["advantages"], mask, r.grpo)
-            rows = int((mask.sum(-1) > 0).sum())
-            # megatron per-token-loss contract: gradient of sum(loss_sum) / sum(denominator) over micro-batches
-            return loss * rows, rows, {**m, "_rows": float(rows)}
+            return microbatch_loss(logits, batch, r.grpo, temperature)
 
         for k in range(n_steps):
             idx = list(range(k * per_step, min(len(samples), (k + 1) * per_step)))

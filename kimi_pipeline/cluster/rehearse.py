@@ -1,0 +1,216 @@
+"""`kimi rehearse`: the train stage's own launch code on a simulated cluster of the recipe's shape.
+
+`cluster.nodes` raylets on this host, each advertising `gpus_per_node` GPUs as Ray resources (no GPUs, no
+weights). The launch plan (`rl/launch.py`, the code the real run uses) creates its placement groups there;
+stand-in actors with the real actors' exact options (bundle, GPU/CPU share, runtime env) start for every
+trainer rank of node 0 and every engine process on it, and report what Ray gave them. What is checked: the
+groups place at all (no deadlock: requested ≤ available), one bundle per node, rank 0 (MASTER_ADDR) on
+bundle 0's node, every TP group inside one node, each colocated engine on the GPUs of the ranks it shares
+them with, and each stand-in on the node the plan says. Results: `launch-plan.json` and `launch-plan.md`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from kimi_pipeline.recipes import Problem, Recipe
+from kimi_pipeline.util.files import atomic_write_json, atomic_write_text
+
+log = logging.getLogger(__name__)
+
+NODE_RESOURCE = "node_{}"  # the simulated node index, as cluster/stage.py names it
+
+
+class StandIn:
+    """A trainer rank or engine node with the real actor's options; it only reports where it landed."""
+
+    def __init__(self, role: str):
+        self.role = role
+
+    def report(self) -> dict[str, Any]:
+        import ray
+
+        ctx = ray.get_runtime_context()
+        keep = ("CUDA_VISIBLE_DEVICES", "NCCL_TIMEOUT", "CUDA_DEVICE_MAX_CONNECTIONS", "OMP_NUM_THREADS",
+                "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES")
+        return {"actor": self.role, "node_id": ctx.get_node_id(), "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+                "env": {k: os.environ[k] for k in keep if k in os.environ}}
+
+
+def simulated_cluster(recipe: Recipe, work_dir: Path):
+    """A LocalCluster of the recipe's shape: one raylet per node with its GPUs (and as many CPUs) as resources.
+
+    Raylets start one after another: concurrent `ray start`s race for the same free ports (measured: a raylet
+    then misses its 30 s registration deadline)."""
+    from kimi_pipeline.cluster.local import LocalCluster, NodeSpec
+
+    c = recipe.cluster
+    gpus = c.gpus_per_node if c.device == "cuda" else 0
+    cpus = max(c.gpus_per_node, 1) + 1  # the bundle's CPUs + one for the node's stand-in bookkeeping
+    specs = [NodeSpec(num_cpus=cpus, num_gpus=gpus, resources={NODE_RESOURCE.format(i): 1.0},
+                      object_store_bytes=80 * 1024 * 1024, log_monitor=i == 0) for i in range(c.nodes)]
+    return LocalCluster.start(work_dir, specs[0], specs[1:])
+
+
+def _node_index() -> dict[str, int]:
+    """Ray node id -> simulated node index."""
+    import ray
+
+    out = {}
+    for n in ray.nodes():
+        for key in n.get("Resources", {}):
+            if key.startswith("node_") and key[5:].isdigit() and n.get("Alive"):
+                out[n["NodeID"]] = int(key[5:])
+    return out
+
+
+def run_rehearsal(recipe: Recipe, out_dir: Path, *, address: str | None = None,
+                  stand_in_nodes: int = 1, timeout_s: float = 120.0) -> dict[str, Any]:
+    """Rehearse `recipe`'s launch; write launch-plan.json/.md under `out_dir`; return the plan as a dict.
+
+    `address`: an existing (simulated) cluster to use; otherwise one is started here and stopped after."""
+    from kimi_pipeline.rl.launch import plan_launch
+
+    t0 = time.monotonic()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plan = plan_launch(recipe)
+    extra: dict[str, Any] = {"simulated": True}
+    if plan.ok:
+        cluster = None
+        try:
+            if address is None:
+                work = out_dir / "rehearsal-cluster"
+                shutil.rmtree(work, ignore_errors=True)
+                cluster = simulated_cluster(recipe, work)
+                address = cluster.address
+            extra.update(_on_cluster(plan, recipe, address, stand_in_nodes, timeout_s))
+        finally:
+            if cluster is not None:
+                cluster.stop()
+    extra["seconds"] = round(time.monotonic() - t0, 1)
+    return write_plan(plan, out_dir, extra)
+
+
+def write_plan(plan, out_dir: Path, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    from kimi_pipeline.rl.launch import plan_markdown
+
+    d = plan.to_dict() | (extra or {})
+    d["ok"] = plan.ok
+    atomic_write_json(Path(out_dir) / "launch-plan.json", d)
+    atomic_write_text(Path(out_dir) / "launch-plan.md", plan_markdown(plan, extra))
+    return d
+
+
+def refused_plan(name: str, problems: list[Problem], out_dir: Path) -> dict[str, Any]:
+    """The launch-plan files for a recipe that does not even load (each problem names its field)."""
+    d = {"recipe": name, "ok": False, "gpus_requested": None, "ranks": [], "engines": [],
+         "problems": [{"field": p.field, "message": p.message} for p in problems]}
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    atomic_write_json(Path(out_dir) / "launch-plan.json", d)
+    atomic_write_text(Path(out_dir) / "launch-plan.md", f"# Launch plan: {name}\n\n- ok: **False**\n\n## Problems\n\n"
+                      + "".join(f"- `{p.field}`: {p.message}\n" for p in problems))
+    return d
+
+
+def _on_cluster(plan, recipe: Recipe, address: str, stand_in_nodes: int, timeout_s: float) -> dict[str, Any]:
+    """Create the plan's placement groups, start stand-ins, check where everything landed (adds problems)."""
+    import ray
+
+    from kimi_pipeline.cluster.errors import PlacementError
+    from kimi_pipeline.cluster.placement import bundle_nodes, create_placement_groups, remove_placement_groups
+    from kimi_pipeline.cluster.stage import export_driver_env
+    from kimi_pipeline.rl.launch import engine_options, trainer_options
+
+    add = lambda f, m: plan.problems.append(Problem(f, m))  # noqa: E731
+    export_driver_env(os.environ.get("RAY_AUTH_MODE", "token"))
+    ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
+    try:
+        res = ray.cluster_resources()
+        out: dict[str, Any] = {"gpus_available": int(res.get("GPU", 0)), "cpus_available": int(res.get("CPU", 0)),
+                               "cluster_nodes": len([n for n in ray.nodes() if n.get("Alive")])}
+        if plan.device == "cuda" and plan.gpus_requested > out["gpus_available"]:
+            add("cluster.nodes", f"the run needs {plan.gpus_requested} GPUs; the cluster has {out['gpus_available']}")
+        try:
+            pgs = create_placement_groups(plan.placement, timeout_s=timeout_s)
+        except PlacementError as e:
+            add("cluster", f"placement groups do not fit (Ray would wait forever): {e}")
+            return out
+        try:
+            index = _node_index()
+            where = {name: [index.get(n, -1) for n in bundle_nodes(pg)] for name, pg in pgs.items()}
+            out["bundle_nodes"] = where
+            trainer_nodes = where["trainer"]
+            if len(set(trainer_nodes)) != len(trainer_nodes):
+                add("cluster.nodes", f"trainer bundles share nodes: {trainer_nodes}")
+            master = trainer_nodes[plan.ranks[0].node]
+            out["master_addr_node"] = master
+            _check_groups(plan, trainer_nodes, add)
+            out["observed"] = _stand_ins(plan, recipe, pgs, where, stand_in_nodes, add,
+                                         trainer_options, engine_options)
+        finally:
+            remove_placement_groups(pgs)
+        return out
+    finally:
+        ray.shutdown()
+
+
+def _check_groups(plan, trainer_nodes: list[int], add) -> None:
+    """TP groups inside one node; each colocated engine on the nodes/GPUs of the ranks it shares."""
+    tp = max((r.tp for r in plan.ranks), default=0) + 1
+    groups: dict[int, set[int]] = {}
+    for r in plan.ranks:  # TP is megatron's innermost dimension: a TP group is tp consecutive ranks
+        groups.setdefault(r.rank // tp, set()).add(trainer_nodes[r.node])
+    split = [k for k, nodes in groups.items() if len(nodes) > 1]
+    if split:
+        add("parallel.tp", f"{len(split)} TP group(s) span nodes (TP needs NVLink): e.g. {split[0]}")
+    if not plan.colocate or plan.device != "cuda":
+        return
+    per = plan.gpus_per_node
+    for e in plan.engines:
+        first = e.id * e.gpus
+        ranks = range(first, first + e.gpus)
+        want = sorted({(plan.ranks[r].node, plan.ranks[r].gpus[0]) for r in ranks})
+        have = sorted((n.node, g) for n in e.nodes for g in n.gpus)
+        if want != have:
+            add("sglang.gpus_per_engine", f"engine {e.id} runs on {have[:4]}… but its colocated ranks "
+                                          f"{first}–{first + e.gpus - 1} hold {want[:4]}…")
+        if any(n.base_gpu_id != n.gpus[0] or n.gpus[-1] >= per for n in e.nodes):
+            add("sglang.gpus_per_engine", f"engine {e.id}: base GPU ids {[n.base_gpu_id for n in e.nodes]} "
+                                          f"do not match its GPUs")
+
+
+def _stand_ins(plan, recipe, pgs, where, stand_in_nodes: int, add, trainer_options, engine_options) -> list[dict]:
+    """Start stand-ins for the ranks of the first `stand_in_nodes` bundles and every engine node on them."""
+    import ray
+
+    actor = ray.remote(StandIn)
+    started: list[tuple[str, int, list[int], Any]] = []
+    for r in plan.ranks:
+        if r.node < stand_in_nodes:
+            a = actor.options(**trainer_options(plan, recipe, pgs["trainer"], r.rank, 1)).remote(f"rank {r.rank}")
+            started.append((f"rank {r.rank}", where["trainer"][r.node], list(r.gpus), a))
+    hosts = {where["trainer"][b] for b in range(min(stand_in_nodes, len(where["trainer"])))}
+    for e in plan.engines:  # every engine process on those nodes (colocated or in the rollout group)
+        slot = plan.placement.engines[e.id]
+        for n in e.nodes:
+            if where[slot.group][n.node] in hosts:
+                a = actor.options(**engine_options(plan, recipe, pgs, e.id, n.node_rank, 1)).remote(
+                    f"engine {e.id} node {n.node_rank}")
+                started.append((f"engine {e.id} node {n.node_rank}", where[slot.group][n.node], list(n.gpus), a))
+    index = _node_index()
+    reports = ray.get([a.report.remote() for *_, a in started], timeout=300)
+    observed = []
+    for (name, expected, gpus, a), rep in zip(started, reports):
+        node = index.get(rep["node_id"], -1)
+        observed.append({"actor": name, "node": node, "expected_node": expected, "drives_gpus": gpus,
+                         "ray_gpu_ids": rep["gpu_ids"], "env": rep["env"]})
+        if node != expected:
+            add("cluster", f"{name} landed on node {node}, the plan says node {expected}")
+        ray.kill(a)
+    return observed
