@@ -193,6 +193,40 @@ def scenario_ops(out_dir: Path, args: dict) -> dict:
     return rec
 
 
+def scenario_grpo_padded(out_dir: Path, args: dict) -> dict:
+    """One GRPO optimizer step over two uneven micro-batches (3 and 2 samples), built by the trainer's own
+    collate / `_pad_uniform` (PP > 1 pads them to one shape) / `microbatch_loss`; returns the grad norm."""
+    import functools
+
+    import torch
+
+    from kimi_pipeline.convert import names
+    from kimi_pipeline.model import megatron_train as mt
+    from kimi_pipeline.rl.policy import _pad_uniform, microbatch_loss
+    from kimi_pipeline.rl.samples import Sample, collate
+
+    recipe, layout = _setup(args)
+    spec = recipe.model
+    chunks, opt = mt.build_trainable(spec, layout, recipe.optimizer)
+    names.load_hf_tensors_into_model(chunks, _hf_reader(args["weights"]), spec, layout)
+    g = torch.Generator().manual_seed(5)
+    samples = []
+    for i in range(5):
+        response = torch.randint(3, spec.vocab_size, (4 + i,), generator=g).tolist()
+        samples.append(Sample(prompt_ids=torch.randint(3, spec.vocab_size, (6,), generator=g).tolist(),
+                              response_ids=response, rollout_logprobs=[-1.0] * len(response),
+                              old_logprobs=[-1.2] * len(response), advantage=float(i) - 2.0))
+    mbs = [collate([samples[i] for i in idx], idx, pad_id=0) for idx in ([0, 1, 2], [3, 4])]
+    if layout.pp > 1:
+        mbs = _pad_uniform(mbs)
+    batches = [{"tokens": mb.tokens, "targets": mb.targets, "mask": mb.mask, "rollout_logprobs": mb.rollout_logprobs,
+                "advantages": mb.advantages, "old_logprobs": mb.old_logprobs} for mb in mbs]
+    out = mt.forward_backward(chunks, batches, functools.partial(microbatch_loss, grpo=recipe.grpo), optimizer=opt)
+    ok, grad_norm = mt.optimizer_step(opt)
+    return {"ok": ok, "grad_norm": grad_norm, "rows": [mb.tokens.shape[0] for mb in mbs],
+            "real_rows": sum(o.get("_rows", 0.0) for o in out)}
+
+
 def main() -> None:
     scenario, out_dir, args = sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[3])
     from kimi_pipeline.model import parallel
@@ -203,7 +237,7 @@ def main() -> None:
     (out_dir / f"{scenario}.rank{rank}.json").write_text(json.dumps(result))
 
 
-SCENARIOS = {"ops": scenario_ops}
+SCENARIOS = {"ops": scenario_ops, "grpo_padded": scenario_grpo_padded}
 
 
 if __name__ == "__main__":

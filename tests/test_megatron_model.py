@@ -396,3 +396,17 @@ def test_tp2_ep2_matches_one_process_and_checkpoints_reshard(tmp_path):
     assert pp[0]["logprobs"][0][0] == pytest.approx(par["logprobs"][0][0], rel=1e-6)
     assert "tp=2" in pp[0]["extra"][0]["layout"]
     assert json.loads((ck2 / "latest_checkpointed_iteration.txt").read_text()) == 3
+
+
+@pytest.mark.slow
+def test_pp2_step_on_uneven_micro_batches_has_the_pp1_gradients(tmp_path):
+    """Issue 14 item 4: PP pads micro-batches of 3 and 2 samples to 3 rows each; the padding row must not
+    scale the gradient (it did by 2/3 for the second micro-batch)."""
+    from megatron_worker import launch
+
+    args = {"weights": str(TINY_WEIGHTS)}
+    one = launch("grpo_padded", 1, tmp_path / "pp1", args)[0]
+    two = launch("grpo_padded", 2, tmp_path / "pp2", dict(args, pp=2))
+    assert one["rows"] == [3, 2] and two[0]["rows"] == [3, 3]  # the pipeline really padded
+    assert one["ok"] and two[0]["ok"] and two[0]["grad_norm"] == two[1]["grad_norm"]
+    assert two[0]["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)
