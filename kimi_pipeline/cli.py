@@ -311,15 +311,14 @@ def data_make_tiny(
     import filecmp
     import tempfile
 
-    from kimi_pipeline.data.tiny_assets import build_tiny_assets
+    from kimi_pipeline.data.tiny_assets import build_tiny_assets_reproducibly
 
-    r = load_recipe("tiny", check=False)
     if not check:
-        build_tiny_assets(out, r.model)
+        build_tiny_assets_reproducibly(out)
         console.print(f"wrote {out}")
         return
     with tempfile.TemporaryDirectory() as tmp:
-        build_tiny_assets(Path(tmp), r.model)
+        build_tiny_assets_reproducibly(Path(tmp))
         fresh = [p.relative_to(tmp) for p in Path(tmp).rglob("*") if p.is_file()]
         diffs = [str(rel) for rel in fresh if not (out / rel).is_file() or not filecmp.cmp(Path(tmp) / rel, out / rel, shallow=False)]
         # Weights are trained: another CPU may round differently. Accept float noise, nothing more.

@@ -344,6 +344,7 @@ def test_secrets_never_reach_logs_artifacts_parameters_or_the_run_dir(served):
         artifacts = c.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=ids)))
         params = [c.read_flow_run(i).parameters for i in ids]
     assert len(logs) > 20 and len(artifacts) >= 6  # there is something to search
+    assert "launch-plan" in {a.key for a in artifacts}  # the train task shows where its actors go
     texts = {"logs": "\n".join(lg.message for lg in logs),
              "artifacts": "\n".join(f"{a.key} {a.description} {json.dumps(a.data, default=str)}" for a in artifacts),
              "parameters": json.dumps(params),

@@ -70,6 +70,13 @@ def test_ranks_groups_and_engines_land_where_megatron_and_sglang_expect(name):
     assert plan.env["NCCL_TIMEOUT"] == "3600" and plan.env["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"  # seed 001
 
 
+def test_trust_remote_code_reaches_the_sglang_command_only_when_the_recipe_opts_in():
+    plain = plan_launch(load_recipe("kimi-k2-thinking"))
+    opted = plan_launch(load_recipe("kimi-k2-thinking", ["hub.trust_remote_code=true"]))
+    assert all("--trust-remote-code" not in n.command for e in plain.engines for n in e.nodes)
+    assert all("--trust-remote-code" in n.command for e in opted.engines for n in e.nodes)
+
+
 def test_k2_engines_span_two_nodes_and_k25_engines_one():
     assert {len(e.nodes) for e in plan_launch(load_recipe("kimi-k2-instruct")).engines} == {2}
     assert {len(e.nodes) for e in plan_launch(load_recipe("kimi-k2.5")).engines} == {1}

@@ -4,6 +4,9 @@ shipped files can be re-derived and checked (`kimi data make-tiny --check`)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 from kimi_pipeline.data.synthetic import MathGenConfig, generate, write_tiny_datasets
@@ -38,9 +41,33 @@ def build_tiny_assets(out_dir: Path, model: ModelSpec, cfg: MathGenConfig = Math
     return paths
 
 
+# The warm start trains for 120 steps: a GEMM that rounds differently on another CPU (MKL picks kernels per
+# vendor and ISA) grows into 0.1-sized weight differences (measured: an Intel-built data/tiny vs a rebuild on
+# AMD EPYC). Pinned: MKL's conditional-numerical-reproducibility "COMPATIBLE" path, ATen's AVX2 kernels and
+# one thread, so any x86-64 machine with AVX2 rebuilds the same bytes.
+REPRODUCIBLE_ENV = {"MKL_CBWR": "COMPATIBLE", "ATEN_CPU_CAPABILITY": "avx2", "OMP_NUM_THREADS": "1",
+                    "MKL_NUM_THREADS": "1"}
+
+
+def build_tiny_assets_reproducibly(out_dir: Path, timeout_s: float = 1800) -> None:
+    """`build_tiny_assets` for the tiny recipe in a fresh process under REPRODUCIBLE_ENV (the settings must be
+    in place before torch and MKL initialise, hence the subprocess)."""
+    env = {**os.environ, **REPRODUCIBLE_ENV}
+    out = subprocess.run([sys.executable, "-m", "kimi_pipeline.data.tiny_assets", str(out_dir)], env=env,
+                         capture_output=True, text=True, timeout=timeout_s)
+    if out.returncode != 0:
+        raise RuntimeError(f"building the tiny assets failed:\n{out.stderr[-3000:]}")
+
+
 def write_manifests(out_dir: Path) -> None:
     """MANIFEST.sha256 in data/tiny and data/tiny/model: the download stage verifies local sources against them."""
     out_dir = Path(out_dir)
     for root, patterns in ((out_dir, ["*.jsonl"]), (out_dir / "model", None)):
         files = build_manifest(root, list_files(root, patterns))
         atomic_write_text(root / "MANIFEST.sha256", write_sha256sums(root, files))
+
+
+if __name__ == "__main__":  # `python -m kimi_pipeline.data.tiny_assets OUT_DIR` (see build_tiny_assets_reproducibly)
+    from kimi_pipeline.recipes import load_recipe
+
+    build_tiny_assets(Path(sys.argv[1]), load_recipe("tiny", check=False).model)

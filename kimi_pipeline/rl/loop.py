@@ -283,7 +283,7 @@ def run_training(
     import ray
 
     from kimi_pipeline.model.megatron_train import prune_checkpoints
-    from kimi_pipeline.rl.engine.client import Router
+    from kimi_pipeline.rl.engine.client import EngineRequestError, Router
     from kimi_pipeline.rl.reward import RewardModel
 
     paths = TrainPaths(Path(run_dir) / "train")
@@ -343,6 +343,11 @@ def run_training(
                 progress.log_eval(done, evaluate(done, urls))
     except ray.exceptions.RayError as e:
         raise TrainingError(f"training actors failed ({type(e).__name__}): {str(e).splitlines()[0][:300]}; "
+                            "a retry resumes from the latest checkpoint") from e
+    except EngineRequestError as e:  # an engine (or its node) went away mid-rollout; a 400 stays permanent
+        if isinstance(e, PermanentError):
+            raise
+        raise TrainingError(f"rollout engine failed ({type(e).__name__}): {str(e).splitlines()[0][:300]}; "
                             "a retry resumes from the latest checkpoint") from e
     finally:
         if router is not None:
