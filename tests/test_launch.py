@@ -72,7 +72,8 @@ def test_ranks_groups_and_engines_land_where_megatron_and_sglang_expect(name):
 
 def test_trust_remote_code_reaches_the_sglang_command_only_when_the_recipe_opts_in():
     plain = plan_launch(load_recipe("kimi-k2-thinking"))
-    opted = plan_launch(load_recipe("kimi-k2-thinking", ["hub.trust_remote_code=true"]))
+    sha = "0123456789abcdef0123456789abcdef01234567"
+    opted = plan_launch(load_recipe("kimi-k2-thinking", ["hub.trust_remote_code=true", f"hub.model.revision={sha}"]))
     assert all("--trust-remote-code" not in n.command for e in plain.engines for n in e.nodes)
     assert all("--trust-remote-code" in n.command for e in opted.engines for n in e.nodes)
 
@@ -111,3 +112,12 @@ def test_recompute_and_dispatcher_fields_reach_the_megatron_config():
     assert (config.recompute_granularity, config.recompute_method, config.recompute_num_layers) == ("full", "uniform", 1)
     assert config.moe_token_dispatcher_type == "alltoall"  # flex needs DeepEP on CUDA: not here
     assert load_recipe("kimi-k2-instruct").parallel.moe_token_dispatcher_type == "flex"  # seed 000
+
+
+def test_remote_code_needs_a_pinned_revision():
+    """Issue 14 item 7 / the security rule: trust_remote_code only with a commit SHA, never a moving branch."""
+    from kimi_pipeline.recipes import RecipeError
+
+    with pytest.raises(RecipeError, match="hub.model.revision"):
+        load_recipe("kimi-k2-thinking", ["hub.trust_remote_code=true"])  # revision: main
+    assert not load_recipe("tiny", ["hub.trust_remote_code=true"]).hub.model.kind == "hub"  # local dirs: no revision

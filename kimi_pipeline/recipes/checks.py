@@ -6,6 +6,8 @@ Each problem names the recipe field and says how to fix it, because the alternat
 
 from __future__ import annotations
 
+import re
+
 from dataclasses import dataclass
 
 from kimi_pipeline.recipes.recipe import Recipe
@@ -81,6 +83,9 @@ def _split_hint(num_layers: int, pp: int) -> str:
     return "Valid choices: " + ", ".join(options[:4]) if options else "Choose another pipeline size."
 
 
+_COMMIT = re.compile(r"[0-9a-f]{40}")
+
+
 def check_recipe(r: Recipe) -> list[Problem]:
     """All problems with a recipe (empty list = valid)."""
     out: list[Problem] = []
@@ -99,6 +104,11 @@ def check_recipe(r: Recipe) -> list[Problem]:
         add("model.moe_router_group_topk", f"cannot exceed moe_router_num_groups={m.moe_router_num_groups}")
     if m.max_position_embeddings < m.original_max_position_embeddings:
         add("model.max_position_embeddings", "is below original_max_position_embeddings; check the YaRN settings")
+
+    # --- remote code runs only at a pinned commit (a moving branch could change the code under a nightly run) ---
+    if r.hub.trust_remote_code and r.hub.model.kind == "hub" and not _COMMIT.fullmatch(r.hub.model.revision):
+        add("hub.model.revision", f"hub.trust_remote_code runs code from {r.hub.model.repo_id}: pin revision to a "
+                                  f"40-hex commit SHA, not {r.hub.model.revision!r}")
 
     # --- training layout ---
     mp = p.tp * p.pp * p.cp
