@@ -102,19 +102,22 @@ def write_plan(plan, out_dir: Path, extra: dict[str, Any] | None = None) -> dict
 
     d = plan.to_dict() | (extra or {})
     d["ok"] = plan.ok
-    atomic_write_json(Path(out_dir) / "launch-plan.json", d)
-    atomic_write_text(Path(out_dir) / "launch-plan.md", plan_markdown(plan, extra))
-    return d
+    return _write_files(out_dir, d, plan_markdown(plan, extra))
 
 
 def refused_plan(name: str, problems: list[Problem], out_dir: Path) -> dict[str, Any]:
     """The launch-plan files for a recipe that does not even load (each problem names its field)."""
     d = {"recipe": name, "ok": False, "gpus_requested": None, "ranks": [], "engines": [],
          "problems": [{"field": p.field, "message": p.message} for p in problems]}
+    return _write_files(out_dir, d, f"# Launch plan: {name}\n\n- ok: **False**\n\n## Problems\n\n"
+                        + "".join(f"- `{p.field}`: {p.message}\n" for p in problems))
+
+
+def _write_files(out_dir: Path, d: dict[str, Any], markdown: str) -> dict[str, Any]:
+    """launch-plan.json and launch-plan.md, atomically."""
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     atomic_write_json(Path(out_dir) / "launch-plan.json", d)
-    atomic_write_text(Path(out_dir) / "launch-plan.md", f"# Launch plan: {name}\n\n- ok: **False**\n\n## Problems\n\n"
-                      + "".join(f"- `{p.field}`: {p.message}\n" for p in problems))
+    atomic_write_text(Path(out_dir) / "launch-plan.md", markdown)
     return d
 
 
@@ -125,7 +128,6 @@ def _on_cluster(plan, recipe: Recipe, address: str, stand_in_nodes: int, timeout
     from kimi_pipeline.cluster.errors import PlacementError
     from kimi_pipeline.cluster.placement import bundle_nodes, create_placement_groups, remove_placement_groups
     from kimi_pipeline.cluster.stage import export_driver_env
-    from kimi_pipeline.rl.launch import engine_options, trainer_options
 
     add = lambda f, m: plan.problems.append(Problem(f, m))  # noqa: E731
     export_driver_env(os.environ.get("RAY_AUTH_MODE", "token"))
@@ -148,11 +150,9 @@ def _on_cluster(plan, recipe: Recipe, address: str, stand_in_nodes: int, timeout
             trainer_nodes = where["trainer"]
             if len(set(trainer_nodes)) != len(trainer_nodes):
                 add("cluster.nodes", f"trainer bundles share nodes: {trainer_nodes}")
-            master = trainer_nodes[plan.ranks[0].node]
-            out["master_addr_node"] = master
+            out["master_addr_node"] = trainer_nodes[plan.master_addr_node]  # as a simulated node index
             _check_groups(plan, trainer_nodes, add)
-            out["observed"] = _stand_ins(plan, recipe, pgs, where, stand_in_nodes, add,
-                                         trainer_options, engine_options)
+            out["observed"] = _stand_ins(plan, recipe, pgs, where, index, stand_in_nodes, add)
         finally:
             remove_placement_groups(pgs)
         return out
@@ -185,9 +185,11 @@ def _check_groups(plan, trainer_nodes: list[int], add) -> None:
                                           f"do not match its GPUs")
 
 
-def _stand_ins(plan, recipe, pgs, where, stand_in_nodes: int, add, trainer_options, engine_options) -> list[dict]:
+def _stand_ins(plan, recipe, pgs, where, index: dict[str, int], stand_in_nodes: int, add) -> list[dict]:
     """Start stand-ins for the ranks of the first `stand_in_nodes` bundles and every engine node on them."""
     import ray
+
+    from kimi_pipeline.rl.launch import engine_options, trainer_options
 
     actor = ray.remote(StandIn)
     started: list[tuple[str, int, list[int], Any]] = []
@@ -203,7 +205,6 @@ def _stand_ins(plan, recipe, pgs, where, stand_in_nodes: int, add, trainer_optio
                 a = actor.options(**engine_options(plan, recipe, pgs, e.id, n.node_rank, 1)).remote(
                     f"engine {e.id} node {n.node_rank}")
                 started.append((f"engine {e.id} node {n.node_rank}", where[slot.group][n.node], list(n.gpus), a))
-    index = _node_index()
     reports = ray.get([a.report.remote() for *_, a in started], timeout=300)
     observed = []
     for (name, expected, gpus, a), rep in zip(started, reports):

@@ -72,9 +72,13 @@ class LaunchPlan:
     placement: PlacementPlan | None
     ranks: list[RankPlacement] = field(default_factory=list)
     engines: list[EnginePlacement] = field(default_factory=list)
-    master_addr_node: int = 0
     env: dict[str, str] = field(default_factory=dict)
     problems: list[Problem] = field(default_factory=list)
+
+    @property
+    def master_addr_node(self) -> int:
+        """Bundle of rank 0: MASTER_ADDR of the trainer process group."""
+        return self.ranks[0].node if self.ranks else 0
 
     @property
     def gpus_requested(self) -> int:
@@ -117,17 +121,14 @@ def worker_env(recipe: Recipe, threads: int = 1, *, choose_own_gpu: bool = False
     return env
 
 
-def rank_coordinates(recipe: Recipe) -> list[dict[str, int]]:
-    """(tp, pp, cp, ep, dp) index of every trainer rank, from megatron's own rank generator."""
+def rank_coordinates(layout) -> list[dict[str, int]]:
+    """(tp, pp, cp, ep, dp) index of every rank of a `Layout`, from megatron's own rank generator."""
     import warnings
-
-    from kimi_pipeline.model.parallel import Layout
 
     with warnings.catch_warnings():  # megatron warns about missing Transformer Engine / apex on import
         warnings.simplefilter("ignore")
         from megatron.core.parallel_state import RankGenerator
 
-    layout = Layout.from_parallel(recipe.parallel, recipe.cluster.world_size)
     order = "tp-cp-ep-dp-pp"
     dense = RankGenerator(tp=layout.tp, ep=1, dp=layout.dp, pp=layout.pp, cp=layout.cp, order=order)
     expert = RankGenerator(tp=layout.etp, ep=layout.ep, dp=layout.edp, pp=layout.pp, cp=1, order=order)
@@ -166,7 +167,7 @@ def plan_launch(recipe: Recipe, model_path: str = MODEL_PLACEHOLDER) -> LaunchPl
     except ClusterConfigError as e:
         add("sglang.gpus_per_engine", str(e))
     if layout is not None:
-        coords = rank_coordinates(recipe)
+        coords = rank_coordinates(layout)
         for r in range(c.world_size):
             gpus = (r % c.gpus_per_node,) if cuda else ()
             plan.ranks.append(RankPlacement(r, r // c.gpus_per_node, gpus, **coords[r]))
@@ -185,15 +186,12 @@ def _engines(recipe: Recipe, placement: PlacementPlan, model_path: str, add) -> 
             out.append(EnginePlacement(e, (EngineNode(slot.bundles[0], 0, (), 0, ()),)))
             continue
         g, per = slot.devices, c.gpus_per_node
-        first_global = e * g if placement.colocate else 0
+        # GPUs on each node: a whole node for a node-spanning engine, else g from the first GPU it shares
+        base = (e * g) % per if placement.colocate else 0
+        local = tuple(range(per)) if g >= per else tuple(range(base, base + g))
+        addr = f"<node {slot.bundles[0]} ip>:<port>" if len(slot.bundles) > 1 else None
         nodes = []
         for j, bundle in enumerate(slot.bundles):
-            if g >= per:
-                local = tuple(range(per))
-            else:
-                base = first_global % per if placement.colocate else 0
-                local = tuple(range(base, base + g))
-            addr = f"<node {slot.bundles[0]} ip>:<port>" if len(slot.bundles) > 1 else None
             try:
                 cmd = sglang_command(model_path, recipe.sglang, port=0, gpus_per_node=per, node_rank=j,
                                      dist_init_addr=addr, base_gpu_id=local[0],
@@ -216,12 +214,11 @@ def trainer_options(plan: LaunchPlan, recipe: Recipe, pg, rank: int, threads: in
 
     assert plan.placement is not None
     want = plan.placement.trainer_actor
-    opts: dict[str, Any] = {
+    return {
         "num_cpus": want.get("CPU", 0.0), "num_gpus": want.get("GPU", 0.0),
         "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=plan.ranks[rank].node),
         "runtime_env": {"env_vars": worker_env(recipe, threads, choose_own_gpu=plan.colocate)},
     }
-    return opts
 
 
 def engine_options(plan: LaunchPlan, recipe: Recipe, pgs: dict[str, Any], engine: int, node_rank: int,
@@ -242,16 +239,6 @@ def engine_options(plan: LaunchPlan, recipe: Recipe, pgs: dict[str, Any], engine
         "scheduling_strategy": PlacementGroupSchedulingStrategy(pgs[slot.group], placement_group_bundle_index=bundle),
         "runtime_env": {"env_vars": worker_env(recipe, threads, choose_own_gpu=plan.colocate)},
     }
-
-
-def bundle_addresses(pg) -> list[str]:
-    """Node IP of each bundle of a ready placement group (for MASTER_ADDR and SGLang's dist_init_addr)."""
-    import ray
-
-    from kimi_pipeline.cluster.placement import bundle_nodes
-
-    ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
-    return [ips[node] for node in bundle_nodes(pg)]
 
 
 def check_launch(plan: LaunchPlan) -> None:

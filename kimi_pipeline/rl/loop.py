@@ -144,7 +144,7 @@ def _start_trainers(recipe: Recipe, plan: LaunchPlan, pgs: dict, ray) -> list:
     from kimi_pipeline.rl.policy import PolicyWorker
 
     world = recipe.cluster.world_size
-    addr, port = _free_port_on(pgs["trainer"], plan.ranks[0].node)
+    addr, port = _free_port_on(pgs["trainer"], plan.master_addr_node)
     threads = _cpu_threads(recipe, recipe.cluster.gpus_per_node)
     data = recipe.model_dump(mode="json", exclude={"hub": {"token"}})
     return [ray.remote(PolicyWorker).options(**trainer_options(plan, recipe, pgs["trainer"], rank, threads)).remote(
