@@ -71,9 +71,8 @@ def test_ranks_groups_and_engines_land_where_megatron_and_sglang_expect(name):
 
 
 def test_trust_remote_code_reaches_the_sglang_command_only_when_the_recipe_opts_in():
-    plain = plan_launch(load_recipe("kimi-k2-thinking"))
-    sha = "0123456789abcdef0123456789abcdef01234567"
-    opted = plan_launch(load_recipe("kimi-k2-thinking", ["hub.trust_remote_code=true", f"hub.model.revision={sha}"]))
+    plain = plan_launch(load_recipe("kimi-k2-thinking", ["hub.trust_remote_code=false"]))
+    opted = plan_launch(load_recipe("kimi-k2-thinking"))  # the preset opts in, at a pinned commit
     assert all("--trust-remote-code" not in n.command for e in plain.engines for n in e.nodes)
     assert all("--trust-remote-code" in n.command for e in opted.engines for n in e.nodes)
 
@@ -119,5 +118,9 @@ def test_remote_code_needs_a_pinned_revision():
     from kimi_pipeline.recipes import RecipeError
 
     with pytest.raises(RecipeError, match="hub.model.revision"):
-        load_recipe("kimi-k2-thinking", ["hub.trust_remote_code=true"])  # revision: main
+        load_recipe("kimi-k2-thinking", ["hub.model.revision=main"])  # remote code from a moving branch
+    for name in ("kimi-k2-instruct", "kimi-k2-thinking", "kimi-k2.5"):  # on in the presets, each pinned
+        hub = load_recipe(name).hub
+        assert hub.trust_remote_code and len(hub.model.revision) == 40, name
+    assert not load_recipe("tiny").hub.trust_remote_code  # off by default
     assert not load_recipe("tiny", ["hub.trust_remote_code=true"]).hub.model.kind == "hub"  # local dirs: no revision
