@@ -194,16 +194,17 @@ def scenario_ops(out_dir: Path, args: dict) -> dict:
 
 
 def scenario_grpo_padded(out_dir: Path, args: dict) -> dict:
-    """One GRPO optimizer step over two uneven micro-batches (3 and 2 samples), built by the trainer's own
-    collate / `_pad_uniform` (PP > 1 pads them to one shape) / `microbatch_loss`; returns the grad norm."""
+    """One GRPO optimizer step over uneven micro-batches (3 and 2 samples of different lengths, plus the
+    zero-weight padding micro-batch a DP rank runs when it has no sample for a slot), built by the trainer's
+    own collate / `padding_micro_batch` / `microbatch_loss`, unpadded at any PP; returns the grad norm."""
     import functools
 
     import torch
 
     from kimi_pipeline.convert import names
     from kimi_pipeline.model import megatron_train as mt
-    from kimi_pipeline.rl.policy import _pad_uniform, microbatch_loss
-    from kimi_pipeline.rl.samples import Sample, collate
+    from kimi_pipeline.rl.policy import microbatch_loss
+    from kimi_pipeline.rl.samples import Sample, collate, padding_micro_batch
 
     recipe, layout = _setup(args)
     spec = recipe.model
@@ -216,11 +217,9 @@ def scenario_grpo_padded(out_dir: Path, args: dict) -> dict:
         samples.append(Sample(prompt_ids=torch.randint(3, spec.vocab_size, (6,), generator=g).tolist(),
                               response_ids=response, rollout_logprobs=[-1.0] * len(response),
                               old_logprobs=[-1.2] * len(response), advantage=float(i) - 2.0))
-    mbs = [collate([samples[i] for i in idx], idx, pad_id=0) for idx in ([0, 1, 2], [3, 4])]
-    if layout.pp > 1:
-        mbs = _pad_uniform(mbs)
+    mbs = [collate([samples[i] for i in idx], idx, pad_id=0) for idx in ([0, 1, 2], [3, 4])] + [padding_micro_batch()]
     batches = [{"tokens": mb.tokens, "targets": mb.targets, "mask": mb.mask, "rollout_logprobs": mb.rollout_logprobs,
-                "advantages": mb.advantages, "old_logprobs": mb.old_logprobs} for mb in mbs]
+                "advantages": mb.advantages, "old_logprobs": mb.mask * -1.2} for mb in mbs]
     out = mt.forward_backward(chunks, batches, functools.partial(microbatch_loss, grpo=recipe.grpo), optimizer=opt)
     ok, grad_norm = mt.optimizer_step(opt)
     return {"ok": ok, "grad_norm": grad_norm, "rows": [mb.tokens.shape[0] for mb in mbs],

@@ -464,6 +464,21 @@ def test_router_spreads_over_two_engines_and_broadcasts(servers, hf_a, hf_b):
         _reset(s, hf_a)
 
 
+def test_router_keeps_at_most_server_concurrency_rows_in_flight_per_engine(servers, hf_a):
+    """Issue 14 item 6: `sglang.server_concurrency` is read: an engine's share goes out in requests of whole
+    prompt groups of at most that many rows (here 6 rows = 2 prompts x 3 samples), one after another."""
+    for s in servers:
+        _reset(s, hf_a)
+    prompts = _prompts(torch.Generator().manual_seed(9), (4, 5, 6, 7, 8, 9))
+    with Router([s.url for s in servers], server_concurrency=6) as router:
+        before = [s.scheduler.state() for s in servers]
+        out = router.generate(prompts, 3, SamplingParams(max_new_tokens=2, stop_token_ids=()))
+        after = [s.scheduler.state() for s in servers]
+    assert [c.prompt_ids for c in out] == [p for p in prompts for _ in range(3)]
+    assert [a["rows_served"] - b["rows_served"] for a, b in zip(after, before)] == [9, 9]
+    assert [a["batches_run"] - b["batches_run"] for a, b in zip(after, before)] == [2, 2]  # 6 + 3 rows each
+
+
 def test_client_refuses_tensor_sync_to_sglang_and_needs_its_shape():
     info = {"weight_version": "default"}  # what an SGLang server reports: no engine name, no model shape
     client = EngineClient("http://127.0.0.1:9")

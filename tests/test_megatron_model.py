@@ -400,13 +400,15 @@ def test_tp2_ep2_matches_one_process_and_checkpoints_reshard(tmp_path):
 
 @pytest.mark.slow
 def test_pp2_step_on_uneven_micro_batches_has_the_pp1_gradients(tmp_path):
-    """Issue 14 item 4: PP pads micro-batches of 3 and 2 samples to 3 rows each; the padding row must not
-    scale the gradient (it did by 2/3 for the second micro-batch)."""
+    """Issue 14 items 4 and 10: at PP 2 micro-batches of 3 and 2 samples (different lengths) and a padding
+    micro-batch run unpadded (megatron exchanges shapes) and give the PP 1 gradients; padding rows used to
+    scale the gradient by real/padded rows."""
     from megatron_worker import launch
 
     args = {"weights": str(TINY_WEIGHTS)}
     one = launch("grpo_padded", 1, tmp_path / "pp1", args)[0]
     two = launch("grpo_padded", 2, tmp_path / "pp2", dict(args, pp=2))
-    assert one["rows"] == [3, 2] and two[0]["rows"] == [3, 3]  # the pipeline really padded
+    assert one["rows"] == two[0]["rows"] == [3, 2, 1]  # no padding to one shape
+    assert one["real_rows"] == two[1]["real_rows"] == 5.0  # the padding micro-batch adds no row
     assert one["ok"] and two[0]["ok"] and two[0]["grad_norm"] == two[1]["grad_norm"]
     assert two[0]["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)

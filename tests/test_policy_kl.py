@@ -11,11 +11,13 @@ def test_reference_model_only_with_a_kl_coefficient():
     from kimi_pipeline.recipes import load_recipe
     from kimi_pipeline.rl.grpo import group_advantages
     from kimi_pipeline.rl.policy import PolicyWorker
+    from kimi_pipeline.rl.samples import share_rollout
 
     import torch
 
     recipe = load_recipe("tiny", ["grpo.use_kl_loss=true", "grpo.kl_loss_coef=0.01", "quant.int4_qat=false",
-                                  "rollout.num_steps_per_rollout=2"])
+                                  "rollout.num_steps_per_rollout=2", "rollout.rollout_batch_size=4",
+                                  "rollout.n_samples_per_prompt=4"])  # 16 samples = 2 global batches of 8
     w = PolicyWorker(recipe)
     try:
         w.load("/nonexistent-checkpoints", str(TINY / "model"))
@@ -24,9 +26,10 @@ def test_reference_model_only_with_a_kl_coefficient():
         rewards = torch.tensor([float(i % 2) for i in range(len(samples))])
         for s, a, r in zip(samples, group_advantages(rewards, 4).tolist(), rewards.tolist()):
             s.advantage, s.reward = a, r
-        first = w.train(samples, 0)
+        (share,), _ = share_rollout(samples, recipe)  # one DP rank: the whole rollout
+        first = w.train(share, 0)
         assert "kl" in first and first["optimizer_steps"] == 2
-        second = w.train(samples, 1)  # the policy has moved away from the reference by now
+        second = w.train(share, 1)  # the policy has moved away from the reference by now
         assert second["kl"] > first["kl"] >= 0.0
     finally:
         w.close()

@@ -32,7 +32,7 @@ def run_eval_step(recipe: Recipe, run_dir: Path, step: int, engine_urls: list[st
     tokenizer = load_tokenizer(model_dir, recipe.hub.trust_remote_code)
     prompts = eval_prompts(recipe, run_dir, tokenizer)
     out_dir = Path(run_dir) / "eval"
-    with Router(engine_urls) as client:
+    with Router(engine_urls, server_concurrency=recipe.sglang.server_concurrency) as client:
         result = evaluate(client, tokenizer, prompts, recipe.eval, step=step, seed=recipe.rollout.seed,
                           rm_type=recipe.rollout.rm_type, thinking=recipe.rollout.thinking,
                           strict=recipe.rollout.reward_strict, out_dir=out_dir, top_k=recipe.rollout.top_k)

@@ -13,6 +13,7 @@ import base64
 import functools
 import json
 import logging
+import math
 import os
 import random
 import shutil
@@ -261,19 +262,52 @@ def optimizer_step(optimizer, scheduler=None) -> tuple[bool, float | None]:
     return bool(ok), None if grad_norm is None else float(grad_norm)
 
 
-def _broadcast_from_last_stage(t: torch.Tensor | None, shape: tuple[int, ...]) -> torch.Tensor:
+def _broadcast_from_last_stage(parts: list[torch.Tensor] | None, shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
+    """The last pipeline stage's tensors on every stage: one flat broadcast, not one per micro-batch."""
     from megatron.core import parallel_state as ps
 
     if ps.get_pipeline_model_parallel_world_size() == 1:
-        assert t is not None
-        return t
-    buf = t.contiguous() if t is not None else torch.empty(shape, dtype=torch.float32)
+        assert parts is not None
+        return parts
+    sizes = [math.prod(s) for s in shapes]
+    if parts is not None:
+        buf = torch.cat([p.reshape(-1).float() for p in parts])
+    else:  # NCCL broadcasts device tensors
+        buf = torch.empty(sum(sizes), device=torch.cuda.current_device() if torch.cuda.is_available() else "cpu")
     src = ps.get_pipeline_model_parallel_last_rank()
     torch.distributed.broadcast(buf, src=src, group=ps.get_pipeline_model_parallel_group())
-    return buf
+    return [x.view(s) for x, s in zip(buf.split(sizes), shapes)]
 
 
 @torch.no_grad()
+def micro_batch_logprobs(
+    model_chunks, batches: Sequence[dict], *, temperature: float = 1.0, with_entropy: bool = False,
+) -> list[torch.Tensor] | list[tuple[torch.Tensor, torch.Tensor]]:
+    """Logprobs [b, s] of each micro-batch's "targets" (with entropy: (logprobs, entropy) pairs), on every rank.
+
+    All micro-batches go through one forward-only schedule (pipelined at PP > 1; shapes may differ, megatron
+    exchanges them: `variable_seq_lengths`), then the last stage's results are broadcast to the others."""
+    chunks = model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]
+    for m in chunks:
+        m.eval()
+
+    def collect(logits, batch):
+        lp, ent = logprobs_from_logits(logits, batch["targets"], temperature=temperature, with_entropy=with_entropy)
+        return lp.sum() * 0, 1, {"logprobs": lp, "entropy": ent}
+
+    try:
+        out = forward_backward(chunks, list(batches), collect, forward_only=True)
+    finally:
+        for m in chunks:
+            m.train()
+    shapes = [tuple(b["targets"].shape) for b in batches]
+    lps = _broadcast_from_last_stage([o["logprobs"] for o in out] if out else None, shapes)
+    if not with_entropy:
+        return lps
+    ents = _broadcast_from_last_stage([o["entropy"] for o in out] if out else None, shapes)
+    return list(zip(lps, ents))
+
+
 def token_logprobs(
     model_chunks, tokens: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0,
     micro_batch_size: int | None = None, with_entropy: bool = True,
@@ -281,32 +315,16 @@ def token_logprobs(
     """(logprobs, entropy) [b, s] of `targets` under the model, on every rank (no grad).
 
     `targets[:, t]` is the token predicted at position t (usually tokens shifted left; pad the end).
-    Runs the forward schedule, so pipeline parallelism works; results go to all pipeline stages.
     `with_entropy=False` skips the entropy (a full-vocab pass) and returns None for it.
     """
-    chunks = model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]
-    for m in chunks:
-        m.eval()
     mbs = micro_batch_size or tokens.shape[0]
     batches = [
         {"tokens": tokens[i : i + mbs], "targets": targets[i : i + mbs]} for i in range(0, tokens.shape[0], mbs)
     ]
-
-    def collect(logits, batch):
-        lp, ent = logprobs_from_logits(logits, batch["targets"], temperature=temperature, with_entropy=with_entropy)
-        return lp.sum() * 0, 1, {"logprobs": lp, "entropy": ent}
-
-    try:
-        out = forward_backward(chunks, batches, collect, forward_only=True)
-    finally:
-        for m in chunks:
-            m.train()
-    lp = torch.cat([o["logprobs"] for o in out]) if out else None
-    shape = tuple(targets.shape)
+    got = micro_batch_logprobs(model_chunks, batches, temperature=temperature, with_entropy=with_entropy)
     if not with_entropy:
-        return _broadcast_from_last_stage(lp, shape), None
-    ent = torch.cat([o["entropy"] for o in out]) if out else None
-    return _broadcast_from_last_stage(lp, shape), _broadcast_from_last_stage(ent, shape)
+        return torch.cat(got), None
+    return torch.cat([lp for lp, _ in got]), torch.cat([e for _, e in got])
 
 
 # --------------------------------------------------------------------------- RNG

@@ -151,7 +151,86 @@ def plan_micro_batches(lengths: Sequence[int], max_tokens_per_gpu: int, dp_size:
         smallest = min(donor, key=lambda i: (lengths[i], i))
         donor.remove(smallest)
         short[0].append(smallest)
-    k = max(1, *(len(first_fit_decreasing(lengths, max_tokens_per_gpu, r)) for r in per_rank))
-    ranks = [_into_k_bins(lengths, sorted(r), k, max_tokens_per_gpu) for r in per_rank]
-    ranks = [[sorted(mb) for mb in rank] for rank in ranks]
-    return MicroBatchPlan(ranks=ranks, lengths=lengths, max_tokens=max_tokens_per_gpu, oversized=oversized)
+    return MicroBatchPlan(ranks=_pack_ranks(lengths, per_rank, max_tokens_per_gpu), lengths=lengths,
+                          max_tokens=max_tokens_per_gpu, oversized=oversized)
+
+
+def _pack_ranks(lengths: Sequence[int], per_rank: list[list[int]], max_tokens: int) -> list[list[list[int]]]:
+    """Each rank's samples into the same number K of token-budgeted micro-batches (K = the largest need)."""
+    k = max(1, *(len(first_fit_decreasing(lengths, max_tokens, r)) for r in per_rank))
+    ranks = [_into_k_bins(lengths, sorted(r), k, max_tokens) for r in per_rank]
+    return [[sorted(mb) for mb in rank] for rank in ranks]
+
+
+# --------------------------------------------------------------------------- a rollout over DP ranks and steps
+
+
+def equal_size_partition(lengths: Sequence[int], indices: Sequence[int], parts: int) -> list[list[int]]:
+    """LPT with equal sample counts (±1 when they do not divide): the seeds' `balance_data` split."""
+    idx = list(indices)
+    full, extra = divmod(len(idx), parts)
+    out: list[list[int]] = [[] for _ in range(parts)]
+    loads = [0] * parts
+    for i in sorted(idx, key=lambda i: (-lengths[i], i)):
+        room = [p for p in range(parts) if len(out[p]) < full or (len(out[p]) == full and extra > 0)]
+        p = min(room, key=lambda p: (loads[p], len(out[p]), p))
+        extra -= len(out[p]) == full
+        out[p].append(i)
+        loads[p] += lengths[i]
+    return [sorted(part) for part in out]
+
+
+def step_batch_size(num_samples: int, global_batch_size: int, dp_size: int, dynamic: bool) -> int:
+    """Samples per optimizer step: the recipe's, or with a dynamic global batch (dynamic sampling keeps a
+    varying number) all samples rounded down to a multiple of DP in one step, as slime does."""
+    return max(dp_size, num_samples // dp_size * dp_size) if dynamic else global_batch_size
+
+
+@dataclass
+class RolloutSplit:
+    """``steps[k][r][m]`` = rollout sample indices of micro-batch m of DP rank r in optimizer step k.
+
+    Every rank has the same number of micro-batches in a step (expert all-to-alls and pipeline schedules are
+    collective per micro-batch); an empty one is run as zero-weight padding."""
+
+    steps: list[list[list[list[int]]]]
+    global_batch_size: int
+    trimmed: list[int]  # samples left out (the tail past the last full global batch)
+
+    def rank_steps(self, rank: int) -> list[list[list[int]]]:
+        return [step[rank] for step in self.steps]
+
+    def rank_samples(self, rank: int) -> list[int]:
+        return [i for step in self.steps for mb in step[rank] for i in mb]
+
+
+def split_rollout(lengths: Sequence[int], *, dp_size: int, global_batch_size: int, balance: bool,
+                  max_tokens_per_gpu: int | None = None) -> RolloutSplit:
+    """A rollout's samples (token lengths) → optimizer steps of `global_batch_size` samples → DP ranks →
+    micro-batches, so each rank computes logprobs and gradients for its own samples only.
+
+    Steps take consecutive slices (the tail past the last full batch is trimmed, as in slime; a rollout
+    shorter than one batch trains one step on everything). Within a step the samples go to DP ranks in
+    equal counts balanced by tokens (`balance`, the seeds' balance_data) or strided; then into
+    token-budgeted micro-batches (`max_tokens_per_gpu`, dynamic batch size) or one sample each."""
+    lengths = [int(n) for n in lengths]
+    if global_batch_size < 1 or dp_size < 1:
+        raise ValueError(f"global_batch_size ({global_batch_size}) and dp_size ({dp_size}) must be >= 1")
+    n = len(lengths)
+    n_steps = n // global_batch_size
+    bounds = [(k * global_batch_size, (k + 1) * global_batch_size) for k in range(n_steps)] or [(0, n)]
+    if n_steps == 0:
+        log.warning("rollout has %d samples, fewer than one global batch (%d): training one step on all of them",
+                    n, global_batch_size)
+    steps = []
+    for lo, hi in bounds:
+        idx = list(range(lo, hi))
+        per_rank = (equal_size_partition(lengths, idx, dp_size) if balance
+                    else [idx[r::dp_size] for r in range(dp_size)])
+        if max_tokens_per_gpu is not None:
+            ranks = _pack_ranks(lengths, per_rank, max_tokens_per_gpu)
+        else:
+            k = max(1, *(len(r) for r in per_rank))
+            ranks = [[[i] for i in r] + [[] for _ in range(k - len(r))] for r in per_rank]
+        steps.append(ranks)
+    return RolloutSplit(steps=steps, global_batch_size=global_batch_size, trimmed=list(range(bounds[-1][1], n)))

@@ -28,7 +28,7 @@ from kimi_pipeline.report.metrics import MetricsLog, first_last_mean, open_wandb
 from kimi_pipeline.report.progress import TrainProgress
 from kimi_pipeline.rl.launch import LaunchPlan, check_launch, engine_options, plan_launch, trainer_options
 from kimi_pipeline.rl.prompts import Prompt, PromptStream, load_prompts
-from kimi_pipeline.rl.samples import Sample
+from kimi_pipeline.rl.samples import Sample, share_rollout
 
 log = logging.getLogger(__name__)
 
@@ -157,6 +157,20 @@ def _merge_rank_metrics(results: list[dict[str, float]]) -> dict[str, float]:
     return {k: sum(r[k] for r in results if k in r) / sum(1 for r in results if k in r) for k in keys}
 
 
+def _train(workers: list, plan: LaunchPlan, samples: list[Sample], recipe: Recipe, step: int, ray) -> dict[str, float]:
+    """Each DP rank's share of the rollout goes into the object store once; every trainer rank of that DP rank
+    reads it there (the samples are not serialized into 256 actor calls)."""
+    shares, split = share_rollout(samples, recipe)
+    refs = [ray.put(s) for s in shares]
+    metrics = _merge_rank_metrics(ray.get([w.train.remote(refs[plan.ranks[i].dp], step)
+                                           for i, w in enumerate(workers)]))
+    if split.trimmed:
+        log.info("step %d: %d samples past the last full global batch (%d) not trained", step + 1,
+                 len(split.trimmed), split.global_batch_size)
+    return {**metrics, "global_batch_size": float(split.global_batch_size),
+            "samples_trimmed": float(len(split.trimmed))}
+
+
 # --------------------------------------------------------------------------- rollout
 
 
@@ -252,6 +266,22 @@ def rollout(client, tokenizer, reward, stream: PromptStream, recipe: Recipe, ste
 # --------------------------------------------------------------------------- the loop
 
 
+def stage_error(e: Exception) -> Exception:
+    """What the stage raises for a failure inside the actors or engines: a PermanentError (bad model, bad
+    recipe, a 400 from an engine) stays permanent even when Ray wraps it, so the task does not retry what a
+    retry cannot fix; anything else (a lost actor, node or engine) is a retryable TrainingError."""
+    from kimi_pipeline.rl.engine.client import EngineRequestError
+
+    if isinstance(e, PermanentError):
+        return e
+    cause = getattr(e, "cause", None)  # Ray's RayTaskError carries the actor's own exception
+    if isinstance(cause, PermanentError):
+        return PermanentError(f"{type(cause).__name__} in a training actor: {cause}")
+    what = "rollout engine" if isinstance(e, EngineRequestError) else "training actors"
+    first = str(e).splitlines()[0][:300] if str(e) else ""
+    return TrainingError(f"{what} failed ({type(e).__name__}): {first}; a retry resumes from the latest checkpoint")
+
+
 def _require_healthy_cluster(recipe: Recipe, address: str | None, timeout_s: float = 60.0) -> None:
     """Actors on a cluster that lost a node would wait forever for resources: check first, fail clearly
     (a transient error: the task retry waits again, e.g. for the node to come back)."""
@@ -318,7 +348,8 @@ def run_training(
             log.info("resumed from %s at step %d", paths.checkpoints, start)
         ray.get([w.sync_weights.remote(urls, str(start)) for w in workers])
         m = recipe.model
-        router = Router(urls, num_layers=m.num_layers, topk=m.moe_router_topk, first_k_dense=m.first_k_dense)
+        router = Router(urls, num_layers=m.num_layers, topk=m.moe_router_topk, first_k_dense=m.first_k_dense,
+                        server_concurrency=recipe.sglang.server_concurrency)
         progress = TrainProgress(total, start)
         if evaluate and start == 0:
             progress.log_eval(0, evaluate(0, urls))
@@ -327,7 +358,7 @@ def run_training(
         for step in range(start, end):
             t0 = time.perf_counter()
             samples, row = rollout(router, tokenizer, reward, stream, recipe, step)
-            train = _merge_rank_metrics(ray.get([w.train.remote(samples, step) for w in workers]))
+            train = _train(workers, plan, samples, recipe, step, ray)
             sync = _merge_rank_metrics(ray.get([w.sync_weights.remote(urls, str(step + 1)) for w in workers]))
             row = {"step": step + 1, **row, **train, **sync, "step_seconds": time.perf_counter() - t0}
             metrics_log.log(row)
@@ -341,14 +372,11 @@ def run_training(
                 on_step(row)
             if evaluate and (done % recipe.eval.interval == 0 or done == total):
                 progress.log_eval(done, evaluate(done, urls))
-    except ray.exceptions.RayError as e:
-        raise TrainingError(f"training actors failed ({type(e).__name__}): {str(e).splitlines()[0][:300]}; "
-                            "a retry resumes from the latest checkpoint") from e
-    except EngineRequestError as e:  # an engine (or its node) went away mid-rollout; a 400 stays permanent
-        if isinstance(e, PermanentError):
+    except (ray.exceptions.RayError, EngineRequestError) as e:
+        err = stage_error(e)
+        if err is e:
             raise
-        raise TrainingError(f"rollout engine failed ({type(e).__name__}): {str(e).splitlines()[0][:300]}; "
-                            "a retry resumes from the latest checkpoint") from e
+        raise err from e
     finally:
         if router is not None:
             router.close()

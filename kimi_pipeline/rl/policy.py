@@ -2,14 +2,13 @@
 sync weights to the rollout engines, checkpoint and resume.
 
 The driver runs one `PolicyWorker` per trainer rank (as Ray actors that together form one
-torch.distributed job; gloo on CPU, nccl on GPU). Every rank receives the same samples and takes
-its data-parallel share through the micro-batch plan, so all ranks agree on the work without talking.
+torch.distributed job; gloo on CPU, nccl on GPU). Each rank receives only its data-parallel rank's share
+of the rollout (`samples.share_rollout`, planned by the driver so micro-batch counts agree across ranks).
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import os
 import time
 from pathlib import Path
@@ -18,7 +17,8 @@ from typing import Any
 import torch
 
 from kimi_pipeline.recipes import Recipe
-from kimi_pipeline.rl.samples import MicroBatch, Sample, collate
+from kimi_pipeline.errors import PermanentError
+from kimi_pipeline.rl.samples import MicroBatch, RankShare, Sample, collate, padding_micro_batch
 
 log = logging.getLogger(__name__)
 
@@ -140,20 +140,13 @@ class PolicyWorker:
 
         return ps.get_data_parallel_rank()
 
-    def _micro_batches(self, samples: list[Sample], indices: list[int]) -> list[MicroBatch]:
-        """This data-parallel rank's micro-batches of `indices` (token-budgeted when dynamic batching)."""
-        from kimi_pipeline.rl.batching import plan_micro_batches
-
-        p = self.recipe.parallel
-        if p.use_dynamic_batch_size:
-            plan = plan_micro_batches([samples[i].num_tokens for i in indices], p.max_tokens_per_gpu, self.layout.dp)
-            mine = [[indices[j] for j in mb] for mb in plan.ranks[self._dp_rank()]]
-        else:
-            mine = [[i] for i in indices[self._dp_rank() :: self.layout.dp]]
-        batches = [collate([samples[i] for i in mb], mb, pad_id=0) for mb in mine if mb]
-        if self.layout.pp > 1:  # pipeline p2p needs one shape for every micro-batch
-            batches = _pad_uniform(batches)
-        return batches
+    def _collate(self, samples: list[Sample], mb: list[int]) -> MicroBatch:
+        """Tensors of one micro-batch (positions in `samples`); an empty one is zero-weight padding."""
+        if mb:
+            return collate([samples[i] for i in mb], mb, pad_id=0)
+        m = self.recipe.model
+        replay = self.recipe.rollout.routing_replay and bool(samples) and samples[0].routed_experts is not None
+        return padding_micro_batch(0, (m.num_layers - m.first_k_dense, m.moe_router_topk) if replay else None)
 
     def _moe_layer_slice(self) -> slice:
         """Which of the rollout's MoE layers (engine order) the routers of this pipeline stage are."""
@@ -190,59 +183,61 @@ class PolicyWorker:
             RouterReplay.clear_global_indices()
             RouterReplay.clear_global_router_replay_action()
 
-    def _token_logprobs(self, model_chunks, samples: list[Sample]) -> list[list[float]]:
-        """Per-response-token logprobs of every sample (no grad), in sample order, on every rank."""
-        from kimi_pipeline.model.megatron_train import token_logprobs
-        from kimi_pipeline.rl.samples import response_values
+    def _logprobs(self, model_chunks, mbs: list[MicroBatch]) -> list[torch.Tensor]:
+        """Per-token logprobs [b, s] of every micro-batch (no grad, on every rank, 0 outside the response
+        mask), all micro-batches in one forward schedule: pipelined at PP > 1, not one schedule each."""
+        from kimi_pipeline.model.megatron_train import micro_batch_logprobs
 
         temperature = self.recipe.rollout.temperature or 1.0
-        out: list[list[float] | None] = [None] * len(samples)
-        # every rank computes all samples (old logprobs are needed by whichever DP rank trains a sample)
-        p = self.recipe.parallel
-        from kimi_pipeline.rl.batching import plan_micro_batches
+        batches = [{"tokens": mb.tokens, "targets": mb.targets} for mb in mbs]
+        lps = self._with_replay(mbs, lambda: micro_batch_logprobs(model_chunks, batches, temperature=temperature))
+        return [lp * mb.mask for lp, mb in zip(lps, mbs)]
 
-        plan = plan_micro_batches([s.num_tokens for s in samples], p.max_tokens_per_gpu, 1)
+    def _token_logprobs(self, model_chunks, samples: list[Sample]) -> list[list[float]]:
+        """Per-response-token logprobs of each sample, in sample order (diagnostics and tests)."""
+        from kimi_pipeline.rl.batching import plan_micro_batches
+        from kimi_pipeline.rl.samples import response_values
+
+        plan = plan_micro_batches([s.num_tokens for s in samples], self.recipe.parallel.max_tokens_per_gpu, 1)
         mbs = [collate([samples[i] for i in mb], mb, pad_id=0) for mb in plan.ranks[0] if mb]
-        for mb in mbs:
-            lp, _ = self._with_replay([mb], lambda mb=mb: token_logprobs(model_chunks, mb.tokens, mb.targets,
-                                                                          temperature=temperature, with_entropy=False))
+        out: list[list[float]] = [[] for _ in samples]
+        for mb, lp in zip(mbs, self._logprobs(model_chunks, mbs)):
             for row, i in enumerate(mb.index):
                 out[i] = response_values(lp[row], samples[i])
-        return out  # type: ignore[return-value]
+        return out
 
-    def train(self, samples: list[Sample], step: int) -> dict[str, float]:
-        """One rollout's worth of GRPO: old logprobs under the rollout policy, then
-        `num_steps_per_rollout` optimizer steps over consecutive slices of the samples."""
+    def train(self, share: RankShare, step: int) -> dict[str, float]:
+        """One rollout of GRPO on this data-parallel rank's share: old (and reference) logprobs of its own
+        samples in one forward schedule, then one optimizer step per global batch of the split."""
         from kimi_pipeline.model.megatron_train import forward_backward, optimizer_step
 
+        if share.dp_rank != self._dp_rank():
+            raise PermanentError(f"trainer rank {self.rank} is data-parallel rank {self._dp_rank()} but was handed "
+                                 f"DP rank {share.dp_rank}'s samples: the launch plan and megatron disagree on rank order")
         t0 = time.perf_counter()
         r = self.recipe
         temperature = r.rollout.temperature or 1.0
-        for s, old in zip(samples, self._token_logprobs(self.model, samples)):
-            s.old_logprobs = old
-        refs = self._token_logprobs([self.ref_model], samples) if self.ref_model is not None else None
-        n_steps = r.rollout.num_steps_per_rollout
-        per_step = math.ceil(len(samples) / n_steps)
+        samples = share.samples
+        steps = [[self._collate(samples, mb) for mb in st] for st in share.steps]
+        flat = [mb for st in steps for mb in st]
+        old = self._logprobs(self.model, flat)
+        ref = self._logprobs([self.ref_model], flat) if self.ref_model is not None else None
         sums: dict[str, float] = {}
         extremes: dict[str, float] = {}
-        weight, grad_norms, updated, tokens = 0.0, [], 0, 0
+        weight, grad_norms, updated, tokens, j = 0.0, [], 0, 0, 0
 
         def loss_fn(logits: torch.Tensor, batch: dict):
             return microbatch_loss(logits, batch, r.grpo, temperature)
 
-        for k in range(n_steps):
-            idx = list(range(k * per_step, min(len(samples), (k + 1) * per_step)))
-            if not idx:
-                continue
-            mbs = self._micro_batches(samples, idx)
+        for mbs in steps:
             batches = []
             for mb in mbs:
                 d = {"tokens": mb.tokens, "targets": mb.targets, "mask": mb.mask,
-                     "rollout_logprobs": mb.rollout_logprobs, "advantages": mb.advantages,
-                     "old_logprobs": mb.old_logprobs}
-                if refs is not None:
-                    d["ref_logprobs"] = collate([_with_old(samples[i], refs[i]) for i in mb.index], mb.index, 0).old_logprobs
+                     "rollout_logprobs": mb.rollout_logprobs, "advantages": mb.advantages, "old_logprobs": old[j]}
+                if ref is not None:
+                    d["ref_logprobs"] = ref[j]
                 batches.append(d)
+                j += 1
             outs = self._with_replay(mbs, lambda: forward_backward(self.model, batches, loss_fn, optimizer=self.optimizer))
             ok, grad_norm = optimizer_step(self.optimizer, self.scheduler)
             updated += int(ok)
@@ -263,6 +258,7 @@ class PolicyWorker:
         seconds = time.perf_counter() - t0
         metrics.update(grad_norm=sum(grad_norms) / max(len(grad_norms), 1), optimizer_steps=float(updated),
                        lr=float(self.optimizer.param_groups[0]["lr"]), train_seconds=seconds,
+                       train_samples=float(len(samples)),  # this DP rank's share (mean over ranks in the row)
                        train_tokens_per_s=tokens / seconds if seconds > 0 else 0.0)
         return metrics
 
@@ -350,24 +346,3 @@ class PolicyWorker:
         from kimi_pipeline.model.parallel import destroy
 
         destroy()
-
-
-def _with_old(sample: Sample, values: list[float]) -> Sample:
-    from dataclasses import replace
-
-    return replace(sample, old_logprobs=values)
-
-
-def _pad_uniform(batches: list[MicroBatch]) -> list[MicroBatch]:
-    b = max(x.tokens.shape[0] for x in batches)
-    s = max(x.tokens.shape[1] for x in batches)
-
-    def pad(t: torch.Tensor, value) -> torch.Tensor:
-        out = torch.full((b, s, *t.shape[2:]), value, dtype=t.dtype)
-        out[: t.shape[0], : t.shape[1]] = t
-        return out
-
-    return [MicroBatch(pad(x.tokens, 0), pad(x.targets, 0), pad(x.mask, 0.0), pad(x.rollout_logprobs, 0.0),
-                       pad(x.advantages, 0.0), x.index,
-                       None if x.old_logprobs is None else pad(x.old_logprobs, 0.0),
-                       None if x.routed_experts is None else pad(x.routed_experts, 0)) for x in batches]

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kimi_pipeline.rl.batching import RolloutSplit, split_rollout, step_batch_size
+
 
 @dataclass
 class Sample:
@@ -85,6 +87,44 @@ def collate(samples: list[Sample], index: list[int], pad_id: int, pad_to_multipl
             ids = torch.tensor(s.routed_experts, dtype=torch.long)
             routed[i, : ids.shape[0]] = ids
     return MicroBatch(tokens, targets, mask, rollout, adv, list(index), old, routed)
+
+
+@dataclass
+class RankShare:
+    """One data-parallel rank's part of a rollout: only its samples, and per optimizer step its
+    micro-batches as positions in `samples` (an empty micro-batch is zero-weight padding). The driver puts
+    each share in Ray's object store once; every trainer rank of that DP rank (TP/PP/CP peers) reads it."""
+
+    dp_rank: int
+    samples: list[Sample]
+    steps: list[list[list[int]]]
+
+
+def share_rollout(samples: list[Sample], recipe) -> tuple[list[RankShare], RolloutSplit]:
+    """The recipe's split of a rollout over DP ranks and optimizer steps (see `batching.split_rollout`)."""
+    ro, p = recipe.rollout, recipe.parallel
+    dp = recipe.data_parallel_size
+    split = split_rollout([s.num_tokens for s in samples], dp_size=dp, balance=ro.balance_data,
+                          global_batch_size=step_batch_size(len(samples), recipe.global_batch_size, dp,
+                                                            ro.use_dynamic_global_batch_size),
+                          max_tokens_per_gpu=p.max_tokens_per_gpu if p.use_dynamic_batch_size else None)
+    shares = []
+    for r in range(dp):
+        mine = split.rank_samples(r)
+        local = {g: j for j, g in enumerate(mine)}
+        shares.append(RankShare(r, [samples[g] for g in mine],
+                                [[[local[g] for g in mb] for mb in step] for step in split.rank_steps(r)]))
+    return shares, split
+
+
+def padding_micro_batch(pad_id: int = 0, routed: tuple[int, int] | None = None) -> MicroBatch:
+    """A one-token micro-batch with no response token: a rank with nothing to train in a micro-batch slot
+    still runs it (collectives are per micro-batch) and it adds zero to the loss and the gradient.
+    `routed` = (moe_layers, topk) gives it replay ids (experts 0..k-1) like collate's padding positions."""
+    z = torch.zeros((1, 1))
+    t = torch.full((1, 1), pad_id, dtype=torch.long)
+    ids = None if routed is None else torch.arange(routed[1]).expand(1, 1, *routed).clone()
+    return MicroBatch(t, t.clone(), z, z.clone(), z.clone(), [], None, ids)
 
 
 def response_values(values: torch.Tensor, sample: Sample) -> list[float]:

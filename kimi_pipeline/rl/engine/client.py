@@ -255,12 +255,15 @@ class Router:
 
     generate: each prompt (with all its n samples, so a group shares one engine's prefill) goes to the
     engine with the fewest outstanding rows; engines run concurrently and outputs come back in order.
-    Control and weight calls go to every engine.
+    Control and weight calls go to every engine. `server_concurrency` (recipe `sglang.server_concurrency`,
+    the seeds' --sglang-server-concurrency) caps the rows one engine has in flight: larger shares go out as
+    consecutive requests of whole prompt groups.
     """
 
-    def __init__(self, engines: list[str | EngineClient], **client_kwargs):
+    def __init__(self, engines: list[str | EngineClient], *, server_concurrency: int | None = None, **client_kwargs):
         if not engines:
             raise PermanentError("Router needs at least one engine URL")
+        self.server_concurrency = server_concurrency
         self.clients = [e if isinstance(e, EngineClient) else EngineClient(e, **client_kwargs) for e in engines]
         self._outstanding = [0] * len(self.clients)
         self._lock = threading.Lock()
@@ -298,7 +301,9 @@ class Router:
                 if not assigned[e]:
                     return []
                 sub = [prompts[i] for i in assigned[e]]
-                return self.clients[e].generate(sub, n, params, return_routed_experts)
+                per = max(1, (self.server_concurrency or len(sub) * n) // n)  # prompts per request
+                return [c for lo in range(0, len(sub), per)
+                        for c in self.clients[e].generate(sub[lo : lo + per], n, params, return_routed_experts)]
             finally:
                 with self._lock:
                     self._outstanding[e] -= n * len(assigned[e])
