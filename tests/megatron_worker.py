@@ -81,7 +81,7 @@ def _setup(args: dict):
 
     recipe = load_recipe("tiny")
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    layout = Layout(world_size=world, tp=args.get("tp", 1), pp=args.get("pp", 1), ep=args.get("ep", 1),
+    layout = Layout(world_size=world, tp=args.get("tp", 1), pp=args.get("pp", 1), cp=args.get("cp", 1), ep=args.get("ep", 1),
                     etp=args.get("etp", 1), sequence_parallel=args.get("sp", False))
     init_distributed(layout, seed=args.get("seed", 1234))
     torch.manual_seed(0)
@@ -226,6 +226,50 @@ def scenario_grpo_padded(out_dir: Path, args: dict) -> dict:
             "real_rows": sum(o.get("_rows", 0.0) for o in out)}
 
 
+def scenario_replay(out_dir: Path, args: dict) -> dict:
+    """The trainer's (PolicyWorker's) per-token logprobs of rollout samples under routing replay, at the
+    layout in args (tp, sp); every rank returns them."""
+    from kimi_pipeline.recipes import load_recipe
+    from kimi_pipeline.rl.policy import PolicyWorker
+    from kimi_pipeline.rl.samples import Sample
+
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    recipe = load_recipe("tiny", ["rollout.routing_replay=true", "quant.int4_qat=false", f"parallel.tp={args['tp']}",
+                                  f"parallel.sequence_parallel={str(args['sp']).lower()}", f"cluster.gpus_per_node={world}",
+                                  f"parallel.ep={args.get('ep', 1)}", f"parallel.etp={args.get('etp', 1)}"])
+    worker = PolicyWorker(recipe, rank, world, "127.0.0.1", int(os.environ["MASTER_PORT"]))
+    worker.load(str(out_dir / "no-checkpoints"), args["model"])
+    samples = [Sample(**s) for s in args["samples"]]
+    return {"logprobs": worker._token_logprobs(worker.model, samples)}
+
+
+def scenario_cp(out_dir: Path, args: dict) -> dict:
+    """Logprobs/entropy from this CP rank's part of the logits, gathered back (and their gradients), against
+    the same function on the whole logits; plus the loss denominators megatron would sum over DP x CP."""
+    import torch
+
+    from kimi_pipeline.model import megatron_train as mt
+    from kimi_pipeline.model.context_parallel import cp_group, cp_split
+
+    _setup(args)
+    cp, rank, _ = cp_group()
+    g = torch.Generator().manual_seed(11)
+    b, s, v = 3, 8 * cp, 40
+    full = torch.randn(b, s, v, generator=g)
+    targets = torch.randint(0, v, (b, s), generator=g)
+    weights = torch.randn(b, s, generator=g)
+    ref = full.clone().requires_grad_()
+    lp_ref, ent_ref = mt.logprobs_from_logits(ref, targets)
+    ((lp_ref * weights).sum() + (ent_ref * weights).sum()).backward()
+    local = cp_split(full, cp, rank).requires_grad_()
+    lp, ent = mt.logprobs_from_logits(local, targets)
+    ((lp * weights).sum() + (ent * weights).sum()).backward()
+    _, denom, _ = mt._call_loss(lambda logits, batch: (lp.sum(), 5, {}), {}, rank, local)
+    return {"lp_diff": float((lp - lp_ref).abs().max()), "ent_diff": float((ent - ent_ref).abs().max()),
+            "grad_diff": float((local.grad - cp_split(ref.grad, cp, rank)).abs().max()),
+            "local_len": local.shape[1], "denominator": int(denom)}
+
+
 def main() -> None:
     scenario, out_dir, args = sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[3])
     from kimi_pipeline.model import parallel
@@ -236,7 +280,7 @@ def main() -> None:
     (out_dir / f"{scenario}.rank{rank}.json").write_text(json.dumps(result))
 
 
-SCENARIOS = {"ops": scenario_ops, "grpo_padded": scenario_grpo_padded}
+SCENARIOS = {"ops": scenario_ops, "grpo_padded": scenario_grpo_padded, "replay": scenario_replay, "cp": scenario_cp}
 
 
 if __name__ == "__main__":

@@ -61,3 +61,22 @@ def test_other_expert_ids_change_the_trainer_forward(worker):
         s.routed_experts = None
     live = worker._token_logprobs(worker.model, samples)
     assert max(abs(a - b) for x, y in zip(base, live) for a, b in zip(x, y)) < 1e-3
+
+
+@pytest.mark.slow
+def test_replay_ids_follow_the_sequence_parallel_token_slices(tmp_path):
+    """Issue 14 item 10: under TP 2 with sequence parallelism (EP 2, ETP 1 as in the seeds) each rank's routers
+    see half of the tokens;
+    the replayed ids must be that half (they were the whole sequence: a shape error or wrong experts)."""
+    from megatron_worker import launch
+
+    from kimi_pipeline.recipes import load_recipe
+
+    samples = _samples(load_recipe("tiny", ["rollout.routing_replay=true"]), n_prompts=2, n=2)
+    payload = [{"prompt_ids": s.prompt_ids, "response_ids": s.response_ids, "rollout_logprobs": s.rollout_logprobs,
+                "routed_experts": s.routed_experts.tolist()} for s in samples]
+    ranks = launch("replay", 2, tmp_path, {"tp": 2, "sp": True, "ep": 2, "samples": payload, "model": str(TINY / "model")})
+    assert ranks[0]["logprobs"] == ranks[1]["logprobs"]
+    for s, lp in zip(samples, ranks[0]["logprobs"]):
+        assert len(lp) == len(s.rollout_logprobs)
+        assert max(abs(a - b) for a, b in zip(lp, s.rollout_logprobs)) < 1e-3

@@ -181,3 +181,27 @@ def test_ep2_across_two_trainer_actors(prepared, ray_local, tmp_path):
         assert abs(x["tis_min"] - 1) < 1e-3 and abs(x["tis_max"] - 1) < 1e-3, x
         # issue 14 item 9: each of the 2 DP ranks computed logprobs and gradients for its half only
         assert x["train_samples"] == (x["samples"] - x["samples_trimmed"]) / 2, x
+
+
+def test_a_permanent_error_inside_an_actor_is_not_retried(ray_local):
+    """Issue 14 item 10: Ray wraps an actor's exception; a PermanentError (say, an engine that cannot load the
+    model) used to become a retryable TrainingError. Lost actors and engines stay retryable."""
+    import ray
+
+    from kimi_pipeline.errors import PermanentError
+    from kimi_pipeline.rl.engine.client import EngineBadRequest, EngineRequestError
+    from kimi_pipeline.rl.loop import TrainingError, stage_error
+
+    @ray.remote
+    def launch_engine(err):
+        raise err
+
+    for err, kind in ((PermanentError("model dir has no config.json"), PermanentError),
+                      (ConnectionError("node went away"), TrainingError)):
+        with pytest.raises(ray.exceptions.RayError) as info:
+            ray.get(launch_engine.remote(err))
+        got = stage_error(info.value)
+        assert isinstance(got, kind) and (kind is PermanentError) == (not isinstance(got, TrainingError))
+        assert str(err) in str(got)
+    assert isinstance(stage_error(EngineBadRequest("HTTP 400")), PermanentError)
+    assert isinstance(stage_error(EngineRequestError("connection refused")), TrainingError)

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from kimi_pipeline.errors import PermanentError
+from kimi_pipeline.model.context_parallel import cp_gather, cp_group, cp_split
 from kimi_pipeline.model.megatron_model import build_model, causal_mask, check_positions
 from kimi_pipeline.model.parallel import Layout
 from kimi_pipeline.recipes.models import ModelSpec, OptimizerSpec
@@ -163,10 +164,17 @@ def logprobs_from_logits(
     """Per-token log p(target) and entropy from vocab-parallel logits [..., V/tp] (differentiable).
 
     Correct under TP: the softmax normaliser is assembled with a max / sum all-reduce over the TP group.
+    Under CP the logits cover this rank's part of each sequence: the results are gathered back to whole
+    sequences (aligned with `targets`), so losses are written as without CP.
     `temperature` divides the logits first (match the sampling temperature of the rollout).
     """
     from megatron.core import parallel_state as ps
 
+    cp, cp_rank, group = cp_group()
+    if cp > 1 and logits.shape[1] != targets.shape[1]:
+        lp, ent = logprobs_from_logits(logits, cp_split(targets, cp, cp_rank), temperature=temperature,
+                                       with_entropy=with_entropy)
+        return cp_gather(lp, group), None if ent is None else cp_gather(ent, group)
     logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature
@@ -200,17 +208,22 @@ def _forward_step(loss_fn: LossFn, data_iterator, model):
     batch = next(data_iterator)
     tokens = batch["tokens"]
     position_ids = check_positions(batch.get("position_ids"), tokens)
+    cp, cp_rank, _ = cp_group()
+    if cp > 1:  # this rank's part of each sequence (megatron's CP attention knows the rest)
+        tokens, position_ids = cp_split(tokens, cp, cp_rank), cp_split(position_ids, cp, cp_rank)
     output = model(tokens, position_ids, causal_mask(tokens.shape[1], device=tokens.device))
-    return output, functools.partial(_call_loss, loss_fn, batch)
+    return output, functools.partial(_call_loss, loss_fn, batch, cp_rank)
 
 
-def _call_loss(loss_fn: LossFn, batch: dict, logits: torch.Tensor):
+def _call_loss(loss_fn: LossFn, batch: dict, cp_rank: int, logits: torch.Tensor):
     out = loss_fn(logits, batch)
     if len(out) != 3:
         raise TypeError("loss_fn must return (loss_sum, denominator, metrics)")
     loss, denom, metrics = out
     if not torch.is_tensor(denom):
         denom = torch.tensor(denom, dtype=torch.int, device=loss.device)
+    if cp_rank > 0:  # every CP rank computed the whole-sequence loss: megatron sums denominators over DP x CP
+        denom = denom * 0
     return loss, denom.to(torch.int).reshape(()), metrics
 
 

@@ -278,8 +278,17 @@ def stage_error(e: Exception) -> Exception:
     if isinstance(cause, PermanentError):
         return PermanentError(f"{type(cause).__name__} in a training actor: {cause}")
     what = "rollout engine" if isinstance(e, EngineRequestError) else "training actors"
-    first = str(e).splitlines()[0][:300] if str(e) else ""
+    first = _first_line(e)  # for an actor's exception: Ray's "ray::Actor.method() (pid=…)" line …
+    if cause is not None:  # … and the actor's own message
+        first = f"{first}: {_first_line(cause)}"
     return TrainingError(f"{what} failed ({type(e).__name__}): {first}; a retry resumes from the latest checkpoint")
+
+
+def _first_line(e: BaseException) -> str:
+    import re
+
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(e)).strip()  # Ray colours its lines
+    return text.splitlines()[0][:300] if text else ""
 
 
 def _require_healthy_cluster(recipe: Recipe, address: str | None, timeout_s: float = 60.0) -> None:

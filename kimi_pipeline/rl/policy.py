@@ -142,11 +142,16 @@ class PolicyWorker:
 
     def _collate(self, samples: list[Sample], mb: list[int]) -> MicroBatch:
         """Tensors of one micro-batch (positions in `samples`); an empty one is zero-weight padding."""
+        from kimi_pipeline.model.context_parallel import seq_multiple
+
+        lay = self.layout
+        multiple = seq_multiple(lay.tp, lay.cp, lay.sequence_parallel)
         if mb:
-            return collate([samples[i] for i in mb], mb, pad_id=0)
+            return collate([samples[i] for i in mb], mb, pad_id=0, pad_to_multiple=multiple)
         m = self.recipe.model
         replay = self.recipe.rollout.routing_replay and bool(samples) and samples[0].routed_experts is not None
-        return padding_micro_batch(0, (m.num_layers - m.first_k_dense, m.moe_router_topk) if replay else None)
+        return padding_micro_batch(0, (m.num_layers - m.first_k_dense, m.moe_router_topk) if replay else None,
+                                   width=multiple)
 
     def _moe_layer_slice(self) -> slice:
         """Which of the rollout's MoE layers (engine order) the routers of this pipeline stage are."""
@@ -160,6 +165,22 @@ class PolicyWorker:
         first = moe(0, start)
         return slice(first, first + moe(start, start + layers[pp]))
 
+    def _local_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        """Per-token values [b, s, ...] → the tokens this rank's routers see, in megatron's order: s-major,
+        this CP rank's part of each sequence, and under sequence parallelism this TP rank's slice of it."""
+        from megatron.core import parallel_state as ps
+
+        from kimi_pipeline.model.context_parallel import cp_group, cp_split
+
+        cp, cp_rank, _ = cp_group()
+        ids = cp_split(ids, cp, cp_rank, dim=1)
+        ids = ids.transpose(0, 1).reshape(-1, *ids.shape[2:])
+        tp = ps.get_tensor_model_parallel_world_size()
+        if self.layout.sequence_parallel and tp > 1:
+            chunk = ids.shape[0] // tp
+            ids = ids[ps.get_tensor_model_parallel_rank() * chunk :][:chunk]
+        return ids
+
     def _with_replay(self, mbs: list[MicroBatch], fn):
         """Run `fn` with routing replay: before each micro-batch's forward, its rollout expert ids are
         installed in megatron's RouterReplay (routing from the rollout, probabilities from the live router)."""
@@ -170,8 +191,8 @@ class PolicyWorker:
         queue, layers = list(mbs), self._moe_layer_slice()
 
         def install(_module, _args):
-            ids = queue.pop(0).routed_experts  # [b, s, moe_layers, k]; megatron routes tokens s-major
-            ids = ids.transpose(0, 1).reshape(-1, *ids.shape[2:])[:, layers]
+            ids = queue.pop(0).routed_experts  # [b, s, moe_layers, k]
+            ids = self._local_tokens(ids)[:, layers]
             RouterReplay.set_replay_data([ids[:, i].contiguous() for i in range(ids.shape[1])])
             RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
 

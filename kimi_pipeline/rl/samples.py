@@ -117,13 +117,14 @@ def share_rollout(samples: list[Sample], recipe) -> tuple[list[RankShare], Rollo
     return shares, split
 
 
-def padding_micro_batch(pad_id: int = 0, routed: tuple[int, int] | None = None) -> MicroBatch:
-    """A one-token micro-batch with no response token: a rank with nothing to train in a micro-batch slot
+def padding_micro_batch(pad_id: int = 0, routed: tuple[int, int] | None = None, width: int = 1) -> MicroBatch:
+    """A one-row micro-batch with no response token: a rank with nothing to train in a micro-batch slot
     still runs it (collectives are per micro-batch) and it adds zero to the loss and the gradient.
-    `routed` = (moe_layers, topk) gives it replay ids (experts 0..k-1) like collate's padding positions."""
-    z = torch.zeros((1, 1))
-    t = torch.full((1, 1), pad_id, dtype=torch.long)
-    ids = None if routed is None else torch.arange(routed[1]).expand(1, 1, *routed).clone()
+    `routed` = (moe_layers, topk) gives it replay ids (experts 0..k-1) like collate's padding positions;
+    `width` = the sequence multiple TP/CP need."""
+    z = torch.zeros((1, width))
+    t = torch.full((1, width), pad_id, dtype=torch.long)
+    ids = None if routed is None else torch.arange(routed[1]).expand(1, width, *routed).clone()
     return MicroBatch(t, t.clone(), z, z.clone(), z.clone(), [], None, ids)
 
 
