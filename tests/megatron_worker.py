@@ -244,30 +244,45 @@ def scenario_replay(out_dir: Path, args: dict) -> dict:
 
 
 def scenario_cp(out_dir: Path, args: dict) -> dict:
-    """Logprobs/entropy from this CP rank's part of the logits, gathered back (and their gradients), against
-    the same function on the whole logits; plus the loss denominators megatron would sum over DP x CP."""
+    """Per-token logprobs/entropy through the trainer's `SeqLayout` (this CP rank's part of each sequence,
+    padded [b, s] or THD-packed) and `batch_logprobs`, against the plain [b, s] computation, with gradients.
+    The model is a position-wise stand-in (logits = table[token]): the attention that makes CP/THD real
+    needs Transformer Engine. Also the loss denominators megatron sums over DP x CP."""
     import torch
+    import torch.distributed as dist
 
     from kimi_pipeline.model import megatron_train as mt
-    from kimi_pipeline.model.context_parallel import cp_group, cp_split
+    from kimi_pipeline.model.context_parallel import Packing, SeqLayout, batch_logprobs, cp_group, seq_multiple
 
     _setup(args)
-    cp, rank, _ = cp_group()
+    cp, rank, group = cp_group()
     g = torch.Generator().manual_seed(11)
     b, s, v = 3, 8 * cp, 40
-    full = torch.randn(b, s, v, generator=g)
-    targets = torch.randint(0, v, (b, s), generator=g)
-    weights = torch.randn(b, s, generator=g)
-    ref = full.clone().requires_grad_()
-    lp_ref, ent_ref = mt.logprobs_from_logits(ref, targets)
-    ((lp_ref * weights).sum() + (ent_ref * weights).sum()).backward()
-    local = cp_split(full, cp, rank).requires_grad_()
-    lp, ent = mt.logprobs_from_logits(local, targets)
-    ((lp * weights).sum() + (ent * weights).sum()).backward()
-    _, denom, _ = mt._call_loss(lambda logits, batch: (lp.sum(), 5, {}), {}, rank, local)
-    return {"lp_diff": float((lp - lp_ref).abs().max()), "ent_diff": float((ent - ent_ref).abs().max()),
-            "grad_diff": float((local.grad - cp_split(ref.grad, cp, rank)).abs().max()),
-            "local_len": local.shape[1], "denominator": int(denom)}
+    lengths = (s, s - 3, 5)
+    tokens = torch.randint(0, v, (b, s), generator=g)
+    targets = torch.roll(tokens, -1, dims=1)
+    table = torch.randn(v, v, generator=g)
+    real = (torch.arange(s)[None] < torch.tensor(lengths)[:, None] - 1).float()  # positions with a real target
+    weights = torch.randn(b, s, generator=g) * real
+    out: dict = {}
+    for name, packing in (("bshd", None), ("thd", Packing(lengths, s, seq_multiple(1, cp, False)))):
+        ref = table.clone().requires_grad_()
+        lp_ref, ent_ref = mt.logprobs_from_logits(ref[tokens], targets)
+        ((lp_ref * weights).sum() + (ent_ref * weights).sum()).backward()
+        layout = SeqLayout(cp, rank, group, packing)
+        tab = table.clone().requires_grad_()
+        local_tokens, _ = layout.model_inputs(tokens, torch.arange(s).expand(b, s))
+        lp, ent = batch_logprobs(tab[local_tokens], {"targets": targets, "seq_layout": layout})
+        ((lp * weights).sum() + (ent * weights).sum()).backward()
+        grad = tab.grad.clone()
+        dist.all_reduce(grad, group=group)  # each CP rank's gradient covers its own positions
+        out[name] = {"lp_diff": float(((lp - lp_ref) * real).abs().max()),
+                     "ent_diff": float(((ent - ent_ref) * real).abs().max()),
+                     "grad_diff": float((grad - ref.grad).abs().max()), "local_len": local_tokens.shape[1],
+                     "shape": list(lp.shape)}
+    _, denom, _ = mt._call_loss(lambda logits, batch: (logits.sum(), 5, {}), {}, rank, torch.zeros(1))
+    out["denominator"] = int(denom)
+    return out
 
 
 def main() -> None:

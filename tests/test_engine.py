@@ -479,6 +479,55 @@ def test_router_keeps_at_most_server_concurrency_rows_in_flight_per_engine(serve
     assert [a["batches_run"] - b["batches_run"] for a, b in zip(after, before)] == [2, 2]  # 6 + 3 rows each
 
 
+def test_colocated_weight_sync_goes_through_shared_memory_not_http_bodies(servers, hf_a, hf_b):
+    """Issue 15 item 1 (CPU): an engine on the trainer's host reads each bucket from one shared-memory segment
+    (a JSON descriptor in the request, no tensor bytes); the weights equal a safetensors-body update, and the
+    segment is gone afterwards."""
+    from kimi_pipeline.rl.engine import shm
+
+    for s in servers:
+        _reset(s, hf_a)
+    before = {p.name for p in shm.shm_dir().glob(shm.PREFIX + "*")}
+    sent: list[int] = []
+    with Router([s.url for s in servers]) as router:
+        assert all(c.shares_memory() for c in router.clients)
+        for c in router.clients:  # record request body sizes (the real client still sends them)
+            post = c.post_weight_chunk
+            c.post_weight_chunk = lambda body, v, fmt="safetensors", post=post: (sent.append(len(body)), post(body, v, fmt))
+        buckets = router.update_weights(hf_b.state_dict().items(), 1 << 20, weight_version="b")
+        assert router.weight_version() == "b"
+    assert buckets > 1 and len(sent) == 2 * buckets and max(sent) < 64 * 1024  # descriptors, not tensor bytes
+    assert {p.name for p in shm.shm_dir().glob(shm.PREFIX + "*")} == before  # no segment left behind
+    via_body = EngineModel.from_hf_model(hf_a)
+    via_body.load_weights(hf_b.state_dict().items())
+    got = servers[0].engine.model
+    for name in got.weight_names():
+        assert torch.equal(got._params[name], via_body._params[name]), name
+    for s in servers:
+        _reset(s, hf_a)
+
+
+def test_shared_memory_descriptors_are_checked(servers, tmp_path):
+    from kimi_pipeline.rl.engine import shm
+
+    url = servers[0].url
+    with shm.SharedBucket() as seg:
+        desc = seg.stage({"model.norm.weight": torch.ones(4)})
+        bad = [{**desc, "segment": "../../etc/passwd"}, {**desc, "tensors": [["model.norm.weight", "float32", [64], 0]]},
+               {**desc, "tensors": [["model.norm.weight", "object", [4], 0]]}]
+        for d in bad:
+            r = httpx.post(f"{url}/update_weights_from_tensor",
+                           json={"serialized_named_tensors": [json.dumps(d)], "load_format": shm.LOAD_FORMAT})
+            assert r.status_code == 400 or r.json().get("success") is False, d
+    gone = httpx.post(f"{url}/update_weights_from_tensor",
+                      json={"serialized_named_tensors": [json.dumps(desc)], "load_format": shm.LOAD_FORMAT})
+    assert "no such segment" in gone.text
+    client = EngineClient("http://127.0.0.1:9")
+    client._info = {"engine": "x", "weight_update_formats": [shm.LOAD_FORMAT], "hostname": "another-node"}
+    assert not client.shares_memory()  # an engine elsewhere gets safetensors bodies
+    client.close()
+
+
 def test_client_refuses_tensor_sync_to_sglang_and_needs_its_shape():
     info = {"weight_version": "default"}  # what an SGLang server reports: no engine name, no model shape
     client = EngineClient("http://127.0.0.1:9")

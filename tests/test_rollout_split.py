@@ -52,6 +52,17 @@ def test_tail_past_the_last_full_batch_is_trimmed_and_a_short_rollout_trains_onc
     assert sorted(i for rank in short.steps[0] for mb in rank for i in mb) == list(range(6))
 
 
+def test_without_a_global_batch_the_rollout_is_num_steps_slices_of_what_dynamic_sampling_kept():
+    split = split_rollout([10] * 50, dp_size=1, num_steps=4, balance=True, max_tokens_per_gpu=1000)
+    assert [sum(len(mb) for mb in step[0]) for step in split.steps] == [13, 13, 13, 11] and split.trimmed == []
+    recipe = load_recipe("tiny")  # no rollout.global_batch_size: num_steps_per_rollout updates per rollout
+    samples = [Sample(prompt_ids=[1] * 5, response_ids=[2] * 5, rollout_logprobs=[0.0] * 5) for _ in range(48)]
+    _, split = share_rollout(samples, recipe)
+    assert len(split.steps) == recipe.rollout.num_steps_per_rollout == 4
+    with pytest.raises(ValueError, match="exactly one"):
+        split_rollout([10], dp_size=1, balance=True)
+
+
 def test_dynamic_global_batch_is_one_step_of_a_dp_multiple():
     assert step_batch_size(100, 256, 8, dynamic=True) == 96
     assert step_batch_size(5, 256, 8, dynamic=True) == 8

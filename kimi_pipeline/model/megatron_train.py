@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from kimi_pipeline.errors import PermanentError
-from kimi_pipeline.model.context_parallel import cp_gather, cp_group, cp_split
+from kimi_pipeline.model.context_parallel import Packing, SeqLayout, batch_logprobs, cp_group, seq_multiple
 from kimi_pipeline.model.megatron_model import build_model, causal_mask, check_positions
 from kimi_pipeline.model.parallel import Layout
 from kimi_pipeline.recipes.models import ModelSpec, OptimizerSpec
@@ -164,17 +164,11 @@ def logprobs_from_logits(
     """Per-token log p(target) and entropy from vocab-parallel logits [..., V/tp] (differentiable).
 
     Correct under TP: the softmax normaliser is assembled with a max / sum all-reduce over the TP group.
-    Under CP the logits cover this rank's part of each sequence: the results are gathered back to whole
-    sequences (aligned with `targets`), so losses are written as without CP.
-    `temperature` divides the logits first (match the sampling temperature of the rollout).
+    `targets` must match the logits position for position: losses use `context_parallel.batch_logprobs`,
+    which handles a CP split or packing. `temperature` divides the logits first (the rollout's temperature).
     """
     from megatron.core import parallel_state as ps
 
-    cp, cp_rank, group = cp_group()
-    if cp > 1 and logits.shape[1] != targets.shape[1]:
-        lp, ent = logprobs_from_logits(logits, cp_split(targets, cp, cp_rank), temperature=temperature,
-                                       with_entropy=with_entropy)
-        return cp_gather(lp, group), None if ent is None else cp_gather(ent, group)
     logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature
@@ -208,11 +202,26 @@ def _forward_step(loss_fn: LossFn, data_iterator, model):
     batch = next(data_iterator)
     tokens = batch["tokens"]
     position_ids = check_positions(batch.get("position_ids"), tokens)
-    cp, cp_rank, _ = cp_group()
-    if cp > 1:  # this rank's part of each sequence (megatron's CP attention knows the rest)
-        tokens, position_ids = cp_split(tokens, cp, cp_rank), cp_split(position_ids, cp, cp_rank)
-    output = model(tokens, position_ids, causal_mask(tokens.shape[1], device=tokens.device))
-    return output, functools.partial(_call_loss, loss_fn, batch, cp_rank)
+    layout = seq_layout(model, batch)
+    batch = {**batch, "seq_layout": layout}  # read back by batch_logprobs in the loss
+    tokens, position_ids = layout.model_inputs(tokens, position_ids)  # this rank's part; packed under THD
+    if layout.packing is not None:
+        output = model(tokens, position_ids, None, packed_seq_params=layout.packing.seq_params(tokens.device))
+    else:
+        output = model(tokens, position_ids, causal_mask(tokens.shape[1], device=tokens.device))
+    return output, functools.partial(_call_loss, loss_fn, batch, layout.cp_rank)
+
+
+def seq_layout(model, batch: dict) -> SeqLayout:
+    """The CP split of this rank, and THD packing when the attention is Transformer Engine's and the batch
+    says its row lengths (megatron's local attention takes neither: padded [b, s], CP 1)."""
+    cp, cp_rank, group = cp_group()
+    packing = None
+    if getattr(model, "kimi_use_te", False) and batch.get("lengths") is not None:
+        config = model.config
+        multiple = seq_multiple(config.tensor_model_parallel_size, cp, config.sequence_parallel)
+        packing = Packing(tuple(int(n) for n in batch["lengths"]), batch["tokens"].shape[1], multiple)
+    return SeqLayout(cp, cp_rank, group, packing)
 
 
 def _call_loss(loss_fn: LossFn, batch: dict, cp_rank: int, logits: torch.Tensor):
@@ -305,7 +314,7 @@ def micro_batch_logprobs(
         m.eval()
 
     def collect(logits, batch):
-        lp, ent = logprobs_from_logits(logits, batch["targets"], temperature=temperature, with_entropy=with_entropy)
+        lp, ent = batch_logprobs(logits, batch, temperature=temperature, with_entropy=with_entropy)
         return lp.sum() * 0, 1, {"logprobs": lp, "entropy": ent}
 
     try:

@@ -204,24 +204,33 @@ class RolloutSplit:
         return [i for step in self.steps for mb in step[rank] for i in mb]
 
 
-def split_rollout(lengths: Sequence[int], *, dp_size: int, global_batch_size: int, balance: bool,
-                  max_tokens_per_gpu: int | None = None) -> RolloutSplit:
-    """A rollout's samples (token lengths) → optimizer steps of `global_batch_size` samples → DP ranks →
-    micro-batches, so each rank computes logprobs and gradients for its own samples only.
+def split_rollout(lengths: Sequence[int], *, dp_size: int, balance: bool, global_batch_size: int | None = None,
+                  num_steps: int | None = None, max_tokens_per_gpu: int | None = None) -> RolloutSplit:
+    """A rollout's samples (token lengths) → optimizer steps → DP ranks → micro-batches, so each rank
+    computes logprobs and gradients for its own samples only.
 
-    Steps take consecutive slices (the tail past the last full batch is trimmed, as in slime; a rollout
-    shorter than one batch trains one step on everything). Within a step the samples go to DP ranks in
-    equal counts balanced by tokens (`balance`, the seeds' balance_data) or strided; then into
-    token-budgeted micro-batches (`max_tokens_per_gpu`, dynamic batch size) or one sample each."""
+    Steps take consecutive slices: of `global_batch_size` samples (the tail past the last full batch is
+    trimmed, as in slime; a rollout shorter than one batch trains one step on everything), or `num_steps`
+    slices of ceil(n / num_steps) samples, whatever dynamic sampling kept (nothing trimmed). Within a step
+    the samples go to DP ranks in equal counts balanced by tokens (`balance`, the seeds' balance_data) or
+    strided; then into token-budgeted micro-batches (`max_tokens_per_gpu`, dynamic batch size) or one each."""
     lengths = [int(n) for n in lengths]
-    if global_batch_size < 1 or dp_size < 1:
-        raise ValueError(f"global_batch_size ({global_batch_size}) and dp_size ({dp_size}) must be >= 1")
+    if (global_batch_size is None) == (num_steps is None):
+        raise ValueError("give exactly one of global_batch_size and num_steps")
+    if (global_batch_size or num_steps or 0) < 1 or dp_size < 1:
+        raise ValueError(f"global_batch_size/num_steps ({global_batch_size or num_steps}) and dp_size ({dp_size}) "
+                         "must be >= 1")
     n = len(lengths)
-    n_steps = n // global_batch_size
-    bounds = [(k * global_batch_size, (k + 1) * global_batch_size) for k in range(n_steps)] or [(0, n)]
-    if n_steps == 0:
-        log.warning("rollout has %d samples, fewer than one global batch (%d): training one step on all of them",
-                    n, global_batch_size)
+    if global_batch_size is None:
+        per = -(-n // num_steps)
+        bounds = [(lo, min(n, lo + per)) for lo in range(0, n, per)]
+        global_batch_size = per
+    else:
+        bounds = [(k * global_batch_size, (k + 1) * global_batch_size) for k in range(n // global_batch_size)]
+        if not bounds:
+            log.warning("rollout has %d samples, fewer than one global batch (%d): training one step on all of them",
+                        n, global_batch_size)
+            bounds = [(0, n)]
     steps = []
     for lo, hi in bounds:
         idx = list(range(lo, hi))

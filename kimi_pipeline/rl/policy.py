@@ -46,12 +46,12 @@ def trainer_config_overrides(recipe: Recipe) -> dict[str, Any]:
 def microbatch_loss(logits: torch.Tensor, batch: dict[str, Any], grpo, temperature: float = 1.0):
     """megatron's per-token-loss contract for one micro-batch: (loss sum, its denominator, metrics).
 
-    Rows without response tokens (the padding that makes pipeline-parallel micro-batches one shape) are
-    dropped first: counted in the per-sample mean they scaled the gradient by real/padded rows."""
-    from kimi_pipeline.model.megatron_train import logprobs_from_logits
+    Rows without response tokens (a DP rank's zero-weight padding micro-batch) are dropped first: counted in
+    the per-sample mean they would scale the gradient by real/padded rows."""
+    from kimi_pipeline.model.context_parallel import batch_logprobs
     from kimi_pipeline.rl.grpo import grpo_loss
 
-    lp, ent = logprobs_from_logits(logits, batch["targets"], temperature=temperature)
+    lp, ent = batch_logprobs(logits, batch, temperature=temperature)
     keep = batch["mask"].sum(-1) > 0
     rows = int(keep.sum())
     if rows == 0:  # an all-padding micro-batch: no loss, but keep the graph connected for the pipeline
@@ -90,6 +90,7 @@ class PolicyWorker:
             for m in self.model:
                 self.qat += enable_int4_qat(m, recipe.quant.group_size)
         self.ref_model = None  # built on load() only when the KL term is on
+        self._router = None  # rank 0's client to the engines, kept across weight syncs
 
     # ------------------------------------------------------------------ weights in
     def load(self, train_ckpt_dir: str, init_ckpt_dir: str) -> dict[str, Any] | None:
@@ -165,15 +166,15 @@ class PolicyWorker:
         first = moe(0, start)
         return slice(first, first + moe(start, start + layers[pp]))
 
-    def _local_tokens(self, ids: torch.Tensor) -> torch.Tensor:
-        """Per-token values [b, s, ...] → the tokens this rank's routers see, in megatron's order: s-major,
-        this CP rank's part of each sequence, and under sequence parallelism this TP rank's slice of it."""
+    def _local_tokens(self, mb: MicroBatch) -> torch.Tensor:
+        """The micro-batch's replay ids [b, s, layers, k] → the tokens this rank's routers see, in megatron's
+        order: this rank's part under CP / packing (the forward step's own `seq_layout`), s-major, and under
+        sequence parallelism this TP rank's slice of it."""
         from megatron.core import parallel_state as ps
 
-        from kimi_pipeline.model.context_parallel import cp_group, cp_split
+        from kimi_pipeline.model.megatron_train import seq_layout
 
-        cp, cp_rank, _ = cp_group()
-        ids = cp_split(ids, cp, cp_rank, dim=1)
+        ids = seq_layout(self.model[0], {"tokens": mb.tokens, "lengths": mb.lengths}).local(mb.routed_experts)
         ids = ids.transpose(0, 1).reshape(-1, *ids.shape[2:])
         tp = ps.get_tensor_model_parallel_world_size()
         if self.layout.sequence_parallel and tp > 1:
@@ -191,8 +192,7 @@ class PolicyWorker:
         queue, layers = list(mbs), self._moe_layer_slice()
 
         def install(_module, _args):
-            ids = queue.pop(0).routed_experts  # [b, s, moe_layers, k]
-            ids = self._local_tokens(ids)[:, layers]
+            ids = self._local_tokens(queue.pop(0))[:, layers]
             RouterReplay.set_replay_data([ids[:, i].contiguous() for i in range(ids.shape[1])])
             RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
 
@@ -210,7 +210,7 @@ class PolicyWorker:
         from kimi_pipeline.model.megatron_train import micro_batch_logprobs
 
         temperature = self.recipe.rollout.temperature or 1.0
-        batches = [{"tokens": mb.tokens, "targets": mb.targets} for mb in mbs]
+        batches = [{"tokens": mb.tokens, "targets": mb.targets, "lengths": mb.lengths} for mb in mbs]
         lps = self._with_replay(mbs, lambda: micro_batch_logprobs(model_chunks, batches, temperature=temperature))
         return [lp * mb.mask for lp, mb in zip(lps, mbs)]
 
@@ -253,7 +253,7 @@ class PolicyWorker:
         for mbs in steps:
             batches = []
             for mb in mbs:
-                d = {"tokens": mb.tokens, "targets": mb.targets, "mask": mb.mask,
+                d = {"tokens": mb.tokens, "targets": mb.targets, "lengths": mb.lengths, "mask": mb.mask,
                      "rollout_logprobs": mb.rollout_logprobs, "advantages": mb.advantages, "old_logprobs": old[j]}
                 if ref is not None:
                     d["ref_logprobs"] = ref[j]
@@ -305,20 +305,29 @@ class PolicyWorker:
             for _ in named:  # collective: every rank drains the export
                 pass
             return {"sync_seconds": time.perf_counter() - t0, "sync_chunks": 0.0}
+        r = self.recipe
+        router = self._router_for(engine_urls)
+        if r.rollout.engine == "sglang":
+            # SGLang's tensor endpoint only takes pickles (never sent): stage safetensors on the shared
+            # filesystem and let every engine load them
+            path = self._write_sync_checkpoint(named, version)
+            router.update_weights_from_disk(str(path), weight_version=version)
+            chunks = 1
+        else:
+            chunks = router.update_weights(named, r.rollout.update_weight_buffer_size, weight_version=version)
+        return {"sync_seconds": time.perf_counter() - t0, "sync_chunks": float(chunks or 0)}
+
+    def _router_for(self, engine_urls: list[str]):
+        """One Router per set of engines, kept across syncs (its shared-memory segment keeps its pages)."""
         from kimi_pipeline.rl.engine.client import Router
 
-        r = self.recipe
-        with Router(engine_urls, num_layers=r.model.num_layers, topk=r.model.moe_router_topk,
-                    first_k_dense=r.model.first_k_dense) as router:
-            if r.rollout.engine == "sglang":
-                # SGLang's tensor endpoint only takes pickles (never sent): stage safetensors on the shared
-                # filesystem and let every engine load them
-                path = self._write_sync_checkpoint(named, version)
-                router.update_weights_from_disk(str(path), weight_version=version)
-                chunks = 1
-            else:
-                chunks = router.update_weights(named, r.rollout.update_weight_buffer_size, weight_version=version)
-        return {"sync_seconds": time.perf_counter() - t0, "sync_chunks": float(chunks or 0)}
+        if self._router is None or self._router.urls != [u.rstrip("/") for u in engine_urls]:
+            if self._router is not None:
+                self._router.close()
+            m = self.recipe.model
+            self._router = Router(engine_urls, num_layers=m.num_layers, topk=m.moe_router_topk,
+                                  first_k_dense=m.first_k_dense)
+        return self._router
 
     def _write_sync_checkpoint(self, named, version: str) -> Path:
         """HF safetensors + config under <checkpoint dir>/../weight-sync/<version> (shared storage)."""
@@ -366,4 +375,7 @@ class PolicyWorker:
     def close(self) -> None:
         from kimi_pipeline.model.parallel import destroy
 
+        if self._router is not None:
+            self._router.close()
+            self._router = None
         destroy()

@@ -54,6 +54,7 @@ class MicroBatch:
     index: list[int]  # positions of these samples in the step's sample list
     old_logprobs: torch.Tensor | None = None  # [b, s] float, trainer logprobs before the update
     routed_experts: torch.Tensor | None = None  # [b, s, moe_layers, topk] long
+    lengths: list[int] | None = None  # real tokens per row (THD packing packs only these, padded to the TP/CP multiple)
 
 
 def collate(samples: list[Sample], index: list[int], pad_id: int, pad_to_multiple: int = 1) -> MicroBatch:
@@ -86,7 +87,7 @@ def collate(samples: list[Sample], index: list[int], pad_id: int, pad_to_multipl
         if routed is not None:
             ids = torch.tensor(s.routed_experts, dtype=torch.long)
             routed[i, : ids.shape[0]] = ids
-    return MicroBatch(tokens, targets, mask, rollout, adv, list(index), old, routed)
+    return MicroBatch(tokens, targets, mask, rollout, adv, list(index), old, routed, [s.num_tokens for s in samples])
 
 
 @dataclass
@@ -101,12 +102,17 @@ class RankShare:
 
 
 def share_rollout(samples: list[Sample], recipe) -> tuple[list[RankShare], RolloutSplit]:
-    """The recipe's split of a rollout over DP ranks and optimizer steps (see `batching.split_rollout`)."""
+    """The recipe's split of a rollout over DP ranks and optimizer steps (see `batching.split_rollout`):
+    steps of `rollout.global_batch_size` samples as the seeds (or one step of all with a dynamic global
+    batch); with no global batch set, `num_steps_per_rollout` steps of whatever dynamic sampling kept."""
     ro, p = recipe.rollout, recipe.parallel
     dp = recipe.data_parallel_size
-    split = split_rollout([s.num_tokens for s in samples], dp_size=dp, balance=ro.balance_data,
-                          global_batch_size=step_batch_size(len(samples), recipe.global_batch_size, dp,
-                                                            ro.use_dynamic_global_batch_size),
+    if ro.use_dynamic_global_batch_size or ro.global_batch_size is not None:
+        size = step_batch_size(len(samples), recipe.global_batch_size, dp, ro.use_dynamic_global_batch_size)
+        steps = {"global_batch_size": size}
+    else:
+        steps = {"num_steps": ro.num_steps_per_rollout}
+    split = split_rollout([s.num_tokens for s in samples], dp_size=dp, balance=ro.balance_data, **steps,
                           max_tokens_per_gpu=p.max_tokens_per_gpu if p.use_dynamic_batch_size else None)
     shares = []
     for r in range(dp):
@@ -125,7 +131,7 @@ def padding_micro_batch(pad_id: int = 0, routed: tuple[int, int] | None = None, 
     z = torch.zeros((1, width))
     t = torch.full((1, width), pad_id, dtype=torch.long)
     ids = None if routed is None else torch.arange(routed[1]).expand(1, width, *routed).clone()
-    return MicroBatch(t, t.clone(), z, z.clone(), z.clone(), [], None, ids)
+    return MicroBatch(t, t.clone(), z, z.clone(), z.clone(), [], None, ids, [1])
 
 
 def response_values(values: torch.Tensor, sample: Sample) -> list[float]:
