@@ -216,7 +216,7 @@ def scenario_grpo_padded(out_dir: Path, args: dict) -> dict:
         response = torch.randint(3, spec.vocab_size, (4 + i,), generator=g).tolist()
         samples.append(Sample(prompt_ids=torch.randint(3, spec.vocab_size, (6,), generator=g).tolist(),
                               response_ids=response, rollout_logprobs=[-1.0] * len(response),
-                              old_logprobs=[-1.2] * len(response), advantage=float(i) - 2.0))
+                              advantage=float(i) - 2.0))
     mbs = [collate([samples[i] for i in idx], idx, pad_id=0) for idx in ([0, 1, 2], [3, 4])] + [padding_micro_batch()]
     batches = [{"tokens": mb.tokens, "targets": mb.targets, "mask": mb.mask, "rollout_logprobs": mb.rollout_logprobs,
                 "advantages": mb.advantages, "old_logprobs": mb.mask * -1.2} for mb in mbs]

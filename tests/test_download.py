@@ -95,7 +95,8 @@ def test_safetensors_structure_check(tmp_path):
 
 def test_offline_hub_source_without_download_is_clear(tmp_path):
     r = load_recipe("kimi-k2-thinking", [f"paths.base_dir={tmp_path}", "hub.offline=true"])
-    with pytest.raises(DownloadError, match="offline and hf://moonshotai/Kimi-K2-Thinking@main was never downloaded"):
+    pinned = r.hub.model.revision  # the preset pins a commit (trust_remote_code)
+    with pytest.raises(DownloadError, match=f"offline and hf://moonshotai/Kimi-K2-Thinking@{pinned} was never downloaded"):
         run_download(r, tmp_path / "run")
 
 

@@ -19,7 +19,6 @@ class Sample:
     prompt_ids: list[int]
     response_ids: list[int]
     rollout_logprobs: list[float]  # per response token, from the engine
-    old_logprobs: list[float] | None = None  # per response token, trainer before this rollout's updates
     label: str = ""
     group: int = 0  # index of the prompt in its rollout (samples of one prompt share it)
     reward: float = 0.0
@@ -52,7 +51,6 @@ class MicroBatch:
     rollout_logprobs: torch.Tensor  # [b, s] float (0 outside the mask)
     advantages: torch.Tensor  # [b, s] float, broadcast over response tokens
     index: list[int]  # positions of these samples in the step's sample list
-    old_logprobs: torch.Tensor | None = None  # [b, s] float, trainer logprobs before the update
     routed_experts: torch.Tensor | None = None  # [b, s, moe_layers, topk] long
     lengths: list[int] | None = None  # real tokens per row (THD packing packs only these, padded to the TP/CP multiple)
 
@@ -66,7 +64,6 @@ def collate(samples: list[Sample], index: list[int], pad_id: int, pad_to_multipl
     mask = torch.zeros((b, width))
     rollout = torch.zeros((b, width))
     adv = torch.zeros((b, width))
-    old = torch.zeros((b, width)) if all(s.old_logprobs is not None for s in samples) else None
     routed = None
     if all(s.routed_experts is not None for s in samples):
         first = samples[0].routed_experts
@@ -82,12 +79,10 @@ def collate(samples: list[Sample], index: list[int], pad_id: int, pad_to_multipl
         mask[i, p - 1 : p - 1 + r] = 1.0
         rollout[i, p - 1 : p - 1 + r] = torch.tensor(s.rollout_logprobs[:r], dtype=torch.float32)
         adv[i, p - 1 : p - 1 + r] = s.advantage
-        if old is not None:
-            old[i, p - 1 : p - 1 + r] = torch.tensor(s.old_logprobs[:r], dtype=torch.float32)
         if routed is not None:
             ids = torch.tensor(s.routed_experts, dtype=torch.long)
             routed[i, : ids.shape[0]] = ids
-    return MicroBatch(tokens, targets, mask, rollout, adv, list(index), old, routed, [s.num_tokens for s in samples])
+    return MicroBatch(tokens, targets, mask, rollout, adv, list(index), routed, [s.num_tokens for s in samples])
 
 
 @dataclass
@@ -131,7 +126,7 @@ def padding_micro_batch(pad_id: int = 0, routed: tuple[int, int] | None = None, 
     z = torch.zeros((1, width))
     t = torch.full((1, width), pad_id, dtype=torch.long)
     ids = None if routed is None else torch.arange(routed[1]).expand(1, width, *routed).clone()
-    return MicroBatch(t, t.clone(), z, z.clone(), z.clone(), [], None, ids, [1])
+    return MicroBatch(t, t.clone(), z, z.clone(), z.clone(), [], ids, [1])
 
 
 def response_values(values: torch.Tensor, sample: Sample) -> list[float]:
