@@ -522,6 +522,16 @@ def test_shared_memory_descriptors_are_checked(servers, tmp_path):
     gone = httpx.post(f"{url}/update_weights_from_tensor",
                       json={"serialized_named_tensors": [json.dumps(desc)], "load_format": shm.LOAD_FORMAT})
     assert "no such segment" in gone.text
+    # a segment whose owner died (SIGKILLed trainer) is removed when the next one is created; live ones stay
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = shm.shm_dir() / f"{shm.PREFIX}{int(dead.stdout)}-{'0' * 32}"
+    stale.write_bytes(b"x" * 4096)
+    with shm.SharedBucket() as live:
+        assert not stale.exists() and live.path.exists()
+        assert live.name not in shm.remove_stale_segments()
     client = EngineClient("http://127.0.0.1:9")
     client._info = {"engine": "x", "weight_update_formats": [shm.LOAD_FORMAT], "hostname": "another-node"}
     assert not client.shares_memory()  # an engine elsewhere gets safetensors bodies

@@ -34,7 +34,7 @@ from kimi_pipeline.errors import PermanentError
 
 LOAD_FORMAT = "kimi_shm"
 PREFIX = "kimi-weights-"
-_NAME = re.compile(rf"{PREFIX}[0-9a-f]{{32}}")
+_NAME = re.compile(rf"{PREFIX}(\d+)-[0-9a-f]{{32}}")  # kimi-weights-<owner pid>-<uuid>
 _ALIGN = 64
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux
 DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64,
@@ -51,12 +51,31 @@ def shm_dir() -> Path:
     return Path("/dev/shm") if Path("/dev/shm").is_dir() and os.access("/dev/shm", os.W_OK) else Path(tempfile.gettempdir())
 
 
+def remove_stale_segments() -> list[str]:
+    """Remove segments whose owner process is gone (a trainer killed with SIGKILL cannot remove its own; tmpfs
+    would keep its pages until reboot). Called whenever a segment is created; returns the names removed."""
+    gone = []
+    for path in shm_dir().glob(PREFIX + "*"):
+        m = _NAME.fullmatch(path.name)
+        if not m:
+            continue
+        try:
+            os.kill(int(m.group(1)), 0)
+        except ProcessLookupError:
+            path.unlink(missing_ok=True)
+            gone.append(path.name)
+        except PermissionError:  # alive, another user's
+            pass
+    return gone
+
+
 class SharedBucket:
     """One reusable segment a trainer rank stages buckets in (grows to the largest bucket; removed on close).
     Keep it for the run: a fresh segment pays a page fault and a zeroed page per 4 KiB on every sync."""
 
     def __init__(self) -> None:
-        self.name = PREFIX + uuid.uuid4().hex
+        remove_stale_segments()
+        self.name = f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex}"
         self.path = shm_dir() / self.name
         self._file = open(self.path, "w+b")  # noqa: SIM115 - kept open for the channel's lifetime
         os.chmod(self.path, 0o600)  # only this user's engine may read the weights
@@ -142,7 +161,7 @@ def open_bucket(descriptor: Mapping[str, Any]) -> Iterator[dict[str, torch.Tenso
     """The engine side: HF-named tensors viewing the segment, valid inside the `with` (copy them out)."""
     name = str(descriptor.get("segment", ""))
     if not _NAME.fullmatch(name):
-        raise SharedMemoryError(f"shared-memory segment {name!r} is not one of ours ({PREFIX}<32 hex>)")
+        raise SharedMemoryError(f"shared-memory segment {name!r} is not one of ours ({PREFIX}<pid>-<32 hex>)")
     with _MAPPINGS.lock:
         buf = _MAPPINGS.get(name)
         views: dict[str, torch.Tensor] = {}
