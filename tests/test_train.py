@@ -177,6 +177,9 @@ def test_ep2_across_two_trainer_actors(prepared, ray_local, tmp_path):
     rows = _rows(run)
     assert [x["step"] for x in rows] == [1, 2] and section["steps"] == 2
     assert all(x["optimizer_steps"] == -(-(x["samples"] - x["samples_trimmed"]) // x["global_batch_size"]) for x in rows)
+    from kimi_pipeline.rl.engine import shm
+
+    assert not list(shm.shm_dir().glob(shm.PREFIX + "*"))  # the trainers removed their weight-sync segments
     for x in rows:
         assert abs(x["tis_min"] - 1) < 1e-3 and abs(x["tis_max"] - 1) < 1e-3, x
         # issue 14 item 9: each of the 2 DP ranks computed logprobs and gradients for its half only

@@ -391,6 +391,10 @@ def run_training(
             router.close()
         reward.close()
         metrics_log.close()
+        try:  # let live trainers remove their shared-memory segments before they are killed
+            ray.get([w.release.remote() for w in workers], timeout=10)
+        except Exception:  # noqa: BLE001 - best effort: dead actors' segments go with the next run's sweep
+            pass
         for a in workers + engines:
             try:
                 ray.kill(a)

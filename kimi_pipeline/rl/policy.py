@@ -372,10 +372,14 @@ class PolicyWorker:
     def pid(self) -> int:
         return os.getpid()
 
-    def close(self) -> None:
-        from kimi_pipeline.model.parallel import destroy
-
+    def release(self) -> None:
+        """Close the engine client (and remove its shared-memory segment); no collective, safe at teardown."""
         if self._router is not None:
             self._router.close()
             self._router = None
+
+    def close(self) -> None:
+        from kimi_pipeline.model.parallel import destroy
+
+        self.release()
         destroy()
