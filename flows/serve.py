@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 import yaml
 
+from kimi_pipeline.util.lifetime import die_with_parent
 from kimi_pipeline.util.paths import PROJECT_ROOT
 
 PROJECT_FILE = PROJECT_ROOT / "prefect.yaml"
@@ -80,11 +81,7 @@ def _child_setup() -> None:
     (`&`), and (Linux) a SIGTERM when we die, so that even a SIGKILLed `kimi serve` leaves no server behind."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    die_with_parent(signal.SIGTERM)
 
 
 @dataclass

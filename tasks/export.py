@@ -1,6 +1,8 @@
-"""Task `export`: cache key = the training checkpoint's content hash (every file of the exported
-iteration) + the base model's config/tokenizer hashes (download manifest) + the recipe's model/quant
-sections; retries a crashed child, never a failed verification; report as a markdown artifact."""
+"""Task `export`: cache key = the training checkpoint's identity from its metadata (save id, megatron
+metadata, file names and sizes: hashing ~14 TB of K2 weights + Adam state is not an option) + the base
+model's config/tokenizer hashes (download manifest) + the recipe's model/quant/convert sections (convert:
+the export's rank layout); retries a crashed rank or child, never a failed verification; report as a
+markdown artifact."""
 
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ def export_key(context, params) -> str:
     files = (manifest.get("model") or {}).get("files") or {}
     base = {k: v.get("sha256") or v.get("size") for k, v in files.items() if not k.endswith(".safetensors")}
     ckpt = checkpoint_content_hash(params["checkpoint_dir"], params.get("step"))
-    return cache_key("export", ckpt, base, r.section_dump("model", "quant"), str(params["run_dir"]))
+    return cache_key("export", ckpt, base, r.section_dump("model", "quant", "convert"), str(params["run_dir"]))
 
 
 def _fmt(v: Any, spec: str = ".3g") -> str:
@@ -44,6 +46,8 @@ def report_markdown(s: dict[str, Any]) -> str:
         f"| export | `{s.get('path')}` ({s.get('shards')} shards) |",
         f"| size | {s.get('int4_bytes', 0) / mib:.2f} MiB INT4 vs {s.get('bf16_bytes', 0) / mib:.2f} MiB bf16 "
         f"(×{s.get('compression')}) |",
+        f"| written by | {s.get('ranks', 1)} rank(s), peak RSS per rank "
+        f"{', '.join(f'{mb:.0f}' for mb in s.get('peak_rss_mb_per_rank') or []) or '—'} MB |",
         f"| routed-expert Linears packed | {s.get('num_quantized')} of {s.get('num_tensors')} tensors, "
         f"group {s.get('group_size')} |",
         f"| dequantized == fake-quant (exact) | **{s.get('dequant_exact')}** "

@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -338,6 +339,20 @@ def test_corrupt_shard_fails_naming_the_file_and_rank(tiny_ckpt, tmp_path):
 
 
 @pytest.mark.slow
+def _descendants(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _running(p: psutil.Process) -> bool:
+    try:
+        return p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def test_interrupted_conversion_is_never_taken_as_complete(tiny_ckpt, tmp_path):
     run_dir = tmp_path / "run"
     code = (
@@ -352,14 +367,20 @@ def test_interrupted_conversion_is_never_taken_as_complete(tiny_ckpt, tmp_path):
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     out = run_dir / "convert"
     deadline = time.monotonic() + 240
-    try:  # kill the whole job (launcher, agents, ranks) while it is saving its shards
+    tree: dict[int, psutil.Process] = {}
+    try:  # SIGKILL the launcher (its agents run in sessions of their own) while the ranks save their shards
         while time.monotonic() < deadline and not list(out.glob("torch_dist.tmp-*/iter_*")):
             assert proc.poll() is None, "the conversion ended before it could be interrupted"
+            tree.update((c.pid, c) for c in _descendants(proc.pid))
             time.sleep(0.05)
+        tree.update((c.pid, c) for c in _descendants(proc.pid))  # agents, ranks, megatron's writers
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     assert list(out.glob("torch_dist.tmp-*/iter_*")), "never reached the save"
+    _, alive = psutil.wait_procs(list(tree.values()), timeout=20)
+    alive = [p for p in alive if _running(p)]
+    assert not alive, f"outlived the killed launcher: {[(p.pid, p.cmdline()[-3:]) for p in alive]}"
     assert completed(run_dir) is None and not (checkpoint_dir(run_dir) / TRACKER).exists()
     # a stale torch_dist without tracker (an older crash) does not count either
     checkpoint_dir(run_dir).mkdir()

@@ -408,13 +408,32 @@ def test_stage_export_from_a_megatron_checkpoint(megatron_pair, tmp_path):
     run_dir = tmp_path / "run"
     section = stage_export(recipe, run_dir, ckpt, model_dir=TINY_MODEL, timeout_s=600)
     assert section["checkpoint"] == str(ckpt / "iter_0000020")
+    # distributed: recipe.convert's 4 ranks (pp 2 x ep 2) each wrote the tensors they own ...
+    assert section["ranks"] == 4 and len(section["peak_rss_mb_per_rank"]) == 4
+    assert all(0 < mb < 4096 for mb in section["peak_rss_mb_per_rank"])
+    written = sorted(p.name for p in Path(section["path"]).glob("*.safetensors"))
+    assert section["shards"] == len(written) >= 4 and all(n.startswith("model-") for n in written)
+    # ... and the result is, tensor for tensor, bit-identical to the single-process export of the same weights
+    from kimi_pipeline.convert.names import export_hf_tensors
+    from kimi_pipeline.quant.stage import shard_bytes
+
+    config = json.loads((TINY_MODEL / "config.json").read_text())
+    single = export_int4(export_hf_tensors(model, recipe.model, Layout()), config, TINY_MODEL, tmp_path / "single",
+                         32, max_shard_bytes=shard_bytes(recipe))
+    dist_tensors, single_tensors = dict(iter_hf_dir_tensors(section["path"])), dict(iter_hf_dir_tensors(single.path))
+    assert dist_tensors.keys() == single_tensors.keys() and len(dist_tensors) > 200
+    for name, t in single_tensors.items():
+        assert t.dtype == dist_tensors[name].dtype and torch.equal(t, dist_tensors[name]), name
+    for f in ("config.json", "tokenizer.json"):
+        assert (Path(section["path"]) / f).read_bytes() == (Path(single.path) / f).read_bytes()
+    assert section["int4_bytes"] == single.int4_bytes and section["num_quantized"] == single.num_quantized
     assert section["dequant_exact"] and section["experts_equal"] and section["qat"]
     assert section["logits_reference"] == "trainer"
     assert section["logits_max_diff_parity"] <= 1e-3  # megatron fake-quant forward == HF fake-quant model
     assert section["logits_max_diff"] <= section["logits_tolerance"]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["export"] == section and summary["stages"]["export"]["status"] == "completed"
-    for k in ("path", "int4_bytes", "bf16_bytes", "logits_max_diff", "dequant_exact"):
+    for k in ("path", "int4_bytes", "bf16_bytes", "logits_max_diff", "dequant_exact", "peak_rss_mb_per_rank"):
         assert k in summary["export"]
 
     from tasks.export import export_key, report_markdown
@@ -422,5 +441,5 @@ def test_stage_export_from_a_megatron_checkpoint(megatron_pair, tmp_path):
     params = {"recipe": recipe, "run_dir": str(run_dir), "checkpoint_dir": str(ckpt), "step": None}
     task_key = export_key(None, params)
     assert "dequantized == fake-quant (exact) | **True**" in report_markdown(section)
-    (ckpt / "iter_0000020" / "kimi_extra.json").write_text("{}")  # any content change -> new key
+    (ckpt / "iter_0000020" / "kimi_extra.json").write_text("{}")  # a new save id -> new key
     assert checkpoint_content_hash(ckpt) != key and export_key(None, params) != task_key

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from kimi_pipeline.convert.launch import rank_main
 from kimi_pipeline.errors import PermanentError
 from kimi_pipeline.util.files import atomic_write_json
+from kimi_pipeline.util.lifetime import watch_parent
 
 if TYPE_CHECKING:
     import torch
@@ -33,6 +34,9 @@ if TYPE_CHECKING:
     from kimi_pipeline.recipes.models import ModelSpec
 
 T_IMPORT = time.time()  # wall clock when this rank's interpreter reached the job (startup cost)
+if __name__ == "__mp_main__":
+    # a helper megatron spawned (its write-result queue's manager) re-imports us: it goes when its rank goes
+    watch_parent()
 
 
 def dtype_of(name: str) -> torch.dtype:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from kimi_pipeline.errors import PermanentError, is_permanent
+from kimi_pipeline.util.lifetime import bind_to_parent, die_with_parent
 
 WORKER_ENV = {
     "OMP_NUM_THREADS": "1",  # one intra-op thread per rank: 2 cores, several ranks
@@ -56,27 +57,10 @@ class JobResult:
 
 
 # ---------------------------------------------------------------- worker side
-def die_with_parent() -> None:
-    """Linux: SIGKILL this process when its parent dies (a killed launcher or agent leaves no orphans
-    blocked in a collective for the 30-minute gloo timeout). No-op elsewhere."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    PR_SET_PDEATHSIG = 1
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:
-        return
-
-
 def rank_main(main: Callable[[], Any], report_dir: str | Path) -> None:
     """Run a worker's main; on failure write rank_<RANK>.error.json and exit 1 (3 = permanent)."""
     rank = int(os.environ.get("RANK", "0"))
-    parent = os.getppid()
-    die_with_parent()
-    if os.getppid() != parent:  # the agent died before we armed the signal
-        os._exit(1)
+    bind_to_parent()  # this rank and the file writers megatron forks die with their agent
     try:
         main()
     except BaseException as e:  # noqa: BLE001 - recorded, then re-raised as an exit code
@@ -150,6 +134,19 @@ def read_failures(report_dir: Path) -> list[dict[str, Any]]:
         except (OSError, json.JSONDecodeError):
             continue
     return sorted(out, key=lambda f: f.get("time", 0))
+
+
+def read_rank_reports(report_dir: Path, prefix: str, world: int) -> list[dict[str, Any]]:
+    """Every rank's `<prefix>_<rank>.json` result, by rank; a job that exited cleanly with one missing is
+    incomplete (a rank skipped its work): refused, never half-used."""
+    reports = [json.loads(p.read_text()) for p in sorted(Path(report_dir).glob(f"{prefix}_*.json"))
+               if not p.name.endswith(".error.json")]
+    reports.sort(key=lambda r: r["rank"])
+    if len(reports) != world:
+        raise ConversionJobPermanentError(
+            f"{report_dir}: {len(reports)} of {world} ranks reported {prefix!r} results although the job "
+            "exited cleanly; the job is incomplete")
+    return reports
 
 
 def _stop(procs: list[subprocess.Popen]) -> None:

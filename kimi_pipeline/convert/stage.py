@@ -19,7 +19,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from kimi_pipeline.convert.launch import launch_local, scale_out_command
+from kimi_pipeline.convert.launch import launch_local, read_rank_reports, scale_out_command
 from kimi_pipeline.errors import PermanentError
 from kimi_pipeline.hub.download import read_manifest
 from kimi_pipeline.recipes import Recipe
@@ -92,17 +92,6 @@ def _dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def _rank_reports(report_dir: Path, prefix: str, world: int) -> list[dict[str, Any]]:
-    reports = [json.loads(p.read_text()) for p in sorted(report_dir.glob(f"{prefix}_*.json"))]
-    reports.sort(key=lambda r: r["rank"])
-    if len(reports) != world:
-        raise ConvertStageError(
-            f"{report_dir}: {len(reports)} of {world} ranks reported {prefix!r} results although the job "
-            "exited cleanly; the job is incomplete"
-        )
-    return reports
-
-
 def run_convert(recipe: Recipe, run_dir: str | Path, model_dir: str | Path, *,
                 source_files: dict[str, Any] | None = None, verify: bool | None = None,
                 reuse: bool = True, timeout: float | None = None) -> dict[str, Any]:
@@ -147,7 +136,7 @@ def run_convert(recipe: Recipe, run_dir: str | Path, model_dir: str | Path, *,
     seconds = time.monotonic() - t0
     if not (tmp / TRACKER).is_file():
         raise ConvertStageError(f"{tmp}: the conversion job exited cleanly but wrote no {TRACKER}; not marking it complete")
-    ranks = _rank_reports(reports, "rank", layout.world_size)
+    ranks = read_rank_reports(reports, "rank", layout.world_size)
 
     section: dict[str, Any] = {
         "nodes": cs.nodes,
@@ -180,7 +169,7 @@ def run_convert(recipe: Recipe, run_dir: str | Path, model_dir: str | Path, *,
         launch_local("kimi_pipeline.convert.verify", ["--job", str(vjob)],
                      nodes=cs.nodes if same_world else 1, procs_per_node=cs.gpus_per_node if same_world else vlayout.world_size,
                      work_dir=work, report_dir=reports, name="verify", timeout=timeout)
-        verdict = summarize(_rank_reports(reports, "verify_rank", vlayout.world_size), logits_expected=small)
+        verdict = summarize(read_rank_reports(reports, "verify_rank", vlayout.world_size), logits_expected=small)
         section.update({k: v for k, v in verdict.items() if k != "problems"})
         section["verify_layout"] = {"world_size": vlayout.world_size, "tp": vlayout.tp, "pp": vlayout.pp, "ep": vlayout.ep}
         section["verify_seconds"] = round(time.monotonic() - t1, 3)

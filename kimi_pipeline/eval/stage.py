@@ -91,24 +91,11 @@ def _checkpoint_step(checkpoint: Path) -> int:
 
 
 def _torch_dist_hf_tensors(recipe: Recipe, checkpoint: Path) -> dict:
-    """Load a torch_dist checkpoint in one process and return its HF-named tensors."""
-    from kimi_pipeline.convert.names import export_hf_tensors
-    from kimi_pipeline.model.megatron_model import build_model
-    from kimi_pipeline.model.megatron_train import load_model_only
-    from kimi_pipeline.model.parallel import Layout, destroy, init_distributed
+    """A torch_dist checkpoint's HF-named tensors in this (one-rank) process, as the policy sampled them."""
+    from kimi_pipeline.convert.stream import checkpoint_model, policy_tensors
 
     ckpt_dir, step = (checkpoint.parent, int(checkpoint.name.split("_")[1])) if checkpoint.name.startswith("iter_") \
         else (checkpoint, None)
-    layout = Layout()
-    init_distributed(layout)
-    try:
-        model = build_model(recipe.model, layout)
-        load_model_only(ckpt_dir, [model], step)
-        named = dict(export_hf_tensors(model, recipe.model, layout))
-        if recipe.quant.int4_qat:  # the policy was trained (and sampled) with fake-INT4 experts
-            from kimi_pipeline.quant.qat import fake_quant_hf_tensors
-
-            named = dict(fake_quant_hf_tensors(named.items(), recipe.quant.group_size))
-        return named
-    finally:
-        destroy()
+    with checkpoint_model(recipe.model, ckpt_dir, step) as (model, layout, _):
+        qat = recipe.quant.group_size if recipe.quant.int4_qat else None
+        return dict(policy_tensors(model, recipe.model, layout, qat_group_size=qat))

@@ -17,6 +17,7 @@ import math
 import os
 import random
 import shutil
+import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -461,7 +462,8 @@ def _save(ckpt_dir: Path, step: int, state: dict, extra: dict | None) -> Path:
     atomic_write_json(tmp / f"rng_rank{_rank():05d}.json", rng_state())
     _barrier()
     if _rank() == 0:
-        atomic_write_json(tmp / EXTRA, {"step": step, "extra": extra or {}})
+        # save_id: new on every save, so a re-save of the same step is a new checkpoint to its readers' caches
+        atomic_write_json(tmp / EXTRA, {"step": step, "save_id": uuid.uuid4().hex, "extra": extra or {}})
         old = final.with_name(final.name + ".old")
         if final.exists():  # re-saving a step: keep the old copy until the new one is in place
             shutil.rmtree(old, ignore_errors=True)

@@ -6,7 +6,7 @@ compressed-tensors' matcher), not by a second hand-kept rule, so the file and th
 disagree: on a Kimi/DeepSeek-V3 model exactly the routed experts remain. Everything else is stored
 bf16, except the router's `e_score_correction_bias`, which stays fp32 as in DeepSeek-V3/Kimi
 checkpoints (it only shifts the top-k choice, and rounding it can flip near-ties).
-Tensors stream through: one shard is held in memory at a time.
+Tensors stream through: one shard is held in memory at a time (`util.shards`).
 """
 
 from __future__ import annotations
@@ -22,14 +22,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from kimi_pipeline.errors import PermanentError
 from kimi_pipeline.model.hf_model import copy_tokenizer_files
 from kimi_pipeline.quant.int4 import SCALE_DTYPE, Int4ShapeError, pack_int4, quantize_int4
 from kimi_pipeline.util.files import atomic_write_json
+from kimi_pipeline.util.shards import INDEX_NAME, Shard, ShardWriter, finish_shards
 
-INDEX_NAME = "model.safetensors.index.json"
 KEEP_FP32 = ("e_score_correction_bias",)
 # Kimi-K2-Thinking's ignore list, verbatim.
 KIMI_IGNORE = [
@@ -127,39 +126,87 @@ class ExportInfo:
         return d
 
 
-class _ShardWriter:
-    """Accumulate tensors up to max_shard_bytes, write each shard as it fills; names fixed at the end."""
+@dataclass
+class Int4Part:
+    """What one writer (the whole export, or one rank's share of it) wrote into the output directory."""
 
-    def __init__(self, out: Path, max_shard_bytes: int):
-        self.out, self.max = out, max_shard_bytes
-        self.pending: dict[str, torch.Tensor] = {}
-        self.pending_bytes = 0
-        self.shards: list[tuple[Path, list[str]]] = []
+    shards: list[Shard]
+    int4_bytes: int = 0
+    bf16_bytes: int = 0
+    num_tensors: int = 0
+    quantized_names: list[str] = field(default_factory=list)
 
-    def add(self, name: str, t: torch.Tensor) -> None:
-        nbytes = t.numel() * t.element_size()
-        if self.pending and self.pending_bytes + nbytes > self.max:
-            self.flush()
-        self.pending[name] = t.contiguous()
-        self.pending_bytes += nbytes
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "shards": [asdict(s) for s in self.shards]}
 
-    def flush(self) -> None:
-        if not self.pending:
-            return
-        path = self.out / f".shard-{len(self.shards):05d}.safetensors"
-        save_file(self.pending, str(path), metadata={"format": "pt"})
-        self.shards.append((path, list(self.pending)))
-        self.pending, self.pending_bytes = {}, 0
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Int4Part:
+        return cls(**{**d, "shards": [Shard(**s) for s in d["shards"]]})
 
-    def finish(self) -> dict[str, str]:
-        self.flush()
-        n = len(self.shards)
-        weight_map = {}
-        for i, (tmp, names) in enumerate(self.shards, 1):
-            final = f"model-{i:05d}-of-{n:05d}.safetensors"
-            tmp.rename(self.out / final)
-            weight_map.update(dict.fromkeys(names, final))
-        return weight_map
+
+def int4_storage(hf_tensors: Iterable[tuple[str, torch.Tensor]], group_size: int,
+                 ignore: Iterable[str] = KIMI_IGNORE) -> Iterator[tuple[str, torch.Tensor, dict[str, torch.Tensor]]]:
+    """(source name, source tensor on CPU, the tensors stored for it): packed triples for quantized
+    Linears, the storage dtype for the rest. Refuses a name given twice."""
+    ignore = list(ignore)
+    seen: set[str] = set()
+    for name, t in hf_tensors:
+        if name in seen:
+            raise ExportError(f"{name}: tensor given twice; the HF tensor source yields duplicates")
+        seen.add(name)
+        t = t.detach().cpu()
+        parts = int4_tensors(name, t, group_size) if is_quantized(name, ignore) else {name: t.to(_storage_dtype(name, t))}
+        yield name, t, parts
+
+
+def write_int4_shards(hf_tensors: Iterable[tuple[str, torch.Tensor]], out: str | Path, group_size: int, *,
+                      max_shard_bytes: int, prefix: str = ".shard") -> Int4Part:
+    """Quantize and write `hf_tensors` as temp-named shards in `out` (`finish_int4_dir` names them)."""
+    writer = ShardWriter(Path(out), max_shard_bytes, prefix)
+    part = Int4Part(shards=writer.shards)
+    for name, t, parts in int4_storage(hf_tensors, group_size):
+        part.num_tensors += 1
+        part.bf16_bytes += t.numel() * (2 if t.is_floating_point() else t.element_size())
+        if name not in parts:
+            part.quantized_names.append(name)
+        for n, p in parts.items():
+            part.int4_bytes += p.numel() * p.element_size()
+            writer.add(n, p)
+    writer.close()
+    return part
+
+
+def finish_int4_dir(tmp: str | Path, out_dir: str | Path, parts: list[Int4Part], config: dict[str, Any],
+                    tokenizer_dir: str | Path | None, group_size: int) -> ExportInfo:
+    """Name the parts' shards (in order), write index, config and tokenizer, then swap `tmp` into `out_dir`."""
+    tmp, out_dir = Path(tmp), Path(out_dir)
+    shards = [s for p in parts for s in p.shards]
+    if not any(p.num_tensors for p in parts):
+        raise ExportError("no tensors to export: the HF tensor source was empty")
+    try:
+        weight_map = finish_shards(tmp, shards)
+    except ValueError as e:
+        raise ExportError(f"{tmp}: {e}") from None
+    cfg = copy.deepcopy(config)
+    cfg["quantization_config"] = kimi_quantization_config(group_size)
+    cfg["torch_dtype"] = "bfloat16"
+    atomic_write_json(tmp / "config.json", cfg)
+    if tokenizer_dir is not None:
+        copy_tokenizer_files(tokenizer_dir, tmp)
+    disk = sum((tmp / f).stat().st_size for f in set(weight_map.values()))
+    _replace_dir(tmp, out_dir)
+    return ExportInfo(
+        path=str(out_dir), int4_bytes=sum(p.int4_bytes for p in parts), bf16_bytes=sum(p.bf16_bytes for p in parts),
+        disk_bytes=disk, num_quantized=sum(len(p.quantized_names) for p in parts),
+        num_tensors=sum(p.num_tensors for p in parts), shards=len(shards),
+        quantized_names=[n for p in parts for n in p.quantized_names],
+    )
+
+
+def export_temp_dir(out_dir: str | Path, tag: str | int | None = None) -> Path:
+    """The sibling temp directory an export is written into before it is swapped in."""
+    out_dir = Path(out_dir)
+    return out_dir.with_name(f".{out_dir.name}.tmp-{tag if tag is not None else os.getpid()}")
 
 
 def export_int4(
@@ -171,57 +218,22 @@ def export_int4(
     *,
     max_shard_bytes: int = 5 * 1024**3,
 ) -> ExportInfo:
-    """Write `out_dir` (atomically: temp dir + rename) as a compressed-tensors INT4 HF checkpoint.
+    """Write `out_dir` (atomically: temp dir + rename) as a compressed-tensors INT4 HF checkpoint, in
+    this process. (The export stage runs the same two steps distributed: each rank writes its share.)
 
     `hf_tensors` are HF-named tensors as Kimi stores them on disk (per-expert
     `mlp.experts.{e}.{gate,up,down}_proj.weight`); `config` is the Kimi config.json dict (its
     model_type is kept; `quantization_config` and `torch_dtype` are set here).
     """
-    out_dir = Path(out_dir)
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
+    tmp = export_temp_dir(out_dir)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    qcfg = kimi_quantization_config(group_size)
-    ignore = qcfg["ignore"]
-    writer = _ShardWriter(tmp, max_shard_bytes)
-    seen: set[str] = set()
-    quantized: list[str] = []
-    int4_bytes = bf16_bytes = 0
     try:
-        for name, t in hf_tensors:
-            if name in seen:
-                raise ExportError(f"{name}: tensor given twice; the HF tensor source yields duplicates")
-            seen.add(name)
-            t = t.detach().cpu()
-            bf16_bytes += t.numel() * (2 if t.is_floating_point() else t.element_size())
-            if is_quantized(name, ignore):
-                parts = int4_tensors(name, t, group_size)
-                quantized.append(name)
-            else:
-                parts = {name: t.to(_storage_dtype(name, t))}
-            for n, p in parts.items():
-                int4_bytes += p.numel() * p.element_size()
-                writer.add(n, p)
-        if not seen:
-            raise ExportError("no tensors to export: the HF tensor source was empty")
-        weight_map = writer.finish()
-        total = sum((tmp / f).stat().st_size for f in set(weight_map.values()))
-        atomic_write_json(tmp / INDEX_NAME, {"metadata": {"total_size": int4_bytes}, "weight_map": weight_map})
-        cfg = copy.deepcopy(config)
-        cfg["quantization_config"] = qcfg
-        cfg["torch_dtype"] = "bfloat16"
-        atomic_write_json(tmp / "config.json", cfg)
-        if tokenizer_dir is not None:
-            copy_tokenizer_files(tokenizer_dir, tmp)
-        _replace_dir(tmp, out_dir)
+        part = write_int4_shards(hf_tensors, tmp, group_size, max_shard_bytes=max_shard_bytes)
+        return finish_int4_dir(tmp, out_dir, [part], config, tokenizer_dir, group_size)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return ExportInfo(
-        path=str(out_dir), int4_bytes=int4_bytes, bf16_bytes=bf16_bytes, disk_bytes=total,
-        num_quantized=len(quantized), num_tensors=len(seen), shards=len(set(weight_map.values())),
-        quantized_names=quantized,
-    )
 
 
 def _replace_dir(new: Path, dest: Path) -> None:

@@ -4,12 +4,14 @@ Output: `<run_dir>/export/<name>/` (config.json with Kimi-K2-Thinking's quantiza
 sharded safetensors + index, tokenizer files) and `<run_dir>/export/export.json` (the summary
 section, written last: its presence marks a finished export).
 
-`run_export` takes any source of HF-named tensors (+ optionally the trainer's logits function);
-`stage_export` is the pipeline stage: it exports a megatron torch_dist training checkpoint (the
-tracker's latest, or a chosen step) in a child process — megatron's process groups and the gloo
-rendezvous stay out of the flow process — where the checkpoint is loaded into a one-rank megatron
-model with INT4 QAT on (when the recipe trains with it), reverse-converted with
-`convert.names.export_hf_tensors`, and that fake-quant megatron forward is the logits reference.
+`stage_export` is the pipeline stage for a megatron torch_dist training checkpoint (the tracker's
+latest, or a chosen step). It is distributed like the conversion, in `recipe.convert`'s layout (one
+rank per GPU over its nodes): every rank loads its slice, quantizes and writes the tensors it owns and
+checks them bit for bit (`quant/job.py`); then this process names the shards and writes the index
+last. When the model fits in this host's memory, a one-rank child process then reloads the export with
+transformers + compressed-tensors and compares its logits with the checkpoint's own megatron forward
+(fake-quant experts when the recipe trains with INT4 QAT). `run_export` is the same export in one
+process from any source of HF-named tensors (tests, tools).
 """
 
 from __future__ import annotations
@@ -17,9 +19,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -29,12 +33,13 @@ import torch
 from kimi_pipeline.errors import PermanentError
 from kimi_pipeline.hub.download import model_root
 from kimi_pipeline.plan.params import count_params
-from kimi_pipeline.quant.export import export_int4
+from kimi_pipeline.quant.export import ExportInfo, Int4Part, export_int4, export_temp_dir, finish_int4_dir
 from kimi_pipeline.quant.verify import (
     PARITY_TOL,
     PARITY_TOL_BY_DTYPE,
     ExportVerificationError,
     LogitsFn,
+    TensorCheck,
     check_model,
     check_tensors,
     model_check_problems,
@@ -86,7 +91,7 @@ def run_export(
     parity_tol: float | None = None,
     verify_model: bool | None = None,
 ) -> dict[str, Any]:
-    """Export + verify; returns the `export` summary section (raises ExportVerificationError with it).
+    """Export + verify in this process; returns the `export` section (raises ExportVerificationError with it).
 
     hf_tensors_source: zero-argument callable returning the trained policy's HF-named tensors
       (called once to write and once per check); model_dir: config.json + tokenizer of the base model;
@@ -94,22 +99,35 @@ def run_export(
     checkpoint: what was exported (recorded).
     """
     t0 = time.monotonic()
-    run_dir, model_dir = Path(run_dir), Path(model_dir)
     q = recipe.quant
     if q.export_format != "int4":
         return {"skipped": f"quant.export_format={q.export_format!r}: only the INT4 export is written here"}
-    cfg_path = model_dir / "config.json"
-    if not cfg_path.is_file():
-        raise ExportInputError(f"{cfg_path}: not found; model_dir must hold the base model's config.json + tokenizer")
-    config = json.loads(cfg_path.read_text())
-    parity_tol = PARITY_TOL_BY_DTYPE.get(recipe.model.params_dtype, PARITY_TOL) if parity_tol is None else parity_tol
+    config = base_config(model_dir)
     out = export_dir(run_dir) / name
     (export_dir(run_dir) / SECTION_FILE).unlink(missing_ok=True)
     info = export_int4(hf_tensors_source(), config, model_dir, out, q.group_size, max_shard_bytes=shard_bytes(recipe))
     log.info("export: wrote %s (%d packed experts, %d bytes)", out, info.num_quantized, info.disk_bytes)
-    tensors = check_tensors(out, hf_tensors_source(), q.group_size)
+    section = _section(recipe, info, check_tensors(out, hf_tensors_source(), q.group_size), checkpoint)
+    if verify_model is None:
+        verify_model = model_check_fits(recipe)[0]
+    if verify_model:
+        check_model_into(section, recipe, out, hf_tensors_source(), reference_logits, parity_tol)
+    else:
+        section["model_check"] = f"skipped: {model_check_fits(recipe)[1] or 'disabled'}"
+    return _finish(run_dir, section, t0)
+
+
+def base_config(model_dir: str | Path) -> dict[str, Any]:
+    cfg_path = Path(model_dir) / "config.json"
+    if not cfg_path.is_file():
+        raise ExportInputError(f"{cfg_path}: not found; model_dir must hold the base model's config.json + tokenizer")
+    return json.loads(cfg_path.read_text())
+
+
+def _section(recipe: Recipe, info: ExportInfo, tensors: TensorCheck, checkpoint: str | None) -> dict[str, Any]:
+    q = recipe.quant
     section: dict[str, Any] = {
-        "path": str(out),
+        "path": info.path,
         "format": "compressed-tensors pack-quantized int4",
         "group_size": q.group_size,
         "checkpoint": checkpoint,
@@ -119,27 +137,34 @@ def run_export(
         "others_exact": tensors.others_exact,
         "qat": q.int4_qat,
     }
-    problems = [f"{n}: stored tensor differs from the trainer's" for n in tensors.mismatches[:5]]
-    fits, reason = model_check_fits(recipe)
-    if verify_model is None:
-        verify_model = fits
-    if verify_model:
-        result = check_model(out, hf_tensors_source(), q.group_size, reference_logits=reference_logits,
-                             parity_tol=parity_tol)
-        section.update(result)
-        gate = model_check_problems(result, parity_tol)
-        if not q.int4_qat:
-            # Trained without fake-quant: INT4 is post-training quantization here, so the export is
-            # *expected* to differ from the trainer's forward; only the decode-exactness gates apply.
-            gate = [p for p in gate if not p.startswith(("export vs trainer", "HF model of the trainer"))]
-            section["note"] = "quant.int4_qat is off: logits_max_diff is post-training quantization error"
-        problems += gate
-    else:
-        section["model_check"] = f"skipped: {reason or 'disabled'}"
+    if tensors.mismatches:
+        section["problems"] = [f"{n}: stored tensor differs from the trainer's" for n in tensors.mismatches[:5]]
+    return section
+
+
+def check_model_into(section: dict[str, Any], recipe: Recipe, out: Path, tensors, reference_logits: LogitsFn | None,
+                     parity_tol: float | None = None) -> None:
+    """Model-level check (reload, logits, generate) merged into `section`, its failures into `problems`."""
+    q = recipe.quant
+    parity_tol = PARITY_TOL_BY_DTYPE.get(recipe.model.params_dtype, PARITY_TOL) if parity_tol is None else parity_tol
+    result = check_model(out, tensors, q.group_size, reference_logits=reference_logits, parity_tol=parity_tol)
+    section.update(result)
+    gate = model_check_problems(result, parity_tol)
+    if not q.int4_qat:
+        # Trained without fake-quant: INT4 is post-training quantization here, so the export is
+        # *expected* to differ from the trainer's forward; only the decode-exactness gates apply.
+        gate = [p for p in gate if not p.startswith(("export vs trainer", "HF model of the trainer"))]
+        section["note"] = "quant.int4_qat is off: logits_max_diff is post-training quantization error"
+    if gate:
+        section["problems"] = section.get("problems", []) + gate
+
+
+def _finish(run_dir: str | Path, section: dict[str, Any], t0: float) -> dict[str, Any]:
+    """Gate on problems; the section file is written last (its presence marks a finished export)."""
     section["seconds"] = round(time.monotonic() - t0, 2)
-    if problems:
-        section["problems"] = problems
-        raise ExportVerificationError(f"INT4 export {out} failed verification: " + "; ".join(problems), section)
+    if section.get("problems"):
+        raise ExportVerificationError(f"INT4 export {section['path']} failed verification: "
+                                      + "; ".join(section["problems"]), section)
     atomic_write_json(export_dir(run_dir) / SECTION_FILE, section)
     return section
 
@@ -158,90 +183,159 @@ def resolve_checkpoint(checkpoint_dir: str | Path, step: int | None = None) -> t
 
 
 def checkpoint_content_hash(checkpoint_dir: str | Path, step: int | None = None) -> str:
-    """sha256 over every file of the checkpoint iteration (relative path + file sha256): the export's cache key."""
+    """The export's cache key, from the checkpoint's metadata, not its ~14 TB of weights + Adam state at K2
+    size: the save's own id (`kimi_extra.json`, new on every save), megatron's metadata files, and the
+    name and size of every data file."""
+    from kimi_pipeline.model.megatron_train import EXTRA
+
     path, step = resolve_checkpoint(checkpoint_dir, step)
     files = sorted(p for p in path.rglob("*") if p.is_file())
-    digests = sha256_files(files)
-    return sha256_json({"step": step, "files": {str(p.relative_to(path)): d for p, d in zip(files, digests)}})
+    small = [p for p in files if p.name in (EXTRA, "metadata.json", ".metadata", "common.pt")]
+    return sha256_json({"step": step, "metadata": {p.name: d for p, d in zip(small, sha256_files(small))},
+                        "files": {str(p.relative_to(path)): p.stat().st_size for p in files}})
 
 
-def export_checkpoint(recipe: Recipe, run_dir: str | Path, checkpoint_dir: str | Path, model_dir: str | Path,
-                      step: int | None = None) -> dict[str, Any]:
-    """In THIS process (the child): load the checkpoint into a one-rank megatron model and run_export it."""
-    from kimi_pipeline.convert.names import export_hf_tensors
-    from kimi_pipeline.model.megatron_model import build_model, causal_forward
-    from kimi_pipeline.model.megatron_train import load_model_only
-    from kimi_pipeline.model.parallel import Layout, destroy, init_distributed
+def export_distributed(recipe: Recipe, run_dir: Path, checkpoint_dir: str | Path, step: int, model_dir: Path,
+                       name: str = "int4", timeout_s: float | None = None) -> tuple[ExportInfo, dict[str, Any]]:
+    """Every rank of recipe.convert's layout writes the experts it owns; the index is merged here, last."""
+    from kimi_pipeline.convert.job import write_job_file
+    from kimi_pipeline.convert.launch import launch_local, read_rank_reports, scale_out_command
+    from kimi_pipeline.model.parallel import Layout
+    from kimi_pipeline.quant.job import REPORT_PREFIX
+
+    cs, q = recipe.convert, recipe.quant
+    layout = Layout.from_convert(cs)
+    layout.check_model(recipe.model)
+    config = base_config(model_dir)
+    out = export_dir(run_dir)
+    final = out / name
+    for stale in out.glob(f".{name}.tmp-*"):  # an interrupted export's shards
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = export_temp_dir(final, uuid.uuid4().hex[:8])
+    tmp.mkdir(parents=True)
+    work = out / "work"
+    shutil.rmtree(work, ignore_errors=True)
+    reports = work / "reports"
+    job = write_job_file(work / "job.json", model=recipe.model, layout=layout, model_dir=model_dir.resolve(),
+                         out_dir=tmp.resolve(), report_dir=reports.resolve(), checkpoint_dir=str(Path(checkpoint_dir).resolve()),
+                         step=step, group_size=q.group_size, max_shard_bytes=shard_bytes(recipe))
+    module = "kimi_pipeline.quant.job"
+    command = scale_out_command(module, ["--job", str(job.resolve())], nnodes=cs.nodes, nproc_per_node=cs.gpus_per_node)
+    log.info("export: %d node(s) x %d rank(s), tp=%d pp=%d ep=%d; on a cluster run on every node:\n  %s",
+             cs.nodes, cs.gpus_per_node, cs.tp, cs.pp, cs.ep, command)
+    t0 = time.monotonic()
+    try:
+        launch_local(module, ["--job", str(job)], nodes=cs.nodes, procs_per_node=cs.gpus_per_node,
+                     work_dir=work, report_dir=reports, name="export", timeout=timeout_s)
+        ranks = read_rank_reports(reports, REPORT_PREFIX, layout.world_size)
+        info = finish_int4_dir(tmp, final, [Int4Part.from_json(r["part"]) for r in ranks], config, model_dir,
+                               q.group_size)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    checks = [r["check"] for r in ranks]
+    tensors = TensorCheck(dequant_exact=all(c["dequant_exact"] for c in checks),
+                          others_exact=all(c["others_exact"] for c in checks),
+                          num_quantized=sum(c["num_quantized"] for c in checks), num_other=sum(c["num_other"] for c in checks),
+                          mismatches=[m for c in checks for m in c["mismatches"]])
+    extra = {
+        "ranks": layout.world_size,
+        "layout": {"nodes": cs.nodes, "ranks_per_node": cs.gpus_per_node, "tp": cs.tp, "pp": cs.pp, "ep": cs.ep},
+        "peak_rss_mb_per_rank": [r["peak_rss_mb"] for r in ranks],
+        "write_seconds": round(time.monotonic() - t0, 3),
+        "command": command,
+    }
+    return info, {"tensors": tensors, **extra}
+
+
+def check_checkpoint_model(recipe: Recipe, out: Path, checkpoint_dir: str | Path, step: int) -> dict[str, Any]:
+    """In THIS process (the child): the export vs the checkpoint's one-rank megatron forward (fake-quant
+    experts when the recipe trains with QAT); returns the model-check section fields and problems."""
+    from kimi_pipeline.convert.stream import checkpoint_model, policy_tensors
+    from kimi_pipeline.model.megatron_model import causal_forward
     from kimi_pipeline.quant.qat import enable_int4_qat
 
-    path, step = resolve_checkpoint(checkpoint_dir, step)
-    layout = Layout()
-    init_distributed(layout)
-    try:
-        model = build_model(recipe.model, layout, perform_initialization=False)
-        load_model_only(checkpoint_dir, model, step)
+    with checkpoint_model(recipe.model, checkpoint_dir, step) as (model, layout, _):
         if recipe.quant.int4_qat:
             enable_int4_qat(model, recipe.quant.group_size)
         model.eval()
-
-        def source():
-            return export_hf_tensors(model, recipe.model, layout)
 
         @torch.no_grad()
         def trainer_logits(ids: torch.Tensor) -> torch.Tensor:
             return causal_forward(model, ids)
 
-        return run_export(recipe, run_dir, source, model_dir=model_dir, reference_logits=trainer_logits,
-                          checkpoint=str(path))
-    finally:
-        destroy()
+        section: dict[str, Any] = {}
+        check_model_into(section, recipe, out, policy_tensors(model, recipe.model, layout), trainer_logits)
+        return section
 
 
 def stage_export(recipe: Recipe, run_dir: str | Path, checkpoint_dir: str | Path, *, step: int | None = None,
                  model_dir: str | Path | None = None, timeout_s: float | None = None) -> dict[str, Any]:
-    """The pipeline stage: export checkpoint `step` (default: latest) of `checkpoint_dir` in a child process.
+    """The pipeline stage: export checkpoint `step` (default: latest) of `checkpoint_dir`, distributed.
 
     Records `stages.export` and the `export` section in summary.json (also on a failed verification).
     """
-    from kimi_pipeline.recipes import recipe_to_yaml
     from kimi_pipeline.report.summary import RunSummary
 
     run_dir = Path(run_dir)
     summary = RunSummary(run_dir, recipe.name)
     with summary.stage("export"):
+        t0 = time.monotonic()
         if recipe.quant.export_format != "int4":
             section = {"skipped": f"quant.export_format={recipe.quant.export_format!r}"}
             summary.set_section("export", section)
             return section
         model_dir = Path(model_dir) if model_dir else model_root(run_dir)
-        resolve_checkpoint(checkpoint_dir, step)  # fail here, clearly, before spawning anything
+        path, step = resolve_checkpoint(checkpoint_dir, step)  # fail here, clearly, before spawning anything
         out = export_dir(run_dir)
         out.mkdir(parents=True, exist_ok=True)
-        (out / ERROR_FILE).unlink(missing_ok=True)
-        (out / "recipe.yaml").write_text(recipe_to_yaml(recipe))
-        job = {"run_dir": str(run_dir), "checkpoint_dir": str(checkpoint_dir), "step": step,
-               "model_dir": str(model_dir), "recipe": str(out / "recipe.yaml")}
-        atomic_write_json(out / "job.json", job)
-        env = {**os.environ, "TORCHDYNAMO_DISABLE": "1"}
-        for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT"):
-            env.pop(var, None)  # the child is its own one-rank world
-        proc = subprocess.run([sys.executable, "-m", "kimi_pipeline.quant.stage", str(out / "job.json")],
-                              env=env, timeout=timeout_s, capture_output=True, text=True)
-        if proc.returncode != 0:
-            err = json.loads((out / ERROR_FILE).read_text()) if (out / ERROR_FILE).is_file() else {}
-            if err.get("section"):
-                summary.set_section("export", err["section"])
-            message = err.get("message") or f"export child exited {proc.returncode}: {proc.stderr[-2000:]}"
-            if err.get("permanent"):
-                raise ExportVerificationError(message, err.get("section"))
-            raise RuntimeError(message)
-        section = json.loads((out / SECTION_FILE).read_text())
+        for stale in (SECTION_FILE, ERROR_FILE):
+            (out / stale).unlink(missing_ok=True)
+        info, dist_info = export_distributed(recipe, run_dir, checkpoint_dir, step, model_dir, timeout_s=timeout_s)
+        log.info("export: wrote %s (%d packed experts, %d bytes) from %d ranks", info.path, info.num_quantized,
+                 info.disk_bytes, dist_info["ranks"])
+        section = {**_section(recipe, info, dist_info.pop("tensors"), str(path)), **dist_info}
+        fits, reason = model_check_fits(recipe)
+        if fits:
+            section.update(_model_check_child(recipe, run_dir, checkpoint_dir, step, Path(info.path), timeout_s))
+        else:
+            section["model_check"] = f"skipped: {reason}"
+        try:
+            section = _finish(run_dir, section, t0)
+        except ExportVerificationError as e:
+            summary.set_section("export", e.section)
+            raise
         summary.set_section("export", section)
     return section
 
 
+def _model_check_child(recipe: Recipe, run_dir: Path, checkpoint_dir: str | Path, step: int, export: Path,
+                       timeout_s: float | None) -> dict[str, Any]:
+    """`check_checkpoint_model` in a child: megatron's process groups and gloo rendezvous stay out of the
+    flow process. Returns its fields (with `problems` when a gate failed)."""
+    from kimi_pipeline.recipes import recipe_to_yaml
+
+    out = export_dir(run_dir)
+    (out / "recipe.yaml").write_text(recipe_to_yaml(recipe))
+    job = {"checkpoint_dir": str(checkpoint_dir), "step": step, "export": str(export),
+           "recipe": str(out / "recipe.yaml"), "result": str(out / "work" / "model_check.json")}
+    atomic_write_json(out / "job.json", job)
+    env = {**os.environ, "TORCHDYNAMO_DISABLE": "1"}
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT"):
+        env.pop(var, None)  # the child is its own one-rank world
+    proc = subprocess.run([sys.executable, "-m", "kimi_pipeline.quant.stage", str(out / "job.json")],
+                          env=env, timeout=timeout_s, capture_output=True, text=True)
+    if proc.returncode != 0:
+        err = json.loads((out / ERROR_FILE).read_text()) if (out / ERROR_FILE).is_file() else {}
+        message = err.get("message") or f"export model check exited {proc.returncode}: {proc.stderr[-2000:]}"
+        if err.get("permanent"):
+            raise ExportInputError(message)
+        raise RuntimeError(message)
+    return json.loads(Path(job["result"]).read_text())
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Child entry point: `python -m kimi_pipeline.quant.stage JOB.json`."""
+    """Child entry point: `python -m kimi_pipeline.quant.stage JOB.json` (the model check)."""
     from kimi_pipeline.errors import is_permanent
     from kimi_pipeline.recipes import load_recipe
 
@@ -250,11 +344,11 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
         recipe = load_recipe(job["recipe"], env={})
-        export_checkpoint(recipe, job["run_dir"], job["checkpoint_dir"], job["model_dir"], job["step"])
+        result = check_checkpoint_model(recipe, Path(job["export"]), job["checkpoint_dir"], job["step"])
+        atomic_write_json(Path(job["result"]), result)
     except BaseException as e:
         atomic_write_json(job_path.parent / ERROR_FILE, {
             "type": type(e).__name__, "message": str(e), "permanent": is_permanent(e),
-            "section": getattr(e, "section", None),
         })
         raise
 

@@ -28,7 +28,7 @@ from safetensors.torch import save_file
 
 from kimi_pipeline.errors import PermanentError
 from kimi_pipeline.model.hf_model import deepseek_config, load_hf_model
-from kimi_pipeline.quant.export import KEEP_FP32, is_quantized, read_index
+from kimi_pipeline.quant.export import KEEP_FP32, is_quantized, kimi_quantization_config, read_index
 from kimi_pipeline.quant.int4 import fake_quant_int4
 
 EXACT_REF_TOL = 1e-4  # fp32 reload vs fp32 model of the same decoded weights: only summation order differs
@@ -55,19 +55,19 @@ class TensorCheck:
     mismatches: list[str] = field(default_factory=list)
 
 
-def _scheme(config: dict[str, Any]):
+def _scheme(quantization_config: dict[str, Any]):
     from compressed_tensors.quantization import QuantizationConfig
 
-    qc = QuantizationConfig.model_validate(config["quantization_config"])
+    qc = QuantizationConfig.model_validate(quantization_config)
     return next(iter(qc.config_groups.values()))
 
 
 class _ExportReader:
     """Reads tensors of the export by name through its index, keeping one file handle per shard."""
 
-    def __init__(self, export_dir: Path):
+    def __init__(self, export_dir: Path, weight_map: dict[str, str] | None = None):
         self.dir = export_dir
-        self.weight_map = read_index(export_dir)
+        self.weight_map = read_index(export_dir) if weight_map is None else weight_map
         self._open: dict[str, Any] = {}
 
     def get(self, name: str) -> torch.Tensor:
@@ -80,13 +80,21 @@ class _ExportReader:
 
 
 def check_tensors(export_dir: str | Path, trainer_tensors: Iterable[tuple[str, torch.Tensor]],
-                  group_size: int) -> TensorCheck:
-    """Stage 1: decompress each packed expert with compressed-tensors and compare with fake-quant exactly."""
+                  group_size: int, *, weight_map: dict[str, str] | None = None) -> TensorCheck:
+    """Stage 1: decompress each packed expert with compressed-tensors and compare with fake-quant exactly.
+
+    weight_map: where each stored tensor is (default: the export's index) — a rank of the distributed
+    export checks its own shards before the index exists, against the config the export will carry.
+    """
     from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
 
     export_dir = Path(export_dir)
-    scheme = _scheme(json.loads((export_dir / "config.json").read_text()))
-    reader = _ExportReader(export_dir)
+    if weight_map is None:
+        qconfig = json.loads((export_dir / "config.json").read_text())["quantization_config"]
+    else:
+        qconfig = kimi_quantization_config(group_size)
+    scheme = _scheme(qconfig)
+    reader = _ExportReader(export_dir, weight_map)
     out = TensorCheck()
     for name, t in trainer_tensors:
         if is_quantized(name):

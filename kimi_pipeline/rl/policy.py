@@ -287,14 +287,10 @@ class PolicyWorker:
     def hf_tensors(self):
         """Full HF-named tensors (collective; every rank must drain it), routed experts fake-quantized
         when QAT is on so the engines sample from exactly the policy the trainer optimizes."""
-        from kimi_pipeline.convert.names import export_hf_tensors
+        from kimi_pipeline.convert.stream import policy_tensors
 
-        named = export_hf_tensors(self.model[0], self.recipe.model, self.layout, dst=0)
-        if self.qat:
-            from kimi_pipeline.quant.qat import fake_quant_hf_tensors
-
-            named = fake_quant_hf_tensors(named, self.recipe.quant.group_size)
-        return named
+        return policy_tensors(self.model[0], self.recipe.model, self.layout, dst=0,
+                              qat_group_size=self.recipe.quant.group_size if self.qat else None)
 
     def sync_weights(self, engine_urls: list[str], version: str) -> dict[str, float]:
         """Megatron → HF names → every engine, in update-weight-buffer-sized chunks (rank 0 sends)."""
@@ -333,27 +329,15 @@ class PolicyWorker:
         """HF safetensors + config under <checkpoint dir>/../weight-sync/<version> (shared storage)."""
         import shutil
 
-        from safetensors.torch import save_file
-
         from kimi_pipeline.model.hf_config import hf_config_dict
         from kimi_pipeline.util.files import atomic_write_json
+        from kimi_pipeline.util.shards import ShardWriter, finish_shards
 
         root = Path(self._ckpt_dir).parent / "weight-sync"
         out, tmp = root / version, root / f"{version}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        shard, size, index, n = {}, 0, {}, 0
-        for name, t in named:
-            shard[name] = t.contiguous()
-            size += t.numel() * t.element_size()
-            if size >= self.recipe.rollout.update_weight_buffer_size:
-                save_file(shard, str(tmp / f"model-{n:05d}.safetensors"))
-                index.update({k: f"model-{n:05d}.safetensors" for k in shard})
-                shard, size, n = {}, 0, n + 1
-        if shard:
-            save_file(shard, str(tmp / f"model-{n:05d}.safetensors"))
-            index.update({k: f"model-{n:05d}.safetensors" for k in shard})
-        atomic_write_json(tmp / "model.safetensors.index.json", {"metadata": {}, "weight_map": index})
+        finish_shards(tmp, ShardWriter(tmp, self.recipe.rollout.update_weight_buffer_size).add_all(named).close())
         atomic_write_json(tmp / "config.json", hf_config_dict(self.recipe.model))
         shutil.rmtree(out, ignore_errors=True)
         tmp.rename(out)

@@ -14,6 +14,7 @@ ep / dp / dp-attention / moe-dense-tp / dp-lm-head, static memory fraction, CUDA
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from pathlib import Path
 
 from kimi_pipeline.errors import PermanentError
 from kimi_pipeline.recipes.models import SGLangSpec
+from kimi_pipeline.util.lifetime import die_with_parent
 
 
 class SGLangLaunchError(RuntimeError):
@@ -112,7 +114,9 @@ class SGLangEngine:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             out = open(self.log_dir / f"sglang-{self.port}-node{self.node_rank}.log", "ab")
         self.process = subprocess.Popen(self.command, stdout=out, stderr=subprocess.STDOUT if out else None,
-                                        env={**os.environ}, start_new_session=True)
+                                        env={**os.environ}, start_new_session=True,
+                                        # SIGTERM when the trainer dies: sglang then stops its own schedulers
+                                        preexec_fn=lambda: die_with_parent(signal.SIGTERM))
         if self.node_rank != 0:
             return self.url
         deadline = time.monotonic() + timeout_s

@@ -1,0 +1,78 @@
+"""One rank of the distributed INT4 export: `python -m kimi_pipeline.quant.job --job JOB.json`.
+
+Launched like the conversion (`convert.launch`: N torchrun agents here, the same command on every node
+of a cluster). Each rank loads its slice of the torch_dist checkpoint (`convert.stream`), quantizes the
+tensors it is the designated source of (its experts; the lowest rank of a stage for shared weights),
+writes them as its own temp-named shards into the shared output directory, reads them back and checks
+them bit for bit against its tensors, and records shards, sizes, the check and its peak RSS in
+`export_rank_<r>.json`. The launcher names the shards and writes the one index last
+(`quant.stage.stage_export`). Peak memory per rank: its model slice plus one shard buffer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any
+
+from kimi_pipeline.convert.job import peak_rss_mb, read_job_file
+from kimi_pipeline.convert.launch import rank_main
+from kimi_pipeline.util.files import atomic_write_json
+from kimi_pipeline.util.lifetime import watch_parent
+
+if __name__ == "__mp_main__":  # a helper megatron spawned re-imports us: it goes when its rank goes
+    watch_parent()
+
+REPORT_PREFIX = "export_rank"
+
+
+def shard_prefix(rank: int) -> str:
+    return f".rank{rank:05d}"
+
+
+def export_rank(job: dict[str, Any]) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from kimi_pipeline.convert.stream import checkpoint_model, policy_tensors
+    from kimi_pipeline.model.parallel import Layout
+    from kimi_pipeline.quant.export import write_int4_shards
+    from kimi_pipeline.quant.verify import check_tensors
+    from kimi_pipeline.recipes.models import ModelSpec
+
+    t0 = time.monotonic()
+    spec = ModelSpec.model_validate(job["model"])
+    group = int(job["group_size"])
+    out = Path(job["out_dir"])
+    with checkpoint_model(spec, job["checkpoint_dir"], job.get("step"), Layout(**job["layout"])) as (model, layout, _):
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        t_load = time.monotonic()
+        part = write_int4_shards(policy_tensors(model, spec, layout, owned_only=True), out, group,
+                                 max_shard_bytes=int(job["max_shard_bytes"]), prefix=shard_prefix(rank))
+        t_write = time.monotonic()
+        where = {n: s.file for s in part.shards for n in s.names}
+        check = check_tensors(out, policy_tensors(model, spec, layout, owned_only=True), group, weight_map=where)
+        t_check = time.monotonic()
+    report = {
+        "rank": rank,
+        "part": part.to_json(),
+        "check": dataclasses.asdict(check),
+        "peak_rss_mb": round(peak_rss_mb(), 1),
+        "seconds": {"load": round(t_load - t0, 3), "write": round(t_write - t_load, 3),
+                    "check": round(t_check - t_write, 3), "total": round(time.monotonic() - t0, 3)},
+    }
+    atomic_write_json(Path(job["report_dir"]) / f"{REPORT_PREFIX}_{rank}.json", report)
+    return report
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--job", required=True, help="job JSON written by kimi_pipeline.quant.stage")
+    args = ap.parse_args(argv)
+    job = read_job_file(args.job)
+    rank_main(lambda: export_rank(job), job["report_dir"])
+
+
+if __name__ == "__main__":  # megatron's checkpoint loading may spawn helpers: never run the job on import
+    main()
