@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -240,3 +241,19 @@ def test_cli_table_and_overrides():
     res = _cli("kimi-k2.5", "--gpu", "h200", "--mfu", "0.4", "--decode-tok-s", "5000", "--mean-response-frac", "0.3")
     assert res.exit_code == 0, res.output
     assert "FITS" in res.output and "mfu: 0.4" in res.output and "decode_tok_s: 5000.0" in res.output
+
+
+@pytest.mark.parametrize("name", KIMI)
+def test_weight_sync_estimate_follows_the_engine_format(recipes, name):
+    """Colocated sync moves the engine's own format (INT4 experts for Thinking / K2.5, FP8 for Instruct) in
+    update_weight_buffer_size buckets; the seeds' framework does it for 1 T parameters in under a minute,
+    the disk fallback (bf16 through shared storage) takes minutes."""
+    r = recipes[name]
+    ws = make_plan(r, get_gpu("h200"))["timing"]["weight_sync"]
+    per_param = ws["engine_bytes"] / count_params(r.model).total
+    assert per_param == pytest.approx({"kimi-k2-instruct": 1.0}.get(name, 0.59), abs=0.05)
+    assert ws["buckets"] == math.ceil(ws["engine_bytes"] / r.rollout.update_weight_buffer_size)
+    assert ws["colocated_s"] == pytest.approx(ws["network_s"] + ws["copy_s"] + ws["bucket_overhead_s"])
+    assert 5 < ws["colocated_s"] < 60 < ws["disk_fallback_s"]
+    res = _cli(name, "--gpu", "h200")
+    assert f"weight sync: {ws['colocated_s']:.1f} s colocated" in res.output.replace("\n", " ")

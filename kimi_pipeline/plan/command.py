@@ -340,6 +340,11 @@ def _render(plan: dict[str, Any]) -> None:
         con.print(s)
         con.print(f"train {tm['train_pflop_per_step']:.1f} PFLOP/step, rollout {tm['rollout_tokens_per_step']:,.0f} "
                   f"tokens/step over {tm['engines']} engine(s)")
+        ws = tm["weight_sync"]
+        con.print(f"weight sync: {ws['colocated_s']:.1f} s colocated ({ws['engine_bytes'] / 2**30:,.0f} GiB as "
+                  f"{ws['engine_format']}, {ws['buckets']} buckets: network {ws['network_s']:.1f} s + copy "
+                  f"{ws['copy_s']:.1f} s + per-bucket {ws['bucket_overhead_s']:.1f} s); non-colocated "
+                  f"{ws['distributed_s']:.1f} s; disk fallback {ws['disk_fallback_s']:.0f} s", markup=False)
         con.print("[bold]assumptions[/bold]")
         for k, v in plan["assumptions"].items():
             con.print(f"  {k}: {v}", markup=False)

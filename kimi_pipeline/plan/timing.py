@@ -8,7 +8,11 @@ printed and can be overridden; the structure is what the model contributes:
             layer, ctx = mean sequence / 2 for causal masks), x (3 fwd+bwd + 1 recompute + log-prob forwards)
   rollout   max(generated tokens / engine throughput, longest response / per-sequence decode speed)
   optimizer CPU Adam over the node's optimizer shard, once per optimizer step (when offloaded)
-  sync      the engine weights every node receives / per-node weight-sync bandwidth
+  sync      colocated (the seeds' mode): every bucket of engine-format weights (INT4 / FP8 / bf16, as the
+            engine serves them) is broadcast from the ranks that own it to every node, then handed to the
+            engine on each GPU through a CUDA-IPC handle (one device copy); plus a fixed cost per bucket
+            (engine pause/flush, handle serialization, the load call). The disk fallback writes and
+            re-reads the bf16 model through shared storage; both are printed.
 """
 
 from __future__ import annotations
@@ -30,7 +34,10 @@ class TimeAssumptions:
     mean_response_frac: float = 0.5  # mean response = this x max_response_len
     mean_prompt_frac: float = 0.25  # mean prompt = this x max_prompt_len
     cpu_adam_params_per_s_per_node: float = 2e9
-    weight_sync_gb_s_per_node: float = 50.0
+    weight_sync_gb_s_per_node: float = 50.0  # inter-node broadcast rate into one node (GiB/s)
+    weight_sync_bucket_overhead_s: float = 0.05  # pause/flush + IPC handles + engine load call, per bucket
+    hbm_copy_gb_s: float = 1000.0  # device-to-device copy into the engine's weights (GiB/s)
+    shared_storage_gb_s: float = 10.0  # aggregate write / read rate of the shared filesystem (GiB/s)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -124,8 +131,8 @@ def step_time(r: Recipe, pc: ParamCounts, lay: Layout, gpu: GPU, a: TimeAssumpti
     opt_s = 0.0
     if r.optimizer.optimizer_cpu_offload:
         opt_s = wl.optimizer_steps * node_shard_params / a.cpu_adam_params_per_s_per_node
-    sync_bytes = lay.gpus_per_node * engine_weight_bytes_per_gpu
-    sync_s = sync_bytes / (a.weight_sync_gb_s_per_node * 2**30)
+    sync = sync_time(r, pc, lay, a)
+    sync_s = sync["colocated_s"] if r.cluster.colocate else sync["distributed_s"]
     return {
         "mean_prompt_tokens": wl.mean_prompt,
         "mean_response_tokens": wl.mean_response,
@@ -144,5 +151,38 @@ def step_time(r: Recipe, pc: ParamCounts, lay: Layout, gpu: GPU, a: TimeAssumpti
         "train_s": train_s,
         "optimizer_s": opt_s,
         "weight_sync_s": sync_s,
+        "weight_sync": sync,
         "step_s": rollout_s + train_s + opt_s + sync_s,
+    }
+
+
+def sync_time(r: Recipe, pc: ParamCounts, lay: Layout, a: TimeAssumptions) -> dict:
+    """Seconds to move the trained weights into the engines, by protocol (see the module docstring)."""
+    from kimi_pipeline.plan.memory import format_bytes, rollout_formats
+
+    ex_fmt, lin_fmt = rollout_formats(r)
+    routed = pc.routed_experts
+    # Linears other than the routed experts take the engine's linear format; norms, router, embedding stay 16-bit
+    linears = pc.first_k_dense * (pc.attention + pc.dense_mlp) + pc.num_moe_layers * (pc.attention + pc.shared) + pc.lm_head
+    engine_bytes = routed * format_bytes(ex_fmt, r.quant.group_size) + linears * format_bytes(lin_fmt, r.quant.group_size)
+    engine_bytes += (pc.total - routed - linears) * 2.0
+    buckets = math.ceil(engine_bytes / r.rollout.update_weight_buffer_size)
+    gib = 2**30
+    network_s = engine_bytes * (lay.nodes - 1) / max(lay.nodes, 1) / (a.weight_sync_gb_s_per_node * gib)
+    copy_s = engine_bytes / (a.hbm_copy_gb_s * gib)
+    overhead_s = buckets * a.weight_sync_bucket_overhead_s
+    colocated = network_s + copy_s + overhead_s
+    # non-colocated: one broadcast from the trainer to every engine node over the same links
+    distributed = engine_bytes / (a.weight_sync_gb_s_per_node * gib) + overhead_s
+    disk = pc.total * 2.0 / (a.shared_storage_gb_s * gib) * 2  # write once, every engine node reads it
+    return {
+        "engine_format": f"experts {ex_fmt}, linears {lin_fmt}",
+        "engine_bytes": engine_bytes,
+        "buckets": buckets,
+        "network_s": network_s,
+        "copy_s": copy_s,
+        "bucket_overhead_s": overhead_s,
+        "colocated_s": colocated,
+        "distributed_s": distributed,
+        "disk_fallback_s": disk,
     }
