@@ -17,6 +17,7 @@ import json
 import math
 import re
 import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -218,6 +219,65 @@ def kimi_int4_quant_config(group_size: int = 32) -> dict[str, Any]:
     }
 
 
+def fp8_quant_config(block: tuple[int, int] | list[int] = (128, 128)) -> dict[str, Any]:
+    """Kimi-K2-Instruct's (DeepSeek-V3's) FP8 `quantization_config`."""
+    return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(block)}
+
+
+class QuantizedParts:
+    """Dense weights back from tensors sent in an engine's quantized format, as they stream in.
+
+    INT4 (`X.weight_packed` + `X.weight_scale` + `X.weight_shape`, group size read off the shapes) and FP8
+    (`X.weight` in float8_e4m3fn + `X.weight_scale_inv`, 128x128 blocks) arrive as separate tensors,
+    possibly in different weight-sync buckets: parts wait here until their Linear is complete, then it
+    is dequantized with the same functions the conversion uses. Other tensors pass through.
+    """
+
+    INT4_PARTS = ("weight_packed", "weight_scale", "weight_shape")
+
+    def __init__(self, fp8_block: tuple[int, int] = (128, 128)):
+        self.block = fp8_block
+        self.pending: dict[str, dict[str, torch.Tensor]] = {}
+
+    @staticmethod
+    def _part(name: str, t: torch.Tensor) -> tuple[str, str] | None:
+        for part in QuantizedParts.INT4_PARTS + ("weight_scale_inv",):
+            if name.endswith("." + part):
+                return name[: -len(part) - 1], part
+        if name.endswith(".weight") and t.dtype == torch.float8_e4m3fn:
+            return name[: -len(".weight")], "weight"
+        return None
+
+    def feed(self, named) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, t in named:
+            hit = self._part(name, t)
+            if hit is None:
+                yield name, t
+                continue
+            module, part = hit
+            parts = self.pending.setdefault(module, {})
+            parts[part] = t
+            if set(self.INT4_PARTS) <= parts.keys():
+                del self.pending[module]
+                shape = [int(x) for x in parts["weight_shape"].tolist()]
+                groups = parts["weight_scale"].shape[-1]
+                if len(shape) != 2 or groups <= 0 or shape[1] % groups:
+                    raise QuantFormatError(f"{module}: weight_scale {tuple(parts['weight_scale'].shape)} does not "
+                                           f"divide weight_shape {shape} into groups")
+                yield module + ".weight", Int4Dequantizer(kimi_int4_quant_config(shape[1] // groups)).dequant(module, parts)
+            elif {"weight", "weight_scale_inv"} <= parts.keys():
+                del self.pending[module]
+                yield module + ".weight", dequant_fp8_block(parts["weight"], parts["weight_scale_inv"], self.block,
+                                                            module)
+
+    def check_complete(self) -> None:
+        """Every quantized Linear that started arriving has all its parts (call after the last bucket)."""
+        if self.pending:
+            n, (module, parts) = len(self.pending), next(iter(self.pending.items()))
+            self.pending.clear()
+            raise QuantFormatError(f"{n} quantized weight(s) arrived incomplete, e.g. {module} with only {sorted(parts)}")
+
+
 FP8_TARGET = re.compile(r"_proj(_with_mqa)?\.weight$")  # every Linear except lm_head and the router gate
 INT4_TARGET = re.compile(r"\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
 
@@ -249,10 +309,7 @@ def write_quantized_checkpoint(src: str | Path, dst: str | Path, kind: str, *, g
             shutil.copy2(p, dst / p.name)
     config = json.loads((src / "config.json").read_text())
     config["torch_dtype"] = "bfloat16"
-    config["quantization_config"] = (
-        {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(block)}
-        if kind == "fp8" else kimi_int4_quant_config(group_size)
-    )
+    config["quantization_config"] = fp8_quant_config(block) if kind == "fp8" else kimi_int4_quant_config(group_size)
     atomic_write_json(dst / "config.json", config)
     atomic_write_json(dst / "model.safetensors.index.json", {"metadata": {}, "weight_map": dict(sorted(weight_map.items()))})
     return dst

@@ -224,16 +224,12 @@ def train_stages(r: Recipe, pc: ParamCounts, lay: Layout, microbatches: int, a: 
 
 
 def rollout_formats(r: Recipe) -> tuple[str, str]:
-    """(routed-expert, other-linear) weight formats the engine serves.
+    """(routed-expert, other-linear) weight formats the engine serves (`quant.engine_format`): INT4 routed
+    experts with the rest bf16 (the INT4 export's format), FP8 blocks for every Linear, or bf16."""
+    from kimi_pipeline.quant.engine_format import engine_weight_format
 
-    INT4 export: the engine serves the INT4 checkpoint (routed experts packed, the rest bf16, per the
-    compressed-tensors ignore list); an FP8 hub checkpoint is served in FP8 blocks; otherwise bf16.
-    """
-    if r.quant.export_format == "int4":
-        return "int4", "bf16"
-    if r.hub.source_format == "fp8":
-        return "fp8", "fp8"
-    return "bf16", "bf16"
+    fmt = engine_weight_format(r)
+    return {"int4": ("int4", "bf16"), "fp8": ("fp8", "fp8")}.get(fmt, ("bf16", "bf16"))
 
 
 def format_bytes(fmt: str, group_size: int) -> float:

@@ -146,7 +146,7 @@ class Int4Part:
 
 def int4_storage(hf_tensors: Iterable[tuple[str, torch.Tensor]], group_size: int,
                  ignore: Iterable[str] = KIMI_IGNORE) -> Iterator[tuple[str, torch.Tensor, dict[str, torch.Tensor]]]:
-    """(source name, source tensor on CPU, the tensors stored for it): packed triples for quantized
+    """(source name, source tensor, the tensors stored for it): packed triples for quantized
     Linears, the storage dtype for the rest. Refuses a name given twice."""
     ignore = list(ignore)
     seen: set[str] = set()
@@ -154,7 +154,7 @@ def int4_storage(hf_tensors: Iterable[tuple[str, torch.Tensor]], group_size: int
         if name in seen:
             raise ExportError(f"{name}: tensor given twice; the HF tensor source yields duplicates")
         seen.add(name)
-        t = t.detach().cpu()
+        t = t.detach()  # stays on its device (weight sync quantizes on the GPU); writers copy to the host
         parts = int4_tensors(name, t, group_size) if is_quantized(name, ignore) else {name: t.to(_storage_dtype(name, t))}
         yield name, t, parts
 

@@ -284,29 +284,37 @@ class PolicyWorker:
         return metrics
 
     # ------------------------------------------------------------------ weights out
-    def hf_tensors(self):
+    def hf_tensors(self, fake_quant: bool | None = None):
         """Full HF-named tensors (collective; every rank must drain it), routed experts fake-quantized
-        when QAT is on so the engines sample from exactly the policy the trainer optimizes."""
+        when QAT is on (unless `fake_quant=False`) so the engines sample from exactly the policy the
+        trainer optimizes."""
         from kimi_pipeline.convert.stream import policy_tensors
 
+        fq = self.qat if fake_quant is None else fake_quant
         return policy_tensors(self.model[0], self.recipe.model, self.layout, dst=0,
-                              qat_group_size=self.recipe.quant.group_size if self.qat else None)
+                              qat_group_size=self.recipe.quant.group_size if fq else None)
 
     def sync_weights(self, engine_urls: list[str], version: str) -> dict[str, float]:
-        """Megatron → HF names → every engine, in update-weight-buffer-sized chunks (rank 0 sends)."""
+        """Megatron → HF names → the engine's own format (`quant.engine_format`) → every engine, in
+        update-weight-buffer-sized buckets (rank 0 sends)."""
+        from kimi_pipeline.quant.engine_format import engine_weight_format, to_engine_format
+
         t0 = time.perf_counter()
-        named = self.hf_tensors()
+        r = self.recipe
+        fmt = engine_weight_format(r)
+        # an INT4 engine dequantizes the packed stored weights to exactly the fake-quant ones
+        named = self.hf_tensors(fake_quant=None if fmt != "int4" else False)
         chunks = 0
         if self.rank != 0:
             for _ in named:  # collective: every rank drains the export
                 pass
             return {"sync_seconds": time.perf_counter() - t0, "sync_chunks": 0.0}
-        r = self.recipe
+        named = to_engine_format(named, fmt, r.quant.group_size)
         router = self._router_for(engine_urls)
         if r.rollout.engine == "sglang":
             # SGLang's tensor endpoint only takes pickles (never sent): stage safetensors on the shared
             # filesystem and let every engine load them
-            path = self._write_sync_checkpoint(named, version)
+            path = self._write_sync_checkpoint(named, version, fmt)
             router.update_weights_from_disk(str(path), weight_version=version)
             chunks = 1
         else:
@@ -325,11 +333,12 @@ class PolicyWorker:
                                   first_k_dense=m.first_k_dense)
         return self._router
 
-    def _write_sync_checkpoint(self, named, version: str) -> Path:
+    def _write_sync_checkpoint(self, named, version: str, fmt: str = "model") -> Path:
         """HF safetensors + config under <checkpoint dir>/../weight-sync/<version> (shared storage)."""
         import shutil
 
         from kimi_pipeline.model.hf_config import hf_config_dict
+        from kimi_pipeline.quant.engine_format import engine_quant_config
         from kimi_pipeline.util.files import atomic_write_json
         from kimi_pipeline.util.shards import ShardWriter, finish_shards
 
@@ -338,7 +347,10 @@ class PolicyWorker:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         finish_shards(tmp, ShardWriter(tmp, self.recipe.rollout.update_weight_buffer_size).add_all(named).close())
-        atomic_write_json(tmp / "config.json", hf_config_dict(self.recipe.model))
+        config = hf_config_dict(self.recipe.model)
+        if (qc := engine_quant_config(fmt, self.recipe.quant.group_size)) is not None:
+            config["quantization_config"] = qc
+        atomic_write_json(tmp / "config.json", config)
         shutil.rmtree(out, ignore_errors=True)
         tmp.rename(out)
         for old in root.iterdir():  # keep only the newest weights

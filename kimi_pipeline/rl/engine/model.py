@@ -215,6 +215,9 @@ class EngineModel:
             layer.refresh(c)
         self._params = self._registry()
         self._init_rope(hf_config)
+        from kimi_pipeline.convert.dequant import QuantizedParts
+
+        self._parts = QuantizedParts()  # INT4 / FP8 weights (a sync in the engine's format) arrive as parts
 
     # ------------------------------------------------------------------ construction / weights
     @classmethod
@@ -323,8 +326,15 @@ class EngineModel:
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
                      strict: bool = False) -> list[str]:
         """Copy HF-named tensors in place (dtype/device converted). strict: every engine weight must be covered."""
+        from kimi_pipeline.convert.dequant import QuantFormatError
+
         items = named.items() if isinstance(named, Mapping) else named
-        plan = self.check_weights(items)
+        try:
+            plan = self.check_weights(self._parts.feed(items))
+            if strict:
+                self._parts.check_complete()
+        except QuantFormatError as e:
+            raise EngineWeightError(str(e)) from None
         if strict:
             covered = set()
             for _, _, name in plan:
@@ -343,6 +353,15 @@ class EngineModel:
         for layer in self.layers:
             layer.refresh(self.config)
         return [n for _, _, n in plan]
+
+    def finish_update(self) -> None:
+        """After the last bucket of a sync: no quantized weight may be left waiting for its other parts."""
+        from kimi_pipeline.convert.dequant import QuantFormatError
+
+        try:
+            self._parts.check_complete()
+        except QuantFormatError as e:
+            raise EngineWeightError(str(e)) from None
 
     # ------------------------------------------------------------------ rope
     def _init_rope(self, hf_config) -> None:

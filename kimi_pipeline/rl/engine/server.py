@@ -363,7 +363,8 @@ class EngineServer:
                         for text in req.serialized_named_tensors:
                             with shm.open_bucket(json.loads(text)) as named:
                                 names += engine.model.load_weights(named)
-                        if req.weight_version is not None:
+                        if req.weight_version is not None:  # the last bucket
+                            engine.model.finish_update()
                             engine.weight_version = req.weight_version
                 except (EngineWeightError, shm.SharedMemoryError, ValueError, TypeError) as exc:
                     return _fail(str(exc))
@@ -380,7 +381,8 @@ class EngineServer:
                     named.update(load_safetensors(base64.b64decode(blob)))
                 with engine.model_lock, one_intraop_thread_for_helpers():  # a request thread: see util/threads.py
                     names = engine.model.load_weights(named)
-                    if req.weight_version is not None:
+                    if req.weight_version is not None:  # the last bucket
+                        engine.model.finish_update()
                         engine.weight_version = req.weight_version
             except (EngineWeightError, ValueError) as exc:
                 return _fail(str(exc))

@@ -1,0 +1,85 @@
+"""The weight format a rollout engine serves, and trained weights converted into it for weight sync.
+
+The seeds' engines do not serve the trainer's bf16: Kimi-K2-Thinking and K2.5 serve the INT4
+compressed-tensors checkpoint (routed experts pack-quantized, group 32; everything else bf16, the
+router's expert bias fp32), Kimi-K2-Instruct serves FP8 with one fp32 `weight_scale_inv` per 128 x 128
+block. A sync that sent bf16 `.weight` tensors would match neither the names nor the dtypes, and FP8
+scales would go stale, so each bucket is converted on the trainer side into exactly what such a
+checkpoint stores (the INT4 tensors are the export's own, `quant.export.int4_storage`). The embedded
+engine dequantizes them on load (`convert.dequant.QuantizedParts`); SGLang loads them natively.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any, Literal
+
+import torch
+
+from kimi_pipeline.recipes import Recipe
+
+EngineFormat = Literal["model", "bf16", "fp8", "int4"]
+FP8_BLOCK = (128, 128)
+
+
+def engine_weight_format(recipe: Recipe) -> EngineFormat:
+    """`rollout.engine_weight_format`, with `auto` resolved: SGLang serves what the seeds serve (the INT4
+    export's format when the policy is exported to INT4, FP8 for an FP8 hub checkpoint, else bf16); the
+    embedded engine holds the trainer's dtype ("model": no conversion)."""
+    fmt = recipe.rollout.engine_weight_format
+    if fmt != "auto":
+        return fmt
+    if recipe.rollout.engine != "sglang":
+        return "model"
+    if recipe.quant.export_format == "int4":
+        return "int4"
+    return "fp8" if recipe.hub.source_format == "fp8" else "bf16"
+
+
+def engine_quant_config(fmt: EngineFormat, group_size: int) -> dict[str, Any] | None:
+    """The config.json `quantization_config` of a checkpoint in this format (None: unquantized)."""
+    if fmt == "int4":
+        from kimi_pipeline.quant.export import kimi_quantization_config
+
+        return kimi_quantization_config(group_size)
+    if fmt == "fp8":
+        from kimi_pipeline.convert.dequant import fp8_quant_config
+
+        return fp8_quant_config(FP8_BLOCK)
+    return None
+
+
+def to_engine_format(named: Iterable[tuple[str, torch.Tensor]], fmt: EngineFormat,
+                     group_size: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF-named trainer tensors -> the tensors an engine checkpoint in `fmt` stores (streamed, per tensor).
+
+    For int4 pass the *stored* weights, not fake-quantized ones: the engine's dequantization of the
+    packed experts is bit for bit the trainer's fake-quant forward (`quant.verify.check_tensors`).
+    """
+    if fmt == "model":
+        yield from named
+    elif fmt == "bf16":
+        from kimi_pipeline.quant.export import KEEP_FP32
+
+        for name, t in named:
+            keep = not t.is_floating_point() or name.endswith(KEEP_FP32)
+            yield name, t if keep else t.to(torch.bfloat16)
+    elif fmt == "int4":
+        from kimi_pipeline.quant.export import int4_storage
+
+        for _, _, parts in int4_storage(named, group_size):
+            yield from parts.items()
+    elif fmt == "fp8":
+        from kimi_pipeline.convert.dequant import FP8_SCALE_SUFFIX, FP8_TARGET, quantize_fp8_block
+        from kimi_pipeline.quant.export import KEEP_FP32
+
+        for name, t in named:
+            if FP8_TARGET.search(name) and t.ndim == 2:
+                q, scale_inv = quantize_fp8_block(t, FP8_BLOCK)
+                yield name, q
+                yield name + FP8_SCALE_SUFFIX, scale_inv
+            else:
+                keep = not t.is_floating_point() or name.endswith(KEEP_FP32)
+                yield name, t if keep else t.to(torch.bfloat16)
+    else:
+        raise ValueError(f"unknown engine weight format {fmt!r}")
