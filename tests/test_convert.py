@@ -7,6 +7,7 @@ randomly (norms and expert biases perturbed too, so a swapped mapping cannot hid
 from __future__ import annotations
 
 import json
+import re
 import os
 import signal
 import subprocess
@@ -338,7 +339,6 @@ def test_corrupt_shard_fails_naming_the_file_and_rank(tiny_ckpt, tmp_path):
     assert completed(tmp_path / "run") is None and not checkpoint_dir(tmp_path / "run").exists()
 
 
-@pytest.mark.slow
 def _descendants(pid: int) -> list[psutil.Process]:
     try:
         return psutil.Process(pid).children(recursive=True)
@@ -353,6 +353,7 @@ def _running(p: psutil.Process) -> bool:
         return False
 
 
+@pytest.mark.slow
 def test_interrupted_conversion_is_never_taken_as_complete(tiny_ckpt, tmp_path):
     run_dir = tmp_path / "run"
     code = (
@@ -423,3 +424,54 @@ def test_launcher_relaunches_when_the_rendezvous_port_is_taken(tmp_path, monkeyp
         squatter.close()
     assert len(picked) == 2 and picked[0] == taken  # the first launch failed on the taken port
     assert res.nodes == 2 and f"--master-port={picked[1]}" in res.commands[0]
+
+
+@pytest.mark.slow
+def test_conversion_runs_one_agent_per_node_of_a_ray_cluster(tiny_ckpt, tmp_path):
+    """Issue 15 item 2: with cluster.address the stage starts one torchrun agent per Ray node itself
+    (STRICT_SPREAD over a simulated 4-node cluster), streams their logs, names the node and rank of a
+    failure, and leaves no agent actor or placement group behind."""
+    import ray
+
+    from kimi_pipeline.cluster.health import connected
+    from kimi_pipeline.cluster.local import LocalCluster, NodeSpec
+
+    specs = [NodeSpec(num_cpus=1, resources={f"node_{i}": 1.0}, object_store_bytes=80 * 2**20, log_monitor=i == 0)
+             for i in range(4)]
+    cluster = LocalCluster.start(tmp_path / "ray", specs[0], specs[1:])
+    try:
+        recipe = load_recipe("tiny", [f"cluster.address={cluster.address}"])  # convert: 4 nodes x 1 rank, pp2 x ep2
+        s = run_convert(recipe, tmp_path / "run", tiny_ckpt, source_files={}, verify=False)
+        assert s["launcher"] == "ray" and len(set(s["placement"])) == 4  # four distinct Ray nodes
+        logs = tmp_path / "run" / "convert" / "work" / "logs"
+        assert all((logs / f"convert.node{i}.log").stat().st_size > 0 for i in range(4))  # streamed back
+        assert (checkpoint_dir(tmp_path / "run") / TRACKER).is_file()
+
+        bad = tmp_path / "bad"
+        import shutil
+
+        shutil.copytree(tiny_ckpt, bad)
+        index = json.loads((bad / "model.safetensors.index.json").read_text())["weight_map"]
+        shard = bad / index["model.layers.3.mlp.experts.0.down_proj.weight"]  # read by the last pipeline stage
+        shard.write_bytes(shard.read_bytes()[:1000])
+        with pytest.raises(ConversionJobPermanentError) as info:
+            run_convert(recipe, tmp_path / "run2", bad, source_files={}, verify=False)
+        msg = str(info.value)
+        assert re.search(r"rank [23] \(node [23]\) failed: HFCheckpointError", msg) and shard.name in msg
+        with connected(cluster.address):
+            assert all(pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())
+
+        def left() -> list[str]:
+            out = []
+            for p in psutil.process_iter(["cmdline"]):
+                cmd = " ".join(p.info["cmdline"] or [])
+                if "NodeAgent" in cmd or "kimi_pipeline.convert.job" in cmd:
+                    out.append(cmd)
+            return out
+
+        deadline = time.monotonic() + 20
+        while left() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not left()  # agent actors, torchrun agents and ranks are gone
+    finally:
+        cluster.stop()

@@ -103,6 +103,13 @@ def _driver_auth_mode() -> str:
     return "token" if src == "RAY_AUTH_TOKEN" or Path(src).is_file() else "disabled"
 
 
+def attach_driver(address: str) -> str:
+    """A cluster we did not start, for a driver in this process: its GCS address, with our auth mode exported."""
+    resolved = resolve_address(address)
+    export_driver_env(_driver_auth_mode())
+    return resolved
+
+
 def export_driver_env(mode: str) -> None:
     """Drivers in this process (the train stage's ray.init) must use the cluster's auth mode."""
     os.environ["RAY_AUTH_MODE"] = mode
@@ -172,9 +179,8 @@ def bring_up(recipe, run_dir: Path, timeout_s: float | None = None, owner_pid: i
     cluster: LocalCluster | None = None
     previous = LocalCluster.load(run_dir)
     if c.address:
-        address = resolve_address(c.address)
-        mode, auth = "existing", _driver_auth_mode()
-        export_driver_env(auth)
+        address = attach_driver(c.address)
+        mode, auth = "existing", auth_mode()
         if previous is not None and previous.state.get("mode") == "embedded" and not previous.stopped:
             previous.stop()  # the run dir's own cluster must not outlive the record that tracks it
         atomic_write_json(cdir / "state.json", {"mode": "existing", "address": address, "stopped_at": None})

@@ -12,6 +12,7 @@ a short grace period and then terminated, so a dead rank never leaves the rest h
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shlex
 import signal
@@ -33,6 +34,8 @@ WORKER_ENV = {
     "PYTHONUNBUFFERED": "1",
 }
 EXIT_PERMANENT = 3
+DEVICE_BASE_VAR = "KIMI_LOCAL_DEVICE_BASE"  # first GPU index of a simulated node's ranks (read by init_distributed)
+log = logging.getLogger(__name__)
 
 
 class ConversionJobError(RuntimeError):
@@ -54,6 +57,8 @@ class JobResult:
     seconds: float
     logs: list[Path]
     commands: list[list[str]] = field(default_factory=list)
+    launcher: str = "local"  # or "ray": one agent per Ray node
+    placement: list[str] = field(default_factory=list)  # each node's Ray node id (ray launcher)
 
 
 # ---------------------------------------------------------------- worker side
@@ -168,6 +173,33 @@ def _stop(procs: list[subprocess.Popen]) -> None:
             p.wait()
 
 
+def launch(module: str, args: list[str], *, nodes: int, procs_per_node: int, work_dir: str | Path,
+           report_dir: str | Path, name: str = "job", address: str | None = None, gpus_per_node: int = 0,
+           timeout: float | None = None) -> JobResult:
+    """On a Ray cluster (`address`) with at least `nodes` live nodes: one agent per node (`ray_launch`);
+    otherwise every node's agent on this host."""
+    if address:
+        from kimi_pipeline.convert.ray_launch import TooFewNodes, launch_ray
+
+        try:
+            return launch_ray(module, args, nodes=nodes, procs_per_node=procs_per_node, work_dir=work_dir,
+                              report_dir=report_dir, address=address, name=name, gpus_per_node=gpus_per_node,
+                              timeout=timeout)
+        except TooFewNodes as e:  # a small model on a small cluster: its "nodes" share this host
+            log.warning("%s; running all %d nodes' ranks on this host", e, nodes)
+    return launch_local(module, args, nodes=nodes, procs_per_node=procs_per_node, work_dir=work_dir,
+                        report_dir=report_dir, name=name, timeout=timeout)
+
+
+def _cuda_devices() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except ImportError:
+        return 0
+
+
 def launch_local(module: str, args: list[str], *, nodes: int, procs_per_node: int, work_dir: str | Path,
                  report_dir: str | Path, name: str = "job", env: dict[str, str] | None = None,
                  timeout: float | None = None, grace: float = 15.0, port_attempts: int = 3) -> JobResult:
@@ -181,6 +213,11 @@ def launch_local(module: str, args: list[str], *, nodes: int, procs_per_node: in
     log_dir = work_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     report_dir.mkdir(parents=True, exist_ok=True)
+    gpus = _cuda_devices()
+    if gpus and nodes * procs_per_node > gpus:  # one rank per GPU, never several (4 K2-sized ranks would OOM one)
+        log.warning("%s: %d ranks but %d GPU(s) on this host: the ranks run on CPU (gloo); on a Ray cluster "
+                    "(cluster.address) every node runs its own ranks on its own GPUs", name, nodes * procs_per_node, gpus)
+        env = {**(env or {}), "CUDA_VISIBLE_DEVICES": ""}
     for attempt in range(1, port_attempts + 1):
         for stale in report_dir.glob("rank_*.error.json"):
             stale.unlink()
@@ -210,13 +247,14 @@ def _run(module: str, args: list[str], nodes: int, ppn: int, log_dir: Path, name
         for node in range(nodes):
             cmd = node_command(module, args, nnodes=nodes, node_rank=node, nproc_per_node=ppn,
                                master_addr="127.0.0.1", master_port=port)
-            log = log_dir / f"{name}.node{node}.log"
-            with open(log, "wb") as fh:
+            log_path = log_dir / f"{name}.node{node}.log"
+            node_env = {**full_env, DEVICE_BASE_VAR: str(node * ppn)}  # this host's GPUs are shared by its "nodes"
+            with open(log_path, "wb") as fh:
                 # own session (stopped as a group); dies with the launcher (a killed launcher leaves nothing)
-                procs.append(subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=full_env,
+                procs.append(subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=node_env,
                                               start_new_session=True, preexec_fn=die_with_parent))
             commands.append(cmd)
-            logs.append(log)
+            logs.append(log_path)
         failed_at = None
         while True:
             codes = [p.poll() for p in procs]

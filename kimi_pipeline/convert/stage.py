@@ -19,7 +19,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from kimi_pipeline.convert.launch import launch_local, read_rank_reports, scale_out_command
+from kimi_pipeline.convert.launch import launch, read_rank_reports, scale_out_command
 from kimi_pipeline.errors import PermanentError
 from kimi_pipeline.hub.download import read_manifest
 from kimi_pipeline.recipes import Recipe
@@ -92,6 +92,13 @@ def _dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
+def launch_target(recipe: Recipe) -> dict[str, Any]:
+    """Where the offline weight jobs (conversion, INT4 export) run: on `cluster.address`'s Ray nodes, one
+    torchrun agent per node, when the recipe names an existing cluster; otherwise on this host."""
+    c = recipe.cluster
+    return {"address": c.address, "gpus_per_node": recipe.convert.gpus_per_node if c.device == "cuda" else 0}
+
+
 def run_convert(recipe: Recipe, run_dir: str | Path, model_dir: str | Path, *,
                 source_files: dict[str, Any] | None = None, verify: bool | None = None,
                 reuse: bool = True, timeout: float | None = None) -> dict[str, Any]:
@@ -131,8 +138,9 @@ def run_convert(recipe: Recipe, run_dir: str | Path, model_dir: str | Path, *,
              cs.nodes, cs.gpus_per_node, cs.tp, cs.pp, cs.ep, command)
 
     t0 = time.monotonic()
-    launch_local(module, ["--job", str(job)], nodes=cs.nodes, procs_per_node=cs.gpus_per_node,
-                 work_dir=work, report_dir=reports, name="convert", timeout=timeout)
+    on = launch_target(recipe)
+    job_result = launch(module, ["--job", str(job)], nodes=cs.nodes, procs_per_node=cs.gpus_per_node,
+                        work_dir=work, report_dir=reports, name="convert", timeout=timeout, **on)
     seconds = time.monotonic() - t0
     if not (tmp / TRACKER).is_file():
         raise ConvertStageError(f"{tmp}: the conversion job exited cleanly but wrote no {TRACKER}; not marking it complete")
@@ -155,6 +163,8 @@ def run_convert(recipe: Recipe, run_dir: str | Path, model_dir: str | Path, *,
         "seconds": round(seconds, 3),
         "bytes_per_second": round(source_bytes / seconds, 1) if seconds else None,
         "command": command,
+        "launcher": job_result.launcher,
+        "placement": job_result.placement,
     }
 
     do_verify = cs.verify if verify is None else verify
@@ -166,9 +176,9 @@ def run_convert(recipe: Recipe, run_dir: str | Path, model_dir: str | Path, *,
                               out_dir=tmp.resolve(), ckpt_dir=tmp.resolve(), report_dir=reports.resolve(),
                               text_config_key=recipe.hub.text_config_key, logits=small)
         t1 = time.monotonic()
-        launch_local("kimi_pipeline.convert.verify", ["--job", str(vjob)],
-                     nodes=cs.nodes if same_world else 1, procs_per_node=cs.gpus_per_node if same_world else vlayout.world_size,
-                     work_dir=work, report_dir=reports, name="verify", timeout=timeout)
+        launch("kimi_pipeline.convert.verify", ["--job", str(vjob)],
+               nodes=cs.nodes if same_world else 1, procs_per_node=cs.gpus_per_node if same_world else vlayout.world_size,
+               work_dir=work, report_dir=reports, name="verify", timeout=timeout, **on)
         verdict = summarize(read_rank_reports(reports, "verify_rank", vlayout.world_size), logits_expected=small)
         section.update({k: v for k, v in verdict.items() if k != "problems"})
         section["verify_layout"] = {"world_size": vlayout.world_size, "tp": vlayout.tp, "pp": vlayout.pp, "ep": vlayout.ep}

@@ -183,8 +183,12 @@ def init_distributed(
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
 
-    if cuda:
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    if cuda:  # one rank per GPU: several "nodes" on one host (convert.launch) take consecutive GPUs
+        device = int(os.environ.get("KIMI_LOCAL_DEVICE_BASE", "0")) + local_rank
+        if device >= torch.cuda.device_count():
+            raise LayoutError(f"rank {rank} (local rank {local_rank}) would need GPU {device}; this host has "
+                              f"{torch.cuda.device_count()}: one rank per GPU, never several")
+        torch.cuda.set_device(device)
     else:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", _cpu_threads(local_world))))
     backend = backend or ("nccl" if cuda else "gloo")

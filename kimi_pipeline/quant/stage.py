@@ -199,7 +199,8 @@ def export_distributed(recipe: Recipe, run_dir: Path, checkpoint_dir: str | Path
                        name: str = "int4", timeout_s: float | None = None) -> tuple[ExportInfo, dict[str, Any]]:
     """Every rank of recipe.convert's layout writes the experts it owns; the index is merged here, last."""
     from kimi_pipeline.convert.job import write_job_file
-    from kimi_pipeline.convert.launch import launch_local, read_rank_reports, scale_out_command
+    from kimi_pipeline.convert.launch import launch, read_rank_reports, scale_out_command
+    from kimi_pipeline.convert.stage import launch_target
     from kimi_pipeline.model.parallel import Layout
     from kimi_pipeline.quant.job import REPORT_PREFIX
 
@@ -225,8 +226,8 @@ def export_distributed(recipe: Recipe, run_dir: Path, checkpoint_dir: str | Path
              cs.nodes, cs.gpus_per_node, cs.tp, cs.pp, cs.ep, command)
     t0 = time.monotonic()
     try:
-        launch_local(module, ["--job", str(job)], nodes=cs.nodes, procs_per_node=cs.gpus_per_node,
-                     work_dir=work, report_dir=reports, name="export", timeout=timeout_s)
+        job_result = launch(module, ["--job", str(job)], nodes=cs.nodes, procs_per_node=cs.gpus_per_node,
+                            work_dir=work, report_dir=reports, name="export", timeout=timeout_s, **launch_target(recipe))
         ranks = read_rank_reports(reports, REPORT_PREFIX, layout.world_size)
         info = finish_int4_dir(tmp, final, [Int4Part.from_json(r["part"]) for r in ranks], config, model_dir,
                                q.group_size)
@@ -244,6 +245,7 @@ def export_distributed(recipe: Recipe, run_dir: Path, checkpoint_dir: str | Path
         "peak_rss_mb_per_rank": [r["peak_rss_mb"] for r in ranks],
         "write_seconds": round(time.monotonic() - t0, 3),
         "command": command,
+        "launcher": job_result.launcher,
     }
     return info, {"tensors": tensors, **extra}
 
