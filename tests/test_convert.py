@@ -475,3 +475,34 @@ def test_conversion_runs_one_agent_per_node_of_a_ray_cluster(tiny_ckpt, tmp_path
         assert not left()  # agent actors, torchrun agents and ranks are gone
     finally:
         cluster.stop()
+
+
+@pytest.mark.slow
+def test_the_printed_per_node_command_really_joins(tiny_ckpt, tmp_path):
+    """convert.launcher=manual (clusters without Ray): the stage writes the per-node command (fixed port, the
+    job and its output kept in place) and waits; running it on every "node" completes the stage."""
+    import socket
+    import threading
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    recipe = _two_nodes(verify=False, launcher="manual", master_port=port)
+    result: dict = {}
+    stage = threading.Thread(target=lambda: result.update(section=run_convert(recipe, tmp_path / "run", tiny_ckpt,
+                                                                               source_files={}, timeout=300)))
+    stage.start()
+    script = tmp_path / "run" / "convert" / "work" / "convert.run-on-every-node.sh"
+    deadline = time.monotonic() + 60
+    while not script.is_file() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    text = script.read_text()
+    assert f"--master-port={port}" in text and "--node-rank=$NODE_RANK" in text and "--master-addr=$MASTER_ADDR" in text
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    nodes = [subprocess.Popen(["sh", str(script)], env={**env, "NODE_RANK": str(i)}, cwd=tmp_path,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for i in range(2)]
+    assert [p.wait(timeout=300) for p in nodes] == [0, 0]
+    stage.join(timeout=120)
+    section = result["section"]
+    assert section["launcher"] == "manual" and (checkpoint_dir(tmp_path / "run") / TRACKER).is_file()
+    assert completed(tmp_path / "run")["path"] == str(checkpoint_dir(tmp_path / "run"))

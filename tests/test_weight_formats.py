@@ -80,15 +80,17 @@ def test_auto_format_follows_the_seeds():
     assert engine_weight_format(load_recipe("tiny", ["rollout.engine_weight_format=int4"])) == "int4"
 
 
-def test_policy_sync_in_int4_gives_the_engine_the_trainers_fake_quant_policy():
-    """A QAT policy synced as INT4 buckets through shared memory: the engine's experts are exactly the
-    fake-quant weights the trainer's forward uses; the rest is the bf16 an INT4 checkpoint stores."""
+@pytest.mark.parametrize("colocate", [True, False])
+def test_policy_sync_in_int4_gives_the_engine_the_trainers_fake_quant_policy(colocate):
+    """A QAT policy synced as INT4 buckets (colocated: through shared memory; not: broadcast over a gloo
+    weight-update group): the engine's experts are exactly the fake-quant weights the trainer's forward
+    uses; the rest is the bf16 an INT4 checkpoint stores."""
     from kimi_pipeline.rl.engine.sampler import RolloutEngine
     from kimi_pipeline.rl.engine.server import EngineServer
     from kimi_pipeline.rl.policy import PolicyWorker
 
     recipe = load_recipe("tiny", ["quant.int4_qat=true", "rollout.engine_weight_format=int4",
-                                  "rollout.update_weight_buffer_size=262144"])
+                                  "rollout.update_weight_buffer_size=262144", f"cluster.colocate={str(colocate).lower()}"])
     w = PolicyWorker(recipe)
     engine = RolloutEngine(EngineModel.from_pretrained(TINY_MODEL), seed=0)
     try:
@@ -96,6 +98,7 @@ def test_policy_sync_in_int4_gives_the_engine_the_trainers_fake_quant_policy():
         with EngineServer(engine) as server:
             metrics = w.sync_weights([server.url], "v1")
             assert metrics["sync_chunks"] > 1 and engine.weight_version == "v1"
+            assert bool(server.weight_groups) is not colocate
         policy = dict(w.hf_tensors())  # what the trainer's forward sees (QAT: fake-quant experts)
         stored = dict(w.hf_tensors(fake_quant=False))
         got = engine.model

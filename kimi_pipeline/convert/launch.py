@@ -174,21 +174,68 @@ def _stop(procs: list[subprocess.Popen]) -> None:
 
 
 def launch(module: str, args: list[str], *, nodes: int, procs_per_node: int, work_dir: str | Path,
-           report_dir: str | Path, name: str = "job", address: str | None = None, gpus_per_node: int = 0,
+           report_dir: str | Path, name: str = "job", launcher: str = "auto", address: str | None = None,
+           gpus_per_node: int = 0, report_prefix: str = "rank", master_port: int = 29500,
            timeout: float | None = None) -> JobResult:
-    """On a Ray cluster (`address`) with at least `nodes` live nodes: one agent per node (`ray_launch`);
-    otherwise every node's agent on this host."""
-    if address:
+    """Start the job's per-node agents where `launcher` says: `ray` (one per node of the cluster at `address`,
+    `ray_launch`), `local` (every node's agent on this host), `manual` (print the per-node command, wait for
+    every rank's `<report_prefix>_<rank>.json`); `auto` = ray when `address` has at least `nodes` nodes."""
+    if launcher == "manual":
+        return launch_manual(module, args, nodes=nodes, procs_per_node=procs_per_node, work_dir=work_dir,
+                             report_dir=report_dir, name=name, report_prefix=report_prefix, master_port=master_port,
+                             timeout=timeout)
+    if launcher in ("auto", "ray") and address:
         from kimi_pipeline.convert.ray_launch import TooFewNodes, launch_ray
 
         try:
             return launch_ray(module, args, nodes=nodes, procs_per_node=procs_per_node, work_dir=work_dir,
                               report_dir=report_dir, address=address, name=name, gpus_per_node=gpus_per_node,
                               timeout=timeout)
-        except TooFewNodes as e:  # a small model on a small cluster: its "nodes" share this host
-            log.warning("%s; running all %d nodes' ranks on this host", e, nodes)
+        except TooFewNodes as e:
+            if launcher == "ray":
+                raise ConversionJobPermanentError(f"{e}; add nodes or set convert.launcher=local") from None
+            log.warning("%s; running all %d nodes' ranks on this host", e, nodes)  # a small model, a small cluster
+    elif launcher == "ray":
+        raise ConversionJobPermanentError(f"{name}: convert.launcher=ray needs cluster.address (an existing Ray cluster)")
     return launch_local(module, args, nodes=nodes, procs_per_node=procs_per_node, work_dir=work_dir,
                         report_dir=report_dir, name=name, timeout=timeout)
+
+
+def launch_manual(module: str, args: list[str], *, nodes: int, procs_per_node: int, work_dir: str | Path,
+                  report_dir: str | Path, name: str, report_prefix: str = "rank", master_port: int = 29500,
+                  timeout: float | None = None, poll_s: float = 1.0) -> JobResult:
+    """For clusters without Ray (SLURM, plain hosts): write the per-node command to
+    `<work_dir>/<name>.run-on-every-node.sh` (fixed port; the job file and output stay put while we wait),
+    log it, and wait until every rank reported — or one failed (its error report names rank and node)."""
+    work_dir, report_dir = Path(work_dir), Path(report_dir)
+    report_dir.mkdir(parents=True, exist_ok=True)
+    for stale in [*report_dir.glob("rank_*.error.json"), *report_dir.glob(f"{report_prefix}_*.json")]:
+        stale.unlink()
+    command = scale_out_command(module, args, nnodes=nodes, nproc_per_node=procs_per_node, master_port=master_port)
+    script = work_dir / f"{name}.run-on-every-node.sh"
+    script.write_text("#!/bin/sh\n# On every node of the job: NODE_RANK=0..%d, MASTER_ADDR=<node 0's address>, the\n"
+                      "# shared filesystem mounted at the same path, this environment's python on PATH.\n"
+                      "exec %s\n" % (nodes - 1, command))
+    script.chmod(0o755)
+    world = nodes * procs_per_node
+    log.warning("%s: convert.launcher=manual: run on each of the %d nodes (NODE_RANK=0..%d, MASTER_ADDR=node 0):\n  %s\n"
+                "waiting for %d ranks to report in %s", name, nodes, nodes - 1, command, world, report_dir)
+    t0, noted, logs = time.monotonic(), 0.0, [work_dir / "logs" / f"{name}.node{i}.log" for i in range(nodes)]
+    while True:
+        failures = read_failures(report_dir)
+        if failures:
+            raise _job_error(name, nodes, procs_per_node, [None] * nodes, failures, logs, False, timeout)
+        done = [p for p in report_dir.glob(f"{report_prefix}_*.json") if not p.name.endswith(".error.json")]
+        if len(done) >= world:
+            return JobResult(nodes, procs_per_node, time.monotonic() - t0, [], [command.split()], "manual")
+        waited = time.monotonic() - t0
+        if timeout is not None and waited > timeout:
+            raise ConversionJobError(f"{name}: {len(done)} of {world} ranks reported within {timeout:.0f} s; run "
+                                     f"{script} on every node (NODE_RANK, MASTER_ADDR set)")
+        if waited - noted > 60:
+            noted = waited
+            log.info("%s: %d of %d ranks reported after %.0f s", name, len(done), world, waited)
+        time.sleep(poll_s)
 
 
 def _cuda_devices() -> int:

@@ -93,10 +93,11 @@ def _dir_bytes(path: Path) -> int:
 
 
 def launch_target(recipe: Recipe) -> dict[str, Any]:
-    """Where the offline weight jobs (conversion, INT4 export) run: on `cluster.address`'s Ray nodes, one
-    torchrun agent per node, when the recipe names an existing cluster; otherwise on this host."""
-    c = recipe.cluster
-    return {"address": c.address, "gpus_per_node": recipe.convert.gpus_per_node if c.device == "cuda" else 0}
+    """Where the offline weight jobs (conversion, INT4 export) start their per-node agents (`convert.launcher`):
+    on `cluster.address`'s Ray nodes, one torchrun agent per node; on this host; or by hand (manual)."""
+    c, cs = recipe.cluster, recipe.convert
+    return {"launcher": cs.launcher, "address": c.address, "master_port": cs.master_port,
+            "gpus_per_node": cs.gpus_per_node if c.device == "cuda" else 0}
 
 
 def run_convert(recipe: Recipe, run_dir: str | Path, model_dir: str | Path, *,
@@ -133,13 +134,14 @@ def run_convert(recipe: Recipe, run_dir: str | Path, model_dir: str | Path, *,
     job = write_job_file(work / "job.json", model=recipe.model, layout=layout, model_dir=model_dir.resolve(),
                          out_dir=tmp.resolve(), report_dir=reports.resolve(), text_config_key=recipe.hub.text_config_key)
     module = "kimi_pipeline.convert.job"
-    command = scale_out_command(module, ["--job", str(job.resolve())], nnodes=cs.nodes, nproc_per_node=cs.gpus_per_node)
+    command = scale_out_command(module, ["--job", str(job.resolve())], nnodes=cs.nodes, nproc_per_node=cs.gpus_per_node,
+                                master_port=cs.master_port)
     log.info("convert: %d node(s) x %d rank(s), tp=%d pp=%d ep=%d; on a cluster run on every node:\n  %s",
              cs.nodes, cs.gpus_per_node, cs.tp, cs.pp, cs.ep, command)
 
     t0 = time.monotonic()
     on = launch_target(recipe)
-    job_result = launch(module, ["--job", str(job)], nodes=cs.nodes, procs_per_node=cs.gpus_per_node,
+    job_result = launch(module, ["--job", str(job.resolve())], nodes=cs.nodes, procs_per_node=cs.gpus_per_node,
                         work_dir=work, report_dir=reports, name="convert", timeout=timeout, **on)
     seconds = time.monotonic() - t0
     if not (tmp / TRACKER).is_file():
@@ -176,9 +178,9 @@ def run_convert(recipe: Recipe, run_dir: str | Path, model_dir: str | Path, *,
                               out_dir=tmp.resolve(), ckpt_dir=tmp.resolve(), report_dir=reports.resolve(),
                               text_config_key=recipe.hub.text_config_key, logits=small)
         t1 = time.monotonic()
-        launch("kimi_pipeline.convert.verify", ["--job", str(vjob)],
+        launch("kimi_pipeline.convert.verify", ["--job", str(vjob.resolve())],
                nodes=cs.nodes if same_world else 1, procs_per_node=cs.gpus_per_node if same_world else vlayout.world_size,
-               work_dir=work, report_dir=reports, name="verify", timeout=timeout, **on)
+               work_dir=work, report_dir=reports, name="verify", timeout=timeout, report_prefix="verify_rank", **on)
         verdict = summarize(read_rank_reports(reports, "verify_rank", vlayout.world_size), logits_expected=small)
         section.update({k: v for k, v in verdict.items() if k != "problems"})
         section["verify_layout"] = {"world_size": vlayout.world_size, "tp": vlayout.tp, "pp": vlayout.pp, "ep": vlayout.ep}

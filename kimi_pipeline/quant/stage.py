@@ -221,13 +221,15 @@ def export_distributed(recipe: Recipe, run_dir: Path, checkpoint_dir: str | Path
                          out_dir=tmp.resolve(), report_dir=reports.resolve(), checkpoint_dir=str(Path(checkpoint_dir).resolve()),
                          step=step, group_size=q.group_size, max_shard_bytes=shard_bytes(recipe))
     module = "kimi_pipeline.quant.job"
-    command = scale_out_command(module, ["--job", str(job.resolve())], nnodes=cs.nodes, nproc_per_node=cs.gpus_per_node)
+    command = scale_out_command(module, ["--job", str(job.resolve())], nnodes=cs.nodes, nproc_per_node=cs.gpus_per_node,
+                                master_port=cs.master_port)
     log.info("export: %d node(s) x %d rank(s), tp=%d pp=%d ep=%d; on a cluster run on every node:\n  %s",
              cs.nodes, cs.gpus_per_node, cs.tp, cs.pp, cs.ep, command)
     t0 = time.monotonic()
     try:
-        job_result = launch(module, ["--job", str(job)], nodes=cs.nodes, procs_per_node=cs.gpus_per_node,
-                            work_dir=work, report_dir=reports, name="export", timeout=timeout_s, **launch_target(recipe))
+        job_result = launch(module, ["--job", str(job.resolve())], nodes=cs.nodes, procs_per_node=cs.gpus_per_node,
+                            work_dir=work, report_dir=reports, name="export", timeout=timeout_s,
+                            report_prefix=REPORT_PREFIX, **launch_target(recipe))
         ranks = read_rank_reports(reports, REPORT_PREFIX, layout.world_size)
         info = finish_int4_dir(tmp, final, [Int4Part.from_json(r["part"]) for r in ranks], config, model_dir,
                                q.group_size)

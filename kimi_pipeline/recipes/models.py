@@ -122,6 +122,11 @@ class ConvertSpec(Section):
     decoder_first_pipeline_num_layers: int | None = None
     decoder_last_pipeline_num_layers: int | None = None
     verify: bool = Field(True, description="reload + compare every tensor; skip only for huge models")
+    launcher: Literal["auto", "local", "ray", "manual"] = Field(
+        "auto", description="who starts the per-node torchrun agents of the conversion and INT4 export jobs: auto = "
+        "one per Ray node when cluster.address names a cluster with enough nodes, else all on this host; manual = "
+        "print the per-node command and wait for every rank to report")
+    master_port: int = Field(29500, gt=0, lt=65536, description="rendezvous port on node 0 (manual launcher)")
 
 
 class ParallelSpec(Section):

@@ -329,8 +329,10 @@ class PolicyWorker:
             if self._router is not None:
                 self._router.close()
             m = self.recipe.model
+            # colocated: shared memory with the engine on this host; otherwise a process group (gloo / NCCL)
             self._router = Router(engine_urls, num_layers=m.num_layers, topk=m.moe_router_topk,
-                                  first_k_dense=m.first_k_dense)
+                                  first_k_dense=m.first_k_dense,
+                                  weight_transport="auto" if self.recipe.cluster.colocate else "distributed")
         return self._router
 
     def _write_sync_checkpoint(self, named, version: str, fmt: str = "model") -> Path:

@@ -29,6 +29,9 @@ from kimi_pipeline.rl.engine import shm
 from kimi_pipeline.rl.engine.sampler import Completion, SamplingParams
 
 ENGINE_NAME = "kimi-embedded"
+# how tensors reach engines: auto = shared memory on this host, a process group to other hosts; distributed =
+# the process group for every engine (non-colocated, GPU: NCCL); http = safetensors bodies (explicit fallback)
+WEIGHT_TRANSPORTS = ("auto", "distributed", "http")
 
 
 class EngineRequestError(RuntimeError):
@@ -87,18 +90,24 @@ def serialize_chunk(chunk: Mapping[str, torch.Tensor]) -> str:
 
 
 def push_weights(clients: list[EngineClient], named_tensors, buffer_bytes: int, weight_version: str | None,
-                 pool: ThreadPoolExecutor | None = None, segment: shm.SharedBucket | None = None) -> int:
+                 pool: ThreadPoolExecutor | None = None, segment: shm.SharedBucket | None = None,
+                 group=None) -> int:
     """HF-named tensors to embedded engines in `buffer_bytes` buckets; returns the bucket count. Engines on
-    this host read each bucket from one shared-memory segment (`shm.py`), others get it as a safetensors
-    body. The weight version moves with the last bucket only, so no sample reports half-applied weights."""
-    local = [c for c in clients if c.shares_memory()]
-    remote = [c for c in clients if c not in local]
+    this host read each bucket from one shared-memory segment (`shm.py`); the others receive it through the
+    weight-update process group `group` (`dist_update.WeightGroup`, its members), or as a safetensors body
+    when there is none. The weight version moves with the last bucket only, so no sample reports
+    half-applied weights."""
+    grouped = list(group.clients) if group is not None else []
+    local = [c for c in clients if c not in grouped and c.shares_memory()]
+    remote = [c for c in clients if c not in local and c not in grouped]
     run = (lambda fn, items: list(pool.map(fn, items))) if pool else (lambda fn, items: [fn(x) for x in items])
 
     def send(segment, chunk, version) -> None:
         if local:
             desc = json.dumps(segment.stage(chunk))
             run(lambda c: c.post_weight_chunk(desc, version, shm.LOAD_FORMAT), local)
+        if grouped:
+            group.send(chunk, version)
         if remote:
             body = serialize_chunk(chunk)
             run(lambda c: c.post_weight_chunk(body, version), remote)
@@ -231,6 +240,23 @@ class EngineClient:
             "serialized_named_tensors": [serialized], "load_format": load_format,
             "flush_cache": weight_version is not None, "weight_version": weight_version})
 
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str, backend: str) -> None:
+        """Join the trainer's weight-update process group (blocks until every member joined)."""
+        self._call("POST", "/init_weights_update_group", {
+            "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+            "world_size": world_size, "group_name": group_name, "backend": backend})
+
+    def update_weights_from_distributed(self, meta: dict[str, list], group_name: str,
+                                        weight_version: str | None) -> None:
+        """Receive one bucket (names, dtypes, shapes) broadcast by the group's rank 0 and load it."""
+        self._call("POST", "/update_weights_from_distributed", {
+            **meta, "group_name": group_name, "flush_cache": weight_version is not None,
+            "weight_version": weight_version})
+
+    def destroy_weights_update_group(self, group_name: str) -> None:
+        self._call("POST", "/destroy_weights_update_group", {"group_name": group_name})
+
     def shares_memory(self) -> bool:
         """Whether the engine reads weight buckets from this host's shared memory (an embedded engine here)."""
         info = self.server_info()
@@ -291,10 +317,15 @@ class Router:
     consecutive requests of whole prompt groups.
     """
 
-    def __init__(self, engines: list[str | EngineClient], *, server_concurrency: int | None = None, **client_kwargs):
+    def __init__(self, engines: list[str | EngineClient], *, server_concurrency: int | None = None,
+                 weight_transport: str = "auto", **client_kwargs):
         if not engines:
             raise PermanentError("Router needs at least one engine URL")
+        if weight_transport not in WEIGHT_TRANSPORTS:
+            raise PermanentError(f"weight_transport={weight_transport!r}: one of {WEIGHT_TRANSPORTS}")
         self.server_concurrency = server_concurrency
+        self.weight_transport = weight_transport
+        self._group = None  # dist_update.WeightGroup, made at the first sync that needs it, kept for the run
         self.clients = [e if isinstance(e, EngineClient) else EngineClient(e, **client_kwargs) for e in engines]
         self._outstanding = [0] * len(self.clients)
         self._lock = threading.Lock()
@@ -306,6 +337,9 @@ class Router:
         return [c.url for c in self.clients]
 
     def close(self) -> None:
+        if self._group is not None:
+            self._group.close()
+            self._group = None
         self._pool.shutdown(wait=True)
         if self._segment is not None:
             self._segment.close()
@@ -358,12 +392,29 @@ class Router:
         if pause:
             self.pause()
         try:
-            if self._segment is None and any(c.shares_memory() for c in self.clients):
+            group = self._weight_group()
+            if self._segment is None and any(c.shares_memory() for c in self.clients if group is None
+                                             or c not in group.clients):
                 self._segment = shm.SharedBucket()  # kept until close(): later syncs reuse its pages
-            return push_weights(self.clients, named_tensors, buffer_bytes, weight_version, self._pool, self._segment)
+            return push_weights(self.clients, named_tensors, buffer_bytes, weight_version, self._pool, self._segment,
+                                group)
         finally:
             if pause:
                 self.resume()
+
+    def _weight_group(self):
+        """The process group for engines that do not read this host's shared memory (`weight_transport`:
+        auto = the engines on other hosts, distributed = all of them, http = none: safetensors bodies)."""
+        if self.weight_transport == "http":
+            return None
+        if self._group is None:
+            members = [c for c in self.clients if self.weight_transport == "distributed" or not c.shares_memory()]
+            if not members:
+                return None
+            from kimi_pipeline.rl.engine.dist_update import WeightGroup
+
+            self._group = WeightGroup(members, self._pool, backend="nccl" if torch.cuda.is_available() else "gloo")
+        return self._group
 
     def update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> None:
         self._broadcast(lambda c: c.update_weights_from_disk(model_path, weight_version))

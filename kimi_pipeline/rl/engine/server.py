@@ -13,6 +13,10 @@ Endpoints and JSON shapes follow SGLang's server where practical:
   SGLang unpickles this payload (CUDA-IPC handles); we never unpickle anything. load_format "kimi_shm": each
   entry is the JSON descriptor of a shared-memory bucket a colocated trainer wrote (`shm.py`); "safetensors":
   each entry is base64 safetensors bytes (HF-named tensors; one call per update-weight buffer).
+- POST /init_weights_update_group {master_address, master_port, rank_offset, world_size, group_name, backend},
+  POST /update_weights_from_distributed {names, dtypes, shapes, group_name, weight_version}, POST
+  /destroy_weights_update_group {group_name}: non-colocated sync, tensors broadcast by the trainer over a
+  gloo (CPU) / NCCL (GPU) group (`dist_update.py`).
 - POST /update_weights_from_disk {model_path, weight_version}; POST /pause_generation {mode: in_place |
   abort}; POST /continue_generation; POST /flush_cache; POST /abort_request {rid | abort_all};
   GET /health; GET /health_generate; GET /get_server_info; GET /get_model_info.
@@ -39,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
 from fastapi import FastAPI, HTTPException
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
@@ -74,6 +79,31 @@ class TensorUpdate(BaseModel):
     load_format: str | None = "safetensors"
     flush_cache: bool = True
     weight_version: str | None = None
+
+
+class GroupInit(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = "weight_update_group"
+    backend: str = "gloo"
+
+
+class DistributedUpdate(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    flush_cache: bool = True
+    weight_version: str | None = None
+
+
+class GroupDestroy(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    group_name: str = "weight_update_group"
 
 
 class DiskUpdate(BaseModel):
@@ -269,6 +299,7 @@ class EngineServer:
                  model_path: str | None = None):
         self.engine, self.host, self.port, self.tokenizer = engine, host, port, tokenizer
         self.model_path = model_path
+        self.weight_groups: dict[str, Any] = {}  # group name -> process group with a trainer (dist_update.py)
         self.scheduler: BatchScheduler | None = None
         self._server = None
         self._thread: threading.Thread | None = None
@@ -391,6 +422,57 @@ class EngineServer:
             return {"success": True, "message": f"updated {len(names)} tensors", "num_tensors": len(names),
                     "weight_version": engine.weight_version}
 
+        @app.post("/init_weights_update_group")
+        def init_weights_update_group(req: GroupInit):
+            from kimi_pipeline.rl.engine.dist_update import make_group
+
+            if req.backend == "nccl" and engine.model.device.type != "cuda":
+                return _fail("backend nccl needs the engine on a GPU; this engine runs on "
+                             f"{engine.model.device} (use gloo)")
+            try:  # blocks until the trainer and every other engine have joined
+                self.weight_groups[req.group_name] = make_group(req.master_address, req.master_port, req.rank_offset,
+                                                                req.world_size, req.backend, req.group_name)
+            except (RuntimeError, ValueError) as exc:
+                return _fail(f"could not join weight-update group {req.group_name!r} at "
+                             f"{req.master_address}:{req.master_port}: {exc}")
+            return {"success": True, "message": f"joined {req.group_name} as rank {req.rank_offset}"}
+
+        @app.post("/update_weights_from_distributed")
+        def update_weights_from_distributed(req: DistributedUpdate):
+            from kimi_pipeline.rl.engine.dist_update import broadcast, dtype_from_name
+
+            pg = self.weight_groups.get(req.group_name)
+            if pg is None:
+                return _fail(f"no weight-update group {req.group_name!r}: call /init_weights_update_group first")
+            if not len(req.names) == len(req.dtypes) == len(req.shapes):
+                return _fail("names, dtypes and shapes must have the same length")
+            try:
+                dtypes = [dtype_from_name(d) for d in req.dtypes]
+            except ValueError as exc:
+                return _fail(str(exc))
+            # receive everything the trainer broadcasts (a collective: never stop half-way), then load
+            received = []
+            for name, dtype, shape in zip(req.names, dtypes, req.shapes):
+                t = torch.empty(shape, dtype=dtype, device=engine.model.device)
+                broadcast(pg, t, root=0)
+                received.append((name, t))
+            try:
+                with engine.model_lock, one_intraop_thread_for_helpers():
+                    names = engine.model.load_weights(received)
+                    if req.weight_version is not None:  # the last bucket
+                        engine.model.finish_update()
+                        engine.weight_version = req.weight_version
+            except (EngineWeightError, ValueError) as exc:
+                return _fail(str(exc))
+            return {"success": True, "message": f"updated {len(names)} tensors", "num_tensors": len(names),
+                    "weight_version": engine.weight_version}
+
+        @app.post("/destroy_weights_update_group")
+        def destroy_weights_update_group(req: GroupDestroy):
+            if self.weight_groups.pop(req.group_name, None) is None:
+                return _fail(f"no weight-update group {req.group_name!r}")
+            return {"success": True, "message": f"left {req.group_name}"}
+
         @app.post("/update_weights_from_disk")
         def update_weights_from_disk(req: DiskUpdate):
             try:
@@ -447,7 +529,7 @@ class EngineServer:
         @app.get("/get_server_info")
         def get_server_info():
             return {"engine": ENGINE_NAME, "weight_version": engine.weight_version, "model_path": self.model_path,
-                    "hostname": socket.gethostname(), "weight_update_formats": ["safetensors", shm.LOAD_FORMAT],
+                    "hostname": socket.gethostname(), "weight_update_formats": ["safetensors", shm.LOAD_FORMAT, "distributed"],
                     "device": str(engine.model.device), "dtype": str(engine.model.dtype).replace("torch.", ""),
                     "max_batch_rows": engine.max_batch_rows, **config_summary(cfg), **self.scheduler.state()}
 
