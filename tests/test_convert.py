@@ -322,14 +322,19 @@ def test_quantized_source_converts_close_to_the_bf16_source(tiny_ckpt, tmp_path,
 
 # ---------------------------------------------------------------- failures
 @pytest.mark.slow
-def test_corrupt_shard_fails_naming_the_file_and_rank(tiny_ckpt, tmp_path):
+def _with_truncated_shard(src: Path, dst: Path) -> tuple[Path, Path]:
+    """A copy of `src` whose shard holding a last-pipeline-stage expert is cut to 1000 bytes."""
     import shutil
 
-    bad = tmp_path / "bad"
-    shutil.copytree(tiny_ckpt, bad)
-    index = json.loads((bad / "model.safetensors.index.json").read_text())["weight_map"]
-    shard = bad / index["model.layers.3.mlp.experts.0.down_proj.weight"]  # read by the last pipeline stage
+    shutil.copytree(src, dst)
+    index = json.loads((dst / "model.safetensors.index.json").read_text())["weight_map"]
+    shard = dst / index["model.layers.3.mlp.experts.0.down_proj.weight"]  # read by the last pipeline stage
     shard.write_bytes(shard.read_bytes()[:1000])
+    return dst, shard
+
+
+def test_corrupt_shard_fails_naming_the_file_and_rank(tiny_ckpt, tmp_path):
+    bad, shard = _with_truncated_shard(tiny_ckpt, tmp_path / "bad")
     with pytest.raises(ConversionJobPermanentError) as info:
         run_convert(_two_nodes(), tmp_path / "run", bad, source_files={})
     msg = str(info.value)
@@ -447,13 +452,7 @@ def test_conversion_runs_one_agent_per_node_of_a_ray_cluster(tiny_ckpt, tmp_path
         assert all((logs / f"convert.node{i}.log").stat().st_size > 0 for i in range(4))  # streamed back
         assert (checkpoint_dir(tmp_path / "run") / TRACKER).is_file()
 
-        bad = tmp_path / "bad"
-        import shutil
-
-        shutil.copytree(tiny_ckpt, bad)
-        index = json.loads((bad / "model.safetensors.index.json").read_text())["weight_map"]
-        shard = bad / index["model.layers.3.mlp.experts.0.down_proj.weight"]  # read by the last pipeline stage
-        shard.write_bytes(shard.read_bytes()[:1000])
+        bad, shard = _with_truncated_shard(tiny_ckpt, tmp_path / "bad")
         with pytest.raises(ConversionJobPermanentError) as info:
             run_convert(recipe, tmp_path / "run2", bad, source_files={}, verify=False)
         msg = str(info.value)

@@ -184,6 +184,9 @@ def test_ep2_across_two_trainer_actors(prepared, ray_local, tmp_path):
         assert abs(x["tis_min"] - 1) < 1e-3 and abs(x["tis_max"] - 1) < 1e-3, x
         # issue 14 item 9: each of the 2 DP ranks computed logprobs and gradients for its half only
         assert x["train_samples"] == (x["samples"] - x["samples_trimmed"]) / 2, x
+        # issue 15 item 1: colocated on one host, each rank sent the buckets it holds itself (one each; rank 0
+        # sending everything would average 0.5 over the two ranks)
+        assert x["sync_chunks"] == 1.0, x
 
 
 def test_a_permanent_error_inside_an_actor_is_not_retried(ray_local):

@@ -12,9 +12,7 @@ this `__main__` module, and a light module saves seconds per rank there.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import math
 import os
 import resource
@@ -23,7 +21,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kimi_pipeline.convert.launch import rank_main
+from kimi_pipeline.convert.launch import job_main
 from kimi_pipeline.errors import PermanentError
 from kimi_pipeline.util.files import atomic_write_json
 from kimi_pipeline.util.lifetime import watch_parent
@@ -62,10 +60,6 @@ def write_job_file(path: str | Path, *, model: ModelSpec, layout, model_dir: str
         **extra,
     }
     return atomic_write_json(Path(path), payload)
-
-
-def read_job_file(path: str | Path) -> dict[str, Any]:
-    return json.loads(Path(path).read_text())
 
 
 def peak_rss_mb() -> float:
@@ -174,11 +168,7 @@ def convert_rank(job: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--job", required=True, help="job JSON written by kimi_pipeline.convert.stage")
-    args = ap.parse_args(argv)
-    job = read_job_file(args.job)
-    rank_main(lambda: convert_rank(job), job["report_dir"])
+    job_main(convert_rank, __doc__.splitlines()[0], argv)
 
 
 if __name__ == "__main__":  # torch_dist saving spawns processes: never run the job on import

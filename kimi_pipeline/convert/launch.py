@@ -92,6 +92,17 @@ def rank_main(main: Callable[[], Any], report_dir: str | Path) -> None:
         os._exit(EXIT_PERMANENT if payload["permanent"] else 1)
 
 
+def job_main(rank_fn: Callable[[dict[str, Any]], Any], description: str, argv: list[str] | None = None) -> None:
+    """The entry point of every job module: `python -m <module> --job JOB.json` runs `rank_fn(job)` under
+    `rank_main` (this rank's error report on failure)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--job", required=True, help="job JSON written by the stage that launched this job")
+    job = json.loads(Path(ap.parse_args(argv).job).read_text())
+    rank_main(lambda: rank_fn(job), job["report_dir"])
+
+
 # ---------------------------------------------------------------- launcher side
 def node_command(module: str, args: list[str], *, nnodes: int, node_rank: int, nproc_per_node: int,
                  master_addr: str, master_port: int, python: str | None = None) -> list[str]:

@@ -453,7 +453,8 @@ def export_hf_tensors(
 
     Collective: every rank must iterate it to the end. TP/expert-TP shards are all-gathered in their
     groups; then each tensor is broadcast from its holder (lowest global rank holding it) so that every
-    rank yields it (dst=None) or only global rank `dst` does. owned_only=True skips the broadcast: each
+    rank yields it (dst=None), or sent point to point to global rank `dst` alone, which yields it (the
+    other ranks receive nothing). owned_only=True skips the broadcast: each
     holder yields just the tensors it is the designated source of (for writers that shard the output).
     Tensors come out in the model's dtype (expert bias in fp32) unless `dtype` is given.
     """
@@ -485,9 +486,17 @@ def export_hf_tensors(
                     yield n, t.to(out_dtype).clone()
             continue
         for i, n in enumerate(g.hf):
+            if dst is not None and me not in (src, dst):
+                continue  # one reader: only the holder and it take part (point to point, not a broadcast)
             buf = full[i].to(out_dtype).contiguous() if me == src else torch.empty(shapes[n], dtype=out_dtype,
                                                                                   device=_device(tensors))
-            dist.broadcast(buf, src=src)
+            if dst is None:
+                dist.broadcast(buf, src=src)
+            elif src != dst:
+                if me == src:
+                    dist.send(buf, dst=dst)
+                else:
+                    dist.recv(buf, src=src)
             if dst is None or me == dst:
                 yield n, buf if me != src else buf.clone()
 

@@ -100,6 +100,22 @@ def launch_target(recipe: Recipe) -> dict[str, Any]:
             "gpus_per_node": cs.gpus_per_node if c.device == "cuda" else 0}
 
 
+def run_weight_job(recipe: Recipe, module: str, job: Path, reports: Path, name: str, report_prefix: str,
+                   timeout: float | None) -> tuple[Any, list[dict[str, Any]], str]:
+    """One offline weight job (conversion, INT4 export) over recipe.convert's nodes x ranks: log the per-node
+    command, launch it where `launch_target` says, return (job result, every rank's report, the command)."""
+    cs = recipe.convert
+    job = job.resolve()
+    command = scale_out_command(module, ["--job", str(job)], nnodes=cs.nodes, nproc_per_node=cs.gpus_per_node,
+                                master_port=cs.master_port)
+    log.info("%s: %d node(s) x %d rank(s), tp=%d pp=%d ep=%d; on a cluster without Ray run on every node:\n  %s",
+             name, cs.nodes, cs.gpus_per_node, cs.tp, cs.pp, cs.ep, command)
+    result = launch(module, ["--job", str(job)], nodes=cs.nodes, procs_per_node=cs.gpus_per_node,
+                    work_dir=job.parent, report_dir=reports, name=name, timeout=timeout,
+                    report_prefix=report_prefix, **launch_target(recipe))
+    return result, read_rank_reports(reports, report_prefix, cs.nodes * cs.gpus_per_node), command
+
+
 def run_convert(recipe: Recipe, run_dir: str | Path, model_dir: str | Path, *,
                 source_files: dict[str, Any] | None = None, verify: bool | None = None,
                 reuse: bool = True, timeout: float | None = None) -> dict[str, Any]:
@@ -133,20 +149,12 @@ def run_convert(recipe: Recipe, run_dir: str | Path, model_dir: str | Path, *,
     tmp = out / f"{CKPT_NAME}.tmp-{uuid.uuid4().hex[:8]}"
     job = write_job_file(work / "job.json", model=recipe.model, layout=layout, model_dir=model_dir.resolve(),
                          out_dir=tmp.resolve(), report_dir=reports.resolve(), text_config_key=recipe.hub.text_config_key)
-    module = "kimi_pipeline.convert.job"
-    command = scale_out_command(module, ["--job", str(job.resolve())], nnodes=cs.nodes, nproc_per_node=cs.gpus_per_node,
-                                master_port=cs.master_port)
-    log.info("convert: %d node(s) x %d rank(s), tp=%d pp=%d ep=%d; on a cluster run on every node:\n  %s",
-             cs.nodes, cs.gpus_per_node, cs.tp, cs.pp, cs.ep, command)
-
     t0 = time.monotonic()
-    on = launch_target(recipe)
-    job_result = launch(module, ["--job", str(job.resolve())], nodes=cs.nodes, procs_per_node=cs.gpus_per_node,
-                        work_dir=work, report_dir=reports, name="convert", timeout=timeout, **on)
+    job_result, ranks, command = run_weight_job(recipe, "kimi_pipeline.convert.job", job, reports, "convert", "rank",
+                                              timeout)
     seconds = time.monotonic() - t0
     if not (tmp / TRACKER).is_file():
         raise ConvertStageError(f"{tmp}: the conversion job exited cleanly but wrote no {TRACKER}; not marking it complete")
-    ranks = read_rank_reports(reports, "rank", layout.world_size)
 
     section: dict[str, Any] = {
         "nodes": cs.nodes,
@@ -180,7 +188,8 @@ def run_convert(recipe: Recipe, run_dir: str | Path, model_dir: str | Path, *,
         t1 = time.monotonic()
         launch("kimi_pipeline.convert.verify", ["--job", str(vjob.resolve())],
                nodes=cs.nodes if same_world else 1, procs_per_node=cs.gpus_per_node if same_world else vlayout.world_size,
-               work_dir=work, report_dir=reports, name="verify", timeout=timeout, report_prefix="verify_rank", **on)
+               work_dir=work, report_dir=reports, name="verify", timeout=timeout, report_prefix="verify_rank",
+               **launch_target(recipe))
         verdict = summarize(read_rank_reports(reports, "verify_rank", vlayout.world_size), logits_expected=small)
         section.update({k: v for k, v in verdict.items() if k != "problems"})
         section["verify_layout"] = {"world_size": vlayout.world_size, "tp": vlayout.tp, "pp": vlayout.pp, "ep": vlayout.ep}

@@ -15,7 +15,6 @@ Results go to `verify_rank_<r>.json`; `summarize` folds them into the stage's ve
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import re
 import tempfile
@@ -23,8 +22,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kimi_pipeline.convert.job import current_rss_mb, dtype_of, peak_rss_mb, poison_parameters, read_job_file
-from kimi_pipeline.convert.launch import rank_main
+from kimi_pipeline.convert.job import current_rss_mb, dtype_of, peak_rss_mb, poison_parameters
+from kimi_pipeline.convert.launch import job_main
 from kimi_pipeline.errors import PermanentError
 from kimi_pipeline.util.files import atomic_write_json
 
@@ -264,11 +263,7 @@ def summarize(reports: list[dict[str, Any]], logits_expected: bool) -> dict[str,
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--job", required=True, help="verification job JSON written by kimi_pipeline.convert.stage")
-    args = ap.parse_args(argv)
-    job = read_job_file(args.job)
-    rank_main(lambda: verify_rank(job), job["report_dir"])
+    job_main(verify_rank, __doc__.splitlines()[0], argv)
 
 
 if __name__ == "__main__":

@@ -11,14 +11,13 @@ them bit for bit against its tensors, and records shards, sizes, the check and i
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import time
 from pathlib import Path
 from typing import Any
 
-from kimi_pipeline.convert.job import peak_rss_mb, read_job_file
-from kimi_pipeline.convert.launch import rank_main
+from kimi_pipeline.convert.job import peak_rss_mb
+from kimi_pipeline.convert.launch import job_main
 from kimi_pipeline.util.files import atomic_write_json
 from kimi_pipeline.util.lifetime import watch_parent
 
@@ -67,11 +66,7 @@ def export_rank(job: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--job", required=True, help="job JSON written by kimi_pipeline.quant.stage")
-    args = ap.parse_args(argv)
-    job = read_job_file(args.job)
-    rank_main(lambda: export_rank(job), job["report_dir"])
+    job_main(export_rank, __doc__.splitlines()[0], argv)
 
 
 if __name__ == "__main__":  # megatron's checkpoint loading may spawn helpers: never run the job on import

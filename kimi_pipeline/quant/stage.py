@@ -46,6 +46,7 @@ from kimi_pipeline.quant.verify import (
 )
 from kimi_pipeline.recipes import Recipe
 from kimi_pipeline.util.files import atomic_write_json, sha256_files, sha256_json
+from kimi_pipeline.util.lifetime import die_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -199,8 +200,7 @@ def export_distributed(recipe: Recipe, run_dir: Path, checkpoint_dir: str | Path
                        name: str = "int4", timeout_s: float | None = None) -> tuple[ExportInfo, dict[str, Any]]:
     """Every rank of recipe.convert's layout writes the experts it owns; the index is merged here, last."""
     from kimi_pipeline.convert.job import write_job_file
-    from kimi_pipeline.convert.launch import launch, read_rank_reports, scale_out_command
-    from kimi_pipeline.convert.stage import launch_target
+    from kimi_pipeline.convert.stage import run_weight_job
     from kimi_pipeline.model.parallel import Layout
     from kimi_pipeline.quant.job import REPORT_PREFIX
 
@@ -220,17 +220,10 @@ def export_distributed(recipe: Recipe, run_dir: Path, checkpoint_dir: str | Path
     job = write_job_file(work / "job.json", model=recipe.model, layout=layout, model_dir=model_dir.resolve(),
                          out_dir=tmp.resolve(), report_dir=reports.resolve(), checkpoint_dir=str(Path(checkpoint_dir).resolve()),
                          step=step, group_size=q.group_size, max_shard_bytes=shard_bytes(recipe))
-    module = "kimi_pipeline.quant.job"
-    command = scale_out_command(module, ["--job", str(job.resolve())], nnodes=cs.nodes, nproc_per_node=cs.gpus_per_node,
-                                master_port=cs.master_port)
-    log.info("export: %d node(s) x %d rank(s), tp=%d pp=%d ep=%d; on a cluster run on every node:\n  %s",
-             cs.nodes, cs.gpus_per_node, cs.tp, cs.pp, cs.ep, command)
     t0 = time.monotonic()
     try:
-        job_result = launch(module, ["--job", str(job.resolve())], nodes=cs.nodes, procs_per_node=cs.gpus_per_node,
-                            work_dir=work, report_dir=reports, name="export", timeout=timeout_s,
-                            report_prefix=REPORT_PREFIX, **launch_target(recipe))
-        ranks = read_rank_reports(reports, REPORT_PREFIX, layout.world_size)
+        job_result, ranks, command = run_weight_job(recipe, "kimi_pipeline.quant.job", job, reports, "export",
+                                                    REPORT_PREFIX, timeout_s)
         info = finish_int4_dir(tmp, final, [Int4Part.from_json(r["part"]) for r in ranks], config, model_dir,
                                q.group_size)
     except BaseException:
@@ -328,7 +321,8 @@ def _model_check_child(recipe: Recipe, run_dir: Path, checkpoint_dir: str | Path
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT"):
         env.pop(var, None)  # the child is its own one-rank world
     proc = subprocess.run([sys.executable, "-m", "kimi_pipeline.quant.stage", str(out / "job.json")],
-                          env=env, timeout=timeout_s, capture_output=True, text=True)
+                          env=env, timeout=timeout_s, capture_output=True, text=True,
+                          preexec_fn=die_with_parent)  # a killed flow leaves no child behind
     if proc.returncode != 0:
         err = json.loads((out / ERROR_FILE).read_text()) if (out / ERROR_FILE).is_file() else {}
         message = err.get("message") or f"export model check exited {proc.returncode}: {proc.stderr[-2000:]}"

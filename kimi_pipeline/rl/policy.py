@@ -78,6 +78,7 @@ class PolicyWorker:
         from kimi_pipeline.model.parallel import Layout, init_distributed
 
         self.layout = Layout.from_parallel(recipe.parallel, world_size)
+        self.world_size = world_size
         self.rank = init_distributed(self.layout, seed=recipe.rollout.seed)
         overrides = trainer_config_overrides(recipe)
         self.model, self.optimizer = build_trainable(recipe.model, self.layout, recipe.optimizer, **overrides)
@@ -90,7 +91,7 @@ class PolicyWorker:
             for m in self.model:
                 self.qat += enable_int4_qat(m, recipe.quant.group_size)
         self.ref_model = None  # built on load() only when the KL term is on
-        self._router = None  # rank 0's client to the engines, kept across weight syncs
+        self._router = None  # this rank's client to the engines (and its shared-memory segment), kept across syncs
 
     # ------------------------------------------------------------------ weights in
     def load(self, train_ckpt_dir: str, init_ckpt_dir: str) -> dict[str, Any] | None:
@@ -296,14 +297,20 @@ class PolicyWorker:
 
     def sync_weights(self, engine_urls: list[str], version: str) -> dict[str, float]:
         """Megatron → HF names → the engine's own format (`quant.engine_format`) → every engine, in
-        update-weight-buffer-sized buckets (rank 0 sends)."""
+        update-weight-buffer-sized buckets. Colocated on one host (every engine reads this host's memory):
+        each rank sends the buckets it owns itself; otherwise rank 0 receives each tensor from its holder
+        and sends it (shared memory, a weight-update process group, or, for SGLang, shared storage).
+        Collective: every trainer rank calls it."""
         from kimi_pipeline.quant.engine_format import engine_weight_format, to_engine_format
 
         t0 = time.perf_counter()
         r = self.recipe
         fmt = engine_weight_format(r)
         # an INT4 engine dequantizes the packed stored weights to exactly the fake-quant ones
-        named = self.hf_tensors(fake_quant=None if fmt != "int4" else False)
+        fake_quant = None if fmt != "int4" else False
+        if r.rollout.engine != "sglang" and self._all_engines_local(engine_urls):
+            return self._sync_owned(engine_urls, version, fmt, fake_quant, t0)
+        named = self.hf_tensors(fake_quant=fake_quant)
         chunks = 0
         if self.rank != 0:
             for _ in named:  # collective: every rank drains the export
@@ -320,6 +327,49 @@ class PolicyWorker:
         else:
             chunks = router.update_weights(named, r.rollout.update_weight_buffer_size, weight_version=version)
         return {"sync_seconds": time.perf_counter() - t0, "sync_chunks": float(chunks or 0)}
+
+    def _all_engines_local(self, engine_urls: list[str]) -> bool:
+        """Whether, on every rank, every engine reads buckets from this host's shared memory (agreed by all)."""
+        import torch.distributed as dist
+
+        router = self._router_for(engine_urls)
+        local = router.weight_transport == "auto" and all(c.shares_memory() for c in router.clients)
+        if self.world_size > 1:
+            flag = torch.tensor([1 if local else 0], dtype=torch.int32)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            local = bool(flag.item())
+        return local
+
+    def _sync_owned(self, engine_urls: list[str], version: str, fmt: str, fake_quant: bool | None,
+                    t0: float) -> dict[str, float]:
+        """Every rank pushes the tensors it is the holder of (TP-gathered, never broadcast to other ranks)
+        through its own shared-memory segment; rank 0 pauses the engines first and, once every rank is done,
+        commits the version (an empty last bucket: the engines check that no quantized weight is incomplete)
+        and resumes them."""
+        import torch.distributed as dist
+
+        from kimi_pipeline.convert.stream import policy_tensors
+        from kimi_pipeline.quant.engine_format import to_engine_format
+
+        r = self.recipe
+        router = self._router_for(engine_urls)
+        fq = self.qat if fake_quant is None else fake_quant
+        barrier = dist.barrier if self.world_size > 1 else (lambda: None)
+        if self.rank == 0:
+            router.pause()
+        try:
+            barrier()
+            named = policy_tensors(self.model[0], r.model, self.layout, owned_only=True,
+                                   qat_group_size=r.quant.group_size if fq else None)
+            chunks = router.update_weights(to_engine_format(named, fmt, r.quant.group_size),
+                                           r.rollout.update_weight_buffer_size, pause=False)
+            barrier()
+            if self.rank == 0:
+                router.update_weights([], r.rollout.update_weight_buffer_size, weight_version=version, pause=False)
+        finally:
+            if self.rank == 0:
+                router.resume()
+        return {"sync_seconds": time.perf_counter() - t0, "sync_chunks": float(chunks)}
 
     def _router_for(self, engine_urls: list[str]):
         """One Router per set of engines, kept across syncs (its shared-memory segment keeps its pages)."""

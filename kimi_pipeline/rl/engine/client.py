@@ -121,6 +121,8 @@ def push_weights(clients: list[EngineClient], named_tensors, buffer_bytes: int, 
             pending, count = chunk, count + 1
         if pending is not None:
             send(segment, pending, weight_version)
+        elif weight_version is not None:  # nothing left to send: an empty bucket commits the version
+            send(segment, {}, weight_version)
     return count
 
 

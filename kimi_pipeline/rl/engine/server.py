@@ -385,22 +385,31 @@ class EngineServer:
             items = [self._render(c, rid, req, latency) for c, rid in zip(out, rids)]
             return items[0] if single and n == 1 else items
 
+        def apply(buckets, weight_version: str | None) -> dict[str, Any]:
+            """Load buckets of HF-named tensors under the model lock; the last bucket of a sync carries the
+            version (then no quantized weight may be left incomplete)."""
+            names: list[str] = []
+            with engine.model_lock, one_intraop_thread_for_helpers():  # a request thread: see util/threads.py
+                for named in buckets:
+                    names += engine.model.load_weights(named)
+                if weight_version is not None:
+                    engine.model.finish_update()
+                    engine.weight_version = weight_version
+            return {"success": True, "message": f"updated {len(names)} tensors", "num_tensors": len(names),
+                    "weight_version": engine.weight_version}
+
         @app.post("/update_weights_from_tensor")
         def update_weights_from_tensor(req: TensorUpdate):
             if req.load_format == shm.LOAD_FORMAT:  # colocated: JSON descriptors of shared-memory buckets
+                def mapped():
+                    for text in req.serialized_named_tensors:
+                        with shm.open_bucket(json.loads(text)) as named:
+                            yield named
+
                 try:
-                    names = []
-                    with engine.model_lock, one_intraop_thread_for_helpers():
-                        for text in req.serialized_named_tensors:
-                            with shm.open_bucket(json.loads(text)) as named:
-                                names += engine.model.load_weights(named)
-                        if req.weight_version is not None:  # the last bucket
-                            engine.model.finish_update()
-                            engine.weight_version = req.weight_version
+                    return apply(mapped(), req.weight_version)
                 except (EngineWeightError, shm.SharedMemoryError, ValueError, TypeError) as exc:
                     return _fail(str(exc))
-                return {"success": True, "message": f"updated {len(names)} tensors", "num_tensors": len(names),
-                        "weight_version": engine.weight_version}
             from safetensors.torch import load as load_safetensors
 
             if req.load_format not in (None, "safetensors"):
@@ -410,17 +419,11 @@ class EngineServer:
                 named = {}
                 for blob in req.serialized_named_tensors:
                     named.update(load_safetensors(base64.b64decode(blob)))
-                with engine.model_lock, one_intraop_thread_for_helpers():  # a request thread: see util/threads.py
-                    names = engine.model.load_weights(named)
-                    if req.weight_version is not None:  # the last bucket
-                        engine.model.finish_update()
-                        engine.weight_version = req.weight_version
+                return apply([named], req.weight_version)
             except (EngineWeightError, ValueError) as exc:
                 return _fail(str(exc))
             except Exception as exc:  # safetensors raises its own error types on corrupt bytes
                 return _fail(f"could not read the safetensors payload: {exc}")
-            return {"success": True, "message": f"updated {len(names)} tensors", "num_tensors": len(names),
-                    "weight_version": engine.weight_version}
 
         @app.post("/init_weights_update_group")
         def init_weights_update_group(req: GroupInit):
@@ -457,15 +460,9 @@ class EngineServer:
                 broadcast(pg, t, root=0)
                 received.append((name, t))
             try:
-                with engine.model_lock, one_intraop_thread_for_helpers():
-                    names = engine.model.load_weights(received)
-                    if req.weight_version is not None:  # the last bucket
-                        engine.model.finish_update()
-                        engine.weight_version = req.weight_version
+                return apply([received], req.weight_version)
             except (EngineWeightError, ValueError) as exc:
                 return _fail(str(exc))
-            return {"success": True, "message": f"updated {len(names)} tensors", "num_tensors": len(names),
-                    "weight_version": engine.weight_version}
 
         @app.post("/destroy_weights_update_group")
         def destroy_weights_update_group(req: GroupDestroy):
