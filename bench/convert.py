@@ -65,13 +65,11 @@ def hf_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
 
 def write_checkpoint(spec: ModelSpec, out: Path, seed: int = 0) -> int:
     """Random bf16 weights (norms = 1, small expert bias) in ~256 MiB shards; returns the bytes written."""
-    from safetensors.torch import save_file
+    from kimi_pipeline.util.shards import ShardWriter, finish_shards
 
-    out.mkdir(parents=True)
     shapes = hf_shapes(spec)
     g = torch.Generator().manual_seed(seed)
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
+    writer = ShardWriter(out, SHARD_BYTES)
     for name, shape in shapes.items():
         if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
             t = torch.ones(shape, dtype=torch.bfloat16)
@@ -79,22 +77,10 @@ def write_checkpoint(spec: ModelSpec, out: Path, seed: int = 0) -> int:
             t = torch.randn(shape, generator=g, dtype=torch.float32) * 1e-3
         else:
             t = (torch.randn(shape, generator=g, dtype=torch.float32) * 0.02).to(torch.bfloat16)
-        nbytes = t.numel() * t.element_size()
-        if size and size + nbytes > SHARD_BYTES:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t
-        size += nbytes
-    weight_map, total = {}, 0
-    for i, tensors in enumerate(shards, 1):
-        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(tensors, str(out / fname), metadata={"format": "pt"})
-        weight_map.update({k: fname for k in tensors})
-        total += (out / fname).stat().st_size
-        tensors.clear()
-    atomic_write_json(out / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
+        writer.add(name, t)
+    weight_map = finish_shards(out, writer.close())
     atomic_write_json(out / "config.json", hf_config_dict(spec))
-    return total
+    return sum((out / f).stat().st_size for f in set(weight_map.values()))
 
 
 def time_cp(files: list[Path], dst: Path) -> tuple[float, float]:

@@ -600,6 +600,12 @@ def test_non_colocated_weight_sync_through_a_process_group(servers, hf_a, hf_b):
         assert router.update_weights(to_engine_format(hf_b.state_dict().items(), "int4", 32), 1 << 20,
                                      weight_version="b-int4") > 1
         assert router._group is group and router.weight_version() == "b-int4"
+        # FP8 blocks: gloo has no float8, those move as bytes on both sides
+        assert router.update_weights(to_engine_format(hf_b.state_dict().items(), "fp8", 32), 1 << 20,
+                                     weight_version="b-fp8") > 1
+        assert router.weight_version() == "b-fp8"
+        assert router.update_weights(to_engine_format(hf_b.state_dict().items(), "int4", 32), 1 << 20,
+                                     weight_version="b-int4") > 1
     assert all(not s.weight_groups for s in servers)  # left at close
     assert max(sent) < 64 * 1024  # names, dtypes, shapes: no tensor bytes over HTTP
     via_body = EngineModel.from_hf_model(hf_a)

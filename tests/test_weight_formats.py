@@ -4,6 +4,7 @@ the embedded engine dequantizes what SGLang loads natively, even when a Linear's
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -80,8 +81,8 @@ def test_auto_format_follows_the_seeds():
     assert engine_weight_format(load_recipe("tiny", ["rollout.engine_weight_format=int4"])) == "int4"
 
 
-@pytest.mark.parametrize("colocate", [True, False])
-def test_policy_sync_in_int4_gives_the_engine_the_trainers_fake_quant_policy(colocate):
+@pytest.mark.parametrize(("colocate", "weight_sync"), [(True, "auto"), (False, "auto"), (True, "disk")])
+def test_policy_sync_in_int4_gives_the_engine_the_trainers_fake_quant_policy(colocate, weight_sync, tmp_path):
     """A QAT policy synced as INT4 buckets (colocated: through shared memory; not: broadcast over a gloo
     weight-update group): the engine's experts are exactly the fake-quant weights the trainer's forward
     uses; the rest is the bf16 an INT4 checkpoint stores."""
@@ -90,15 +91,21 @@ def test_policy_sync_in_int4_gives_the_engine_the_trainers_fake_quant_policy(col
     from kimi_pipeline.rl.policy import PolicyWorker
 
     recipe = load_recipe("tiny", ["quant.int4_qat=true", "rollout.engine_weight_format=int4",
-                                  "rollout.update_weight_buffer_size=262144", f"cluster.colocate={str(colocate).lower()}"])
+                                  "rollout.update_weight_buffer_size=262144", f"cluster.colocate={str(colocate).lower()}",
+                                  f"rollout.weight_sync={weight_sync}"])
     w = PolicyWorker(recipe)
     engine = RolloutEngine(EngineModel.from_pretrained(TINY_MODEL), seed=0)
     try:
-        w.load("/nonexistent-checkpoints", str(TINY_MODEL))
+        w.load(str(tmp_path / "checkpoints"), str(TINY_MODEL))
         with EngineServer(engine) as server:
             metrics = w.sync_weights([server.url], "v1")
-            assert metrics["sync_chunks"] > 1 and engine.weight_version == "v1"
-            assert bool(server.weight_groups) is not colocate
+            assert engine.weight_version == "v1"
+            if weight_sync == "disk":  # the explicit fallback: an INT4 HF checkpoint on shared storage
+                synced = tmp_path / "weight-sync" / "v1"
+                assert server.model_path == str(synced)
+                assert json.loads((synced / "config.json").read_text())["quantization_config"]["format"] == "pack-quantized"
+            else:
+                assert metrics["sync_chunks"] > 1 and bool(server.weight_groups) is not colocate
         policy = dict(w.hf_tensors())  # what the trainer's forward sees (QAT: fake-quant experts)
         stored = dict(w.hf_tensors(fake_quant=False))
         got = engine.model

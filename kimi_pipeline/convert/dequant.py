@@ -285,25 +285,27 @@ INT4_TARGET = re.compile(r"\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
 def write_quantized_checkpoint(src: str | Path, dst: str | Path, kind: str, *, group_size: int = 32,
                                block: tuple[int, int] = (128, 128)) -> Path:
     """Copy an HF checkpoint with its Linear weights stored as Kimi ships them (fp8 or int4)."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
+
+    from kimi_pipeline.util.shards import ShardWriter, finish_shards
 
     if kind not in ("fp8", "int4"):
         raise ValueError(f"kind must be fp8 or int4, not {kind!r}")
     src, dst = Path(src), Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
-    weight_map: dict[str, str] = {}
+    writer = ShardWriter(dst, max_shard_bytes=1 << 62)  # one output shard per source shard
     for shard in sorted(src.glob("*.safetensors")):
-        out: dict[str, torch.Tensor] = {}
         for name, t in load_file(shard).items():
             if kind == "fp8" and FP8_TARGET.search(name):
-                out[name], out[name + FP8_SCALE_SUFFIX] = quantize_fp8_block(t, block)
+                q, scale_inv = quantize_fp8_block(t, block)
+                writer.add(name, q)
+                writer.add(name + FP8_SCALE_SUFFIX, scale_inv)
             elif kind == "int4" and INT4_TARGET.search(name):
                 for k, v in quantize_int4_packed(t, group_size).items():
-                    out[name[: -len(".weight")] + "." + k] = v
+                    writer.add(name[: -len(".weight")] + "." + k, v)
             else:
-                out[name] = t.to(torch.bfloat16) if t.is_floating_point() else t
-        save_file(out, dst / shard.name, metadata={"format": "pt"})
-        weight_map.update({k: shard.name for k in out})
+                writer.add(name, t.to(torch.bfloat16) if t.is_floating_point() else t)
+        writer.flush()
     for p in src.iterdir():
         if p.is_file() and not p.name.endswith(".safetensors") and p.name not in ("config.json", "model.safetensors.index.json"):
             shutil.copy2(p, dst / p.name)
@@ -311,5 +313,5 @@ def write_quantized_checkpoint(src: str | Path, dst: str | Path, kind: str, *, g
     config["torch_dtype"] = "bfloat16"
     config["quantization_config"] = fp8_quant_config(block) if kind == "fp8" else kimi_int4_quant_config(group_size)
     atomic_write_json(dst / "config.json", config)
-    atomic_write_json(dst / "model.safetensors.index.json", {"metadata": {}, "weight_map": dict(sorted(weight_map.items()))})
+    finish_shards(dst, writer.close())  # index last
     return dst

@@ -90,6 +90,12 @@ def rank_main(main: Callable[[], Any], report_dir: str | Path) -> None:
         traceback.print_exc()
         sys.stderr.flush()
         os._exit(EXIT_PERMANENT if payload["permanent"] else 1)
+    # Done: every file this rank wrote is closed and its report renamed into place. Skip the interpreter's
+    # teardown (measured ~2-3 s with a 1 GB model: gc of the model, megatron's result-queue manager shut
+    # down through atexit); the spawned manager follows by its parent watch.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def job_main(rank_fn: Callable[[dict[str, Any]], Any], description: str, argv: list[str] | None = None) -> None:

@@ -189,6 +189,9 @@ class RolloutSpec(Section):
     reward_strict: bool = Field(
         False, description="stricter than the seeds' reward: the answer region must END with the boxed answer")
     update_weight_buffer_size: int = Field(4 * 512 * 1024 * 1024, gt=0, description="bytes per weight-sync chunk")
+    weight_sync: Literal["auto", "disk"] = Field(
+        "auto", description="auto: shared memory / a weight-update process group (SGLang colocated: shared storage "
+        "until its CUDA-IPC path is proven on a GPU); disk: an HF checkpoint on shared storage, the explicit fallback")
     engine_weight_format: Literal["auto", "model", "bf16", "fp8", "int4"] = Field(
         "auto", description="what weight sync sends: the engine's own format (auto: SGLang serves INT4 when the "
         "policy exports to INT4, FP8 for an FP8 hub checkpoint, else bf16; the embedded engine: the trainer's dtype)")

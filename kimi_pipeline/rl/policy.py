@@ -308,7 +308,10 @@ class PolicyWorker:
         fmt = engine_weight_format(r)
         # an INT4 engine dequantizes the packed stored weights to exactly the fake-quant ones
         fake_quant = None if fmt != "int4" else False
-        if r.rollout.engine != "sglang" and self._all_engines_local(engine_urls):
+        # SGLang colocated would take CUDA-IPC handles (update_weights_from_tensor); until that path is proven on
+        # a GPU it loads from shared storage. Not colocated it joins a weight-update group like the embedded engine.
+        to_disk = r.rollout.weight_sync == "disk" or (r.rollout.engine == "sglang" and r.cluster.colocate)
+        if not to_disk and r.rollout.engine != "sglang" and self._all_engines_local(engine_urls):
             return self._sync_owned(engine_urls, version, fmt, fake_quant, t0)
         named = self.hf_tensors(fake_quant=fake_quant)
         chunks = 0
@@ -318,9 +321,7 @@ class PolicyWorker:
             return {"sync_seconds": time.perf_counter() - t0, "sync_chunks": 0.0}
         named = to_engine_format(named, fmt, r.quant.group_size)
         router = self._router_for(engine_urls)
-        if r.rollout.engine == "sglang":
-            # SGLang's tensor endpoint only takes pickles (never sent): stage safetensors on the shared
-            # filesystem and let every engine load them
+        if to_disk:  # an HF checkpoint in the engine's format on shared storage, loaded by every engine
             path = self._write_sync_checkpoint(named, version, fmt)
             router.update_weights_from_disk(str(path), weight_version=version)
             chunks = 1

@@ -268,7 +268,7 @@ class EngineClient:
         if self.server_info().get("engine") != ENGINE_NAME:
             raise PermanentError(
                 f"{self.url} is not the embedded engine: SGLang takes tensors only as pickles, which we never send; "
-                "save an HF checkpoint and use update_weights_from_disk"
+                "sync it through a weight-update group (weight_transport='distributed') or from disk"
             )
 
     def update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> None:
@@ -389,8 +389,9 @@ class Router:
                        buffer_bytes: int, weight_version: str | None = None, pause: bool = True) -> int:
         """Each bucket staged once (shared memory for engines on this host, one safetensors body for the
         others) and posted to every engine concurrently."""
-        for c in self.clients:
-            c._require_embedded()
+        if self.weight_transport != "distributed":  # SGLang joins a weight-update group; tensor bodies are ours
+            for c in self.clients:
+                c._require_embedded()
         if pause:
             self.pause()
         try:
@@ -415,7 +416,10 @@ class Router:
                 return None
             from kimi_pipeline.rl.engine.dist_update import WeightGroup
 
-            self._group = WeightGroup(members, self._pool, backend="nccl" if torch.cuda.is_available() else "gloo")
+            # SGLang: every GPU of an engine is a rank of the group (slime: rank_offset = 1 + i * gpus_per_engine)
+            sizes = [int(c.server_info().get("tp_size", 1)) * int(c.server_info().get("pp_size", 1)) for c in members]
+            self._group = WeightGroup(members, self._pool, backend="nccl" if torch.cuda.is_available() else "gloo",
+                                      ranks_per_engine=sizes)
         return self._group
 
     def update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> None:

@@ -41,10 +41,13 @@ def make_group(master_address: str, master_port: int, rank: int, world_size: int
 
 
 def broadcast(pg, tensor: torch.Tensor, root: int = 0) -> None:
-    """In place, as bytes: gloo has no float8 (nor every integer width); a byte view moves any dtype."""
+    """In place, typed as SGLang's receiver expects (NCCL needs the same count and dtype on every rank);
+    gloo has no float8, so over gloo those move as bytes (both sides follow this same rule)."""
     opts = dist.BroadcastOptions()
     opts.rootRank = root
-    pg.broadcast([tensor.reshape(-1).view(torch.uint8)], opts).wait()
+    if tensor.device.type == "cpu" and tensor.dtype.itemsize == 1 and tensor.is_floating_point():
+        tensor = tensor.reshape(-1).view(torch.uint8)
+    pg.broadcast([tensor], opts).wait()
 
 
 def dtype_from_name(name: str) -> torch.dtype:
