@@ -294,7 +294,9 @@ def stage_export(recipe: Recipe, run_dir: str | Path, checkpoint_dir: str | Path
         section = {**_section(recipe, info, dist_info.pop("tensors"), str(path)), **dist_info}
         fits, reason = model_check_fits(recipe)
         if fits:
-            section.update(_model_check_child(recipe, run_dir, checkpoint_dir, step, Path(info.path), timeout_s))
+            checked = _model_check_child(recipe, run_dir, checkpoint_dir, step, Path(info.path), timeout_s)
+            problems = section.pop("problems", []) + checked.pop("problems", [])
+            section.update(checked, **({"problems": problems} if problems else {}))
         else:
             section["model_check"] = f"skipped: {reason}"
         try:
