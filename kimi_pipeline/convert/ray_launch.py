@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -77,19 +78,23 @@ class NodeAgent:
         return code, data
 
     def stop(self, grace_s: float = 10.0) -> int | None:
-        if self.proc is None or self.proc.poll() is not None:
-            return self.proc.returncode if self.proc else None
-        for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                self.proc.wait(timeout=wait)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        return self.proc.returncode
+        """Stop the agent's process group if it still runs (SIGTERM, then SIGKILL); remove the node-local log."""
+        try:
+            if self.proc is None or self.proc.poll() is not None:
+                return self.proc.returncode if self.proc else None
+            for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+                try:
+                    os.killpg(self.proc.pid, sig)
+                except ProcessLookupError:
+                    break
+                try:
+                    self.proc.wait(timeout=wait)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+            return self.proc.returncode
+        finally:
+            shutil.rmtree(self.log_path.parent, ignore_errors=True)
 
 
 def launch_ray(module: str, args: list[str], *, nodes: int, procs_per_node: int, work_dir: str | Path,
@@ -161,20 +166,29 @@ def _watch(agents, name: str, log_dir: Path, timeout: float | None, grace: float
     codes: list[int | None] = [None] * n
     files = [open(log_dir / f"{name}.node{i}.log", "wb") for i in range(n)]
     t0, failed_at, timed_out = time.monotonic(), None, False
+    def pump() -> bool:
+        """One round of polls; True if any log bytes came."""
+        got = False
+        for i, (code, data) in enumerate(ray.get([a.poll.remote(o) for a, o in zip(agents, offsets)])):
+            codes[i] = code
+            if data:
+                got = True
+                offsets[i] += len(data)
+                files[i].write(data)
+                files[i].flush()
+                *lines, partial[i] = (partial[i] + data).split(b"\n")
+                for line in lines:
+                    text = line.decode(errors="replace")
+                    if text and "Warning" not in text and "warnings.warn" not in text:
+                        log.info("[%s node %d] %s", name, i, text)
+        return got
+
     try:
         while True:
-            for i, (code, data) in enumerate(ray.get([a.poll.remote(o) for a, o in zip(agents, offsets)])):
-                codes[i] = code
-                if data:
-                    offsets[i] += len(data)
-                    files[i].write(data)
-                    files[i].flush()
-                    *lines, partial[i] = (partial[i] + data).split(b"\n")
-                    for line in lines:
-                        text = line.decode(errors="replace")
-                        if text and "Warning" not in text and "warnings.warn" not in text:
-                            log.info("[%s node %d] %s", name, i, text)
+            pump()
             if all(c is not None for c in codes):
+                while pump():  # the log tails written just before the agents exited
+                    pass
                 break
             if failed_at is None and any(c not in (None, 0) for c in codes):
                 failed_at = time.monotonic()

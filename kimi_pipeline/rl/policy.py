@@ -336,7 +336,8 @@ class PolicyWorker:
         router = self._router_for(engine_urls)
         local = router.weight_transport == "auto" and all(c.shares_memory() for c in router.clients)
         if self.world_size > 1:
-            flag = torch.tensor([1 if local else 0], dtype=torch.int32)
+            device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+            flag = torch.tensor([1 if local else 0], dtype=torch.int32, device=device)
             dist.all_reduce(flag, op=dist.ReduceOp.MIN)
             local = bool(flag.item())
         return local

@@ -268,7 +268,8 @@ class EngineClient:
         if self.server_info().get("engine") != ENGINE_NAME:
             raise PermanentError(
                 f"{self.url} is not the embedded engine: SGLang takes tensors only as pickles, which we never send; "
-                "sync it through a weight-update group (weight_transport='distributed') or from disk"
+                "sync it through a weight-update group (weight_transport='distributed') or save an HF checkpoint "
+                "and use update_weights_from_disk"
             )
 
     def update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> None:
