@@ -238,6 +238,7 @@ class QuantizedParts:
     def __init__(self, fp8_block: tuple[int, int] = (128, 128)):
         self.block = fp8_block
         self.pending: dict[str, dict[str, torch.Tensor]] = {}
+        self._int4: dict[int, Int4Dequantizer] = {}  # by group size: validating the config per Linear costs
 
     @staticmethod
     def _part(name: str, t: torch.Tensor) -> tuple[str, str] | None:
@@ -264,7 +265,10 @@ class QuantizedParts:
                 if len(shape) != 2 or groups <= 0 or shape[1] % groups:
                     raise QuantFormatError(f"{module}: weight_scale {tuple(parts['weight_scale'].shape)} does not "
                                            f"divide weight_shape {shape} into groups")
-                yield module + ".weight", Int4Dequantizer(kimi_int4_quant_config(shape[1] // groups)).dequant(module, parts)
+                group = shape[1] // groups
+                if group not in self._int4:
+                    self._int4[group] = Int4Dequantizer(kimi_int4_quant_config(group))
+                yield module + ".weight", self._int4[group].dequant(module, parts)
             elif {"weight", "weight_scale_inv"} <= parts.keys():
                 del self.pending[module]
                 yield module + ".weight", dequant_fp8_block(parts["weight"], parts["weight_scale_inv"], self.block,

@@ -59,11 +59,10 @@ def to_engine_format(named: Iterable[tuple[str, torch.Tensor]], fmt: EngineForma
     if fmt == "model":
         yield from named
     elif fmt == "bf16":
-        from kimi_pipeline.quant.export import KEEP_FP32
+        from kimi_pipeline.quant.export import storage_dtype
 
         for name, t in named:
-            keep = not t.is_floating_point() or name.endswith(KEEP_FP32)
-            yield name, t if keep else t.to(torch.bfloat16)
+            yield name, t.to(storage_dtype(name, t))
     elif fmt == "int4":
         from kimi_pipeline.quant.export import int4_storage
 
@@ -71,7 +70,7 @@ def to_engine_format(named: Iterable[tuple[str, torch.Tensor]], fmt: EngineForma
             yield from parts.items()
     elif fmt == "fp8":
         from kimi_pipeline.convert.dequant import FP8_SCALE_SUFFIX, FP8_TARGET, quantize_fp8_block
-        from kimi_pipeline.quant.export import KEEP_FP32
+        from kimi_pipeline.quant.export import storage_dtype
 
         for name, t in named:
             if FP8_TARGET.search(name) and t.ndim == 2:
@@ -79,7 +78,6 @@ def to_engine_format(named: Iterable[tuple[str, torch.Tensor]], fmt: EngineForma
                 yield name, q
                 yield name + FP8_SCALE_SUFFIX, scale_inv
             else:
-                keep = not t.is_floating_point() or name.endswith(KEEP_FP32)
-                yield name, t if keep else t.to(torch.bfloat16)
+                yield name, t.to(storage_dtype(name, t))
     else:
         raise ValueError(f"unknown engine weight format {fmt!r}")

@@ -87,7 +87,7 @@ def is_quantized(tensor_name: str, ignore: Iterable[str] = KIMI_IGNORE) -> bool:
     return not any(match_name(module, pattern) for pattern in ignore)
 
 
-def _storage_dtype(name: str, t: torch.Tensor) -> torch.dtype:
+def storage_dtype(name: str, t: torch.Tensor) -> torch.dtype:
     if not t.is_floating_point():
         return t.dtype
     return torch.float32 if name.endswith(KEEP_FP32) else torch.bfloat16
@@ -155,7 +155,7 @@ def int4_storage(hf_tensors: Iterable[tuple[str, torch.Tensor]], group_size: int
             raise ExportError(f"{name}: tensor given twice; the HF tensor source yields duplicates")
         seen.add(name)
         t = t.detach()  # stays on its device (weight sync quantizes on the GPU); writers copy to the host
-        parts = int4_tensors(name, t, group_size) if is_quantized(name, ignore) else {name: t.to(_storage_dtype(name, t))}
+        parts = int4_tensors(name, t, group_size) if is_quantized(name, ignore) else {name: t.to(storage_dtype(name, t))}
         yield name, t, parts
 
 

@@ -51,9 +51,12 @@ def broadcast(pg, tensor: torch.Tensor, root: int = 0) -> None:
 
 
 def dtype_from_name(name: str) -> torch.dtype:
-    dt = getattr(torch, str(name).replace("torch.", ""), None)
-    if not isinstance(dt, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r}")
+    """A weight dtype by name: the same list the shared-memory transport accepts (`shm.DTYPES`)."""
+    from kimi_pipeline.rl.engine.shm import DTYPES
+
+    dt = DTYPES.get(str(name).removeprefix("torch."))
+    if dt is None:
+        raise ValueError(f"dtype {name!r} is not a weight dtype")
     return dt
 
 

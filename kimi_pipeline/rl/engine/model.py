@@ -331,11 +331,10 @@ class EngineModel:
         items = named.items() if isinstance(named, Mapping) else named
         try:
             plan = self.check_weights(self._parts.feed(items))
-            if strict:
-                self._parts.check_complete()
         except QuantFormatError as e:
             raise EngineWeightError(str(e)) from None
         if strict:
+            self.finish_update()
             covered = set()
             for _, _, name in plan:
                 m = self._FUSED.match(name)
