@@ -61,6 +61,9 @@ def configure_prefect_env(project_root: Path | None = None) -> None:
     os.environ.setdefault("DO_NOT_TRACK", "1")
     os.environ.setdefault("PREFECT_SERVER_ALLOW_EPHEMERAL_MODE", "true")
     os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "kimi_pipeline")
+    # Prefect waits 20 s for its ephemeral server; a fresh PREFECT_HOME runs its database migrations first,
+    # measured at 17.7 s on an idle 2-core box (CI, loaded, took longer and failed `kimi run`).
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 
 
 @app.command()

@@ -9,12 +9,15 @@ from pathlib import Path
 
 import pytest
 
+from kimi_pipeline.cli import configure_prefect_env
+
 _HOME = tempfile.mkdtemp(prefix="kimi-test-prefect-")
 os.environ["PREFECT_HOME"] = _HOME
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ["DO_NOT_TRACK"] = "1"
 os.environ.pop("PREFECT_API_URL", None)
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+configure_prefect_env()  # the same Prefect settings `kimi run` uses (ephemeral server start-up timeout among them)
 for var in ("OPEN_TRAINING_INT4_FAKE_QAT_FLAG", "OPEN_TRAINING_INT4_GROUP_SIZE"):
     os.environ.pop(var, None)
 
