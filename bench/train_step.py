@@ -42,7 +42,8 @@ def _batch(vocab: int, batch: int, prompt: int, response: int, seed: int = 0):
 def megatron_steps(recipe, tokens, targets, mask, steps: int) -> float:
     from safetensors.torch import load_file
 
-    from kimi_pipeline.convert.names import load_hf_tensors_into_model, unwrap
+    from kimi_pipeline.convert.names import load_hf_tensors_into_model
+    from kimi_pipeline.model.megatron_model import unwrap
     from kimi_pipeline.model.megatron_train import build_trainable, forward_backward, logprobs_from_logits, optimizer_step
     from kimi_pipeline.model.parallel import Layout, destroy, init_distributed
 

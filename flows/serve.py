@@ -22,11 +22,11 @@ import httpx
 import yaml
 
 from kimi_pipeline.util.lifetime import die_with_parent
+from kimi_pipeline.util.net import LOOPBACK, free_port
 from kimi_pipeline.util.paths import PROJECT_ROOT
 
 PROJECT_FILE = PROJECT_ROOT / "prefect.yaml"
 DEPLOYMENT = "full"
-LOOPBACK = "127.0.0.1"
 DEFAULT_PORT = 4200
 SERVER_START_TIMEOUT_S = 180.0
 
@@ -68,12 +68,6 @@ def full_deployment(schedule: bool = True, name: str = DEPLOYMENT):
 
 
 # --------------------------------------------------------------------------- the server
-
-
-def free_port(host: str = LOOPBACK) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _child_setup() -> None:

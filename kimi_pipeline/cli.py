@@ -11,6 +11,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from kimi_pipeline.cli_recipes import RECIPE_HELP, SET_HELP, recipe_or_exit, recipe_or_problems
 from kimi_pipeline.cluster.cli import cluster_app
 from kimi_pipeline.plan import plan_command
 from kimi_pipeline.report.progress import echo_to_stderr, set_quiet
@@ -26,17 +27,7 @@ app.command("plan", help="Memory and time model of a recipe's layout (fits or no
 console = Console()
 err = Console(stderr=True)
 
-SET_HELP = "Override a recipe field: section.field=value (repeatable)."
-RECIPE_HELP = "Preset name or YAML file (which may `extends:` a preset)."
 QUIET_HELP = "No per-rollout / per-eval progress lines (and only warnings from Prefect)."
-
-
-def _load(recipe: str, overrides: list[str], check: bool = True):
-    try:
-        return load_recipe(recipe, overrides, check=check)
-    except RecipeError as e:
-        err.print(f"[red]error:[/red] {e}", markup=True, highlight=False)
-        raise typer.Exit(2) from None
 
 
 def _run_stage(fn, *args):
@@ -75,7 +66,7 @@ def run(
     quiet: bool = typer.Option(False, "--quiet", "-q", help=QUIET_HELP),
 ) -> None:
     """Run the whole pipeline in-process (Prefect flow `kimi`, ephemeral API)."""
-    r = _load(recipe, set_)
+    r = recipe_or_exit(recipe, set_)
     from kimi_pipeline.stages import STAGES
 
     if until is not None and until not in STAGES:
@@ -125,7 +116,7 @@ def download(
     """Stage `download` alone (HF token from HF_TOKEN)."""
     from kimi_pipeline.stages import prepare_run, stage_download
 
-    r = _load(recipe, set_)
+    r = recipe_or_exit(recipe, set_)
     section = _run_stage(stage_download, r, prepare_run(r, run_dir))
     console.print_json(json.dumps(section))
 
@@ -139,7 +130,7 @@ def validate(
     """Stage `validate` alone (after `download` in the same run dir)."""
     from kimi_pipeline.stages import prepare_run, stage_validate
 
-    r = _load(recipe, set_)
+    r = recipe_or_exit(recipe, set_)
     section = _run_stage(stage_validate, r, prepare_run(r, run_dir))
     console.print_json(json.dumps({k: v for k, v in section.items() if k not in ("train", "eval")}))
 
@@ -154,7 +145,7 @@ def convert(
     from kimi_pipeline.convert.stage import stage_convert
     from kimi_pipeline.stages import prepare_run
 
-    r = _load(recipe, set_)
+    r = recipe_or_exit(recipe, set_)
     section = _run_stage(stage_convert, r, prepare_run(r, run_dir))
     console.print_json(json.dumps(section, default=str))
 
@@ -168,10 +159,9 @@ def train(
     quiet: bool = typer.Option(False, "--quiet", "-q", help=QUIET_HELP),
 ) -> None:
     """Stage `train` alone (after convert + cluster in the same run dir); resumes from its checkpoints."""
-    from kimi_pipeline.rl.stage import stage_train
-    from kimi_pipeline.stages import prepare_run
+    from kimi_pipeline.stages import prepare_run, stage_train
 
-    r = _load(recipe, set_)
+    r = recipe_or_exit(recipe, set_)
     set_quiet(quiet)
     echo_to_stderr()
     section = _run_stage(lambda: stage_train(r, prepare_run(r, run_dir), ray_address=ray_address))
@@ -190,7 +180,7 @@ def export(
     from kimi_pipeline.quant.stage import stage_export
     from kimi_pipeline.stages import prepare_run
 
-    r = _load(recipe, set_)
+    r = recipe_or_exit(recipe, set_)
     path = prepare_run(r, run_dir)
     ckpt = checkpoint or path / "train" / "checkpoints"
     section = _run_stage(lambda: stage_export(r, path, ckpt, step=step))
@@ -211,15 +201,8 @@ def rehearse(
     from kimi_pipeline.cluster.rehearse import refused_plan, run_rehearsal
 
     out = out / recipe.replace("/", "_").removesuffix(".yaml")
-    try:
-        r = load_recipe(recipe, set_)
-    except RecipeError as e:
-        if any(p.field in ("<name>", "<file>") for p in e.problems):
-            err.print(f"[red]error:[/red] {e}", markup=True, highlight=False)
-            raise typer.Exit(2) from None
-        d = refused_plan(recipe, e.problems, out)
-    else:
-        d = _run_stage(run_rehearsal, r, out)
+    r = recipe_or_problems(recipe, set_)
+    d = refused_plan(recipe, r.problems, out) if isinstance(r, RecipeError) else _run_stage(run_rehearsal, r, out)
     if json_out:
         typer.echo(json.dumps(d, indent=1, default=str))
     else:
@@ -248,7 +231,7 @@ def eval_(
     from kimi_pipeline.eval.stage import evaluate_checkpoint
     from kimi_pipeline.util.paths import resolve_path
 
-    r = _load(recipe, set_)
+    r = recipe_or_exit(recipe, set_)
     source = r.data.eval
     data_file = data or (resolve_path(source.path) / (source.filename or "") if source.kind == "local" else None)
     if data_file is None:
@@ -275,7 +258,7 @@ def recipe_show(
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Print the fully resolved recipe (YAML, or JSON with --json)."""
-    r = _load(name, set_, check=False)
+    r = recipe_or_exit(name, set_, check=False)
     if as_json:
         print(json.dumps(r.model_dump(mode="json", exclude={"hub": {"token"}}), indent=2))
     else:
@@ -288,7 +271,7 @@ def recipe_check(
     set_: list[str] = typer.Option([], "--set", help=SET_HELP),
 ) -> None:
     """Validate a recipe's layout and consistency; exit 1 naming each bad field."""
-    r = _load(name, set_, check=False)
+    r = recipe_or_exit(name, set_, check=False)
     problems = check_recipe(r)
     if problems:
         err.print(f"[red]recipe {r.name} is invalid:[/red]", markup=True)

@@ -8,6 +8,4 @@ class PermanentError(RuntimeError):
 
 
 def is_permanent(exc: BaseException | None) -> bool:
-    from kimi_pipeline.recipes import RecipeError
-
-    return isinstance(exc, (PermanentError, RecipeError))
+    return isinstance(exc, PermanentError)

@@ -6,11 +6,13 @@ same name. Prefect tasks (tasks/) and the CLI call exactly these; nothing here i
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from kimi_pipeline.data.validate import DataValidationError, run_validate
-from kimi_pipeline.hub.download import dataset_path, read_manifest, run_download
+from kimi_pipeline.errors import PermanentError
+from kimi_pipeline.hub.download import dataset_path, model_root, read_manifest, run_download
 from kimi_pipeline.model.tokenizer import load_tokenizer
 from kimi_pipeline.recipes import Recipe, recipe_to_yaml
 from kimi_pipeline.report.summary import RunSummary
@@ -57,3 +59,49 @@ def mark_skipped(run_dir: Path, stages: list[str]) -> None:
     summary = RunSummary(run_dir)
     for s in stages:
         summary.set_stage(s, "skipped", 0.0)
+
+
+def initial_weights(recipe: Recipe, run_dir: Path) -> Path:
+    """The converted torch_dist checkpoint, or (bridge mode, K2.5) the downloaded HF directory itself."""
+    if recipe.convert.mode == "bridge":
+        return model_root(run_dir)
+    from kimi_pipeline.convert.stage import checkpoint_dir, completed
+
+    if completed(run_dir) is None:  # tracker and the stage's completion marker, both written last
+        raise PermanentError(f"{checkpoint_dir(run_dir)}: no complete converted checkpoint; "
+                             f"run the convert stage first (`kimi run --until convert`)")
+    return checkpoint_dir(run_dir)
+
+
+def cluster_address(run_dir: Path) -> str | None:
+    data = RunSummary(run_dir).read()
+    return (data.get("cluster") or {}).get("address")
+
+
+def stage_train(
+    recipe: Recipe,
+    run_dir: Path,
+    *,
+    ray_address: str | None = None,
+    evaluate: Callable[[int, list[str]], dict[str, Any]] | None = None,
+    on_step: Callable[[dict[str, Any]], None] | None = None,
+    stop_after: int | None = None,
+) -> dict[str, Any]:
+    """Stage `train`: GRPO from the converted checkpoint on the run's Ray cluster, resuming when re-run; records
+    `train` in summary.json. `evaluate` defaults to the in-process eval at each interval. It lives here, above
+    `rl` and `eval`, because it wires the two (eval scores the trainer's engines; eval itself uses rl's parts)."""
+    from kimi_pipeline.eval.stage import run_eval_step
+    from kimi_pipeline.rl.loop import run_training
+
+    summary = RunSummary(run_dir, recipe.name)
+    with summary.stage("train"):
+        hf_dir = model_root(run_dir)
+        if evaluate is None:
+            evaluate = lambda step, urls: run_eval_step(recipe, run_dir, step, urls, hf_dir)  # noqa: E731
+        section = run_training(
+            recipe, Path(run_dir), init_checkpoint=initial_weights(recipe, run_dir), model_dir=hf_dir,
+            ray_address=ray_address or cluster_address(run_dir), evaluate=evaluate, on_step=on_step,
+            stop_after=stop_after,
+        )
+        summary.set_section("train", section)
+    return section

@@ -10,7 +10,8 @@ from typing import Any
 from prefect import task
 from prefect.artifacts import create_markdown_artifact
 
-from kimi_pipeline.convert.stage import CKPT_NAME, MARKER, TRACKER, stage_convert
+from kimi_pipeline.convert.stage import CKPT_NAME, MARKER, stage_convert
+from kimi_pipeline.model.checkpoint_dirs import TRACKER
 from kimi_pipeline.recipes import Recipe
 from tasks.common import RETRIES, RETRY_DELAYS, cache_key, read_json, retry_unless_permanent
 

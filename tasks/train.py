@@ -19,7 +19,7 @@ from kimi_pipeline.eval.stage import run_eval_step
 from kimi_pipeline.hub.download import model_root
 from kimi_pipeline.recipes import Recipe
 from kimi_pipeline.rl.launch import plan_launch, plan_markdown
-from kimi_pipeline.rl.stage import stage_train
+from kimi_pipeline.stages import stage_train
 from tasks.common import RETRY_DELAYS, retry_unless_permanent
 
 

@@ -24,7 +24,7 @@ if str(ROOT) not in sys.path:
 
 def launch(scenario: str, world: int, out_dir: Path, args: dict, timeout: float = 300) -> list[dict]:
     """Run `scenario` on `world` ranks; returns every rank's JSON result."""
-    from kimi_pipeline.model.parallel import free_port
+    from kimi_pipeline.util.net import free_port
 
     out_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()

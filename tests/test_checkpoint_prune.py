@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kimi_pipeline.model.megatron_train import TRACKER, iteration_dir, prune_checkpoints
+from kimi_pipeline.model.checkpoint_dirs import TRACKER, iteration_dir, prune_checkpoints
 
 
 def _iters(root, steps):

@@ -501,7 +501,7 @@ def test_infra_scripts_start_a_head_and_a_worker():
     on the "shared" BASE_DIR; checked from a separate driver process; stopped by marker, not `ray stop`."""
     from ray._private.services import get_node_ip_address
 
-    from kimi_pipeline.cluster.env import free_port
+    from kimi_pipeline.util.net import free_port
     from kimi_pipeline.cluster.procs import stop_processes
 
     base = short_run_dir("infra")

@@ -420,8 +420,8 @@ def test_launcher_relaunches_when_the_rendezvous_port_is_taken(tmp_path, monkeyp
     squatter.listen()
     taken = squatter.getsockname()[1]
     picked: list[int] = []
-    real = launch._free_port
-    monkeypatch.setattr(launch, "_free_port", lambda: picked.append(taken if not picked else real()) or picked[-1])
+    real = launch.free_port
+    monkeypatch.setattr(launch, "free_port", lambda: picked.append(taken if not picked else real()) or picked[-1])
     try:
         res = launch_local("platform", [], nodes=2, procs_per_node=1, work_dir=tmp_path, report_dir=tmp_path / "r",
                            name="probe", timeout=120, grace=5)

@@ -39,7 +39,8 @@ from prefect.client.schemas.filters import (  # noqa: E402
 )
 from prefect.settings import PREFECT_API_URL, temporary_settings  # noqa: E402
 
-from flows.serve import free_port, start_server  # noqa: E402
+from flows.serve import start_server  # noqa: E402
+from kimi_pipeline.util.net import free_port  # noqa: E402
 from webhook_server import wait_for, webhook_receiver  # noqa: E402
 
 pytestmark = pytest.mark.slow

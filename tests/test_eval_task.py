@@ -28,7 +28,7 @@ def test_eval_task_retries_until_the_engine_answers(tmp_path):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
-    from kimi_pipeline.model.parallel import free_port
+    from kimi_pipeline.util.net import free_port
     from kimi_pipeline.recipes import load_recipe
     from kimi_pipeline.rl.engine.model import EngineModel
     from kimi_pipeline.rl.engine.sampler import RolloutEngine

@@ -143,7 +143,7 @@ def test_one_process_trains_with_megatron_optimizer(single_process):
 
 
 def _moe_layer(chunks):
-    from kimi_pipeline.convert.names import unwrap
+    from kimi_pipeline.model.megatron_model import unwrap
 
     return unwrap(chunks[0]).decoder.layers[1].mlp
 
@@ -197,7 +197,7 @@ def test_sdpa_attention_equals_megatrons_local_attention(single_process):
 
     r = load_recipe("tiny")
     chunks, _ = mt.build_trainable(r.model, single_process, r.optimizer)
-    from kimi_pipeline.convert.names import unwrap
+    from kimi_pipeline.model.megatron_model import unwrap
 
     core = unwrap(chunks[0]).decoder.layers[0].self_attention.core_attention
     m = r.model

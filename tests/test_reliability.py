@@ -110,7 +110,7 @@ def test_ray_node_lost_during_train_fails_clearly_and_the_retry_resumes(tmp_path
     from kimi_pipeline.report.metrics import read_jsonl
     from kimi_pipeline.rl.engine.client import EngineRequestError
     from kimi_pipeline.rl.loop import TrainingError
-    from kimi_pipeline.rl.stage import stage_train
+    from kimi_pipeline.stages import stage_train
     from kimi_pipeline.stages import prepare_run, stage_download, stage_validate
 
     import ray

@@ -7,15 +7,15 @@ import time
 
 import pytest
 
-from kimi_pipeline.rl.reward import (
+from kimi_pipeline.recipes import RecipeError, load_recipe
+from kimi_pipeline.reward import (
     MAX_ANSWER_CHARS,
+    AnswerGrader,
     RewardError,
-    RewardModel,
     SymbolicPool,
     answer_key,
     as_number,
     extract_answer,
-    grade,
     normalize_answer,
 )
 from conftest import TINY
@@ -23,8 +23,15 @@ from conftest import TINY
 
 @pytest.fixture(scope="module")
 def deepscaler():
-    with RewardModel("deepscaler", timeout_s=3.0, workers=2) as rm:
+    with AnswerGrader("deepscaler", timeout_s=3.0, workers=2) as rm:
         yield rm
+
+
+def score_one(response: str, label: str, rm_type: str = "math", thinking: bool = False, *,
+              strict: bool = False) -> float:
+    """One response graded by a fresh AnswerGrader (its worker, if any, closed afterwards)."""
+    with AnswerGrader(rm_type, thinking, workers=1, strict=strict) as grader:
+        return grader.score([response], [label])[0]
 
 
 @pytest.mark.parametrize(
@@ -61,7 +68,7 @@ def deepscaler():
     ],
 )
 def test_math_hand_cases(response, label, expected):
-    assert grade(response, label, "math") == expected
+    assert score_one(response, label, "math") == expected
 
 
 @pytest.mark.parametrize(
@@ -79,44 +86,46 @@ def test_math_hand_cases(response, label, expected):
 )
 def test_strict_parse_rejects_sloppy_endings(response):
     assert extract_answer(response, "math", strict=True) is None
-    assert grade(response, "9", "math", strict=True) == 0.0
-    assert grade(response, "9", "deepscaler", strict=True) == 0.0
+    assert score_one(response, "9", "math", strict=True) == 0.0
+    assert score_one(response, "9", "deepscaler", strict=True) == 0.0
 
 
 def test_default_is_the_seeds_deepscaler_semantics():
     """The seeds' reward: the last box of the answer region, whatever follows it; `###Response` splits too."""
     for rm in ("math", "deepscaler"):
-        assert grade("\\boxed{5}. I hope this helps!", "5", rm) == 1.0
-        assert grade("\\boxed{9} and then some more text", "9", rm) == 1.0
-        assert grade("so \\boxed{8}, no wait \\boxed{9}. Done.", "9", rm) == 1.0
-        assert grade("\\boxed{9", "9", rm) == 0.0  # never closed
-        assert grade("<think>\\boxed{5}</think>So: \\boxed{5}. I hope this helps!", "5", rm, thinking=True) == 1.0
+        assert score_one("\\boxed{5}. I hope this helps!", "5", rm) == 1.0
+        assert score_one("\\boxed{9} and then some more text", "9", rm) == 1.0
+        assert score_one("so \\boxed{8}, no wait \\boxed{9}. Done.", "9", rm) == 1.0
+        assert score_one("\\boxed{9", "9", rm) == 0.0  # never closed
+        assert score_one("<think>\\boxed{5}</think>So: \\boxed{5}. I hope this helps!", "5", rm, thinking=True) == 1.0
     # upstream deepscaler: no </think> -> the text after ###Response
-    assert grade("draft \\boxed{3} ###Response The answer is \\boxed{5}, done.", "5", "deepscaler", thinking=True) == 1.0
-    assert grade("###Response \\boxed{5}", "3", "deepscaler", thinking=True) == 0.0
-    assert grade("\\boxed{3} ###Response nothing boxed here", "3", "deepscaler", thinking=True) == 0.0
-    assert grade("no marker at all \\boxed{5}", "5", "deepscaler", thinking=True) == 0.0  # never answered
-    assert grade("###Response \\boxed{5}", "5", "math", thinking=True) == 0.0  # the split is deepscaler's only
+    draft_then_answer = "draft \\boxed{3} ###Response The answer is \\boxed{5}, done."
+    assert score_one(draft_then_answer, "5", "deepscaler", thinking=True) == 1.0
+    assert score_one("###Response \\boxed{5}", "3", "deepscaler", thinking=True) == 0.0
+    assert score_one("\\boxed{3} ###Response nothing boxed here", "3", "deepscaler", thinking=True) == 0.0
+    assert score_one("no marker at all \\boxed{5}", "5", "deepscaler", thinking=True) == 0.0  # never answered
+    assert score_one("###Response \\boxed{5}", "5", "math", thinking=True) == 0.0  # the split is deepscaler's only
 
 
 def test_thinking_models_must_close_their_thinking():
     answered = "<think>maybe \\boxed{3}</think>So the answer is \\boxed{7}."
     unclosed = "<think>so the answer is \\boxed{7}"
     for rm in ("math", "deepscaler"):
-        assert grade(answered, "7", rm, thinking=True) == 1.0
-        assert grade(unclosed, "7", rm, thinking=True) == 0.0  # never answered
-        assert grade("<think>\\boxed{7}</think>I give up.", "7", rm, thinking=True) == 0.0  # boxed only inside thinking
-    assert grade("<think>a</think>x</think>\\boxed{7}", "7", "math", thinking=True) == 1.0  # after the LAST close
-    assert grade("\\boxed{7}", "7", "math", thinking=False) == 1.0
+        assert score_one(answered, "7", rm, thinking=True) == 1.0
+        assert score_one(unclosed, "7", rm, thinking=True) == 0.0  # never answered
+        # boxed only inside thinking
+        assert score_one("<think>\\boxed{7}</think>I give up.", "7", rm, thinking=True) == 0.0
+    assert score_one("<think>a</think>x</think>\\boxed{7}", "7", "math", thinking=True) == 1.0  # after the LAST close
+    assert score_one("\\boxed{7}", "7", "math", thinking=False) == 1.0
 
 
 def test_math_variant_is_string_and_numeric_only():
     # x+1 vs 1+x needs algebra: math says 0 without starting a worker, deepscaler says 1
-    rm = RewardModel("math")
+    rm = AnswerGrader("math")
     assert rm.score(["\\boxed{x+1}"], ["1+x"]) == [0.0]
     assert rm._pool is None
-    assert grade("\\boxed{1+x}", "x+1", "deepscaler") == 1.0
-    assert grade("Answer: x+1", "x+1", "deepscaler") == 0.0  # deepscaler needs a box
+    assert score_one("\\boxed{1+x}", "x+1", "deepscaler") == 1.0
+    assert score_one("Answer: x+1", "x+1", "deepscaler") == 0.0  # deepscaler needs a box
 
 
 @pytest.mark.parametrize(
@@ -158,7 +167,7 @@ def test_normalization_and_numbers():
 def test_tiny_dataset_labels_grade_against_the_learned_format():
     rows = [json.loads(line) for line in (TINY / "aime-tiny.jsonl").read_text().splitlines()]
     responses = [f"The answer is \\boxed{{{r['label']}}}. Answer: \\boxed{{{r['label']}}}<|im_end|>" for r in rows]
-    rm = RewardModel("math")
+    rm = AnswerGrader("math")
     assert rm.score(responses, [r["label"] for r in rows]) == [1.0] * len(rows)
     shifted = [str((int(r["label"]) + 1) % 10) for r in rows]
     assert rm.score(responses, shifted) == [0.0] * len(rows)
@@ -176,13 +185,13 @@ def test_power_tower_is_refused_without_sympy(deepscaler):
     assert deepscaler.score(explosive, ["9"] * 4) == [0.0] * 4
     assert deepscaler.last_stats.rejected == 4
     assert time.monotonic() - t < 1.0
-    assert grade("\\boxed{9^{9^{9^{9}}}}", "9", "deepscaler", strict=False) == 0.0
+    assert score_one("\\boxed{9^{9^{9^{9}}}}", "9", "deepscaler", strict=False) == 0.0
     assert deepscaler.score(["\\boxed{2^{2024}}", "\\boxed{100!}"], ["2^{2024}", "100!"]) == [1.0, 1.0]
 
 
 def test_spinning_sympy_is_killed_and_replaced():
     # binom(10^6, 5*10^5) passes the explosive-form filter and then grinds in sympy for long
-    with RewardModel("deepscaler", timeout_s=1.0, workers=1) as rm:
+    with AnswerGrader("deepscaler", timeout_s=1.0, workers=1) as rm:
         t = time.monotonic()
         assert rm.score(["\\boxed{\\binom{1000000}{500000}}", "\\boxed{1+x}"], ["9", "x+1"]) == [0.0, 1.0]
         elapsed = time.monotonic() - t
@@ -214,22 +223,22 @@ def test_megabytes_and_deep_nesting_finish_fast(deepscaler):
     elapsed = time.monotonic() - t
     assert rewards == [0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
     assert elapsed < 5.0, elapsed
-    assert RewardModel("math", thinking=True).score(["<think>" + big], ["7"]) == [0.0]
+    assert AnswerGrader("math", thinking=True).score(["<think>" + big], ["7"]) == [0.0]
 
 
 def test_bad_configuration_is_a_clear_error():
     with pytest.raises(RewardError, match="rm_type"):
-        RewardModel("f1")  # type: ignore[arg-type]
+        AnswerGrader("f1")
     with pytest.raises(RewardError, match="timeout_s"):
-        RewardModel("math", timeout_s=0)
+        AnswerGrader("math", timeout_s=0)
     with pytest.raises(RewardError, match="workers"):
         SymbolicPool(workers=0)
     with pytest.raises(ValueError, match="labels"):
-        RewardModel("math").score(["a"], [])
+        AnswerGrader("math").score(["a"], [])
 
 
 def test_a_worker_killed_from_outside_is_replaced():
-    with RewardModel("deepscaler", timeout_s=3.0, workers=1) as rm:
+    with AnswerGrader("deepscaler", timeout_s=3.0, workers=1) as rm:
         assert rm.score(["\\boxed{1+x}"], ["x+1"]) == [1.0]
         victim = rm._pool._workers[0].proc
         victim.kill()
@@ -239,7 +248,43 @@ def test_a_worker_killed_from_outside_is_replaced():
 
 
 def test_nested_boxes_and_units():
-    assert grade("\\boxed{\\boxed{\\boxed{7}}}", "7", "math") == 1.0
-    assert grade("\\boxed{7} \\boxed{8}", "7", "math") == 0.0
-    assert grade("\\boxed{5 \\text{ m}}", "5", "math") == 1.0
-    assert grade("\\boxed{2\\mathrm{i}}", "2", "math") == 0.0  # \mathrm{i} is not a unit
+    assert score_one("\\boxed{\\boxed{\\boxed{7}}}", "7", "math") == 1.0
+    assert score_one("\\boxed{7} \\boxed{8}", "7", "math") == 0.0
+    assert score_one("\\boxed{5 \\text{ m}}", "5", "math") == 1.0
+    assert score_one("\\boxed{2\\mathrm{i}}", "2", "math") == 0.0  # \mathrm{i} is not a unit
+
+
+# ------------------------------------------------------------------------------------------------
+# Custom graders: rollout.rm_type as a function path package.module:function
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def custom_grader_module(tmp_path, monkeypatch):
+    """A user's grader module on sys.path: full marks for an exact echo of the label, half for a prefix."""
+    (tmp_path / "my_rm_for_tests.py").write_text(
+        "from kimi_pipeline.reward import Verdict\n\n\n"
+        "def echo(response, label, *, thinking, strict):\n"
+        "    if response == label:\n"
+        "        return Verdict(1.0, 'fast')\n"
+        "    return Verdict(0.5 if response.startswith(label) else 0.0, 'fast')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return "my_rm_for_tests"
+
+
+def test_a_custom_grader_by_function_path_scores_as_it_says(custom_grader_module):
+    recipe = load_recipe("tiny", [f"rollout.rm_type={custom_grader_module}:echo"])
+    with AnswerGrader(recipe.rollout.rm_type) as grader:
+        assert grader.score(["42", "42 or so", "\\boxed{42}"], ["42", "42", "42"]) == [1.0, 0.5, 0.0]
+        assert grader.last_stats.n == 3 and grader.last_stats.fast == 3 and grader._pool is None
+        assert grader.answers(["\\boxed{42}"]) == ["42"]  # majority voting reads answers the math way
+
+
+@pytest.mark.parametrize("rm_type", ["no_such_module_xyz:grade", "my_rm_for_tests:missing", "math:", "f1"])
+def test_an_unresolvable_rm_type_fails_at_recipe_load(custom_grader_module, rm_type):
+    with pytest.raises(RecipeError) as e:
+        load_recipe("tiny", [f"rollout.rm_type={rm_type}"])
+    assert any(p.field == "rollout.rm_type" for p in e.value.problems), str(e.value)
+    with pytest.raises(RewardError, match="rollout.rm_type"):
+        AnswerGrader(rm_type)

@@ -22,12 +22,12 @@ def _rollout(url: str, sets: list[str], step: int = 0):
     from kimi_pipeline.rl.engine.client import Router
     from kimi_pipeline.rl.loop import rollout
     from kimi_pipeline.rl.prompts import PromptStream, load_prompts
-    from kimi_pipeline.rl.reward import RewardModel
+    from kimi_pipeline.reward import AnswerGrader
 
     recipe = load_recipe("tiny", ["rollout.rollout_batch_size=8", "rollout.n_samples_per_prompt=4", *sets])
     tok = load_tokenizer(TINY / "model")
     stream = PromptStream(load_prompts(TINY / "dapo-math-tiny.jsonl", tok), seed=1)
-    with Router([url]) as client, RewardModel("math") as rm:
+    with Router([url]) as client, AnswerGrader("math") as rm:
         samples, metrics = rollout(client, tok, rm, stream, recipe, step)
     return recipe, stream, samples, metrics
 

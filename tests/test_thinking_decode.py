@@ -10,7 +10,7 @@ from kimi_pipeline.recipes import load_recipe
 from kimi_pipeline.rl.engine.sampler import Completion
 from kimi_pipeline.rl.loop import generate_groups
 from kimi_pipeline.rl.prompts import Prompt
-from kimi_pipeline.rl.reward import RewardModel
+from kimi_pipeline.reward import AnswerGrader
 
 TINY = Path(__file__).resolve().parents[1] / "data" / "tiny" / "model"
 
@@ -47,7 +47,7 @@ def test_rollout_grades_a_thinking_response_through_the_real_decode_path():
     tok = load_tokenizer(TINY)
     recipe = load_recipe("tiny", ["rollout.thinking=true", "rollout.n_samples_per_prompt=2"])
     prompts = [Prompt(ids=tok.encode("1+6=?", add_special_tokens=False), label="7", text="1+6=?")]
-    with RewardModel(recipe.rollout.rm_type, thinking=True) as reward:
+    with AnswerGrader(recipe.rollout.rm_type, thinking=True) as reward:
         (group,) = generate_groups(_Engine(_thinking_response(tok)), tok, reward, prompts, recipe, seed=0)
     assert [s.reward for s in group] == [1.0, 1.0]
     assert all("</think>" in s.response_text for s in group)

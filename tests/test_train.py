@@ -82,7 +82,7 @@ def _stable(row: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def trained(prepared, ray_local, tmp_path_factory) -> tuple[Path, Path, dict]:
-    from kimi_pipeline.rl.stage import stage_train
+    from kimi_pipeline.stages import stage_train
 
     tiny, base = prepared
     run = _copy_run(base, tmp_path_factory.mktemp("trained") / "run")
@@ -136,7 +136,7 @@ def test_kimi_eval_checkpoint_reproduces_the_in_training_eval(trained, tmp_path)
 
 def test_kill_9_then_retry_resumes_with_identical_metrics(prepared, ray_local, tmp_path):
     from kimi_pipeline.rl.loop import TrainingError
-    from kimi_pipeline.rl.stage import stage_train
+    from kimi_pipeline.stages import stage_train
 
     tiny, base = prepared
     r = _recipe(tiny, REPRODUCIBLE)
@@ -168,7 +168,7 @@ def _trainer_pids() -> list[int]:
 
 
 def test_ep2_across_two_trainer_actors(prepared, ray_local, tmp_path):
-    from kimi_pipeline.rl.stage import stage_train
+    from kimi_pipeline.stages import stage_train
 
     tiny, base = prepared
     run = _copy_run(base, tmp_path / "ep2")

@@ -9,21 +9,9 @@ from typing import Optional
 
 import typer
 
+from kimi_pipeline.cli_recipes import RECIPE_HELP, SET_HELP, recipe_or_exit
+
 cluster_app = typer.Typer(no_args_is_help=True, help="Ray cluster: up/down/status, KubeRay manifests, job command.")
-
-RECIPE_HELP = "Preset name or YAML file."
-SET_HELP = "Override a recipe field: section.field=value (repeatable)."
-
-
-def _recipe(name: str, sets: list[str], check: bool = True):
-    from kimi_pipeline.recipes import RecipeError, load_recipe
-
-    try:
-        return load_recipe(name, sets, check=check)
-    except RecipeError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
-
 
 def _fail(e: Exception) -> typer.Exit:
     typer.echo(f"error: {e}", err=True)
@@ -41,7 +29,7 @@ def up(
     from kimi_pipeline.cluster import ClusterError, stage_cluster
     from kimi_pipeline.errors import PermanentError
 
-    r = _recipe(recipe, set_)
+    r = recipe_or_exit(recipe, set_)
     r.cluster.keep = True  # this process exits right away; the cluster must not go with it
     try:
         section = stage_cluster(r, run_dir, timeout_s=timeout)
@@ -93,7 +81,7 @@ def manifest(
 
     directory = out_dir or MANIFEST_DIR
     names = [recipe] if recipe else manifest_presets()
-    recipes = [_recipe(n, set_) for n in names]
+    recipes = [recipe_or_exit(n, set_) for n in names]
     if check:
         problems = [p for r in recipes if (p := check_manifest(r, manifest_path(r.name, directory), image))]
         for p in problems:
@@ -117,5 +105,5 @@ def job_command(
     """The `ray job submit` line that runs this pipeline as a Ray job (venv interpreter, absolute path)."""
     from kimi_pipeline.cluster.jobs import job_submit_text
 
-    _recipe(recipe, set_, check=False)
+    recipe_or_exit(recipe, set_, check=False)
     typer.echo(job_submit_text(recipe, dashboard, set_))

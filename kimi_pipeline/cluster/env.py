@@ -109,13 +109,6 @@ def choose_temp_dir(run_dir: Path) -> tuple[Path, str | None]:
     return short, note
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """An unused TCP port (tiny race until Ray binds it; Ray fails loudly if it loses)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def gcs_reachable(address: str, timeout_s: float = 2.0) -> bool:
     host, _, port = address.rpartition(":")
     try:

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kimi_pipeline.cluster.env import choose_temp_dir, free_port, gcs_reachable, ray_env
+from kimi_pipeline.cluster.env import choose_temp_dir, gcs_reachable, ray_env
+from kimi_pipeline.util.net import free_port
 from kimi_pipeline.cluster.errors import ClusterError
 from kimi_pipeline.cluster.procs import MARKER_VAR, cluster_processes, stop_processes
 from kimi_pipeline.util.files import atomic_write_json

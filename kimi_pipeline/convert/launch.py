@@ -27,6 +27,7 @@ from typing import Any
 
 from kimi_pipeline.errors import PermanentError, is_permanent
 from kimi_pipeline.util.lifetime import bind_to_parent, die_with_parent
+from kimi_pipeline.util.net import free_port
 
 WORKER_ENV = {
     "OMP_NUM_THREADS": "1",  # one intra-op thread per rank: 2 cores, several ranks
@@ -128,14 +129,6 @@ def scale_out_command(module: str, args: list[str], *, nnodes: int, nproc_per_no
                        master_addr="$MASTER_ADDR", master_port=master_port, python="python")
     cmd = [("--node-rank=$NODE_RANK" if c.startswith("--node-rank=") else c) for c in cmd]
     return " ".join(c if c.startswith(("--master-addr=$", "--node-rank=$")) else shlex.quote(c) for c in cmd)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _tail(path: Path, n: int = 25) -> str:
@@ -302,7 +295,7 @@ def _port_clash(log: Path) -> bool:
 
 def _run(module: str, args: list[str], nodes: int, ppn: int, log_dir: Path, name: str, env: dict[str, str] | None,
          timeout: float | None, grace: float) -> tuple[list[int | None], float, list[Path], list[list[str]], bool]:
-    port = _free_port()
+    port = free_port()
     full_env = {**os.environ, **WORKER_ENV, "KIMI_LAUNCH_TIME": repr(time.time()), **(env or {})}
     commands, procs, logs = [], [], []
     t0 = time.monotonic()

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kimi_pipeline.errors import PermanentError
+from kimi_pipeline.model.megatron_model import unwrap
 from kimi_pipeline.model.parallel import Layout
 from kimi_pipeline.recipes.models import ModelSpec
 
@@ -251,17 +252,6 @@ def hf_from_gathered(shard: Shard, parts: list[torch.Tensor]) -> list[torch.Tens
 
 
 # --------------------------------------------------------------------------- model access
-
-
-def unwrap(model) -> torch.nn.Module:
-    """The GPTModel inside DDP / Float16Module wrappers (or a one-element list of chunks)."""
-    if isinstance(model, (list, tuple)):
-        if len(model) != 1:
-            raise NotImplementedError("virtual pipeline stages (several model chunks per rank) are not supported")
-        model = model[0]
-    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
-        model = model.module
-    return model
 
 
 def model_uses_te(model) -> bool:

@@ -50,7 +50,7 @@ class NodeAgent:
         return ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id()
 
     def free_port(self) -> int:
-        from kimi_pipeline.cluster.env import free_port
+        from kimi_pipeline.util.net import free_port
 
         return free_port()
 

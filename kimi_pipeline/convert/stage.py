@@ -22,13 +22,13 @@ from typing import Any
 from kimi_pipeline.convert.launch import launch, read_rank_reports, scale_out_command
 from kimi_pipeline.errors import PermanentError
 from kimi_pipeline.hub.download import read_manifest
+from kimi_pipeline.model.checkpoint_dirs import TRACKER
 from kimi_pipeline.recipes import Recipe
 from kimi_pipeline.util.files import atomic_write_json, sha256_json
 
 log = logging.getLogger(__name__)
 
 CKPT_NAME = "torch_dist"
-TRACKER = "latest_checkpointed_iteration.txt"  # what Megatron's --load reads first
 MARKER = "convert.json"
 FORMAT_VERSION = 1  # bump when the checkpoint layout written here changes
 

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from kimi_pipeline.rl.reward import answer_key
+from kimi_pipeline.reward import answer_key
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

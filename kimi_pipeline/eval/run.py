@@ -31,7 +31,7 @@ def evaluate(client, tokenizer, prompts: list[Prompt], spec: EvalSpec, *, step: 
              top_k: int = -1) -> dict[str, Any]:
     """Evaluate the engines' current weights; write the per-problem table and append eval.jsonl."""
     from kimi_pipeline.rl.engine.sampler import SamplingParams
-    from kimi_pipeline.rl.reward import RewardModel
+    from kimi_pipeline.reward import AnswerGrader
 
     t0 = time.perf_counter()
     n = spec.n_samples_per_prompt
@@ -40,10 +40,10 @@ def evaluate(client, tokenizer, prompts: list[Prompt], spec: EvalSpec, *, step: 
     completions = client.generate([p.ids for p in prompts], n=n, params=params)
     texts = decode_responses(tokenizer, [c.output_ids for c in completions])
     labels = [p.label for p in prompts for _ in range(n)]
-    with RewardModel(rm_type, thinking, strict=strict) as rm:
-        rewards = rm.score(texts, labels)
-        answers = rm.answers(texts)
-        stats = rm.last_stats.as_dict()
+    with AnswerGrader(rm_type, thinking, strict=strict) as grader:
+        rewards = grader.score(texts, labels)
+        answers = grader.answers(texts)
+        stats = grader.last_stats.as_dict()
     grid = lambda xs: [xs[i * n : (i + 1) * n] for i in range(len(prompts))]  # noqa: E731
     summary = summarize(
         [[r > 0.5 for r in row] for row in grid(rewards)],

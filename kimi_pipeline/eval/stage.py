@@ -12,6 +12,7 @@ from typing import Any
 
 from kimi_pipeline.errors import PermanentError
 from kimi_pipeline.eval.run import eval_step_path, evaluate, table_markdown
+from kimi_pipeline.model.checkpoint_dirs import TRACKER, latest_step
 from kimi_pipeline.model.tokenizer import load_tokenizer
 from kimi_pipeline.recipes import Recipe
 from kimi_pipeline.report.summary import RunSummary
@@ -58,7 +59,7 @@ def evaluate_checkpoint(recipe: Recipe, checkpoint: Path, run_dir: Path, *, mode
     if (checkpoint / "config.json").is_file():
         engine_model = EngineModel.from_pretrained(checkpoint)
         tokenizer_dir = checkpoint if (checkpoint / "tokenizer.json").is_file() else model_dir
-    elif (checkpoint / "latest_checkpointed_iteration.txt").is_file() or checkpoint.name.startswith("iter_"):
+    elif (checkpoint / TRACKER).is_file() or checkpoint.name.startswith("iter_"):
         if model_dir is None or not (Path(model_dir) / "config.json").is_file():
             raise PermanentError(f"{model_dir}: a torch_dist checkpoint needs the HF config + tokenizer directory "
                                  "it was converted from (--model-dir, or the run's download stage)")
@@ -67,7 +68,7 @@ def evaluate_checkpoint(recipe: Recipe, checkpoint: Path, run_dir: Path, *, mode
         engine_model.load_weights(_torch_dist_hf_tensors(recipe, checkpoint), strict=True)
     else:
         raise PermanentError(f"{checkpoint}: neither an HF checkpoint (config.json) nor a torch_dist checkpoint "
-                             "(latest_checkpointed_iteration.txt or iter_NNNNNNN/)")
+                             f"({TRACKER} or iter_NNNNNNN/)")
     tokenizer = load_tokenizer(tokenizer_dir, recipe.hub.trust_remote_code)
     prompts = (load_prompts(data_file, tokenizer, recipe.data.input_key, recipe.data.label_key,
                             recipe.data.apply_chat_template) if data_file else eval_prompts(recipe, run_dir, tokenizer))
@@ -84,10 +85,7 @@ def evaluate_checkpoint(recipe: Recipe, checkpoint: Path, run_dir: Path, *, mode
 def _checkpoint_step(checkpoint: Path) -> int:
     if checkpoint.name.startswith("iter_") and checkpoint.name[5:].isdigit():
         return int(checkpoint.name[5:])
-    tracker = checkpoint / "latest_checkpointed_iteration.txt"
-    if tracker.is_file() and tracker.read_text().strip().isdigit():
-        return int(tracker.read_text().strip())
-    return 0
+    return latest_step(checkpoint) or 0
 
 
 def _torch_dist_hf_tensors(recipe: Recipe, checkpoint: Path) -> dict:

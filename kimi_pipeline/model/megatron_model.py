@@ -355,3 +355,14 @@ def causal_forward(model, tokens: torch.Tensor, position_ids: torch.Tensor | Non
     position_ids = check_positions(position_ids, tokens)
     mask = causal_mask(tokens.shape[1], device=tokens.device)
     return model(tokens, position_ids, mask)
+
+
+def unwrap(model) -> torch.nn.Module:
+    """The GPTModel inside DDP / Float16Module wrappers (or a one-element list of chunks)."""
+    if isinstance(model, (list, tuple)):
+        if len(model) != 1:
+            raise NotImplementedError("virtual pipeline stages (several model chunks per rank) are not supported")
+        model = model[0]
+    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
+        model = model.module
+    return model

@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
-from kimi_pipeline.errors import PermanentError
+from kimi_pipeline.model.checkpoint_dirs import TRACKER, CheckpointError, iteration_dir, latest_step
 from kimi_pipeline.model.context_parallel import Packing, SeqLayout, batch_logprobs, cp_group, seq_multiple
-from kimi_pipeline.model.megatron_model import build_model, causal_mask, check_positions
+from kimi_pipeline.model.megatron_model import build_model, causal_mask, check_positions, unwrap
 from kimi_pipeline.model.parallel import Layout
 from kimi_pipeline.recipes.models import ModelSpec, OptimizerSpec
 from kimi_pipeline.util.files import atomic_write_json, atomic_write_text
@@ -34,7 +34,6 @@ from kimi_pipeline.util.threads import one_intraop_thread_for_helpers
 
 log = logging.getLogger(__name__)
 
-TRACKER = "latest_checkpointed_iteration.txt"
 EXTRA = "kimi_extra.json"
 CHECKPOINT_VERSION = 3.0  # what Megatron-LM's --load expects in common state
 # Optimizer state sharding that reshards across TP/PP/EP/DP changes (megatron's canonical form).
@@ -43,10 +42,6 @@ SHARDED_METADATA = {
     "singleton_local_shards": False,
     "chained_optim_avoid_prefix": True,
 }
-
-
-class CheckpointError(PermanentError):
-    """No usable checkpoint at the given place (missing tracker, iteration dir or wrong layout)."""
 
 
 LossFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, Any, dict]]
@@ -394,39 +389,6 @@ def set_rng_state(state: dict) -> None:
 # --------------------------------------------------------------------------- checkpoints
 
 
-def iteration_dir(ckpt_dir: str | Path, step: int) -> Path:
-    return Path(ckpt_dir) / f"iter_{step:07d}"
-
-
-def prune_checkpoints(ckpt_dir: str | Path, keep_last: int | None) -> list[Path]:
-    """Delete all but the newest `keep_last` complete iterations (never the tracker's); returns what went.
-
-    Unfinished temp dirs of a crashed save are left to the next save's cleanup, not touched here."""
-    if not keep_last:
-        return []
-    latest = latest_step(ckpt_dir)
-    done = sorted((int(p.name[5:]), p) for p in Path(ckpt_dir).glob("iter_*")
-                  if p.is_dir() and p.name[5:].isdigit() and (latest is None or int(p.name[5:]) <= latest))
-    gone = [p for step, p in done[:-keep_last] if step != latest]
-    for p in gone:
-        shutil.rmtree(p)
-    return gone
-
-
-def latest_step(ckpt_dir: str | Path) -> int | None:
-    """The step the tracker points at, or None when there is no complete checkpoint."""
-    tracker = Path(ckpt_dir) / TRACKER
-    if not tracker.is_file():
-        return None
-    text = tracker.read_text().strip()
-    if text == "release":
-        return 0
-    try:
-        return int(text)
-    except ValueError as exc:
-        raise CheckpointError(f"{tracker}: expected an iteration number, got {text!r}") from exc
-
-
 def _rank() -> int:
     return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
@@ -436,15 +398,9 @@ def _barrier() -> None:
         torch.distributed.barrier()
 
 
-def _unwrapped(model_chunks):
-    from kimi_pipeline.convert.names import unwrap
-
-    return unwrap(model_chunks)
-
-
 def _model_sharded_state_dict(model_chunks) -> dict:
     # The unwrapped GPTModel, as Megatron-LM does: DDP would prefix every key with "module.".
-    return _unwrapped(model_chunks).sharded_state_dict(metadata=dict(SHARDED_METADATA))
+    return unwrap(model_chunks).sharded_state_dict(metadata=dict(SHARDED_METADATA))
 
 
 def _save(ckpt_dir: Path, step: int, state: dict, extra: dict | None) -> Path:
@@ -528,7 +484,7 @@ def resolve_iteration(ckpt_dir: str | Path, step: int | None = None) -> tuple[Pa
 
 
 def _load_model_state(model_chunks, loaded: dict) -> None:
-    _unwrapped(model_chunks).load_state_dict(loaded["model"], strict=True)
+    unwrap(model_chunks).load_state_dict(loaded["model"], strict=True)
 
 
 @one_intraop_thread_for_helpers()

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 from dataclasses import dataclass
 
 import torch
 
 from kimi_pipeline.errors import PermanentError
 from kimi_pipeline.recipes.models import ConvertSpec, ModelSpec, ParallelSpec
+from kimi_pipeline.util.net import free_port
 
 
 class LayoutError(PermanentError):
@@ -134,12 +134,6 @@ class Layout:
             last_stage_layers=spec.decoder_last_pipeline_num_layers,
             sequence_parallel=spec.sequence_parallel,
         )
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _cpu_threads(local_world_size: int) -> int:

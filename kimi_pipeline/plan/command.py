@@ -13,6 +13,8 @@ from typing import Any, Optional
 
 import typer
 
+from kimi_pipeline.cli_recipes import RECIPE_HELP, SET_HELP, recipe_or_problems
+
 from kimi_pipeline.plan.hardware import GPU, GPUS, get_gpu
 from kimi_pipeline.plan.memory import (
     GIB,
@@ -29,7 +31,7 @@ from kimi_pipeline.plan.memory import (
 from kimi_pipeline.plan.params import count_params
 from kimi_pipeline.plan.timing import TimeAssumptions, step_time, workload
 from kimi_pipeline.recipes.checks import PipelineSplitError, check_recipe, pipeline_layers
-from kimi_pipeline.recipes.load import RecipeError, load_recipe
+from kimi_pipeline.recipes.load import RecipeError
 from kimi_pipeline.recipes.recipe import Recipe
 
 # Recipe problems that decide whether the layout can run at all (the rest are reported as warnings).
@@ -356,10 +358,10 @@ def _render(plan: dict[str, Any]) -> None:
 
 
 def plan_command(
-    recipe: str = typer.Argument("tiny", help="preset name or recipe YAML file"),
+    recipe: str = typer.Argument("tiny", help=RECIPE_HELP),
     gpu: str = typer.Option("h100", "--gpu", help=f"GPU kind: {', '.join(GPUS)}"),
     nodes: Optional[int] = typer.Option(None, "--nodes", min=1, help="plan for this many nodes (shrinks DP, then PP)"),
-    set_: list[str] = typer.Option([], "--set", help="section.field=value"),
+    set_: list[str] = typer.Option([], "--set", help=SET_HELP),
     json_out: bool = typer.Option(False, "--json", help="print the plan as JSON"),
     mfu: float = typer.Option(0.25, "--mfu", min=1e-3, max=1.0, help="assumed model FLOPs utilisation"),
     decode_tok_s: Optional[float] = typer.Option(
@@ -376,13 +378,9 @@ def plan_command(
     except KeyError as e:
         raise typer.BadParameter(str(e.args[0]), param_hint="--gpu") from None
     ta = TimeAssumptions(mfu=mfu, decode_tok_s=decode_tok_s, mean_response_frac=mean_response_frac, seq_tok_s=seq_tok_s)
-    try:
-        r = load_recipe(recipe, set_, check=False)
-    except RecipeError as e:
-        if any(p.field in ("<name>", "<file>") for p in e.problems):
-            typer.echo(str(e), err=True)
-            raise typer.Exit(2) from None
-        plan = failed_plan(recipe, g, str(e))
+    r = recipe_or_problems(recipe, set_, check=False)
+    if isinstance(r, RecipeError):
+        plan = failed_plan(recipe, g, str(r))
     else:
         try:
             plan = make_plan(r, g, nodes, ta)

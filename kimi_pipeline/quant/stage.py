@@ -175,7 +175,8 @@ def _finish(run_dir: str | Path, section: dict[str, Any], t0: float) -> dict[str
 
 def resolve_checkpoint(checkpoint_dir: str | Path, step: int | None = None) -> tuple[Path, int]:
     """(iter_XXXXXXX dir, step) of a megatron checkpoint: the tracker's latest, or `step`."""
-    from kimi_pipeline.model.megatron_train import CheckpointError, resolve_iteration
+    from kimi_pipeline.model.checkpoint_dirs import CheckpointError
+    from kimi_pipeline.model.megatron_train import resolve_iteration
 
     try:
         return resolve_iteration(checkpoint_dir, step)

@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass
 
 from kimi_pipeline.recipes.recipe import Recipe
+from kimi_pipeline.reward import RewardError, grader_for
 
 
 @dataclass(frozen=True)
@@ -214,6 +215,10 @@ def check_recipe(r: Recipe) -> list[Problem]:
             f"eval every {r.eval.interval} rollouts never fires within rollout.num_rollout={ro.num_rollout}; "
             f"set eval.interval ≤ {ro.num_rollout}",
         )
+    try:
+        grader_for(ro.rm_type)  # a custom grader's module must import here, not hours into the run
+    except RewardError as e:
+        add("rollout.rm_type", str(e))
     if r.grpo.eps_clip_high < r.grpo.eps_clip:
         add("grpo.eps_clip_high", f"should be ≥ eps_clip={r.grpo.eps_clip} (asymmetric clip-higher)")
     if r.grpo.kl_loss_coef > 0 and not r.grpo.use_kl_loss:

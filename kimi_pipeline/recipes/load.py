@@ -13,6 +13,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from kimi_pipeline.errors import PermanentError
 from kimi_pipeline.recipes.checks import Problem, check_recipe
 from kimi_pipeline.recipes.recipe import Recipe
 
@@ -25,7 +26,7 @@ ENV_ALIASES: dict[str, tuple[str, type]] = {
 }
 
 
-class RecipeError(ValueError):
+class RecipeError(PermanentError, ValueError):
     """An invalid recipe: every problem names its field and the fix."""
 
     def __init__(self, source: str, problems: Sequence[Problem]):

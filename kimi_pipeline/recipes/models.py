@@ -184,7 +184,9 @@ class RolloutSpec(Section):
         4, gt=0, description="over-sampled batches drawn per rollout before training on the groups found so far")
     shuffle: bool = True
     balance_data: bool = True
-    rm_type: Literal["math", "deepscaler"] = "math"
+    rm_type: str = Field(
+        "math", description="answer grader: math, deepscaler, or your own function path package.module:function "
+        "(like slime's custom_rm_path) returning a kimi_pipeline.reward.Verdict")
     thinking: bool = Field(False, description="responses open with <think>…</think>: grade only the text after it")
     reward_strict: bool = Field(
         False, description="stricter than the seeds' reward: the answer region must END with the boxed answer")

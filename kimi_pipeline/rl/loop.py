@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -93,15 +92,11 @@ def _free_port_on(pg, bundle: int) -> tuple[str, int]:
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from kimi_pipeline.model.parallel import free_port
+    from kimi_pipeline.util.net import free_port
 
     @ray.remote(num_cpus=0.01)
     def probe() -> tuple[str, int]:
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return ray.util.get_node_ip_address(), s.getsockname()[1]
+        return ray.util.get_node_ip_address(), free_port("")
 
     if ray.is_initialized() and len(ray.nodes()) > 1:
         return ray.get(probe.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
@@ -321,9 +316,9 @@ def run_training(
     """
     import ray
 
-    from kimi_pipeline.model.megatron_train import prune_checkpoints
+    from kimi_pipeline.model.checkpoint_dirs import prune_checkpoints
     from kimi_pipeline.rl.engine.client import EngineRequestError, Router
-    from kimi_pipeline.rl.reward import RewardModel
+    from kimi_pipeline.reward import AnswerGrader
 
     paths = TrainPaths(Path(run_dir) / "train")
     paths.root.mkdir(parents=True, exist_ok=True)
@@ -341,7 +336,7 @@ def run_training(
                                                                                           exclude={"hub": {"token"}}))
     metrics_log = MetricsLog(paths.metrics, tensorboard_dir=paths.tensorboard, wandb_run=wandb_run)
     engines, workers, router, pgs = [], [], None, {}
-    reward = RewardModel(recipe.rollout.rm_type, recipe.rollout.thinking, strict=recipe.rollout.reward_strict)
+    reward = AnswerGrader(recipe.rollout.rm_type, recipe.rollout.thinking, strict=recipe.rollout.reward_strict)
     try:
         plan = plan_launch(recipe, str(model_dir))
         check_launch(plan)
@@ -403,7 +398,7 @@ def run_training(
         remove_placement_groups(pgs)  # a retry in this driver must find the bundles free again
     rows = read_jsonl(paths.metrics)
     first, last = first_last_mean(rows, "reward_mean")
-    from kimi_pipeline.model.megatron_train import latest_step, iteration_dir
+    from kimi_pipeline.model.checkpoint_dirs import iteration_dir, latest_step
 
     ckpt_step = latest_step(paths.checkpoints)
     return {

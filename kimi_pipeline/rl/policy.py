@@ -128,7 +128,8 @@ class PolicyWorker:
             load_model_only(init, [model])
             return
         from kimi_pipeline.convert.hf_reader import HFCheckpoint
-        from kimi_pipeline.convert.names import load_hf_tensors_into_model, unwrap
+        from kimi_pipeline.convert.names import load_hf_tensors_into_model
+        from kimi_pipeline.model.megatron_model import unwrap
 
         ckpt = HFCheckpoint(init, text_config_key=self.recipe.hub.text_config_key)
         try:

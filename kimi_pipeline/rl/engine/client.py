@@ -26,9 +26,8 @@ import torch
 
 from kimi_pipeline.errors import PermanentError
 from kimi_pipeline.rl.engine import shm
-from kimi_pipeline.rl.engine.sampler import Completion, SamplingParams
+from kimi_pipeline.rl.engine.sampler import ENGINE_NAME, Completion, SamplingParams
 
-ENGINE_NAME = "kimi-embedded"
 # how tensors reach engines: auto = shared memory on this host, a process group to other hosts; distributed =
 # the process group for every engine (non-colocated, GPU: NCCL); http = safetensors bodies (explicit fallback)
 WEIGHT_TRANSPORTS = ("auto", "distributed", "http")

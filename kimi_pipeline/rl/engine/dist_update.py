@@ -80,7 +80,7 @@ class WeightGroup:
 
     def __init__(self, clients, pool: ThreadPoolExecutor, backend: str = "gloo", ranks_per_engine: list[int] | None = None,
                  master_address: str | None = None):
-        from kimi_pipeline.cluster.env import free_port
+        from kimi_pipeline.util.net import free_port
 
         self.clients, self.pool, self.backend = clients, pool, backend
         sizes = ranks_per_engine or [1] * len(clients)

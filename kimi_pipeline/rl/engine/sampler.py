@@ -25,6 +25,7 @@ import torch
 from kimi_pipeline.errors import PermanentError
 from kimi_pipeline.rl.engine.model import EngineModel
 
+ENGINE_NAME = "kimi-embedded"  # what the embedded engine's /server_info reports; clients tell it from SGLang by it
 FINISH_LENGTH, FINISH_STOP, FINISH_ABORT = "length", "stop", "abort"
 
 

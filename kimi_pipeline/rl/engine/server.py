@@ -50,12 +50,11 @@ from pydantic import BaseModel, ConfigDict
 
 from kimi_pipeline.rl.engine import shm
 from kimi_pipeline.rl.engine.model import EngineModel, EngineWeightError, config_summary, iter_safetensors
-from kimi_pipeline.rl.engine.sampler import FINISH_ABORT, Completion, EngineInputError, RolloutEngine, SamplingParams
+from kimi_pipeline.rl.engine.sampler import ENGINE_NAME, FINISH_ABORT, Completion, EngineInputError, RolloutEngine, SamplingParams
 from kimi_pipeline.util.threads import one_intraop_thread_for_helpers
 
 log = logging.getLogger(__name__)
 
-ENGINE_NAME = "kimi-embedded"
 # SGLang sampling keys that only shape detokenized text (we return token ids): accepted and ignored
 _TEXT_ONLY_KEYS = {"skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "stop", "custom_params"}
 # keys that would change what is sampled: accepted only at their neutral value

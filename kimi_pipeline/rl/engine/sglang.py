@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ from pathlib import Path
 from kimi_pipeline.errors import PermanentError
 from kimi_pipeline.recipes.models import SGLangSpec
 from kimi_pipeline.util.lifetime import die_with_parent
+from kimi_pipeline.util.net import free_port
 
 
 class SGLangLaunchError(RuntimeError):
@@ -72,12 +72,6 @@ def sglang_command(model_path: str | Path, spec: SGLangSpec, *, port: int, host:
     if trust_remote_code:  # only when the recipe opts in (hub.trust_remote_code)
         cmd.append("--trust-remote-code")
     return cmd + list(extra_args)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class SGLangEngine:
