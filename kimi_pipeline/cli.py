@@ -198,7 +198,7 @@ def rehearse(
 ) -> None:
     """Launch rehearsal: the train stage's own placement and actor options on a simulated cluster of the
     recipe's shape (nodes × GPUs as Ray resources, no GPUs, no weights). Exit 1 when the launch would fail."""
-    from kimi_pipeline.cluster.rehearse import refused_plan, run_rehearsal
+    from kimi_pipeline.rl.rehearse import refused_plan, run_rehearsal
 
     out = out / recipe.replace("/", "_").removesuffix(".yaml")
     r = recipe_or_problems(recipe, set_)

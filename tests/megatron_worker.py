@@ -223,7 +223,7 @@ def scenario_grpo_padded(out_dir: Path, args: dict) -> dict:
     out = mt.forward_backward(chunks, batches, functools.partial(microbatch_loss, grpo=recipe.grpo), optimizer=opt)
     ok, grad_norm = mt.optimizer_step(opt)
     return {"ok": ok, "grad_norm": grad_norm, "rows": [mb.tokens.shape[0] for mb in mbs],
-            "real_rows": sum(o.get("_rows", 0.0) for o in out)}
+            "real_rows": sum(max((m.weight for m in o.values()), default=0.0) for o in out)}
 
 
 def scenario_replay(out_dir: Path, args: dict) -> dict:

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from kimi_pipeline.plan import count_params, get_gpu, make_plan, megatron_bytes_per_param, plan_command
 from kimi_pipeline.plan.memory import Layout, MemoryAssumptions, train_stages
-from kimi_pipeline.plan.params import stage_params
+from kimi_pipeline.model.params import stage_params
 from kimi_pipeline.plan.timing import TimeAssumptions, forward_flops_per_token
 from kimi_pipeline.recipes import load_recipe, pipeline_layers
 

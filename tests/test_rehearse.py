@@ -19,7 +19,7 @@ KIMI = ("kimi-k2-instruct", "kimi-k2-thinking", "kimi-k2.5")
 
 @pytest.fixture(scope="module")
 def cluster_32x8(tmp_path_factory):
-    from kimi_pipeline.cluster.rehearse import simulated_cluster
+    from kimi_pipeline.rl.rehearse import simulated_cluster
 
     c = simulated_cluster(load_recipe("kimi-k2-instruct"), tmp_path_factory.mktemp("sim32"))
     yield c
@@ -28,7 +28,7 @@ def cluster_32x8(tmp_path_factory):
 
 @pytest.mark.parametrize("name", KIMI)
 def test_seed_recipe_launches_on_a_simulated_32x8_cluster(cluster_32x8, name, tmp_path):
-    from kimi_pipeline.cluster.rehearse import run_rehearsal
+    from kimi_pipeline.rl.rehearse import run_rehearsal
 
     d = run_rehearsal(load_recipe(name), tmp_path, address=cluster_32x8.address)
     assert d["ok"], d["problems"]

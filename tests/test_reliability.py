@@ -137,7 +137,7 @@ def test_ray_node_lost_during_train_fails_clearly_and_the_retry_resumes(tmp_path
                           and any(a == f"--node_id={extra}" for a in p.cmdline()))
             victims = [raylet, *raylet.children(recursive=True)]
             titles = [" ".join(p.cmdline()) for p in victims]
-            lost["actors"] = sorted(c for c in ("PolicyWorker", "EngineActor") for t in titles if f"ray::{c}" in t)
+            lost["actors"] = sorted(c for c in ("PolicyWorker", "EmbeddedEngine") for t in titles if f"ray::{c}" in t)
             for p in victims:
                 p.kill()
             lost["processes"], lost["t"] = len(victims), time.monotonic()

@@ -20,7 +20,7 @@ def _rollout(url: str, sets: list[str], step: int = 0):
     from kimi_pipeline.model.tokenizer import load_tokenizer
     from kimi_pipeline.recipes import load_recipe
     from kimi_pipeline.rl.engine.client import Router
-    from kimi_pipeline.rl.loop import rollout
+    from kimi_pipeline.rl.rollout import rollout
     from kimi_pipeline.rl.prompts import PromptStream, load_prompts
     from kimi_pipeline.reward import AnswerGrader
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from kimi_pipeline.model.tokenizer import decode_responses, load_tokenizer
 from kimi_pipeline.recipes import load_recipe
 from kimi_pipeline.rl.engine.sampler import Completion
-from kimi_pipeline.rl.loop import generate_groups
+from kimi_pipeline.rl.rollout import generate_groups
 from kimi_pipeline.rl.prompts import Prompt
 from kimi_pipeline.reward import AnswerGrader
 

@@ -213,3 +213,20 @@ def _available_per_node() -> list[dict[str, float]]:
         return [dict(v) for v in available_resources_per_node().values()]
     except Exception:  # noqa: BLE001 - diagnosis only; totals still explain most failures
         return [dict(n["Resources"]) for n in ray.nodes() if n.get("Alive")]
+
+
+def free_port_on(pg, bundle: int) -> tuple[str, int]:
+    """(IP, free port) of the node holding `bundle`: rendezvous addresses must be free where they are bound."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from kimi_pipeline.util.net import free_port
+
+    @ray.remote(num_cpus=0.01)
+    def probe() -> tuple[str, int]:
+        return ray.util.get_node_ip_address(), free_port("")
+
+    if ray.is_initialized() and len(ray.nodes()) > 1:
+        return ray.get(probe.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+            pg, placement_group_bundle_index=bundle)).remote())
+    return "127.0.0.1", free_port()

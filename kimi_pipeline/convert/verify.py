@@ -44,7 +44,7 @@ class ConversionVerifyError(PermanentError):
 
 def model_bytes(spec: ModelSpec) -> int:
     """Parameter bytes of the model in its params dtype (for choosing the verification layout)."""
-    from kimi_pipeline.plan.params import count_params
+    from kimi_pipeline.model.params import count_params
 
     return count_params(spec).total * dtype_of(spec.params_dtype).itemsize
 

@@ -56,6 +56,7 @@ def evaluate(client, tokenizer, prompts: list[Prompt], spec: EvalSpec, *, step: 
     )
     result = {
         "step": step,
+        "eval_set": spec.name,
         "avg_at_n": summary.avg_at_n,
         "pass_at_1": summary.pass_at[1],
         "pass_at_n": summary.pass_at[n],
@@ -85,7 +86,7 @@ def append_eval_row(path: Path, row: dict[str, Any]) -> None:
 
 def table_markdown(result: dict[str, Any], table: list[dict[str, Any]] | None = None, limit: int = 30) -> str:
     """A Prefect/README-friendly table of one evaluation."""
-    lines = [f"# Evaluation at step {result['step']}", "",
+    lines = [f"# Evaluation on {result.get('eval_set', 'the eval set')} at step {result['step']}", "",
              f"avg@{result['n']} **{result['avg_at_n']:.3f}** · pass@1 {result['pass_at_1']:.3f} · "
              f"pass@{result['n']} {result['pass_at_n']:.3f} · maj@{result['n']} {result['maj_at_n'] or 0:.3f} · "
              f"{result['problems']} problems", ""]

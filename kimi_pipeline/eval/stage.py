@@ -90,7 +90,7 @@ def _checkpoint_step(checkpoint: Path) -> int:
 
 def _torch_dist_hf_tensors(recipe: Recipe, checkpoint: Path) -> dict:
     """A torch_dist checkpoint's HF-named tensors in this (one-rank) process, as the policy sampled them."""
-    from kimi_pipeline.convert.stream import checkpoint_model, policy_tensors
+    from kimi_pipeline.quant.policy_weights import checkpoint_model, policy_tensors
 
     ckpt_dir, step = (checkpoint.parent, int(checkpoint.name.split("_")[1])) if checkpoint.name.startswith("iter_") \
         else (checkpoint, None)

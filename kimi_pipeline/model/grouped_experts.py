@@ -21,6 +21,9 @@ import functools
 import torch
 
 _ALIGN_BYTES = 16  # torch._grouped_mm on CPU needs row strides that are multiples of 16 bytes
+# An expert Linear carrying this attribute computes with `transform(weight)` instead of its weight (QAT's
+# fake-quant, set by quant/qat.py). The transform is hashable: experts of one layer must share one.
+WEIGHT_TRANSFORM_ATTR = "kimi_weight_transform"
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -37,19 +40,16 @@ class _ContiguousGrad(torch.autograd.Function):
 
 
 def _stacked_weights(linears: list[torch.nn.Module]) -> torch.Tensor:
-    """[E, out, in]: the weights the expert Linears would compute with. Fake-INT4 when QAT is on for them
-    (quant/qat.py), applied once to the stack: groups run along `in`, so this equals quantizing each expert."""
-    from kimi_pipeline.quant.qat import QAT_ATTR
-
+    """[E, out, in]: the weights the expert Linears would compute with. Their weight transform when they carry
+    one (QAT's fake-INT4), applied once to the stack: INT4 groups run along `in`, so this equals transforming
+    each expert."""
     w = torch.stack([lin.weight for lin in linears])
-    sizes = {getattr(lin, QAT_ATTR, None) for lin in linears}
-    if sizes == {None}:
+    transforms = {getattr(lin, WEIGHT_TRANSFORM_ATTR, None) for lin in linears}
+    if transforms == {None}:
         return w
-    if len(sizes) != 1:
-        raise ValueError(f"experts of one layer have different QAT group sizes: {sorted(map(str, sizes))}")
-    from kimi_pipeline.quant.int4 import fake_quant_int4
-
-    return fake_quant_int4(w, sizes.pop())
+    if len(transforms) != 1:
+        raise ValueError(f"experts of one layer have different weight transforms: {sorted(map(str, transforms))}")
+    return transforms.pop()(w)
 
 
 def _aligned(*tensors: torch.Tensor) -> bool:

@@ -28,7 +28,7 @@ from kimi_pipeline.plan.memory import (
     stage_layers,
     train_stages,
 )
-from kimi_pipeline.plan.params import count_params
+from kimi_pipeline.model.params import count_params
 from kimi_pipeline.plan.timing import TimeAssumptions, step_time, workload
 from kimi_pipeline.recipes.checks import PipelineSplitError, check_recipe, pipeline_layers
 from kimi_pipeline.recipes.load import RecipeError

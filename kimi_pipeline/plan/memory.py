@@ -23,7 +23,7 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from kimi_pipeline.plan.hardware import GPU
-from kimi_pipeline.plan.params import ParamCounts, StageParams, stage_params
+from kimi_pipeline.model.params import ParamCounts, StageParams, stage_params
 from kimi_pipeline.recipes.checks import PipelineSplitError, pipeline_layers
 from kimi_pipeline.recipes.recipe import Recipe
 

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 
 from kimi_pipeline.plan.hardware import GPU
 from kimi_pipeline.plan.memory import Layout
-from kimi_pipeline.plan.params import ParamCounts
+from kimi_pipeline.model.params import ParamCounts
 from kimi_pipeline.recipes.recipe import Recipe
 
 

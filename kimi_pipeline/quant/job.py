@@ -1,7 +1,7 @@
 """One rank of the distributed INT4 export: `python -m kimi_pipeline.quant.job --job JOB.json`.
 
 Launched like the conversion (`convert.launch`: N torchrun agents here, the same command on every node
-of a cluster). Each rank loads its slice of the torch_dist checkpoint (`convert.stream`), quantizes the
+of a cluster). Each rank loads its slice of the torch_dist checkpoint (`quant.policy_weights`), quantizes the
 tensors it is the designated source of (its experts; the lowest rank of a stage for shared weights),
 writes them as its own temp-named shards into the shared output directory, reads them back and checks
 them bit for bit against its tensors, and records shards, sizes, the check and its peak RSS in
@@ -34,7 +34,7 @@ def shard_prefix(rank: int) -> str:
 def export_rank(job: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from kimi_pipeline.convert.stream import checkpoint_model, policy_tensors
+    from kimi_pipeline.quant.policy_weights import checkpoint_model, policy_tensors
     from kimi_pipeline.model.parallel import Layout
     from kimi_pipeline.quant.export import write_int4_shards
     from kimi_pipeline.quant.verify import check_tensors

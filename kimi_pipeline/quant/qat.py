@@ -19,15 +19,26 @@ from __future__ import annotations
 import re
 import types
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 
 import torch
 
 from kimi_pipeline.errors import PermanentError
+from kimi_pipeline.model.grouped_experts import WEIGHT_TRANSFORM_ATTR
 from kimi_pipeline.quant.export import is_quantized
 from kimi_pipeline.quant.int4 import fake_quant_int4
 
 _WEIGHT = re.compile(r"weight\d*")  # `weight` (local Linear) or `weight{e}` (TE grouped linear)
-QAT_ATTR = "kimi_int4_qat_group_size"
+
+
+@dataclass(frozen=True)
+class FakeInt4:
+    """The weight transform QAT installs on a routed-expert Linear (`WEIGHT_TRANSFORM_ATTR`)."""
+
+    group_size: int
+
+    def __call__(self, weight: torch.Tensor) -> torch.Tensor:
+        return fake_quant_int4(weight, self.group_size)
 
 
 class QATError(PermanentError):
@@ -35,10 +46,10 @@ class QATError(PermanentError):
 
 
 def _qat_forward(self: torch.nn.Module, *args, **kwargs):
-    group_size = getattr(self, QAT_ATTR)
+    transform = getattr(self, WEIGHT_TRANSFORM_ATTR)
     names = [n for n, p in self._parameters.items() if p is not None and _WEIGHT.fullmatch(n)]
     for n in names:
-        self.__dict__[n] = fake_quant_int4(self._parameters[n], group_size)
+        self.__dict__[n] = transform(self._parameters[n])
     try:
         return type(self).forward(self, *args, **kwargs)
     finally:
@@ -85,7 +96,7 @@ def enable_int4_qat(model: torch.nn.Module, group_size: int = 32) -> list[str]:
                     f"{name}.{pname}: input dim {p.shape[-1]} is not divisible by quant.group_size={group_size} "
                     "(with expert-TP, ffn/etp must be a multiple of it too)"
                 )
-        setattr(lin, QAT_ATTR, group_size)
+        setattr(lin, WEIGHT_TRANSFORM_ATTR, FakeInt4(group_size))
         if not isinstance(lin.__dict__.get("forward"), types.MethodType):
             lin.forward = types.MethodType(_qat_forward, lin)
         names.append(name)
@@ -98,7 +109,7 @@ def disable_int4_qat(model: torch.nn.Module) -> None:
     """Undo enable_int4_qat (e.g. for a bf16 reference forward)."""
     for _, lin in routed_expert_linears(model):
         lin.__dict__.pop("forward", None)
-        lin.__dict__.pop(QAT_ATTR, None)
+        lin.__dict__.pop(WEIGHT_TRANSFORM_ATTR, None)
 
 
 def fake_quant_hf_tensors(

@@ -32,7 +32,7 @@ import torch
 
 from kimi_pipeline.errors import PermanentError
 from kimi_pipeline.hub.download import model_root
-from kimi_pipeline.plan.params import count_params
+from kimi_pipeline.model.params import count_params
 from kimi_pipeline.quant.export import ExportInfo, Int4Part, export_int4, export_temp_dir, finish_int4_dir
 from kimi_pipeline.quant.verify import (
     PARITY_TOL,
@@ -249,7 +249,7 @@ def export_distributed(recipe: Recipe, run_dir: Path, checkpoint_dir: str | Path
 def check_checkpoint_model(recipe: Recipe, out: Path, checkpoint_dir: str | Path, step: int) -> dict[str, Any]:
     """In THIS process (the child): the export vs the checkpoint's one-rank megatron forward (fake-quant
     experts when the recipe trains with QAT); returns the model-check section fields and problems."""
-    from kimi_pipeline.convert.stream import checkpoint_model, policy_tensors
+    from kimi_pipeline.quant.policy_weights import checkpoint_model, policy_tensors
     from kimi_pipeline.model.megatron_model import causal_forward
     from kimi_pipeline.quant.qat import enable_int4_qat
 

@@ -220,7 +220,7 @@ class SGLangSpec(Section):
 
 
 class GRPOSpec(Section):
-    advantage_estimator: Literal["grpo"] = "grpo"
+    advantage_estimator: Literal["grpo"] = Field("grpo", description="rl.grpo.ADVANTAGE_ESTIMATORS entry")
     eps_clip: float = Field(0.2, gt=0)
     eps_clip_high: float = Field(0.28, gt=0)
     use_kl_loss: bool = False
@@ -233,7 +233,7 @@ class GRPOSpec(Section):
 
 
 class EvalSpec(Section):
-    name: str = "aime"
+    name: str = Field("aime", description="the eval set's name: labels its reports and eval.jsonl rows (eval_set)")
     interval: int = Field(20, gt=0, description="evaluate every N rollouts")
     n_samples_per_prompt: int = Field(16, gt=0)
     max_response_len: int = Field(16384, gt=0)
@@ -270,4 +270,3 @@ class CheckpointSpec(Section):
 
 class PathsSpec(Section):
     base_dir: str = Field("runs", description="shared filesystem root reachable from every node")
-    hf_cache: str | None = Field(None, description="HF hub cache; default: <base_dir>/.hf-cache")

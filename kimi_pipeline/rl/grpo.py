@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kimi_pipeline.rl.metrics import Metric
+
 if TYPE_CHECKING:
     from kimi_pipeline.recipes.models import GRPOSpec
 
@@ -42,6 +44,10 @@ def group_advantages(rewards: torch.Tensor, n_samples_per_prompt: int, eps: floa
         return torch.zeros_like(r)
     std = groups.std(dim=1, unbiased=True, keepdim=True)
     return (centered / (std + eps)).reshape(-1)
+
+
+# `grpo.advantage_estimator` → (rewards [prompts * n], n) -> advantages; a new estimator is one more entry
+ADVANTAGE_ESTIMATORS = {"grpo": group_advantages}
 
 
 def broadcast_to_tokens(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -140,8 +146,8 @@ def grpo_loss(
         tis_mean, tis_min, tis_max = _masked_stats(raw, mask)
         metrics.update(
             tis_mean=tis_mean,
-            tis_min=tis_min,
-            tis_max=tis_max,
+            tis_min=Metric(tis_min, "min"),  # extremes stay extremes over micro-batches, steps and ranks
+            tis_max=Metric(tis_max, "max"),
             tis_clipfrac=per_sample_token_mean((w != raw).to(logp.dtype), mask).item(),
         )
     pg_loss = per_sample_token_mean(pg, mask)

@@ -177,12 +177,13 @@ def plan_launch(recipe: Recipe, model_path: str = MODEL_PLACEHOLDER) -> LaunchPl
 
 
 def _engines(recipe: Recipe, placement: PlacementPlan, model_path: str, add) -> list[EnginePlacement]:
+    from kimi_pipeline.rl.engine.kinds import engine_kind
     from kimi_pipeline.rl.engine.sglang import sglang_command
 
     c = recipe.cluster
     out = []
     for e, slot in enumerate(placement.engines):
-        if recipe.rollout.engine != "sglang":  # embedded CPU engine: one process, no command line
+        if not engine_kind(recipe).one_process_per_node:  # the embedded engine: one process, no command line
             out.append(EnginePlacement(e, (EngineNode(slot.bundles[0], 0, (), 0, ()),)))
             continue
         g, per = slot.devices, c.gpus_per_node

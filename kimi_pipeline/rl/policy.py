@@ -18,6 +18,7 @@ import torch
 
 from kimi_pipeline.recipes import Recipe
 from kimi_pipeline.errors import PermanentError
+from kimi_pipeline.rl.metrics import Metric, reduce_metrics
 from kimi_pipeline.rl.samples import MicroBatch, RankShare, Sample, collate, padding_micro_batch
 
 log = logging.getLogger(__name__)
@@ -44,9 +45,8 @@ def trainer_config_overrides(recipe: Recipe) -> dict[str, Any]:
 
 
 def microbatch_loss(logits: torch.Tensor, batch: dict[str, Any], grpo, temperature: float = 1.0):
-    """megatron's per-token-loss contract for one micro-batch: (loss sum, its denominator, metrics).
-
-    Rows without response tokens (a DP rank's zero-weight padding micro-batch) are dropped first: counted in
+    """megatron's per-token-loss contract for one micro-batch: (loss sum, its denominator, metrics), each
+    metric weighted by the micro-batch's real rows. Rows without response tokens (a DP rank's zero-weight padding micro-batch) are dropped first: counted in
     the per-sample mean they would scale the gradient by real/padded rows."""
     from kimi_pipeline.model.context_parallel import batch_logprobs
     from kimi_pipeline.rl.grpo import grpo_loss
@@ -55,12 +55,12 @@ def microbatch_loss(logits: torch.Tensor, batch: dict[str, Any], grpo, temperatu
     keep = batch["mask"].sum(-1) > 0
     rows = int(keep.sum())
     if rows == 0:  # an all-padding micro-batch: no loss, but keep the graph connected for the pipeline
-        return lp.sum() * 0.0, 0, {"_rows": 0.0}
+        return lp.sum() * 0.0, 0, {}
     sel = lambda t: None if t is None else t[keep]  # noqa: E731
     loss, m = grpo_loss(sel(lp), sel(batch["old_logprobs"]), sel(batch["rollout_logprobs"]),
                         sel(batch.get("ref_logprobs")), sel(ent), sel(batch["advantages"]), sel(batch["mask"]), grpo)
     # gradient of sum(loss_sum) / sum(denominator) over the step's micro-batches = the per-sample mean
-    return loss * rows, rows, {**m, "_rows": float(rows)}
+    return loss * rows, rows, {k: Metric(v, getattr(v, "reduce", "mean"), rows) for k, v in m.items()}
 
 
 class PolicyWorker:
@@ -91,7 +91,7 @@ class PolicyWorker:
             for m in self.model:
                 self.qat += enable_int4_qat(m, recipe.quant.group_size)
         self.ref_model = None  # built on load() only when the KL term is on
-        self._router = None  # this rank's client to the engines (and its shared-memory segment), kept across syncs
+        self._sync = None  # this rank's weight updater (its engine client and shared-memory segment), kept across syncs
 
     # ------------------------------------------------------------------ weights in
     def load(self, train_ckpt_dir: str, init_ckpt_dir: str) -> dict[str, Any] | None:
@@ -245,9 +245,8 @@ class PolicyWorker:
         flat = [mb for st in steps for mb in st]
         old = self._logprobs(self.model, flat)
         ref = self._logprobs([self.ref_model], flat) if self.ref_model is not None else None
-        sums: dict[str, float] = {}
-        extremes: dict[str, float] = {}
-        weight, grad_norms, updated, tokens, j = 0.0, [], 0, 0, 0
+        reports: list[dict[str, Metric]] = []
+        grad_norms, updated, tokens, j = [], 0, 0, 0
 
         def loss_fn(logits: torch.Tensor, batch: dict):
             return microbatch_loss(logits, batch, r.grpo, temperature)
@@ -265,19 +264,9 @@ class PolicyWorker:
             ok, grad_norm = optimizer_step(self.optimizer, self.scheduler)
             updated += int(ok)
             grad_norms.append(float(grad_norm or 0.0))
-            for o in outs:
-                w = o.get("_rows", 0.0)
-                weight += w
-                for key, v in o.items():
-                    if key == "_rows" or not isinstance(v, (int, float)):
-                        continue
-                    if key.endswith(("_min", "_max")):  # extremes stay extremes across micro-batches
-                        pick = min if key.endswith("_min") else max
-                        extremes[key] = pick(extremes.get(key, float(v)), float(v))
-                    else:
-                        sums[key] = sums.get(key, 0.0) + float(v) * w
+            reports.extend(outs)
             tokens += sum(samples[i].num_tokens for mb in mbs for i in mb.index)
-        metrics = {**{k: v / max(weight, 1.0) for k, v in sums.items()}, **extremes}
+        metrics: dict[str, float] = reduce_metrics(reports)  # loss metrics: last pipeline stage only
         seconds = time.perf_counter() - t0
         metrics.update(grad_norm=sum(grad_norms) / max(len(grad_norms), 1), optimizer_steps=float(updated),
                        lr=float(self.optimizer.param_groups[0]["lr"]), train_seconds=seconds,
@@ -290,128 +279,32 @@ class PolicyWorker:
         """Full HF-named tensors (collective; every rank must drain it), routed experts fake-quantized
         when QAT is on (unless `fake_quant=False`) so the engines sample from exactly the policy the
         trainer optimizes."""
-        from kimi_pipeline.convert.stream import policy_tensors
+        from kimi_pipeline.quant.policy_weights import policy_tensors
 
         fq = self.qat if fake_quant is None else fake_quant
         return policy_tensors(self.model[0], self.recipe.model, self.layout, dst=0,
                               qat_group_size=self.recipe.quant.group_size if fq else None)
 
     def sync_weights(self, engine_urls: list[str], version: str) -> dict[str, float]:
-        """Megatron → HF names → the engine's own format (`quant.engine_format`) → every engine, in
-        update-weight-buffer-sized buckets. Colocated on one host (every engine reads this host's memory):
-        each rank sends the buckets it owns itself; otherwise rank 0 receives each tensor from its holder
-        and sends it (shared memory, a weight-update process group, or, for SGLang, shared storage).
-        Collective: every trainer rank calls it."""
-        from kimi_pipeline.quant.engine_format import engine_weight_format, to_engine_format
-
-        t0 = time.perf_counter()
-        r = self.recipe
-        fmt = engine_weight_format(r)
-        # an INT4 engine dequantizes the packed stored weights to exactly the fake-quant ones
-        fake_quant = None if fmt != "int4" else False
-        # SGLang colocated would take CUDA-IPC handles (update_weights_from_tensor); until that path is proven on
-        # a GPU it loads from shared storage. Not colocated it joins a weight-update group like the embedded engine.
-        to_disk = r.rollout.weight_sync == "disk" or (r.rollout.engine == "sglang" and r.cluster.colocate)
-        if not to_disk and r.rollout.engine != "sglang" and self._all_engines_local(engine_urls):
-            return self._sync_owned(engine_urls, version, fmt, fake_quant, t0)
-        named = self.hf_tensors(fake_quant=fake_quant)
-        chunks = 0
-        if self.rank != 0:
-            for _ in named:  # collective: every rank drains the export
-                pass
-            return {"sync_seconds": time.perf_counter() - t0, "sync_chunks": 0.0}
-        named = to_engine_format(named, fmt, r.quant.group_size)
-        router = self._router_for(engine_urls)
-        if to_disk:  # an HF checkpoint in the engine's format on shared storage, loaded by every engine
-            path = self._write_sync_checkpoint(named, version, fmt)
-            router.update_weights_from_disk(str(path), weight_version=version)
-            chunks = 1
-        else:
-            chunks = router.update_weights(named, r.rollout.update_weight_buffer_size, weight_version=version)
-        return {"sync_seconds": time.perf_counter() - t0, "sync_chunks": float(chunks or 0)}
-
-    def _all_engines_local(self, engine_urls: list[str]) -> bool:
-        """Whether, on every rank, every engine reads buckets from this host's shared memory (agreed by all)."""
-        import torch.distributed as dist
-
-        router = self._router_for(engine_urls)
-        local = router.weight_transport == "auto" and all(c.shares_memory() for c in router.clients)
-        if self.world_size > 1:
-            device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-            flag = torch.tensor([1 if local else 0], dtype=torch.int32, device=device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-            local = bool(flag.item())
-        return local
-
-    def _sync_owned(self, engine_urls: list[str], version: str, fmt: str, fake_quant: bool | None,
-                    t0: float) -> dict[str, float]:
-        """Every rank pushes the tensors it is the holder of (TP-gathered, never broadcast to other ranks)
-        through its own shared-memory segment; rank 0 pauses the engines first and, once every rank is done,
-        commits the version (an empty last bucket: the engines check that no quantized weight is incomplete)
-        and resumes them."""
-        import torch.distributed as dist
-
-        from kimi_pipeline.convert.stream import policy_tensors
-        from kimi_pipeline.quant.engine_format import to_engine_format
-
-        r = self.recipe
-        router = self._router_for(engine_urls)
-        fq = self.qat if fake_quant is None else fake_quant
-        barrier = dist.barrier if self.world_size > 1 else (lambda: None)
-        if self.rank == 0:
-            router.pause()
-        try:
-            barrier()
-            named = policy_tensors(self.model[0], r.model, self.layout, owned_only=True,
-                                   qat_group_size=r.quant.group_size if fq else None)
-            chunks = router.update_weights(to_engine_format(named, fmt, r.quant.group_size),
-                                           r.rollout.update_weight_buffer_size, pause=False)
-            barrier()
-            if self.rank == 0:
-                router.update_weights([], r.rollout.update_weight_buffer_size, weight_version=version, pause=False)
-        finally:
-            if self.rank == 0:
-                router.resume()
-        return {"sync_seconds": time.perf_counter() - t0, "sync_chunks": float(chunks)}
-
-    def _router_for(self, engine_urls: list[str]):
-        """One Router per set of engines, kept across syncs (its shared-memory segment keeps its pages)."""
+        """Make the engines serve the current weights as `version` (collective: every trainer rank calls it).
+        The updater (`rl.weight_sync`) is chosen once per set of engines and kept, with its client and
+        shared-memory segment, across syncs."""
         from kimi_pipeline.rl.engine.client import Router
+        from kimi_pipeline.rl.weight_sync import choose_weight_sync
 
-        if self._router is None or self._router.urls != [u.rstrip("/") for u in engine_urls]:
-            if self._router is not None:
-                self._router.close()
+        urls = [u.rstrip("/") for u in engine_urls]
+        if self._sync is None or self._sync.router.urls != urls:
+            self.release()
             m = self.recipe.model
             # colocated: shared memory with the engine on this host; otherwise a process group (gloo / NCCL)
-            self._router = Router(engine_urls, num_layers=m.num_layers, topk=m.moe_router_topk,
-                                  first_k_dense=m.first_k_dense,
-                                  weight_transport="auto" if self.recipe.cluster.colocate else "distributed")
-        return self._router
+            router = Router(urls, num_layers=m.num_layers, topk=m.moe_router_topk, first_k_dense=m.first_k_dense,
+                            weight_transport="auto" if self.recipe.cluster.colocate else "distributed")
+            self._sync = choose_weight_sync(self, router)
+        return self._sync.update(version)
 
-    def _write_sync_checkpoint(self, named, version: str, fmt: str = "model") -> Path:
-        """HF safetensors + config under <checkpoint dir>/../weight-sync/<version> (shared storage)."""
-        import shutil
-
-        from kimi_pipeline.model.hf_config import hf_config_dict
-        from kimi_pipeline.quant.engine_format import engine_quant_config
-        from kimi_pipeline.util.files import atomic_write_json
-        from kimi_pipeline.util.shards import ShardWriter, finish_shards
-
-        root = Path(self._ckpt_dir).parent / "weight-sync"
-        out, tmp = root / version, root / f"{version}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        finish_shards(tmp, ShardWriter(tmp, self.recipe.rollout.update_weight_buffer_size).add_all(named).close())
-        config = hf_config_dict(self.recipe.model)
-        if (qc := engine_quant_config(fmt, self.recipe.quant.group_size)) is not None:
-            config["quantization_config"] = qc
-        atomic_write_json(tmp / "config.json", config)
-        shutil.rmtree(out, ignore_errors=True)
-        tmp.rename(out)
-        for old in root.iterdir():  # keep only the newest weights
-            if old != out:
-                shutil.rmtree(old, ignore_errors=True)
-        return out
+    def sync_dir(self) -> Path:
+        """Where the disk fallback writes synced weights: <checkpoint dir>/../weight-sync (shared storage)."""
+        return Path(self._ckpt_dir).parent / "weight-sync"
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, ckpt_dir: str, step: int, extra: dict[str, Any]) -> str:
@@ -425,9 +318,9 @@ class PolicyWorker:
 
     def release(self) -> None:
         """Close the engine client (and remove its shared-memory segment); no collective, safe at teardown."""
-        if self._router is not None:
-            self._router.close()
-            self._router = None
+        if self._sync is not None:
+            self._sync.router.close()
+            self._sync = None
 
     def close(self) -> None:
         from kimi_pipeline.model.parallel import destroy

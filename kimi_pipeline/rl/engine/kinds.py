@@ -1,0 +1,98 @@
+"""The rollout engine kinds behind `rollout.engine`, and starting a run's engines on the cluster.
+
+The one place that knows there are two kinds: the loop, the launch plan and the weight updater ask an
+`EngineKind` what it can do instead of testing the engine's name. A third engine is one more entry here
+(an actor class with start / get_url / stop that serves SGLang's HTTP API) plus its row in
+`recipes/models.py`'s `rollout.engine`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kimi_pipeline.recipes import Recipe
+
+
+@dataclass(frozen=True)
+class EngineKind:
+    name: str
+    actor_class: Callable[[], type]  # imported lazily: SGLang's actor module must not load on CPU-only drivers
+    # constructor arguments of one engine process: (recipe, model_dir, node_rank, base_gpu_id, multi-node address)
+    actor_args: Callable[[Recipe, Path, int, int, str | None], tuple[tuple, dict[str, Any]]]
+    one_process_per_node: bool  # a node-spanning engine runs one process per node (a command line each)
+    owned_bucket_updates: bool  # each trainer rank can hand it its own buckets through this host's shared memory
+    colocated_updates_from_disk: bool  # colocated, it loads synced weights from shared storage
+
+
+def _embedded_class() -> type:
+    from kimi_pipeline.rl.engine.embedded import EmbeddedEngine
+
+    return EmbeddedEngine
+
+
+def _embedded_args(recipe: Recipe, model_dir: Path, node_rank: int, base_gpu_id: int, addr: str | None):
+    return (str(model_dir), recipe.rollout.seed), {"host": recipe.sglang.host}
+
+
+def _sglang_class() -> type:
+    from kimi_pipeline.rl.engine.sglang import SGLangEngine
+
+    return SGLangEngine
+
+
+def _sglang_args(recipe: Recipe, model_dir: Path, node_rank: int, base_gpu_id: int, addr: str | None):
+    return (str(model_dir), recipe.sglang), {
+        "gpus_per_node": recipe.cluster.gpus_per_node, "node_rank": node_rank, "dist_init_addr": addr,
+        "base_gpu_id": base_gpu_id, "routing_replay": recipe.rollout.routing_replay, "seed": recipe.rollout.seed,
+        "trust_remote_code": recipe.hub.trust_remote_code}
+
+
+ENGINE_KINDS: dict[str, EngineKind] = {
+    "embedded": EngineKind("embedded", _embedded_class, _embedded_args, one_process_per_node=False,
+                           owned_bucket_updates=True, colocated_updates_from_disk=False),
+    # SGLang colocated would take CUDA-IPC handles (update_weights_from_tensor); until that path is proven on a
+    # GPU it loads from shared storage. Not colocated it joins a weight-update group like the embedded engine.
+    "sglang": EngineKind("sglang", _sglang_class, _sglang_args, one_process_per_node=True,
+                         owned_bucket_updates=False, colocated_updates_from_disk=True),
+}
+
+
+def engine_kind(recipe: Recipe) -> EngineKind:
+    return ENGINE_KINDS[recipe.rollout.engine]
+
+
+@dataclass
+class EngineGroup:
+    """A run's engine processes (Ray actors) and the URL of each engine's node 0."""
+
+    actors: list
+    urls: list[str]
+
+
+def start_engines(recipe: Recipe, plan, pgs: dict, model_dir: Path, threads: int) -> EngineGroup:
+    """One actor per engine process, where the launch plan puts it (`rl.launch`); waits until each serves."""
+    import ray
+
+    from kimi_pipeline.cluster.placement import free_port_on
+    from kimi_pipeline.rl.launch import engine_options
+
+    kind = engine_kind(recipe)
+    cls = ray.remote(kind.actor_class())
+    actors, heads = [], []
+    for e in plan.engines:
+        slot = plan.placement.engines[e.id]
+        addr = None
+        if len(e.nodes) > 1:  # a multi-node engine's rendezvous on its node 0
+            ip, port = free_port_on(pgs[slot.group], slot.bundles[0])
+            addr = f"{ip}:{port}"
+        for n in e.nodes:
+            args, kwargs = kind.actor_args(recipe, model_dir, n.node_rank, n.base_gpu_id, addr)
+            actor = cls.options(**engine_options(plan, recipe, pgs, e.id, n.node_rank, threads)).remote(*args, **kwargs)
+            actors.append(actor)
+            if n.node_rank == 0:
+                heads.append(actor)
+    ray.get([a.start.remote() for a in actors])
+    return EngineGroup(actors, ray.get([a.get_url.remote() for a in heads]))

@@ -1,0 +1,70 @@
+"""The trainer ranks of a run, like slime's `RayTrainGroup`: one `PolicyWorker` actor per rank (one
+torch.distributed job), placed by the launch plan, driven together."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from kimi_pipeline.recipes import Recipe
+from kimi_pipeline.rl.metrics import reduce_metrics
+from kimi_pipeline.rl.samples import RankShare
+
+
+class TrainerGroup:
+    def __init__(self, recipe: Recipe, plan, pg, threads: int) -> None:
+        """One actor per trainer rank in its node's bundle; MASTER_ADDR is rank 0's node."""
+        import ray
+
+        from kimi_pipeline.cluster.placement import free_port_on
+        from kimi_pipeline.rl.launch import trainer_options
+        from kimi_pipeline.rl.policy import PolicyWorker
+
+        self.plan = plan
+        world = recipe.cluster.world_size
+        addr, port = free_port_on(pg, plan.master_addr_node)
+        data = recipe.model_dump(mode="json", exclude={"hub": {"token"}})
+        cls = ray.remote(PolicyWorker)
+        self.workers = [cls.options(**trainer_options(plan, recipe, pg, rank, threads)).remote(data, rank, world, addr, port)
+                        for rank in range(world)]
+
+    def load(self, ckpt_dir: Path, init_checkpoint: Path) -> dict[str, Any]:
+        """Resume from `ckpt_dir`'s latest checkpoint, else the initial weights; the checkpoint's extra state."""
+        import ray
+
+        extras = ray.get([w.load.remote(str(ckpt_dir), str(init_checkpoint)) for w in self.workers])
+        return extras[0] or {}
+
+    def train(self, shares: list[RankShare], step: int) -> dict[str, float]:
+        """Each DP rank's share goes into the object store once; every trainer rank of that DP rank reads it
+        there (the samples are not serialized into 256 actor calls)."""
+        import ray
+
+        refs = [ray.put(s) for s in shares]
+        return reduce_metrics(ray.get([w.train.remote(refs[self.plan.ranks[i].dp], step)
+                                       for i, w in enumerate(self.workers)]), equal_weights=True)
+
+    def sync_weights(self, urls: list[str], version: str) -> dict[str, float]:
+        import ray
+
+        return reduce_metrics(ray.get([w.sync_weights.remote(urls, version) for w in self.workers]),
+                              equal_weights=True)
+
+    def save(self, ckpt_dir: Path, step: int, state: dict[str, Any]) -> None:
+        import ray
+
+        ray.get([w.save.remote(str(ckpt_dir), step, state) for w in self.workers])
+
+    def close(self) -> None:
+        """Let live trainers remove their shared-memory segments, then kill them (best effort: at teardown)."""
+        import ray
+
+        try:
+            ray.get([w.release.remote() for w in self.workers], timeout=10)
+        except Exception:  # noqa: BLE001 - dead actors' segments go with the next run's sweep
+            pass
+        for w in self.workers:
+            try:
+                ray.kill(w)
+            except Exception:  # noqa: BLE001 - the actor may already be gone
+                pass
