@@ -7,6 +7,7 @@ Each problem names the recipe field and says how to fix it, because the alternat
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 from dataclasses import dataclass
 
@@ -87,14 +88,25 @@ def _split_hint(num_layers: int, pp: int) -> str:
 _COMMIT = re.compile(r"[0-9a-f]{40}")
 
 
-def check_recipe(r: Recipe) -> list[Problem]:
-    """All problems with a recipe (empty list = valid)."""
-    out: list[Problem] = []
-    add = lambda f, m: out.append(Problem(f, m))  # noqa: E731
-    m, p, c = r.model, r.parallel, r.cluster
-    world = c.world_size
+Add = Callable[[str, str], None]  # (field, message)
 
-    # --- model shape ---
+
+def check_recipe(r: Recipe) -> list[Problem]:
+    """All problems with a recipe (empty list = valid), section by section."""
+    out: list[Problem] = []
+
+    def add(field: str, message: str) -> None:
+        out.append(Problem(field, message))
+
+    for check in (_check_model, _check_hub, _check_training_layout, _check_conversion, _check_rollout,
+                  _check_engines, _check_quant):
+        check(r, add)
+    return out
+
+
+def _check_model(r: Recipe, add: Add) -> None:
+    """Model shape."""
+    m = r.model
     if m.first_k_dense >= m.num_layers:
         add("model.first_k_dense", f"{m.first_k_dense} dense layers leaves no MoE layer of {m.num_layers}")
     if m.moe_router_topk > m.num_experts:
@@ -106,12 +118,18 @@ def check_recipe(r: Recipe) -> list[Problem]:
     if m.max_position_embeddings < m.original_max_position_embeddings:
         add("model.max_position_embeddings", "is below original_max_position_embeddings; check the YaRN settings")
 
-    # --- remote code runs only at a pinned commit (a moving branch could change the code under a nightly run) ---
+
+def _check_hub(r: Recipe, add: Add) -> None:
+    """Remote code runs only at a pinned commit (a moving branch could change the code under a nightly run)."""
     if r.hub.trust_remote_code and r.hub.model.kind == "hub" and not _COMMIT.fullmatch(r.hub.model.revision):
         add("hub.model.revision", f"hub.trust_remote_code runs code from {r.hub.model.repo_id}: pin revision to a "
                                   f"40-hex commit SHA, not {r.hub.model.revision!r}")
 
-    # --- training layout ---
+
+def _check_training_layout(r: Recipe, add: Add) -> None:
+    """The trainer's TP/PP/CP/EP/DP layout on the cluster."""
+    m, p, c = r.model, r.parallel, r.cluster
+    world = c.world_size
     mp = p.tp * p.pp * p.cp
     if p.dp is not None:
         if mp * p.dp != world:
@@ -156,7 +174,10 @@ def check_recipe(r: Recipe) -> list[Problem]:
     if p.recompute_granularity == "full" and (p.recompute_method is None or p.recompute_num_layers is None):
         add("parallel.recompute_method", "full recompute needs recompute_method and recompute_num_layers")
 
-    # --- conversion layout ---
+
+def _check_conversion(r: Recipe, add: Add) -> None:
+    """The HF → torch_dist conversion's layout."""
+    m = r.model
     cv = r.convert
     if cv.mode == "torch_dist":
         cworld = cv.nodes * cv.gpus_per_node
@@ -174,7 +195,11 @@ def check_recipe(r: Recipe) -> list[Problem]:
         except PipelineSplitError as e:
             add(e.field, str(e))
 
-    # --- rollout / batch ---
+
+def _check_rollout(r: Recipe, add: Add) -> None:
+    """Rollout, batches, eval cadence, reward and loss settings."""
+    m, p, c = r.model, r.parallel, r.cluster
+    world, mp = c.world_size, p.tp * p.pp * p.cp
     ro = r.rollout
     if ro.global_batch_size is not None:
         if ro.samples_per_rollout % ro.global_batch_size and not ro.use_dynamic_global_batch_size:
@@ -226,7 +251,11 @@ def check_recipe(r: Recipe) -> list[Problem]:
     if r.optimizer.optimizer_cpu_offload and not r.optimizer.use_distributed_optimizer:
         add("optimizer.use_distributed_optimizer", "Megatron's CPU-offloaded optimizer requires the distributed optimizer")
 
-    # --- rollout engines ---
+
+def _check_engines(r: Recipe, add: Add) -> None:
+    """Rollout engines."""
+    m, c, ro = r.model, r.cluster, r.rollout
+    world = c.world_size
     sg = r.sglang
     if ro.engine == "sglang":
         if c.device != "cuda":
@@ -240,9 +269,11 @@ def check_recipe(r: Recipe) -> list[Problem]:
         if sg.enable_dp_attention and sg.gpus_per_engine % sg.dp_size:
             add("sglang.dp_size", f"must divide gpus_per_engine={sg.gpus_per_engine}")
 
-    # --- quantization ---
+
+def _check_quant(r: Recipe, add: Add) -> None:
+    """INT4 groups must tile the quantized dimensions."""
+    m = r.model
     if r.quant.int4_qat or r.quant.export_format == "int4":
         for name, dim in (("model.hidden_size", m.hidden_size), ("model.moe_ffn_hidden_size", m.moe_ffn_hidden_size)):
             if dim % r.quant.group_size:
                 add("quant.group_size", f"{name}={dim} is not a multiple of the INT4 group size {r.quant.group_size}")
-    return out
