@@ -353,13 +353,20 @@ class EngineServer:
 
     # --- app
     def _build_app(self) -> FastAPI:
+        """SGLang's HTTP API, in three groups: generation, weight updates, control and info."""
         app = FastAPI(title="kimi-pipeline embedded rollout engine")
-        engine = self.engine
-        cfg = engine.config
 
         @app.exception_handler(EngineInputError)
         async def _bad_input(_, exc: EngineInputError):
             return JSONResponse(status_code=400, content={"error": {"message": str(exc)}})
+
+        self._add_generation_routes(app)
+        self._add_weight_routes(app)
+        self._add_control_routes(app)
+        return app
+
+    def _add_generation_routes(self, app: FastAPI) -> None:
+        cfg = self.engine.config
 
         @app.post("/generate")
         async def generate(req: GenerateRequest):
@@ -383,6 +390,11 @@ class EngineServer:
             latency = time.perf_counter() - t0
             items = [self._render(c, rid, req, latency) for c, rid in zip(out, rids)]
             return items[0] if single and n == 1 else items
+
+    def _add_weight_routes(self, app: FastAPI) -> None:
+        """update_weights_from_tensor (shared memory or safetensors bodies), the weight-update process group
+        (init / update_weights_from_distributed / destroy) and update_weights_from_disk."""
+        engine = self.engine
 
         def apply(buckets, weight_version: str | None) -> dict[str, Any]:
             """Load buckets of HF-named tensors under the model lock; the last bucket of a sync carries the
@@ -482,6 +494,11 @@ class EngineServer:
             return {"success": True, "message": f"loaded {len(names)} tensors from {req.model_path}",
                     "num_tensors": len(names), "weight_version": engine.weight_version}
 
+    def _add_control_routes(self, app: FastAPI) -> None:
+        """Pause / continue / flush / abort, health and server info."""
+        engine = self.engine
+        cfg = engine.config
+
         @app.post("/pause_generation")
         def pause_generation(req: PauseRequest | None = None):
             mode = (req or PauseRequest()).mode
@@ -536,8 +553,6 @@ class EngineServer:
         @app.get("/get_model_info")
         def get_model_info():
             return {"model_path": self.model_path, "is_generation": True, "weight_version": engine.weight_version}
-
-        return app
 
     def _prompts(self, req: GenerateRequest) -> tuple[bool, list[list[int]]]:
         if req.input_ids is not None:
