@@ -87,22 +87,19 @@ class OwnedBuckets(WeightSync):
     def update(self, version: str) -> dict[str, float]:
         import torch.distributed as dist
 
+        from kimi_pipeline.rl.engine.client import paused
+
         t0 = time.perf_counter()
         buffer = self.recipe.rollout.update_weight_buffer_size
         barrier = dist.barrier if self.trainer.world_size > 1 else (lambda: None)
         lead = self.trainer.rank == 0
-        if lead:
-            self.router.pause()
-        try:
+        with paused(self.router, lead):
             barrier()
             chunks = self.router.update_weights(self._engine_tensors(self._policy_tensors(owned_only=True)), buffer,
                                                 pause=False)
             barrier()
             if lead:
                 self.router.update_weights([], buffer, weight_version=version, pause=False)
-        finally:
-            if lead:
-                self.router.resume()
         return {"sync_seconds": time.perf_counter() - t0, "sync_chunks": float(chunks)}
 
 

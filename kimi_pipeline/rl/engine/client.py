@@ -16,7 +16,7 @@ import contextlib
 import json
 import socket
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -125,6 +125,19 @@ def push_weights(clients: list[EngineClient], named_tensors, buffer_bytes: int, 
     return count
 
 
+@contextlib.contextmanager
+def paused(engines: EngineClient | Router, enabled: bool = True) -> Iterator[None]:
+    """Generation paused in place around a weight update (one engine or all of a router's), resumed however
+    the update ends."""
+    if enabled:
+        engines.pause()
+    try:
+        yield
+    finally:
+        if enabled:
+            engines.resume()
+
+
 class EngineClient:
     """HTTP client for one engine server (embedded or SGLang).
 
@@ -228,13 +241,8 @@ class EngineClient:
         Generation is paused in place meanwhile (unless pause=False); the weight version moves only
         with the last chunk, so no sample reports a version whose weights were half-applied."""
         self._require_embedded()
-        if pause:
-            self.pause()
-        try:
+        with paused(self, pause):
             return push_weights([self], named_tensors, buffer_bytes, weight_version)
-        finally:
-            if pause:
-                self.resume()
 
     def post_weight_chunk(self, serialized: str, weight_version: str | None, load_format: str = "safetensors") -> None:
         self._call("POST", "/update_weights_from_tensor", {
@@ -392,18 +400,13 @@ class Router:
         if self.weight_transport != "distributed":  # SGLang joins a weight-update group; tensor bodies are ours
             for c in self.clients:
                 c._require_embedded()
-        if pause:
-            self.pause()
-        try:
+        with paused(self, pause):
             group = self._weight_group()
             if self._segment is None and any(c.shares_memory() for c in self.clients if group is None
                                              or c not in group.clients):
                 self._segment = shm.SharedBucket()  # kept until close(): later syncs reuse its pages
             return push_weights(self.clients, named_tensors, buffer_bytes, weight_version, self._pool, self._segment,
                                 group)
-        finally:
-            if pause:
-                self.resume()
 
     def _weight_group(self):
         """The process group for engines that do not read this host's shared memory (`weight_transport`:
