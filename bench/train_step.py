@@ -16,7 +16,6 @@ Last line: `train_step ratio=<megatron tokens/s ÷ transformers tokens/s>`.
 from __future__ import annotations
 
 import argparse
-import glob
 import os
 import time
 
@@ -40,8 +39,7 @@ def _batch(vocab: int, batch: int, prompt: int, response: int, seed: int = 0):
 
 
 def megatron_steps(recipe, tokens, targets, mask, steps: int) -> float:
-    from safetensors.torch import load_file
-
+    from kimi_pipeline.convert.hf_reader import iter_stored_tensors
     from kimi_pipeline.convert.names import load_hf_tensors_into_model
     from kimi_pipeline.model.megatron_model import unwrap
     from kimi_pipeline.model.megatron_train import build_trainable, forward_backward, logprobs_from_logits, optimizer_step
@@ -51,9 +49,7 @@ def megatron_steps(recipe, tokens, targets, mask, steps: int) -> float:
     init_distributed(layout)
     try:
         model, opt = build_trainable(recipe.model, layout, recipe.optimizer)
-        hf = {}
-        for f in glob.glob("data/tiny/model/*.safetensors"):
-            hf.update(load_file(f))
+        hf = dict(iter_stored_tensors("data/tiny/model"))
         load_hf_tensors_into_model(unwrap(model[0]), hf.__getitem__, recipe.model, layout)
 
         def loss_fn(logits, batch):

@@ -11,13 +11,12 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from kimi_pipeline.convert.hf_reader import INDEX_NAME, iter_stored_tensors
 from kimi_pipeline.quant.export import (
-    INDEX_NAME,
     KIMI_IGNORE,
     ExportError,
     export_int4,
     is_quantized,
-    iter_hf_dir_tensors,
     kimi_quantization_config,
 )
 from kimi_pipeline.quant.int4 import (
@@ -165,7 +164,7 @@ def test_quantization_config_is_kimis_and_valid():
 def tiny_export(tmp_path_factory) -> tuple[Path, object]:
     out = tmp_path_factory.mktemp("int4") / "export"
     cfg = json.loads((TINY_MODEL / "config.json").read_text())
-    info = export_int4(iter_hf_dir_tensors(TINY_MODEL), cfg, TINY_MODEL, out, 32, max_shard_bytes=1 << 20)
+    info = export_int4(iter_stored_tensors(TINY_MODEL), cfg, TINY_MODEL, out, 32, max_shard_bytes=1 << 20)
     return out, info
 
 
@@ -186,7 +185,7 @@ def test_export_layout(tiny_export):
                 assert index[k] == s
                 stored[k] = f.get_tensor(k)
     assert set(stored) == set(index)
-    src = dict(iter_hf_dir_tensors(TINY_MODEL))
+    src = dict(iter_stored_tensors(TINY_MODEL))
     for name, t in src.items():
         if ROUTED.match(name):
             p = name.removesuffix(".weight")
@@ -214,7 +213,7 @@ def test_export_is_atomic(tmp_path):
     (out / "previous.txt").write_text("an earlier export")
 
     def broken():
-        for i, item in enumerate(iter_hf_dir_tensors(TINY_MODEL)):
+        for i, item in enumerate(iter_stored_tensors(TINY_MODEL)):
             if i == 50:
                 raise OSError("source went away")
             yield item
@@ -242,9 +241,9 @@ def test_dequant_exact_and_reload_parity(tiny_export):
     from kimi_pipeline.quant.verify import check_model, check_tensors, model_check_problems
 
     out, _ = tiny_export
-    t = check_tensors(out, iter_hf_dir_tensors(TINY_MODEL), 32)
+    t = check_tensors(out, iter_stored_tensors(TINY_MODEL), 32)
     assert t.dequant_exact and t.others_exact and t.num_quantized == 144 and not t.mismatches
-    r = check_model(out, iter_hf_dir_tensors(TINY_MODEL), 32)
+    r = check_model(out, iter_stored_tensors(TINY_MODEL), 32)
     assert r["experts_equal"]
     assert r["logits_max_diff_exact"] <= 1e-4
     assert r["generated_tokens"] >= 1 and r["generation_matches_reference"]
@@ -268,9 +267,9 @@ def test_verification_catches_a_wrong_scale(tiny_export, tmp_path):
     tensors = load_file(shard)
     tensors[target] = tensors[target] * 2
     save_file(tensors, str(shard), metadata={"format": "pt"})
-    t = check_tensors(out, iter_hf_dir_tensors(TINY_MODEL), 32)
+    t = check_tensors(out, iter_stored_tensors(TINY_MODEL), 32)
     assert not t.dequant_exact and t.mismatches == ["model.layers.2.mlp.experts.5.down_proj.weight"]
-    r = check_model(out, iter_hf_dir_tensors(TINY_MODEL), 32)
+    r = check_model(out, iter_stored_tensors(TINY_MODEL), 32)
     assert not r["experts_equal"]
     assert "reloaded expert weights differ from the fake-quant weights" in model_check_problems(r)
 
@@ -375,7 +374,7 @@ def test_run_export_section(tmp_path):
     from kimi_pipeline.recipes import load_recipe
 
     recipe = load_recipe("tiny")
-    section = run_export(recipe, tmp_path, lambda: iter_hf_dir_tensors(TINY_MODEL), model_dir=TINY_MODEL,
+    section = run_export(recipe, tmp_path, lambda: iter_stored_tensors(TINY_MODEL), model_dir=TINY_MODEL,
                          checkpoint="data/tiny/model")
     out = Path(section["path"])
     assert out == tmp_path / "export" / "int4" and (out / "config.json").is_file()
@@ -397,7 +396,7 @@ def test_stage_export_from_a_megatron_checkpoint(megatron_pair, tmp_path):
     from kimi_pipeline.recipes import load_recipe
 
     recipe = load_recipe("tiny", ["quant.int4_qat=true"])  # the QAT export path (the preset trains without QAT)
-    src = dict(iter_hf_dir_tensors(TINY_MODEL))
+    src = dict(iter_stored_tensors(TINY_MODEL))
     model = build_model(recipe.model, Layout(), perform_initialization=False)
     load_hf_tensors_into_model(model, src.__getitem__, recipe.model, Layout())
     ckpt = tmp_path / "ckpt"
@@ -420,7 +419,7 @@ def test_stage_export_from_a_megatron_checkpoint(megatron_pair, tmp_path):
     config = json.loads((TINY_MODEL / "config.json").read_text())
     single = export_int4(export_hf_tensors(model, recipe.model, Layout()), config, TINY_MODEL, tmp_path / "single",
                          32, max_shard_bytes=shard_bytes(recipe))
-    dist_tensors, single_tensors = dict(iter_hf_dir_tensors(section["path"])), dict(iter_hf_dir_tensors(single.path))
+    dist_tensors, single_tensors = dict(iter_stored_tensors(section["path"])), dict(iter_stored_tensors(single.path))
     assert dist_tensors.keys() == single_tensors.keys() and len(dist_tensors) > 200
     for name, t in single_tensors.items():
         assert t.dtype == dist_tensors[name].dtype and torch.equal(t, dist_tensors[name]), name

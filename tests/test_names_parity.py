@@ -46,17 +46,12 @@ def hf_model(spec, seed: int = 0):
 @pytest.fixture(scope="module")
 def hf_saved(spec, tmp_path_factory):
     """(model, {name: tensor} as written on disk by save_pretrained)."""
-    from safetensors import safe_open
+    from kimi_pipeline.convert.hf_reader import iter_stored_tensors
 
     model = hf_model(spec)
     out: Path = tmp_path_factory.mktemp("hf")
     model.save_pretrained(out)
-    tensors = {}
-    for f in sorted(out.glob("*.safetensors")):
-        with safe_open(str(f), "pt") as sf:
-            for k in sf.keys():
-                tensors[k] = sf.get_tensor(k)
-    return model, tensors
+    return model, dict(iter_stored_tensors(out))
 
 
 @pytest.fixture(scope="module")

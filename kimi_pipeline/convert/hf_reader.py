@@ -1,16 +1,22 @@
-"""Read single tensors of an HF safetensors checkpoint by name, dequantized, never the whole model.
+"""The one reader of an HF safetensors checkpoint directory: single tensors by name, dequantized, or
+every tensor as stored, one file at a time; never the whole model in memory.
 
 The index (`model.safetensors.index.json`, or the header of a lone `model.safetensors`) says which
 file holds which tensor; files are opened lazily with safetensors' `safe_open` (memory-mapped), so a
 rank touches only the files and bytes of the tensors it asks for. Names are the logical HF names
 (`model.layers.3.mlp.experts.7.up_proj.weight`): quantized storage (`weight` + `weight_scale_inv`
 for FP8, `weight_packed/scale/shape` for INT4) is resolved and dequantized here, per tensor.
+
+`iter_stored_tensors` is the whole-model pass over the same directory (engine load, export inputs):
+every tensor as stored, one file open at a time. Both share the index parsing and the errors that name
+the missing or corrupt file, so every reader of a checkpoint directory fails the same clear way.
 """
 
 from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +31,8 @@ from kimi_pipeline.convert.dequant import (
     detect_format,
 )
 from kimi_pipeline.errors import PermanentError
+from kimi_pipeline.util.shards import INDEX_NAME
 
-INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 
 
@@ -39,6 +45,74 @@ def _dtype(name: str) -> torch.dtype:
     if name not in table:
         raise ValueError(f"unsupported dtype {name!r} (one of {sorted(table)})")
     return table[name]
+
+
+def _read_index(root: Path) -> dict[str, str] | None:
+    """The index's weight map (stored name -> file), or None when the directory has no index."""
+    index = root / INDEX_NAME
+    if not index.is_file():
+        return None
+    try:
+        return dict(json.loads(index.read_text())["weight_map"])
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise HFCheckpointError(f"{index}: not a safetensors index ({e.__class__.__name__}: {e})") from None
+
+
+def _open_file(path: Path):
+    """safe_open (memory-mapped), naming the file a partial download or an interrupted save left missing or broken."""
+    from safetensors import SafetensorError, safe_open
+
+    if not path.is_file():
+        raise HFCheckpointError(
+            f"{path}: missing (listed in {INDEX_NAME}); the download or save is incomplete — re-run the download "
+            "stage or re-save the checkpoint"
+        )
+    try:
+        return safe_open(str(path), framework="pt", device="cpu")
+    except (SafetensorError, OSError, ValueError) as e:
+        raise HFCheckpointError(
+            f"{path}: corrupt or truncated safetensors file ({e}); delete it and re-run the download stage "
+            "(or re-save the checkpoint)"
+        ) from None
+
+
+def read_weight_map(model_dir: str | Path) -> dict[str, str]:
+    """Stored tensor name -> file: the index's weight map, or the header of a lone model.safetensors."""
+    root = Path(model_dir)
+    index = _read_index(root)
+    if index is not None:
+        return index
+    if (root / SINGLE_NAME).is_file():
+        with _open_file(root / SINGLE_NAME) as f:
+            return dict.fromkeys(f.keys(), SINGLE_NAME)
+    raise HFCheckpointError(
+        f"{root}: neither {INDEX_NAME} nor {SINGLE_NAME} found; the checkpoint has no weights "
+        "(re-run the download stage, or point hub.model at a directory with safetensors)"
+    )
+
+
+def _weight_files(root: Path) -> list[str]:
+    """The index's files in order; without an index every *.safetensors (a directory saved without one)."""
+    index = _read_index(root)
+    files = sorted(set(index.values())) if index is not None else sorted(p.name for p in root.glob("*.safetensors"))
+    if not files:
+        raise HFCheckpointError(f"{root}: no *.safetensors files (and no {INDEX_NAME}); not an HF checkpoint directory")
+    return files
+
+
+def iter_stored_tensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(stored name, tensor as stored) of every tensor, file by file in shard order, one file open at a time,
+    so a whole-model pass never maps the whole checkpoint. Nothing is dequantized: a quantized checkpoint
+    yields its stored parts (`weight_scale_inv`, `weight_packed`, ...) under their own names."""
+    root = Path(model_dir)
+    files = _weight_files(root)
+    for fname in files:  # every file present before the first tensor: a consumer is never left half-loaded
+        if not (root / fname).is_file():
+            _open_file(root / fname)
+    for fname in files:
+        with _open_file(root / fname) as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
 
 
 class HFCheckpoint:
@@ -60,7 +134,7 @@ class HFCheckpoint:
             raise HFCheckpointError(f"{cfg_path}: not valid JSON ({e})") from None
         self.format: SourceFormat = detect_format(self.config, text_config_key)
         self.dtype = dtype
-        self._stored: dict[str, str] = self._read_index()  # stored name -> file name
+        self._stored: dict[str, str] = read_weight_map(self.root)  # stored name -> file name
         self.prefix = self._detect_prefix() if prefix is None else prefix
         self._int4 = Int4Dequantizer(self.format.quant_config) if self.format.kind == "int4" else None
         self._handles: dict[str, Any] = {}
@@ -70,22 +144,6 @@ class HFCheckpoint:
         self._files_opened: set[str] = set()
 
     # ------------------------------------------------------------ index
-    def _read_index(self) -> dict[str, str]:
-        index = self.root / INDEX_NAME
-        if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise HFCheckpointError(f"{index}: not a safetensors index ({e.__class__.__name__}: {e})") from None
-            return dict(weight_map)
-        single = self.root / SINGLE_NAME
-        if single.is_file():
-            return {name: SINGLE_NAME for name in self._open(SINGLE_NAME).keys()}
-        raise HFCheckpointError(
-            f"{self.root}: neither {INDEX_NAME} nor {SINGLE_NAME} found; the checkpoint has no weights "
-            "(re-run the download stage, or point hub.model at a directory with safetensors)"
-        )
-
     def _detect_prefix(self) -> str:
         """'' for causal-LM checkpoints; the language-model prefix for multimodal ones (K2.5)."""
         if "model.embed_tokens.weight" in self._stored:
@@ -123,24 +181,10 @@ class HFCheckpoint:
 
     # ------------------------------------------------------------ reading
     def _open(self, fname: str):
-        from safetensors import SafetensorError, safe_open
-
         h = self._handles.get(fname)
-        if h is not None:
-            return h
-        path = self.root / fname
-        if not path.is_file():
-            raise HFCheckpointError(
-                f"{path}: missing (listed in {INDEX_NAME}); the download is incomplete — re-run the download stage"
-            )
-        try:
-            h = safe_open(str(path), framework="pt", device="cpu")
-        except (SafetensorError, OSError, ValueError) as e:
-            raise HFCheckpointError(
-                f"{path}: corrupt or truncated safetensors file ({e}); delete it and re-run the download stage"
-            ) from None
-        self._handles[fname] = h
-        self._files_opened.add(fname)
+        if h is None:
+            h = self._handles[fname] = _open_file(self.root / fname)
+            self._files_opened.add(fname)
         return h
 
     def _raw(self, stored: str) -> torch.Tensor:

@@ -12,7 +12,6 @@ Tensors stream through: one shard is held in memory at a time (`util.shards`).
 from __future__ import annotations
 
 import copy
-import json
 import os
 import re
 import shutil
@@ -27,7 +26,7 @@ from kimi_pipeline.errors import PermanentError
 from kimi_pipeline.model.hf_model import copy_tokenizer_files
 from kimi_pipeline.quant.int4 import SCALE_DTYPE, Int4ShapeError, pack_int4, quantize_int4
 from kimi_pipeline.util.files import atomic_write_json
-from kimi_pipeline.util.shards import INDEX_NAME, Shard, ShardWriter, finish_shards
+from kimi_pipeline.util.shards import Shard, ShardWriter, finish_shards
 
 KEEP_FP32 = ("e_score_correction_bias",)
 # Kimi-K2-Thinking's ignore list, verbatim.
@@ -243,23 +242,3 @@ def _replace_dir(new: Path, dest: Path) -> None:
         dest.rename(old)
     new.rename(dest)
     shutil.rmtree(old, ignore_errors=True)
-
-
-def read_index(model_dir: str | Path) -> dict[str, str]:
-    path = Path(model_dir) / INDEX_NAME
-    if not path.is_file():
-        raise ExportError(f"{path} not found: not a sharded safetensors checkpoint")
-    return json.loads(path.read_text())["weight_map"]
-
-
-def iter_hf_dir_tensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) of every tensor of an HF safetensors directory, one file open at a time, as stored."""
-    from safetensors import safe_open
-
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise ExportError(f"{model_dir}: no *.safetensors files")
-    for f in files:
-        with safe_open(str(f), framework="pt") as fh:
-            for name in fh.keys():
-                yield name, fh.get_tensor(name)

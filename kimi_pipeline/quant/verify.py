@@ -26,9 +26,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from kimi_pipeline.convert.hf_reader import read_weight_map
 from kimi_pipeline.errors import PermanentError
 from kimi_pipeline.model.hf_model import deepseek_config, load_hf_model
-from kimi_pipeline.quant.export import KEEP_FP32, is_quantized, kimi_quantization_config, read_index
+from kimi_pipeline.quant.export import KEEP_FP32, is_quantized, kimi_quantization_config
 from kimi_pipeline.quant.int4 import fake_quant_int4
 
 EXACT_REF_TOL = 1e-4  # fp32 reload vs fp32 model of the same decoded weights: only summation order differs
@@ -67,7 +68,7 @@ class _ExportReader:
 
     def __init__(self, export_dir: Path, weight_map: dict[str, str] | None = None):
         self.dir = export_dir
-        self.weight_map = read_index(export_dir) if weight_map is None else weight_map
+        self.weight_map = read_weight_map(export_dir) if weight_map is None else weight_map
         self._open: dict[str, Any] = {}
 
     def get(self, name: str) -> torch.Tensor:

@@ -19,9 +19,8 @@ builds them, YaRN tables from transformers' own rotary module); parity is tested
 
 from __future__ import annotations
 
-import json
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -546,25 +545,16 @@ class EngineModel:
         return out
 
 
-def iter_safetensors(model_dir: str | Path) -> Iterable[tuple[str, torch.Tensor]]:
-    """Every tensor of a checkpoint directory's *.safetensors files (the index, when present, names them)."""
-    from safetensors import safe_open
+def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every stored tensor of a checkpoint directory (hf_reader's pass), its errors as EngineWeightError,
+    which the server's update_weights_from_disk answers. Imported here: hf_reader pulls in the recipes,
+    which the engine server does not otherwise load."""
+    from kimi_pipeline.convert.hf_reader import HFCheckpointError, iter_stored_tensors
 
-    model_dir = Path(model_dir)
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    else:
-        files = sorted(p.name for p in model_dir.glob("*.safetensors"))
-    if not files:
-        raise EngineWeightError(f"{model_dir}: no *.safetensors files; point the engine at an HF checkpoint directory")
-    for name in files:
-        path = model_dir / name
-        if not path.is_file():
-            raise EngineWeightError(f"{path}: listed in the index but missing; re-download or re-save the checkpoint")
-        with safe_open(path, framework="pt") as f:
-            for key in f.keys():
-                yield key, f.get_tensor(key)
+    try:
+        yield from iter_stored_tensors(model_dir)
+    except HFCheckpointError as e:
+        raise EngineWeightError(str(e)) from None
 
 
 def config_summary(c: EngineConfig) -> dict[str, Any]:
