@@ -14,12 +14,12 @@ from kimi_pipeline.stages import STAGES, mark_skipped, prepare_run
 from flows.limits import cluster_slot
 from flows.notify import clear_failure, notify_failure, remember_run_dir
 from tasks.cluster import cluster_task
-from tasks.common import outputs_present
+from tasks.common import cached
 from tasks.convert import CONVERT_OUTPUTS, convert_task
-from tasks.download import download_task
+from tasks.download import DOWNLOAD_OUTPUTS, download_task
 from tasks.export import EXPORT_OUTPUTS, export_task
 from tasks.train import train_task
-from tasks.validate import validate_task
+from tasks.validate import VALIDATE_OUTPUTS, validate_task
 
 
 @flow(name="kimi", log_prints=True, on_failure=[notify_failure], on_crashed=[notify_failure],
@@ -39,22 +39,16 @@ def kimi(
     selected = STAGES[: STAGES.index(until) + 1] if until else STAGES
     slot = contextlib.ExitStack()  # one run per Ray cluster: held from the cluster stage to its teardown
     try:
-        dl = download_task.with_options(refresh_cache=not outputs_present(path, "download/manifest.json"))(r, run)
+        dl = cached(download_task, DOWNLOAD_OUTPUTS, path)(r, run)
         if "validate" in selected:
-            validate_task.with_options(
-                refresh_cache=not outputs_present(path, "validate/train.jsonl", "validate/eval.jsonl")
-            )(r, run, dl)
-        cv = None
-        if "convert" in selected:
-            cv = convert_task.with_options(refresh_cache=not outputs_present(path, *CONVERT_OUTPUTS))(r, run, dl)
+            cached(validate_task, VALIDATE_OUTPUTS, path)(r, run, wait_for=[dl])
+        cv = cached(convert_task, CONVERT_OUTPUTS, path)(r, run, wait_for=[dl]) if "convert" in selected else None
         if "cluster" in selected:
             slot.enter_context(cluster_slot(r))
         cl = cluster_task(r, run) if "cluster" in selected else None
-        tr = train_task(r, run, cl, cv) if "train" in selected else None
+        tr = train_task(r, run, cl, wait_for=[cv]) if "train" in selected else None
         if "export" in selected and tr is not None:
-            export_task.with_options(refresh_cache=not outputs_present(path, *EXPORT_OUTPUTS))(
-                r, run, tr["checkpoint_dir"], None, tr
-            )
+            cached(export_task, EXPORT_OUTPUTS, path)(r, run, tr["checkpoint_dir"], wait_for=[tr])
         mark_skipped(path, [s for s in STAGES if s not in selected])
     finally:
         try:

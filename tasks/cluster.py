@@ -15,8 +15,9 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
-from kimi_pipeline.cluster import facts_markdown, stage_cluster
+from kimi_pipeline.cluster import stage_cluster
 from kimi_pipeline.recipes import Recipe
+from kimi_pipeline.report.stage_reports import cluster_report
 from tasks.common import RETRY_DELAYS, retry_unless_permanent
 
 
@@ -33,6 +34,6 @@ def cluster_task(recipe: Recipe, run_dir: str, timeout_s: float | None = None) -
     # The owner is the flow process (tasks run in its threads): if it dies, the watchdog cleans up.
     section = stage_cluster(recipe, Path(run_dir), timeout_s=timeout_s, owner_pid=os.getpid())
     create_markdown_artifact(
-        facts_markdown(section), key="cluster-facts", description=f"Ray cluster of {recipe.name} ({section['mode']})"
+        cluster_report(section), key="cluster-facts", description=f"Ray cluster of {recipe.name} ({section['mode']})"
     )
     return section

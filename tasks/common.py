@@ -1,15 +1,19 @@
-"""Shared task plumbing: retry policy, content-hash cache keys, output-presence checks."""
+"""Shared task plumbing: retry policy, content-hash cache keys, output-presence checks (`cached`)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
+from prefect import Task
 from prefect.tasks import exponential_backoff
 
 from kimi_pipeline.errors import is_permanent
 from kimi_pipeline.util.files import sha256_json
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 RETRIES = 3
 RETRY_DELAYS = exponential_backoff(backoff_factor=5)
@@ -36,3 +40,9 @@ def read_json(path: Path) -> dict[str, Any] | None:
 def outputs_present(run_dir: str | Path, *relative: str) -> bool:
     """A cached result is only usable if the files it points at still exist."""
     return all((Path(run_dir) / r).exists() for r in relative)
+
+
+def cached(task: Task[P, R], outputs: tuple[str, ...], run_dir: str | Path) -> Task[P, R]:
+    """`task` whose cached result is used only while its `outputs` (paths relative to `run_dir`, the
+    task module's `*_OUTPUTS`) all exist; otherwise it runs again and refreshes the cache entry."""
+    return task.with_options(refresh_cache=not outputs_present(run_dir, *outputs))

@@ -10,10 +10,14 @@ from prefect.artifacts import create_table_artifact
 
 from kimi_pipeline.hub.manifest import build_manifest, list_files
 from kimi_pipeline.recipes import Recipe
+from kimi_pipeline.report.stage_reports import download_report
 from kimi_pipeline.stages import stage_download
 from kimi_pipeline.util.paths import resolve_path
 from tasks.common import RETRIES, RETRY_DELAYS, cache_key, retry_unless_permanent
 from tasks.secrets import hf_token
+
+# What must still exist for a cached result to be usable (the flow runs it with `cached(...)`).
+DOWNLOAD_OUTPUTS = ("download/manifest.json",)
 
 
 def _source_fingerprint(recipe: Recipe) -> dict[str, Any]:
@@ -52,10 +56,5 @@ def download_key(context, params) -> str:
 )
 def download_task(recipe: Recipe, run_dir: str) -> dict[str, Any]:
     section = stage_download(recipe, Path(run_dir), token=hf_token())
-    rows = [
-        {"source": name, "from": s["source"], "path": s["path"], "bytes": s["bytes"]}
-        for name, s in section.items()
-        if isinstance(s, dict) and "source" in s
-    ]
-    create_table_artifact(rows, key="download-sources", description=f"Sources of {recipe.name} and where they landed")
+    create_table_artifact(download_report(section), key="download-sources", description=f"Sources of {recipe.name} and where they landed")
     return section

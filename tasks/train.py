@@ -18,6 +18,7 @@ from prefect.cache_policies import NO_CACHE
 from kimi_pipeline.eval.stage import run_eval_step
 from kimi_pipeline.hub.download import model_root
 from kimi_pipeline.recipes import Recipe
+from kimi_pipeline.report.stage_reports import train_report
 from kimi_pipeline.rl.launch import plan_launch, plan_markdown
 from kimi_pipeline.stages import stage_train
 from tasks.common import RETRY_DELAYS, retry_unless_permanent
@@ -38,15 +39,6 @@ def eval_task(recipe: Recipe, run_dir: str, step: int, engine_urls: list[str], m
     return result
 
 
-def _train_markdown(section: dict[str, Any]) -> str:
-    return "\n".join([
-        "# GRPO training", "",
-        f"steps **{section['steps']}** · reward first 10 % {section['reward_first']:.3f} → last 10 % "
-        f"**{section['reward_last']:.3f}** · {section['seconds_per_step']:.2f} s/step", "",
-        f"checkpoint: `{section['checkpoint']}`", f"metrics: `{section['metrics']}`",
-    ])
-
-
 @task(
     name="train",
     retries=2,
@@ -55,9 +47,8 @@ def _train_markdown(section: dict[str, Any]) -> str:
     cache_policy=NO_CACHE,
     persist_result=False,
 )
-def train_task(recipe: Recipe, run_dir: str, cluster: dict[str, Any] | None = None,
-               convert: dict[str, Any] | None = None) -> dict[str, Any]:
-    """`convert` is only the upstream result (ordering in the flow)."""
+def train_task(recipe: Recipe, run_dir: str, cluster: dict[str, Any] | None = None) -> dict[str, Any]:
+    """`cluster`: the cluster task's section (its Ray address); None = the address in the run's summary.json."""
     total = recipe.rollout.num_rollout
     progress_id = create_progress_artifact(progress=0.0, key="train-progress", description=f"GRPO rollouts of {total}")
     hf_dir = str(model_root(run_dir))
@@ -73,5 +64,5 @@ def train_task(recipe: Recipe, run_dir: str, cluster: dict[str, Any] | None = No
     section = stage_train(recipe, Path(run_dir), ray_address=(cluster or {}).get("address"),
                           evaluate=evaluate, on_step=on_step)
     update_progress_artifact(progress_id, progress=100.0)
-    create_markdown_artifact(_train_markdown(section), key="train", description="GRPO training summary")
+    create_markdown_artifact(train_report(section), key="train", description="GRPO training summary")
     return section

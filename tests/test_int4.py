@@ -435,10 +435,11 @@ def test_stage_export_from_a_megatron_checkpoint(megatron_pair, tmp_path):
     for k in ("path", "int4_bytes", "bf16_bytes", "logits_max_diff", "dequant_exact", "peak_rss_mb_per_rank"):
         assert k in summary["export"]
 
-    from tasks.export import export_key, report_markdown
+    from kimi_pipeline.report.stage_reports import export_report
+    from tasks.export import export_key
 
     params = {"recipe": recipe, "run_dir": str(run_dir), "checkpoint_dir": str(ckpt), "step": None}
     task_key = export_key(None, params)
-    assert "dequantized == fake-quant (exact) | **True**" in report_markdown(section)
+    assert "dequantized == fake-quant (exact) | **True**" in export_report(section)
     (ckpt / "iter_0000020" / "kimi_extra.json").write_text("{}")  # a new save id -> new key
     assert checkpoint_content_hash(ckpt) != key and export_key(None, params) != task_key

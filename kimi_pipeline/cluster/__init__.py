@@ -21,7 +21,7 @@ from kimi_pipeline.cluster.placement import (
     plan_placement,
     remove_placement_groups,
 )
-from kimi_pipeline.cluster.stage import cluster_session, facts_markdown, stage_cluster, stop_cluster
+from kimi_pipeline.cluster.stage import cluster_session, stage_cluster, stop_cluster
 
 __all__ = [
     "ClusterConfigError",
@@ -40,7 +40,6 @@ __all__ = [
     "cluster_session",
     "create_group",
     "create_placement_groups",
-    "facts_markdown",
     "plan_placement",
     "read_facts",
     "remove_placement_groups",

@@ -28,6 +28,7 @@ from kimi_pipeline.cluster.env import auth_mode, ensure_token, token_source
 from kimi_pipeline.cluster.errors import ClusterConfigError, ClusterHealthError, LocalClusterTooSmall
 from kimi_pipeline.cluster.health import ClusterFacts, Requirements, wait_until_healthy
 from kimi_pipeline.cluster.local import LocalCluster, NodeSpec
+from kimi_pipeline.report.stage_reports import cluster_report
 from kimi_pipeline.report.summary import RunSummary
 from kimi_pipeline.util.files import atomic_write_json, atomic_write_text
 
@@ -121,28 +122,6 @@ def export_driver_env(mode: str) -> None:
             Config.initialize("")
 
 
-def facts_markdown(section: dict[str, Any]) -> str:
-    lines = [
-        f"# Ray cluster ({section['mode']})",
-        "",
-        f"- address: `{section['address']}`  (Ray {section['ray_version']}, auth {section['auth_mode']})",
-        f"- required: {section['required']}",
-        f"- total: {section['nodes']} node(s), {section['cpus']:g} CPU, {section['gpus']:g} GPU, {section['memory_gb']:g} GB",
-    ]
-    if section.get("dashboard"):
-        lines.append(f"- dashboard: {section['dashboard']}")
-    if section.get("temp_dir"):
-        lines.append(f"- temp dir: `{section['temp_dir']}`" + (f" — {section['temp_dir_note']}" if section.get("temp_dir_note") else ""))
-    lines += ["", "| node | head | CPU | GPU | memory GB | other resources |", "|---|---|---|---|---|---|"]
-    for n in section.get("node_list", []):
-        other = ", ".join(f"{k}={v:g}" for k, v in sorted(n["resources"].items())) or "—"
-        lines.append(
-            f"| {n['ip']}/{n['node_id'][:8]} | {'yes' if n['is_head'] else ''} | {n['cpus']:g} | {n['gpus']:g} | "
-            f"{n['memory_gb']:.1f} | {other} |"
-        )
-    return "\n".join(lines) + "\n"
-
-
 def _section(facts: ClusterFacts, req: Requirements, mode: str, auth: str, seconds: float, cluster: LocalCluster | None, keep: bool) -> dict[str, Any]:
     d = facts.to_dict()
     section: dict[str, Any] = {
@@ -213,7 +192,7 @@ def bring_up(recipe, run_dir: Path, timeout_s: float | None = None, owner_pid: i
         cluster.save()
     section = _section(facts, req, mode, auth, time.monotonic() - t0, cluster, c.keep)
     atomic_write_json(cdir / "facts.json", section)
-    atomic_write_text(cdir / "facts.md", facts_markdown(section))
+    atomic_write_text(cdir / "facts.md", cluster_report(section))
     return section
 
 

@@ -82,18 +82,3 @@ def append_eval_row(path: Path, row: dict[str, Any]) -> None:
     rows = [r for r in read_jsonl(path) if r.get("step") != row["step"]] + [row]
     rows.sort(key=lambda r: r["step"])
     atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
-
-
-def table_markdown(result: dict[str, Any], table: list[dict[str, Any]] | None = None, limit: int = 30) -> str:
-    """A Prefect/README-friendly table of one evaluation."""
-    lines = [f"# Evaluation on {result.get('eval_set', 'the eval set')} at step {result['step']}", "",
-             f"avg@{result['n']} **{result['avg_at_n']:.3f}** · pass@1 {result['pass_at_1']:.3f} · "
-             f"pass@{result['n']} {result['pass_at_n']:.3f} · maj@{result['n']} {result['maj_at_n'] or 0:.3f} · "
-             f"{result['problems']} problems", ""]
-    if table:
-        keys = [k for k in ("label", "correct", "avg", "maj_answer", "prompt", "example") if k in table[0]]
-        lines += ["| # | " + " | ".join(keys) + " |", "|---|" + "---|" * len(keys)]
-        for i, row in enumerate(table[:limit]):
-            cells = [str(row.get(k, ""))[:60].replace("|", "\\|").replace("\n", " ") for k in keys]
-            lines.append(f"| {i} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)

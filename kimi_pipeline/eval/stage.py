@@ -11,10 +11,11 @@ from pathlib import Path
 from typing import Any
 
 from kimi_pipeline.errors import PermanentError
-from kimi_pipeline.eval.run import eval_step_path, evaluate, table_markdown
+from kimi_pipeline.eval.run import eval_step_path, evaluate
 from kimi_pipeline.model.checkpoint_dirs import TRACKER, latest_step
 from kimi_pipeline.model.tokenizer import load_tokenizer
 from kimi_pipeline.recipes import Recipe
+from kimi_pipeline.report.stage_reports import eval_report
 from kimi_pipeline.report.summary import RunSummary
 from kimi_pipeline.rl.prompts import load_prompts
 
@@ -39,7 +40,7 @@ def run_eval_step(recipe: Recipe, run_dir: Path, step: int, engine_urls: list[st
                           strict=recipe.rollout.reward_strict, out_dir=out_dir, top_k=recipe.rollout.top_k)
     RunSummary(run_dir).upsert_row("eval", {k: result[k] for k in SUMMARY_KEYS})
     table = json.loads(eval_step_path(out_dir, step).read_text()).get("problems_table")
-    return {**result, "markdown": table_markdown(result, table)}
+    return {**result, "markdown": eval_report(result, table)}
 
 
 def evaluate_checkpoint(recipe: Recipe, checkpoint: Path, run_dir: Path, *, model_dir: Path | None = None,
