@@ -23,7 +23,7 @@ install: $(BIN)/.installed
 run: install
 	$(BIN)/kimi run $(ARGS)
 
-# Headless Chromium for the Prefect UI test (tests/test_deployment.py): Debian's `chromium`, installed with apt
+# Headless Chromium for the Prefect UI test (tests/integration/test_deployment.py): Debian's `chromium`, installed with apt
 # only when missing. Never fails the suite: without a browser that test skips and says why.
 browser:
 	@if command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1; then :; \

@@ -4,7 +4,7 @@ megatron-core assumes CUDA everywhere (current device, CUDA RNG, streams, `devic
 On a machine without CUDA, `apply_cpu_compat()` applies the small patches in `PATCHES` so that the
 same megatron code (GPTModel, MoE dispatch, DDP, distributed optimizer, schedules, torch_dist
 checkpoints) runs on CPU with gloo. With CUDA present it does nothing. Every patch is one row of
-`PATCHES` (target module, attribute, why); `tests/test_megatron_model.py` checks that every target
+`PATCHES` (target module, attribute, why); `tests/integration/test_megatron_model.py` checks that every target
 still exists, so an upgrade that moves one fails loudly instead of silently running unpatched code.
 """
 

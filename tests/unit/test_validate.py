@@ -10,7 +10,7 @@ from kimi_pipeline.data.validate import DataValidationError, run_validate, valid
 from kimi_pipeline.model.tokenizer import load_tokenizer
 from kimi_pipeline.recipes import load_recipe
 
-from conftest import TINY
+from support.common import TINY
 
 GOOD = {"prompt": [{"role": "user", "content": "What is 1+1? Answer in \\boxed{}."}], "label": "2"}
 BAD_LINES = {

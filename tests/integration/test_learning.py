@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
+from support.common import ROOT
 
 pytestmark = pytest.mark.slow
 

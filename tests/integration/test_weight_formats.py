@@ -18,7 +18,7 @@ from kimi_pipeline.recipes import load_recipe
 from kimi_pipeline.rl.engine.client import chunk_named_tensors
 from kimi_pipeline.rl.engine.model import EngineModel, EngineWeightError, iter_safetensors
 
-TINY_MODEL = Path(__file__).resolve().parents[1] / "data" / "tiny" / "model"
+TINY_MODEL = Path(__file__).resolve().parents[2] / "data" / "tiny" / "model"
 
 
 def _expected(name: str, t: torch.Tensor, fmt: str) -> torch.Tensor:

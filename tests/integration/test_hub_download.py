@@ -1,7 +1,7 @@
 """Stage `download` against a real (local) HTTP server speaking the Hugging Face Hub API.
 
 huggingface_hub itself does the HTTP: repo_info with files metadata, snapshot_download, hf_hub_download. The
-fake hub (tests/hub_server.py) records every request, so the tests check what reached the "hub" (token, re-fetches,
+fake hub (tests/support/hub_server.py) records every request, so the tests check what reached the "hub" (token, re-fetches,
 allow-patterns) as well as what landed on disk (manifest, commit, no token anywhere).
 """
 
@@ -13,8 +13,8 @@ import logging
 from pathlib import Path
 
 import pytest
-from conftest import TINY
-from hub_server import FakeHub, Repo, RepoFile
+from support.common import TINY
+from support.hub_server import FakeHub, Repo, RepoFile
 
 from kimi_pipeline.hub.download import DownloadError, run_download
 from kimi_pipeline.recipes import load_recipe

@@ -4,7 +4,6 @@ gloo runs (TP2 x EP2 against one process, torch_dist resharding 1 -> TP2xEP2 -> 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,9 +13,8 @@ from kimi_pipeline.model import megatron_compat
 from kimi_pipeline.model.parallel import Layout, LayoutError
 from kimi_pipeline.recipes import load_recipe
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY_WEIGHTS = ROOT / "data" / "tiny" / "model"
-sys.path.insert(0, str(Path(__file__).parent))
 
 
 # --------------------------------------------------------------------------- compat guard
@@ -353,7 +351,7 @@ def _tensors(path: Path) -> dict[str, torch.Tensor]:
 @pytest.mark.slow
 def test_tp2_ep2_matches_one_process_and_checkpoints_reshard(tmp_path):
     """1 process vs TP2xEP2 (4 ranks, DDP + distributed optimizer); torch_dist 1 -> TP2xEP2 -> PP2xEP2."""
-    from megatron_worker import launch
+    from support.megatron_worker import launch
 
     base = {"weights": str(TINY_WEIGHTS), "batch": 8, "seq": 24}
     ck1, ck2 = tmp_path / "ck_single", tmp_path / "ck_tp2ep2"
@@ -403,7 +401,7 @@ def test_pp2_step_on_uneven_micro_batches_has_the_pp1_gradients(tmp_path):
     """Issue 14 items 4 and 10: at PP 2 micro-batches of 3 and 2 samples (different lengths) and a padding
     micro-batch run unpadded (megatron exchanges shapes) and give the PP 1 gradients; padding rows used to
     scale the gradient by real/padded rows."""
-    from megatron_worker import launch
+    from support.megatron_worker import launch
 
     args = {"weights": str(TINY_WEIGHTS)}
     one = launch("grpo_padded", 1, tmp_path / "pp1", args)[0]

@@ -16,24 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPRODUCIBLE, assert_same_rows, tiny_overrides
+from support.common import REPRODUCIBLE, assert_same_rows, stable_row, train_recipe
 
 pytestmark = pytest.mark.slow
 
-# small and quick: 4 rollouts of 8 prompts x 4 samples, checkpoint every 2, eval every 2
-TRAIN_SET = [
-    "rollout.num_rollout=4", "rollout.rollout_batch_size=8", "rollout.n_samples_per_prompt=4",
-    "rollout.over_sampling_batch_size=16", "quant.int4_qat=true",  # the QAT loop: engines sample the fake-INT4 policy
-    "checkpoint.save_interval=2", "eval.interval=2", "eval.n_samples_per_prompt=2",
-    "convert.nodes=1", "convert.pp=1", "convert.ep=1",
-]
-TIMING = ("seconds", "tokens_per_s", "_s")
-
-
-def _recipe(tiny: Path, extra: list[str] | None = None):
-    from kimi_pipeline.recipes import load_recipe
-
-    return load_recipe("tiny", tiny_overrides(tiny) + TRAIN_SET + (extra or []))
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +42,8 @@ def prepared(tmp_path_factory) -> tuple[Path, Path]:
 
     root = tmp_path_factory.mktemp("train")
     tiny = root / "tiny"
-    shutil.copytree(Path(__file__).resolve().parents[1] / "data" / "tiny", tiny)
-    r = _recipe(tiny)
+    shutil.copytree(Path(__file__).resolve().parents[2] / "data" / "tiny", tiny)
+    r = train_recipe(tiny)
     run = prepare_run(r, root / "base")
     stage_download(r, run)
     stage_validate(r, run)
@@ -76,17 +62,13 @@ def _rows(run: Path) -> list[dict]:
     return read_jsonl(run / "train" / "metrics.jsonl")
 
 
-def _stable(row: dict) -> dict:
-    return {k: v for k, v in row.items() if not any(t in k for t in TIMING)}
-
-
 @pytest.fixture(scope="module")
 def trained(prepared, ray_local, tmp_path_factory) -> tuple[Path, Path, dict]:
     from kimi_pipeline.stages import stage_train
 
     tiny, base = prepared
     run = _copy_run(base, tmp_path_factory.mktemp("trained") / "run")
-    return tiny, run, stage_train(_recipe(tiny), run)
+    return tiny, run, stage_train(train_recipe(tiny), run)
 
 
 def test_train_records_metrics_checkpoints_and_evals(trained):
@@ -139,10 +121,10 @@ def test_kill_9_then_retry_resumes_with_identical_metrics(prepared, ray_local, t
     from kimi_pipeline.stages import stage_train
 
     tiny, base = prepared
-    r = _recipe(tiny, REPRODUCIBLE)
+    r = train_recipe(tiny, REPRODUCIBLE)
     straight = _copy_run(base, tmp_path / "straight")
     stage_train(r, straight, evaluate=lambda step, urls: {})
-    expected = [_stable(x) for x in _rows(straight)]
+    expected = [stable_row(x) for x in _rows(straight)]
 
     crashed = _copy_run(base, tmp_path / "crashed")
     kill_at = random.Random().choice([3, 4])  # after the step-2 checkpoint; step 4 kills before its save lands
@@ -157,7 +139,7 @@ def test_kill_9_then_retry_resumes_with_identical_metrics(prepared, ray_local, t
         stage_train(r, crashed, evaluate=lambda step, urls: {}, on_step=kill_trainer)
     assert json.loads((crashed / "summary.json").read_text())["stages"]["train"]["status"] == "failed"
     stage_train(r, crashed, evaluate=lambda step, urls: {})  # the retry
-    assert_same_rows([_stable(x) for x in _rows(crashed)], expected, resumed_after=2)
+    assert_same_rows([stable_row(x) for x in _rows(crashed)], expected, resumed_after=2)
 
 
 def _trainer_pids() -> list[int]:
@@ -172,7 +154,7 @@ def test_ep2_across_two_trainer_actors(prepared, ray_local, tmp_path):
 
     tiny, base = prepared
     run = _copy_run(base, tmp_path / "ep2")
-    r = _recipe(tiny, ["parallel.ep=2", "cluster.gpus_per_node=2", "rollout.num_rollout=2", "eval.interval=2"])
+    r = train_recipe(tiny, ["parallel.ep=2", "cluster.gpus_per_node=2", "rollout.num_rollout=2", "eval.interval=2"])
     section = stage_train(r, run, evaluate=lambda step, urls: {})
     rows = _rows(run)
     assert [x["step"] for x in rows] == [1, 2] and section["steps"] == 2

@@ -18,7 +18,7 @@ from kimi_pipeline.reward import (
     extract_answer,
     normalize_answer,
 )
-from conftest import TINY
+from support.common import TINY
 
 
 @pytest.fixture(scope="module")

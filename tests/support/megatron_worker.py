@@ -1,6 +1,6 @@
 """Multi-process entry point for the megatron tests: one process per rank (env RANK/WORLD_SIZE/...).
 
-    python tests/megatron_worker.py <scenario> <out_dir> <json args>
+    python tests/support/megatron_worker.py <scenario> <out_dir> <json args>
 
 Each rank writes `<out_dir>/<scenario>.rank<r>.json`; rank 0 also writes tensors as safetensors.
 `launch()` starts the ranks as real OS processes on a free port (gloo, one thread each) and fails
@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 

@@ -1,7 +1,7 @@
 """The launch plan of the seeds' 32 × 8 layouts (issue 14 items 1, 2, 8): what the train stage asks Ray for.
 
 Pure planning, no Ray: the Ray-side rehearsal (placement groups + stand-in actors on simulated nodes) is
-tests/test_rehearse.py.
+tests/integration/test_rehearse.py.
 """
 
 from __future__ import annotations

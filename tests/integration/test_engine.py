@@ -23,7 +23,7 @@ from kimi_pipeline.rl.engine.sampler import EngineInputError, RolloutEngine, Sam
 from kimi_pipeline.rl.engine.server import EngineServer
 from kimi_pipeline.rl.engine.sglang import sglang_command
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY_MODEL = ROOT / "data" / "tiny" / "model"
 EOS = 3
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import TINY
+from support.common import TINY
 
 
 @pytest.fixture(scope="module")

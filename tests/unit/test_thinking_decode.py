@@ -12,7 +12,7 @@ from kimi_pipeline.rl.rollout import generate_groups
 from kimi_pipeline.rl.prompts import Prompt
 from kimi_pipeline.reward import AnswerGrader
 
-TINY = Path(__file__).resolve().parents[1] / "data" / "tiny" / "model"
+TINY = Path(__file__).resolve().parents[2] / "data" / "tiny" / "model"
 
 
 class _Engine:

@@ -7,7 +7,7 @@ import json
 import sys
 
 import pytest
-from conftest import ROOT, tiny_overrides
+from support.common import ROOT, tiny_overrides
 
 sys.path.insert(0, str(ROOT))
 

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import REPRODUCIBLE, ROOT, assert_same_rows
+from support.common import REPRODUCIBLE, ROOT, assert_same_rows, stable_row
 
 sys.path.insert(0, str(ROOT))
 
@@ -41,7 +41,7 @@ from prefect.settings import PREFECT_API_URL, temporary_settings  # noqa: E402
 
 from flows.serve import start_server  # noqa: E402
 from kimi_pipeline.util.net import free_port  # noqa: E402
-from webhook_server import wait_for, webhook_receiver  # noqa: E402
+from support.webhook_server import wait_for, webhook_receiver  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -146,11 +146,10 @@ def all_logs(api_url: str, run_ids: list[str]) -> list:
 
 
 def train_rows(run_dir: Path) -> list[dict]:
-    from test_train import _stable
 
     from kimi_pipeline.report.metrics import read_jsonl
 
-    return [_stable(r) for r in read_jsonl(run_dir / "train" / "metrics.jsonl")]
+    return [stable_row(r) for r in read_jsonl(run_dir / "train" / "metrics.jsonl")]
 
 
 # ------------------------------------------------------------------------------------------------ fixture

@@ -32,7 +32,7 @@ from pydantic import BaseModel, create_model
 from kimi_pipeline.recipes.models import RolloutSpec, Section
 from kimi_pipeline.recipes.recipe import Recipe
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCAN_DIRS = ("kimi_pipeline", "tasks", "flows", "bench")
 DEFINITIONS = ("kimi_pipeline/recipes/models.py", "kimi_pipeline/recipes/recipe.py")
 VALIDATION = ("kimi_pipeline/recipes/checks.py",)
@@ -353,7 +353,7 @@ def test_every_recipe_field_is_read():
         f"{len(unread)} recipe field(s) are read by no code path (a knob that does nothing):\n" + "\n".join(lines)
         + "\nRead each where it takes effect (plan, trainer, engine, stage), or delete it from "
         "kimi_pipeline/recipes/models.py and the presets (kimi_pipeline/recipes/presets/*.yaml). Pure metadata "
-        "goes in NOT_BEHAVIOUR in tests/test_recipe_fields.py with a one-line reason."
+        "goes in NOT_BEHAVIOUR in tests/unit/test_recipe_fields.py with a one-line reason."
     )
 
 

@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, tiny_overrides
-from webhook_server import webhook_receiver
+from support.common import ROOT, tiny_overrides, train_recipe
+from support.webhook_server import webhook_receiver
 
 sys.path.insert(0, str(ROOT))
 
@@ -102,7 +102,6 @@ def test_ray_node_lost_during_train_fails_clearly_and_the_retry_resumes(tmp_path
     """Simulated 2-node cluster (head + one extra raylet, 2 CPUs each; 2 trainer ranks + 1 engine need 3,
     so the extra node always hosts an actor). After the step-2 checkpoint the extra node dies (raylet and
     its workers, SIGKILL); the infrastructure brings a node back; the retry resumes at step 2."""
-    from test_train import _recipe
 
     from kimi_pipeline.cluster import LocalCluster, stage_cluster, stop_cluster
     from kimi_pipeline.cluster.stage import embedded_layout
@@ -118,7 +117,7 @@ def test_ray_node_lost_during_train_fails_clearly_and_the_retry_resumes(tmp_path
     root = Path(tempfile_dir())
     tiny = root / "tiny"
     shutil.copytree(ROOT / "data" / "tiny", tiny)
-    r = _recipe(tiny, ["cluster.nodes=2", "cluster.cpus_per_node=2"])
+    r = train_recipe(tiny, ["cluster.nodes=2", "cluster.cpus_per_node=2"])
     run = prepare_run(r, root / "run")
     stage_download(r, run)
     stage_validate(r, run)

@@ -6,7 +6,7 @@ import json
 import struct
 
 import pytest
-from conftest import tiny_overrides
+from support.common import tiny_overrides
 
 from kimi_pipeline.hub.download import DownloadError, LocalSourceError, run_download
 from kimi_pipeline.hub.manifest import build_manifest, list_files, safetensors_issue, verify_files

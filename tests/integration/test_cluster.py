@@ -43,7 +43,7 @@ from kimi_pipeline.cluster.stage import embedded_layout, resolve_address
 from kimi_pipeline.errors import is_permanent
 from kimi_pipeline.recipes import load_recipe
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 INFRA = ROOT / "infra" / "ray"
 _RUN_DIRS: list[Path] = []
 

@@ -3,8 +3,7 @@ reports a KL that starts at 0 (policy = reference) and moves once the policy has
 
 from __future__ import annotations
 
-from conftest import TINY
-from test_routing_replay import _samples
+from support.common import TINY, engine_samples
 
 
 def test_reference_model_only_with_a_kl_coefficient():
@@ -22,7 +21,7 @@ def test_reference_model_only_with_a_kl_coefficient():
     try:
         w.load("/nonexistent-checkpoints", str(TINY / "model"))
         assert w.ref_model is not None
-        samples = _samples(recipe, n_prompts=4, n=4)
+        samples = engine_samples(recipe, n_prompts=4, n=4)
         rewards = torch.tensor([float(i % 2) for i in range(len(samples))])
         for s, a, r in zip(samples, group_advantages(rewards, 4).tolist(), rewards.tolist()):
             s.advantage, s.reward = a, r

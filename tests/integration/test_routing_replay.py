@@ -6,7 +6,8 @@ megatron, each rank reading its own slice)."""
 from __future__ import annotations
 
 import pytest
-from conftest import TINY
+
+from support.common import TINY, engine_samples
 
 
 @pytest.fixture(scope="module")
@@ -21,24 +22,8 @@ def worker():
     w.close()
 
 
-def _samples(recipe, n_prompts: int = 4, n: int = 2):
-    from kimi_pipeline.model.tokenizer import load_tokenizer
-    from kimi_pipeline.rl.engine.model import EngineModel
-    from kimi_pipeline.rl.engine.sampler import RolloutEngine, SamplingParams
-    from kimi_pipeline.rl.prompts import load_prompts
-    from kimi_pipeline.rl.samples import Sample
-
-    prompts = load_prompts(TINY / "dapo-math-tiny.jsonl", load_tokenizer(TINY / "model"))[:n_prompts]
-    engine = RolloutEngine(EngineModel.from_pretrained(TINY / "model"), seed=3)
-    out = engine.generate([p.ids for p in prompts for _ in range(n)], 1,
-                          SamplingParams(temperature=1.0, max_new_tokens=recipe.rollout.max_response_len, seed=3),
-                          return_routed_experts=True)
-    return [Sample(prompt_ids=list(c.prompt_ids), response_ids=list(c.output_ids), rollout_logprobs=list(c.logprobs),
-                   routed_experts=c.routed_experts) for c in out]
-
-
 def test_replayed_routing_reproduces_engine_logprobs(worker):
-    samples = _samples(worker.recipe)
+    samples = engine_samples(worker.recipe)
     assert all(s.routed_experts.shape[1:] == (3, 4) for s in samples)  # 3 MoE layers, top-4
     trainer = worker._token_logprobs(worker.model, samples)
     for s, lp in zip(samples, trainer):
@@ -48,7 +33,7 @@ def test_replayed_routing_reproduces_engine_logprobs(worker):
 def test_other_expert_ids_change_the_trainer_forward(worker):
     import numpy as np
 
-    samples = _samples(worker.recipe)
+    samples = engine_samples(worker.recipe)
     base = worker._token_logprobs(worker.model, samples)
     experts = worker.recipe.model.num_experts
     for s in samples:
@@ -68,11 +53,11 @@ def test_replay_ids_follow_the_sequence_parallel_token_slices(tmp_path):
     """Issue 14 item 10: under TP 2 with sequence parallelism (EP 2, ETP 1 as in the seeds) each rank's routers
     see half of the tokens;
     the replayed ids must be that half (they were the whole sequence: a shape error or wrong experts)."""
-    from megatron_worker import launch
+    from support.megatron_worker import launch
 
     from kimi_pipeline.recipes import load_recipe
 
-    samples = _samples(load_recipe("tiny", ["rollout.routing_replay=true"]), n_prompts=2, n=2)
+    samples = engine_samples(load_recipe("tiny", ["rollout.routing_replay=true"]), n_prompts=2, n=2)
     payload = [{"prompt_ids": s.prompt_ids, "response_ids": s.response_ids, "rollout_logprobs": s.rollout_logprobs,
                 "routed_experts": s.routed_experts.tolist()} for s in samples]
     ranks = launch("replay", 2, tmp_path, {"tp": 2, "sp": True, "ep": 2, "samples": payload, "model": str(TINY / "model")})

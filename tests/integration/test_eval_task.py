@@ -10,7 +10,7 @@ import threading
 import time
 
 import pytest
-from conftest import ROOT, TINY
+from support.common import ROOT, TINY
 
 sys.path.insert(0, str(ROOT))
 

@@ -13,7 +13,7 @@ import pytest
 from kimi_pipeline.data.rows import label_problem, normalize_problem, problem_signature, prompt_problem
 from kimi_pipeline.data.synthetic import MathGenConfig, generate
 
-from conftest import ROOT
+from support.common import ROOT
 
 
 def test_deterministic_and_seeded():

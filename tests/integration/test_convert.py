@@ -36,7 +36,7 @@ from kimi_pipeline.errors import is_permanent
 from kimi_pipeline.model.hf_config import hf_config_dict
 from kimi_pipeline.recipes import load_recipe
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # ---------------------------------------------------------------- fixtures

@@ -47,7 +47,7 @@ def test_sequence_multiple_covers_cp_chunks_and_sequence_parallel():
 @pytest.mark.slow
 def test_cp_split_and_thd_packing_give_the_unsplit_logprobs_and_gradients(tmp_path):
     """CP 2 over real gloo ranks (CP 4 took 4 processes on 2 cores; its chunking is covered above)."""
-    from megatron_worker import launch
+    from support.megatron_worker import launch
 
     cp = 2
     ranks = launch("cp", cp, tmp_path, {"cp": cp})

@@ -27,7 +27,7 @@ from kimi_pipeline.quant.int4 import (
     quantize_int4,
     unpack_int4,
 )
-from conftest import TINY
+from support.common import TINY
 
 TINY_MODEL = TINY / "model"
 def int4_args(group_size: int = 32):
