@@ -14,10 +14,9 @@ class PeriodicEval:
     def __init__(self, evaluate: EvalFn, interval: int, total: int) -> None:
         self._evaluate, self.interval, self.total = evaluate, interval, total
 
-    def should_evaluate(self, done: int, *, fresh: bool = False) -> bool:
-        """At step 0 of a fresh run (the base policy), every `eval.interval` steps, and at the end."""
-        if done == 0:
-            return fresh
+    def should_evaluate(self, done: int) -> bool:
+        """After every `eval.interval` steps and at the end (the loop also scores the base policy, step 0, of a
+        fresh run)."""
         return done % self.interval == 0 or done == self.total
 
     def evaluate(self, step: int, urls: list[str]) -> dict[str, Any]:

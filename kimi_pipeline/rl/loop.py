@@ -96,7 +96,6 @@ def _require_healthy_cluster(recipe: Recipe, address: str | None, timeout_s: flo
                        timeout_s=timeout_s, progress=log.info)
 
 
-
 def run_training(
     recipe: Recipe,
     run_dir: Path,

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from support.common import REPRODUCIBLE, assert_same_rows, stable_row, train_recipe
+from support.common import REPRODUCIBLE, TRAIN_SET, assert_same_rows, stable_row, train_recipe
 
 pytestmark = pytest.mark.slow
 
