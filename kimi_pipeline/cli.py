@@ -279,10 +279,10 @@ def recipe_check(
             err.print(f"  - {p}", highlight=False, markup=False)
         raise typer.Exit(1)
     p = r.parallel
-    stages = pipeline_layers(r.model.num_layers, p.pp, p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers)
+    split = pipeline_layers(r.model.num_layers, p.pp, p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers)
     console.print(
         f"[green]ok[/green] {r.name}: {r.cluster.nodes}×{r.cluster.gpus_per_node} {r.cluster.device}, "
-        f"TP{p.tp} PP{p.pp} CP{p.cp} DP{r.data_parallel_size} EP{p.ep} ETP{p.etp}, layers per stage {stages}, "
+        f"TP{p.tp} PP{p.pp} CP{p.cp} DP{r.data_parallel_size} EP{p.ep} ETP{p.etp}, layers per pipeline stage {split}, "
         f"global batch {r.global_batch_size}",
         highlight=False,
     )

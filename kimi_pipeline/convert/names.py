@@ -139,14 +139,14 @@ def _layer_entries(spec: ModelSpec, layer: int, local_layer: int, layout: Layout
     return out
 
 
-def _stage_entries(spec: ModelSpec, layout: Layout, pp_rank: int, ep_rank: int) -> list[_Entry]:
+def _pp_stage_entries(spec: ModelSpec, layout: Layout, pp_rank: int, ep_rank: int) -> list[_Entry]:
     out: list[_Entry] = []
     first, last = pp_rank == 0, pp_rank == layout.pp - 1
     if first:
         out.append(_Entry(("model.embed_tokens.weight",), "embedding.word_embeddings.weight",
                           "embedding.word_embeddings.weight", 0))
     offset = layout.layer_offset(spec.num_layers, pp_rank)
-    for local in range(layout.stage_layers(spec.num_layers)[pp_rank]):
+    for local in range(layout.pp_stage_layers(spec.num_layers)[pp_rank]):
         out += _layer_entries(spec, offset + local, local, layout, ep_rank)
     if last:
         out.append(_Entry(("model.norm.weight",), "decoder.final_layernorm.weight", "decoder.final_layernorm.weight", None))
@@ -173,7 +173,7 @@ def hf_to_megatron_names(
         raise ValueError(f"pp_rank {pp_rank} / ep_rank {ep_rank} outside layout pp={layout.pp} ep={layout.ep}")
     layout.check_model(spec)
     shards = []
-    for e in _stage_entries(spec, layout, pp_rank, ep_rank):
+    for e in _pp_stage_entries(spec, layout, pp_rank, ep_rank):
         if e.group == "etp":
             rank, size = etp_rank, layout.etp
         else:

@@ -63,7 +63,7 @@ def verify_layout(spec: ModelSpec, written, small: bool):
                 continue
             try:
                 lay = Layout(world_size=world, tp=tp, pp=written.pp, ep=ep, etp=tp if ep == 1 else 1,
-                             first_stage_layers=written.first_stage_layers, last_stage_layers=written.last_stage_layers)
+                             first_pp_stage_layers=written.first_pp_stage_layers, last_pp_stage_layers=written.last_pp_stage_layers)
                 lay.check_model(spec)
             except LayoutError:
                 continue

@@ -153,8 +153,8 @@ def transformer_config(
         expert_tensor_parallel_size=layout.etp,
         # MoE + TP requires SP in megatron, and MLA's shared rope key is only reduced correctly with it.
         sequence_parallel=layout.tp > 1,
-        num_layers_in_first_pipeline_stage=layout.first_stage_layers,
-        num_layers_in_last_pipeline_stage=layout.last_stage_layers,
+        num_layers_in_first_pipeline_stage=layout.first_pp_stage_layers,
+        num_layers_in_last_pipeline_stage=layout.last_pp_stage_layers,
         pipeline_dtype=dtype,
         variable_seq_lengths=True,
         # precision

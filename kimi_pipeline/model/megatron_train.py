@@ -280,7 +280,7 @@ def optimizer_step(optimizer, scheduler=None) -> tuple[bool, float | None]:
     return bool(ok), None if grad_norm is None else float(grad_norm)
 
 
-def _broadcast_from_last_stage(parts: list[torch.Tensor] | None, shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
+def _broadcast_from_last_pp_stage(parts: list[torch.Tensor] | None, shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
     """The last pipeline stage's tensors on every stage: one flat broadcast, not one per micro-batch."""
     from megatron.core import parallel_state as ps
 
@@ -319,10 +319,10 @@ def micro_batch_logprobs(
         for m in chunks:
             m.train()
     shapes = [tuple(b["targets"].shape) for b in batches]
-    lps = _broadcast_from_last_stage([o["logprobs"] for o in out] if out else None, shapes)
+    lps = _broadcast_from_last_pp_stage([o["logprobs"] for o in out] if out else None, shapes)
     if not with_entropy:
         return lps
-    ents = _broadcast_from_last_stage([o["entropy"] for o in out] if out else None, shapes)
+    ents = _broadcast_from_last_pp_stage([o["entropy"] for o in out] if out else None, shapes)
     return list(zip(lps, ents))
 
 

@@ -31,8 +31,8 @@ class Layout:
     ep: int = 1
     etp: int = 1
     cp: int = 1
-    first_stage_layers: int | None = None  # decoder_first_pipeline_num_layers
-    last_stage_layers: int | None = None  # decoder_last_pipeline_num_layers
+    first_pp_stage_layers: int | None = None  # decoder_first_pipeline_num_layers
+    last_pp_stage_layers: int | None = None  # decoder_last_pipeline_num_layers
     sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
@@ -46,9 +46,9 @@ class Layout:
             # With EP=1 megatron reduces expert grads over the dense DP group only, which misses the TP
             # ranks that hold the same expert shard but route other (sequence-parallel) tokens.
             raise LayoutError(f"ep=1 needs etp == tp (got tp={self.tp}, etp={self.etp}): set etp={self.tp} or ep>1")
-        if self.pp == 1 and (self.first_stage_layers or self.last_stage_layers):
-            object.__setattr__(self, "first_stage_layers", None)
-            object.__setattr__(self, "last_stage_layers", None)
+        if self.pp == 1 and (self.first_pp_stage_layers or self.last_pp_stage_layers):
+            object.__setattr__(self, "first_pp_stage_layers", None)
+            object.__setattr__(self, "last_pp_stage_layers", None)
         if self.sequence_parallel and self.tp == 1:
             object.__setattr__(self, "sequence_parallel", False)
 
@@ -61,29 +61,21 @@ class Layout:
         """Expert data-parallel size (replicas of each expert shard)."""
         return self.world_size // (self.ep * self.etp * self.pp)
 
-    def stage_layers(self, num_layers: int) -> list[int]:
-        """Decoder layers per pipeline stage, megatron's rule: first/last fixed, the rest split evenly."""
-        if self.pp == 1:
-            return [num_layers]
-        first, last = self.first_stage_layers, self.last_stage_layers
-        middle_stages = self.pp - (first is not None) - (last is not None)
-        rest = num_layers - (first or 0) - (last or 0)
-        if rest < 0 or (middle_stages == 0 and rest != 0) or (middle_stages and rest % middle_stages):
+    def pp_stage_layers(self, num_layers: int) -> list[int]:
+        """Decoder layers per pipeline stage: the recipe check's rule (`recipes.checks.pipeline_layers`)."""
+        from kimi_pipeline.recipes.checks import PipelineSplitError, pipeline_layers
+
+        first, last = self.first_pp_stage_layers, self.last_pp_stage_layers
+        try:
+            return pipeline_layers(num_layers, self.pp, first, last)
+        except PipelineSplitError as e:
             raise LayoutError(
-                f"{num_layers} layers do not split over pp={self.pp} with first={first}, last={last} "
-                f"({rest} layers left for {middle_stages} middle stages); set "
+                f"{num_layers} layers do not split over pp={self.pp} with first={first}, last={last}: {e}; set "
                 "decoder_first/last_pipeline_num_layers so the rest divides evenly"
-            )
-        each = rest // middle_stages if middle_stages else 0
-        out = [each] * self.pp
-        if first is not None:
-            out[0] = first
-        if last is not None:
-            out[-1] = last
-        return out
+            ) from None
 
     def layer_offset(self, num_layers: int, pp_rank: int) -> int:
-        return sum(self.stage_layers(num_layers)[:pp_rank])
+        return sum(self.pp_stage_layers(num_layers)[:pp_rank])
 
     def check_model(self, spec: ModelSpec) -> None:
         """Raise LayoutError when the model shape cannot be split this way."""
@@ -100,7 +92,7 @@ class Layout:
             problems.append(f"ffn_hidden_size {spec.ffn_hidden_size} % tp {self.tp}")
         if problems:
             raise LayoutError("model shape does not split over the layout: " + "; ".join(problems) + " must be 0")
-        self.stage_layers(spec.num_layers)
+        self.pp_stage_layers(spec.num_layers)
 
     @classmethod
     def from_convert(cls, spec: ConvertSpec, world_size: int | None = None) -> Layout:
@@ -111,8 +103,8 @@ class Layout:
             pp=spec.pp,
             ep=spec.ep,
             etp=spec.etp,
-            first_stage_layers=spec.decoder_first_pipeline_num_layers,
-            last_stage_layers=spec.decoder_last_pipeline_num_layers,
+            first_pp_stage_layers=spec.decoder_first_pipeline_num_layers,
+            last_pp_stage_layers=spec.decoder_last_pipeline_num_layers,
         )
 
     @classmethod
@@ -130,8 +122,8 @@ class Layout:
             ep=spec.ep,
             etp=spec.etp,
             cp=spec.cp,
-            first_stage_layers=spec.decoder_first_pipeline_num_layers,
-            last_stage_layers=spec.decoder_last_pipeline_num_layers,
+            first_pp_stage_layers=spec.decoder_first_pipeline_num_layers,
+            last_pp_stage_layers=spec.decoder_last_pipeline_num_layers,
             sequence_parallel=spec.sequence_parallel,
         )
 

@@ -124,7 +124,7 @@ def count_params(m: ModelSpec) -> ParamCounts:
 
 
 @dataclass(frozen=True)
-class StageParams:
+class PPStageParams:
     """Parameters of one pipeline stage, grouped by how the trainer shards them."""
 
     tp_split: int  # divided by tensor parallel
@@ -142,7 +142,7 @@ class StageParams:
         return self.dense + self.experts
 
 
-def stage_params(pc: ParamCounts, start: int, layers: int, first: bool, last: bool, pp: int, tied: bool) -> StageParams:
+def pp_stage_params(pc: ParamCounts, start: int, layers: int, first: bool, last: bool, pp: int, tied: bool) -> PPStageParams:
     """Parameters of the stage holding global layers [start, start+layers).
 
     The first stage holds the input embedding; the last stage holds the final norm and lm_head (with tied
@@ -157,4 +157,4 @@ def stage_params(pc: ParamCounts, start: int, layers: int, first: bool, last: bo
     if last:
         split += pc.lm_head if not tied else (pc.embedding if pp > 1 else 0)
         rep += pc.final_norm
-    return StageParams(split, rep, moe * pc.num_experts * pc.expert, layers, dense)
+    return PPStageParams(split, rep, moe * pc.num_experts * pc.expert, layers, dense)

@@ -21,12 +21,12 @@ from kimi_pipeline.plan.memory import (
     EngineMemory,
     Layout,
     MemoryAssumptions,
-    StageMemory,
+    PPStageMemory,
     engine_memory,
     host_memory,
     layout_from_recipe,
-    stage_layers,
-    train_stages,
+    pp_stage_layers_or_guess,
+    train_pp_stages,
 )
 from kimi_pipeline.model.params import count_params
 from kimi_pipeline.plan.timing import TimeAssumptions, step_time, workload
@@ -62,10 +62,10 @@ def _split_for(num_layers: int, pp: int, first: int | None, last: int | None) ->
     best: tuple[tuple[int, int], int] | None = None
     for l in range(1, num_layers):
         try:
-            stages = pipeline_layers(num_layers, pp, None, l)
+            split = pipeline_layers(num_layers, pp, None, l)
         except PipelineSplitError:
             continue
-        key = (max(stages), l)  # most even split, then the lighter last stage (it also holds lm_head)
+        key = (max(split), l)  # most even split, then the lighter last stage (it also holds lm_head)
         if best is None or key < best[0]:
             best = (key, l)
     return (None, best[1]) if best else None
@@ -110,7 +110,7 @@ def fit_layout(r: Recipe, nodes: int | None) -> tuple[Layout, list[str], str | N
     if lay.dp != base.dp:
         notes.append(f"data parallel {base.dp} -> {lay.dp}")
     if lay.pp != base.pp:
-        split, _ = stage_layers(r.model.num_layers, lay)
+        split, _ = pp_stage_layers_or_guess(r.model.num_layers, lay)
         notes.append(f"pipeline parallel {base.pp} -> {lay.pp} (layers per stage {split})")
     return lay, notes, None
 
@@ -133,7 +133,7 @@ def _gb(x: float) -> float:
     return round(x / GIB, 2)
 
 
-def _phases(r: Recipe, st: StageMemory, eng: EngineMemory, ma: MemoryAssumptions) -> dict[str, dict[str, float]]:
+def _phases(r: Recipe, st: PPStageMemory, eng: EngineMemory, ma: MemoryAssumptions) -> dict[str, dict[str, float]]:
     """Bytes per component in each phase of an RL step, on one GPU of the given stage."""
     residual = {"residual": ma.residual_gb * GIB}
     train = {"weights": st.weights, "grads": st.grads, "optimizer": st.optimizer_gpu, "activations": st.activations}
@@ -156,14 +156,14 @@ def _phases(r: Recipe, st: StageMemory, eng: EngineMemory, ma: MemoryAssumptions
 ELASTIC = ("sglang_kv_cache",)
 
 
-def _memory_reasons(r: Recipe, gpu: GPU, phases: dict[str, dict[str, float]], peak_phase: str, stage: int,
+def _memory_reasons(r: Recipe, gpu: GPU, phases: dict[str, dict[str, float]], peak_phase: str, pp_rank: int,
                     largest: str, eng: EngineMemory, host: float, host_cap: float) -> list[str]:
     """Why the memory does not fit (empty when it does)."""
     out = []
     peak, cap = sum(phases[peak_phase].values()), gpu.mem_gb * GIB
     if peak > cap:
         out.append(
-            f"peak {_gb(peak)} GB per GPU in the {peak_phase} phase (stage {stage}) exceeds the {gpu.key} "
+            f"peak {_gb(peak)} GB per GPU in the {peak_phase} phase (PP stage {pp_rank}) exceeds the {gpu.key} "
             f"{_gb(cap)} GB; largest consumer {largest} = {_gb(phases[peak_phase][largest])} GB"
         )
     if r.rollout.engine == "sglang":
@@ -194,20 +194,20 @@ def make_plan(r: Recipe, gpu: GPU, nodes: int | None = None, ta: TimeAssumptions
     problems = [str(p) for p in check_recipe(r_eff)]
     blocking = [p for p in problems if p.startswith(BLOCKING_PREFIXES)]
     warnings = [p for p in problems if p not in blocking]
-    split, _ = stage_layers(r.model.num_layers, lay)  # check_recipe already reports a split that fails
+    split, _ = pp_stage_layers_or_guess(r.model.num_layers, lay)  # check_recipe already reports a split that fails
     if r.cluster.device != "cuda":
         warnings.append(f"the recipe runs on {r.cluster.device}; these are what its layout would need on {gpu.key}")
 
     wl = workload(r_eff, ta)
     micro = wl.microbatches(r_eff, lay)
-    stages = train_stages(r_eff, pc, lay, micro, ma)
+    pp_stages = train_pp_stages(r_eff, pc, lay, micro, ma)
     eng = engine_memory(r_eff, pc, gpu, ma)
-    per_stage = [_phases(r_eff, st, eng, ma) for st in stages]
+    per_pp_stage = [_phases(r_eff, st, eng, ma) for st in pp_stages]
     worst = max(
-        range(len(stages)),
-        key=lambda i: (max(sum(ph.values()) for ph in per_stage[i].values()), sum(per_stage[i]["train"].values())),
+        range(len(pp_stages)),
+        key=lambda i: (max(sum(ph.values()) for ph in per_pp_stage[i].values()), sum(per_pp_stage[i]["train"].values())),
     )
-    st, phases = stages[worst], per_stage[worst]
+    st, phases = pp_stages[worst], per_pp_stage[worst]
     totals = {name: sum(ph.values()) for name, ph in phases.items()}
     peak_phase = max(totals, key=lambda k: totals[k])
     peak = totals[peak_phase]
@@ -215,10 +215,10 @@ def make_plan(r: Recipe, gpu: GPU, nodes: int | None = None, ta: TimeAssumptions
     fixed = {k: v for k, v in phases[peak_phase].items() if k not in ELASTIC}
     largest = max(fixed, key=lambda k: fixed[k])
 
-    hosts = [host_memory(r_eff, s, lay, ma) for s in stages]
+    hosts = [host_memory(r_eff, s, lay, ma) for s in pp_stages]
     host = max(hosts, key=lambda h: h["total"])
     host_cap = (r.cluster.memory_gb_per_node or gpu.host_ram_gb) * GIB
-    node_shard = lay.gpus_per_node * max(s.optimizer_shard_params for s in stages)
+    node_shard = lay.gpus_per_node * max(s.optimizer_shard_params for s in pp_stages)
     timing = step_time(r_eff, pc, lay, gpu, ta, node_shard, eng.weights)
 
     reasons = ([layout_problem] if layout_problem else []) + [f"recipe check: {p}" for p in blocking]
@@ -226,7 +226,7 @@ def make_plan(r: Recipe, gpu: GPU, nodes: int | None = None, ta: TimeAssumptions
     fits = not reasons
     headroom = cap - peak
     reason = "; ".join(reasons) if reasons else (
-        f"peak {_gb(peak)} of {_gb(cap)} GB per GPU ({peak_phase} phase, stage {worst}), headroom "
+        f"peak {_gb(peak)} of {_gb(cap)} GB per GPU ({peak_phase} phase, PP stage {worst}), headroom "
         f"{_gb(headroom)} GB; host {_gb(host['total'])} of {_gb(host_cap)} GB per node"
     )
 
@@ -270,9 +270,9 @@ def make_plan(r: Recipe, gpu: GPU, nodes: int | None = None, ta: TimeAssumptions
         "gpu_mem_gb": {k: _gb(v) for k, v in gpu_mem.items()},
         "phases_gb": {name: {k: _gb(v) for k, v in ph.items()} for name, ph in phases.items()},
         "stages": [
-            {"stage": s.stage, "layers": s.layers, "params_per_gpu": round(s.params_per_gpu),
-             "train_gb": _gb(sum(per_stage[s.stage]["train"].values()))}
-            for s in stages
+            {"stage": s.pp_rank, "layers": s.layers, "params_per_gpu": round(s.params_per_gpu),
+             "train_gb": _gb(sum(per_pp_stage[s.pp_rank]["train"].values()))}
+            for s in pp_stages
         ],
         "sglang": {
             "attn_tp": eng.attn_tp, "kv_bytes_per_token": eng.kv_bytes_per_token,
@@ -318,7 +318,7 @@ def _render(plan: dict[str, Any]) -> None:
             con.print(f"  adjusted: {n}")
     if plan["params_total"] is not None:
         con.print(f"params: {plan['params_total'] / 1e9:,.2f} B total, {plan['params_active'] / 1e9:,.2f} B active")
-        t = Table(title="GPU memory per GPU (GB = GiB), most-loaded stage")
+        t = Table(title="GPU memory per GPU (GB = GiB), most-loaded PP stage")
         t.add_column("component")
         for ph in plan["phases_gb"]:
             t.add_column(ph, justify="right")

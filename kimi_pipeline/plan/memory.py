@@ -23,7 +23,7 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from kimi_pipeline.plan.hardware import GPU
-from kimi_pipeline.model.params import ParamCounts, StageParams, stage_params
+from kimi_pipeline.model.params import ParamCounts, PPStageParams, pp_stage_params
 from kimi_pipeline.recipes.checks import PipelineSplitError, pipeline_layers
 from kimi_pipeline.recipes.recipe import Recipe
 
@@ -81,8 +81,8 @@ def layout_from_recipe(r: Recipe) -> Layout:
     )
 
 
-def stage_layers(num_layers: int, lay: Layout) -> tuple[list[int], str | None]:
-    """Layers per stage; on an impossible split, an as-even-as-possible guess plus the problem."""
+def pp_stage_layers_or_guess(num_layers: int, lay: Layout) -> tuple[list[int], str | None]:
+    """Layers per pipeline stage; on an impossible split, an as-even-as-possible guess plus the problem."""
     try:
         return pipeline_layers(num_layers, lay.pp, lay.first, lay.last), None
     except PipelineSplitError as e:
@@ -111,10 +111,10 @@ class MemoryAssumptions:
 
 
 @dataclass
-class StageMemory:
+class PPStageMemory:
     """Per-GPU training memory (bytes) of one pipeline stage; host figures are per GPU too."""
 
-    stage: int
+    pp_rank: int
     layers: int
     params_per_gpu: float
     weights: float
@@ -133,7 +133,7 @@ class StageMemory:
         return self.state_gpu + self.activations
 
 
-def per_gpu_params(sp: StageParams, pc: ParamCounts, lay: Layout) -> tuple[float, float]:
+def per_gpu_params(sp: PPStageParams, pc: ParamCounts, lay: Layout) -> tuple[float, float]:
     """(dense, expert) parameters one GPU of this stage holds."""
     dense = sp.tp_split / lay.tp + sp.replicated
     experts_per_rank = math.ceil(pc.num_experts / lay.ep)  # uneven EP rounds up (the check reports it)
@@ -169,7 +169,7 @@ def layer_activation_bytes_per_token(r: Recipe, tp: int, moe: bool) -> float:
     return b
 
 
-def stage_activations(r: Recipe, lay: Layout, stage: int, layers: int, dense_layers: int, microbatches: int,
+def pp_stage_activations(r: Recipe, lay: Layout, pp_rank: int, layers: int, dense_layers: int, microbatches: int,
                       a: MemoryAssumptions) -> float:
     """Activation bytes per GPU of a stage under Megatron's 1F1B schedule and the recompute settings.
 
@@ -194,27 +194,27 @@ def stage_activations(r: Recipe, lay: Layout, stage: int, layers: int, dense_lay
         stored, working = k * layer_in + all_full * (layers - k) / max(layers, 1), largest
     else:  # none, or selective (core attention only: flash attention already keeps no scores)
         stored, working = all_full, 0.0
-    in_flight = max(1, min(lay.pp - stage, microbatches))
+    in_flight = max(1, min(lay.pp - pp_rank, microbatches))
     total = in_flight * stored + working + 2 * layer_in  # + the gradient flowing into the layer
-    if stage == lay.pp - 1:
+    if pp_rank == lay.pp - 1:
         total += t * m.vocab_size / lay.tp * a.logits_bytes
     return total
 
 
-def train_stages(r: Recipe, pc: ParamCounts, lay: Layout, microbatches: int, a: MemoryAssumptions) -> list[StageMemory]:
+def train_pp_stages(r: Recipe, pc: ParamCounts, lay: Layout, microbatches: int, a: MemoryAssumptions) -> list[PPStageMemory]:
     """Training memory of every pipeline stage (one GPU each)."""
-    split, _ = stage_layers(r.model.num_layers, lay)
+    split, _ = pp_stage_layers_or_guess(r.model.num_layers, lay)
     o = r.optimizer
     out, start = [], 0
     for s, n in enumerate(split):
-        sp = stage_params(pc, start, n, s == 0, s == len(split) - 1, lay.pp, r.model.tie_word_embeddings)
+        sp = pp_stage_params(pc, start, n, s == 0, s == len(split) - 1, lay.pp, r.model.tie_word_embeddings)
         dense, expert = per_gpu_params(sp, pc, lay)
         params = dense + expert
         shard = dense / lay.dense_dp + expert / lay.expert_dp if o.use_distributed_optimizer else params
         opt_gpu = 0.0 if o.optimizer_cpu_offload else shard * BYTES_OPTIM
         opt_host = shard * (BYTES_OPTIM + BYTES_CPU_GRAD) if o.optimizer_cpu_offload else 0.0
-        act = stage_activations(r, lay, s, n, sp.dense_layers, microbatches, a)
-        out.append(StageMemory(s, n, params, params * BYTES_PARAM, params * BYTES_GRAD, opt_gpu, opt_host, shard, act))
+        act = pp_stage_activations(r, lay, s, n, sp.dense_layers, microbatches, a)
+        out.append(PPStageMemory(s, n, params, params * BYTES_PARAM, params * BYTES_GRAD, opt_gpu, opt_host, shard, act))
         start += n
     return out
 
@@ -290,8 +290,8 @@ def engine_memory(r: Recipe, pc: ParamCounts, gpu: GPU, a: MemoryAssumptions) ->
 # host RAM
 
 
-def host_memory(r: Recipe, st: StageMemory, lay: Layout, a: MemoryAssumptions) -> dict[str, float]:
-    """Host RAM (bytes) of one node whose GPUs all sit in stage `st` (TP is innermost, so they do).
+def host_memory(r: Recipe, st: PPStageMemory, lay: Layout, a: MemoryAssumptions) -> dict[str, float]:
+    """Host RAM (bytes) of one node whose GPUs all sit in pipeline stage `st` (TP is innermost, so they do).
 
     Colocated, the actor sleeps while SGLang runs: torch_memory_saver backs its live GPU tensors (weights,
     grads, GPU optimizer states) up to pinned host memory, and a separate bf16 host copy of the weights feeds

@@ -95,13 +95,13 @@ def forward_flops_per_token(r: Recipe, pc: ParamCounts, mean_seq: float) -> floa
     return 2 * pc.active_matmul + attn
 
 
-def train_passes(r: Recipe, layers_per_stage: float) -> dict[str, float]:
+def train_passes(r: Recipe, layers_per_pp_stage: float) -> dict[str, float]:
     """Forward-pass equivalents per trained token."""
     p, g = r.parallel, r.grpo
     if p.recompute_granularity == "full" and p.recompute_method == "uniform":
         recompute = 1.0
     elif p.recompute_granularity == "full" and p.recompute_method == "block":
-        recompute = min(1.0, (p.recompute_num_layers or 0) / max(layers_per_stage, 1))
+        recompute = min(1.0, (p.recompute_num_layers or 0) / max(layers_per_pp_stage, 1))
     else:
         recompute = 0.0
     return {

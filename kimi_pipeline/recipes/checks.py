@@ -48,30 +48,30 @@ def pipeline_layers(
     for name, x in (("first", first), ("last", last)):
         if x is not None and x <= 0:
             raise PipelineSplitError(f"{prefix}.decoder_{name}_pipeline_num_layers", f"must be > 0 (got {x})")
-    middle_stages = pp - len(fixed)
+    middle_pp_stages = pp - len(fixed)
     rest = num_layers - sum(fixed)
-    if middle_stages == 0:
+    if middle_pp_stages == 0:
         if rest != 0:
             raise PipelineSplitError(
                 f"{prefix}.decoder_last_pipeline_num_layers",
                 f"first ({first}) + last ({last}) = {sum(fixed)} layers but the model has {num_layers}",
             )
         return [first, last]  # type: ignore[list-item]
-    if rest <= 0 or rest % middle_stages:
+    if rest <= 0 or rest % middle_pp_stages:
         which = "last" if last is not None else "first" if first is not None else "last"
         hint = _split_hint(num_layers, pp)
         raise PipelineSplitError(
             f"{prefix}.decoder_{which}_pipeline_num_layers",
             f"{num_layers} layers over pp={pp} stages does not split: with first={first}, last={last} the "
-            f"remaining {rest} layers do not divide evenly over {middle_stages} stage(s). {hint}",
+            f"remaining {rest} layers do not divide evenly over {middle_pp_stages} stage(s). {hint}",
         )
-    per = rest // middle_stages
-    stages = [per] * middle_stages
+    per = rest // middle_pp_stages
+    split = [per] * middle_pp_stages
     if first is not None:
-        stages.insert(0, first)
+        split.insert(0, first)
     if last is not None:
-        stages.append(last)
-    return stages
+        split.append(last)
+    return split
 
 
 def _split_hint(num_layers: int, pp: int) -> str:

@@ -161,7 +161,7 @@ class PolicyWorker:
         from megatron.core import parallel_state as ps
 
         spec = self.recipe.model
-        layers = self.layout.stage_layers(spec.num_layers)
+        layers = self.layout.pp_stage_layers(spec.num_layers)
         pp = ps.get_pipeline_model_parallel_rank()
         start = sum(layers[:pp])
         moe = lambda lo, hi: sum(1 for i in range(lo, hi) if i >= spec.first_k_dense)  # noqa: E731

@@ -200,7 +200,7 @@ def test_verify_layout_differs_from_the_written_one():
     written = Layout.from_convert(k2.convert)
     v = verify_layout(k2.model, written, small=model_bytes(k2.model) < SMALL_MODEL_BYTES)
     assert v.world_size == written.world_size == 32 and (v.tp, v.ep) != (written.tp, written.ep)
-    assert v.pp == written.pp and v.first_stage_layers == written.first_stage_layers
+    assert v.pp == written.pp and v.first_pp_stage_layers == written.first_pp_stage_layers
 
 
 def test_scale_out_command_is_one_torchrun_per_node():

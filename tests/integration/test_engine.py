@@ -512,7 +512,7 @@ def test_shared_memory_descriptors_are_checked(servers, tmp_path):
 
     url = servers[0].url
     with shm.SharedBucket() as seg:
-        desc = seg.stage({"model.norm.weight": torch.ones(4)})
+        desc = seg.write_bucket({"model.norm.weight": torch.ones(4)})
         bad = [{**desc, "segment": "../../etc/passwd"}, {**desc, "tensors": [["model.norm.weight", "float32", [64], 0]]},
                {**desc, "tensors": [["model.norm.weight", "object", [4], 0]]}]
         for d in bad:

@@ -54,11 +54,11 @@ def test_layouts_from_recipe_sections():
     r = load_recipe("tiny")
     conv = Layout.from_convert(r.convert)
     assert (conv.world_size, conv.pp, conv.ep, conv.dp, conv.edp) == (4, 2, 2, 2, 1)
-    assert conv.stage_layers(4) == [2, 2]
+    assert conv.pp_stage_layers(4) == [2, 2]
     train = Layout.from_parallel(r.parallel, world_size=1)
     assert (train.tp, train.dp, train.sequence_parallel) == (1, 1, False)
-    k2 = Layout(world_size=256, tp=8, pp=8, ep=32, etp=1, last_stage_layers=5)
-    assert k2.stage_layers(61) == [8] * 7 + [5] and k2.dp == 4 and k2.layer_offset(61, 7) == 56
+    k2 = Layout(world_size=256, tp=8, pp=8, ep=32, etp=1, last_pp_stage_layers=5)
+    assert k2.pp_stage_layers(61) == [8] * 7 + [5] and k2.dp == 4 and k2.layer_offset(61, 7) == 56
 
 
 @pytest.mark.parametrize(
@@ -66,7 +66,7 @@ def test_layouts_from_recipe_sections():
     [
         ({"world_size": 6, "tp": 4}, "not divisible"),
         ({"world_size": 2, "tp": 2, "etp": 1}, "ep=1 needs etp == tp"),
-        ({"world_size": 2, "pp": 2, "last_stage_layers": 5}, "do not split"),
+        ({"world_size": 2, "pp": 2, "last_pp_stage_layers": 5}, "do not split"),
     ],
 )
 def test_bad_layouts_fail_clearly(kwargs, match):

@@ -11,8 +11,8 @@ import typer
 from typer.testing import CliRunner
 
 from kimi_pipeline.plan import count_params, get_gpu, make_plan, megatron_bytes_per_param, plan_command
-from kimi_pipeline.plan.memory import Layout, MemoryAssumptions, train_stages
-from kimi_pipeline.model.params import stage_params
+from kimi_pipeline.plan.memory import Layout, MemoryAssumptions, train_pp_stages
+from kimi_pipeline.model.params import pp_stage_params
 from kimi_pipeline.plan.timing import TimeAssumptions, forward_flops_per_token
 from kimi_pipeline.recipes import load_recipe, pipeline_layers
 
@@ -82,7 +82,7 @@ def test_stages_partition_the_model(recipes):
     split = pipeline_layers(61, 8, None, 5)
     start, total = 0, 0
     for s, n in enumerate(split):
-        sp = stage_params(pc, start, n, s == 0, s == 7, 8, False)
+        sp = pp_stage_params(pc, start, n, s == 0, s == 7, 8, False)
         total += sp.total
         start += n
         if s == 0:
@@ -140,7 +140,7 @@ def test_reproduces_megatron_theoretical_memory(dp, distributed):
     assert _megatron_params(args) == pc.total - routers  # same model, bar the router Megatron omits
 
     lay = Layout(nodes=dp, gpus_per_node=1, tp=1, pp=1, cp=1, ep=1, etp=1, dp=dp)
-    (st,) = train_stages(r, pc, lay, 1, MemoryAssumptions())
+    (st,) = train_pp_stages(r, pc, lay, 1, MemoryAssumptions())
     assert st.params_per_gpu == pc.total
     per_param = megatron_bytes_per_param(distributed, dp)
     assert st.state_gpu == pytest.approx(st.params_per_gpu * per_param, rel=1e-12)
@@ -151,7 +151,7 @@ def test_expert_optimizer_shards_over_expert_dp():
     r = load_recipe("kimi-k2.5", ["optimizer.optimizer_cpu_offload=false"])
     pc = count_params(r.model)
     lay = Layout(nodes=32, gpus_per_node=8, tp=8, pp=8, cp=4, ep=32, etp=1, dp=1, last=5)
-    st = train_stages(r, pc, lay, 8, MemoryAssumptions())[1]
+    st = train_pp_stages(r, pc, lay, 8, MemoryAssumptions())[1]
     experts = 8 * (384 // 32) * pc.expert  # 8 MoE layers x 12 local experts, expert-DP = 256 / (32 x 8) = 1
     dense = st.params_per_gpu - experts
     assert st.optimizer_gpu == pytest.approx(12 * (dense / 4 + experts))  # dense over DP x CP = 4

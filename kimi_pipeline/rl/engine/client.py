@@ -103,7 +103,7 @@ def push_weights(clients: list[EngineClient], named_tensors, buffer_bytes: int, 
 
     def send(segment, chunk, version) -> None:
         if local:
-            desc = json.dumps(segment.stage(chunk))
+            desc = json.dumps(segment.write_bucket(chunk))
             run(lambda c: c.post_weight_chunk(desc, version, shm.LOAD_FORMAT), local)
         if grouped:
             group.send(chunk, version)

@@ -92,7 +92,7 @@ class SharedBucket:
         # pages are allocated (and zeroed) once, up front; the segment is reused for every later bucket and sync
         self._map = mmap.mmap(self._file.fileno(), nbytes, flags=mmap.MAP_SHARED | _POPULATE)
 
-    def stage(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    def write_bucket(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
         """Copy a bucket into the segment; returns its JSON descriptor (what the engine is sent)."""
         layout, offset = [], 0
         for name, t in tensors.items():

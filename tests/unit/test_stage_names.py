@@ -1,0 +1,74 @@
+""""Stage" means one thing in a name: a step of the DAG (download … export). A pipeline-parallel rank group is
+always a *PP stage* (`pp_stage_layers`, `PPStageMemory`, megatron's `is_pipeline_first_stage`).
+
+A static scan of every identifier the library defines or uses (names, attributes, arguments, functions,
+classes, imports, keywords): one that contains "stage" must either carry the PP qualifier or be a DAG name
+(a stage of `kimi_pipeline.stages.STAGES`, its `stage_<name>` function, or a listed helper of the DAG).
+JSON keys and messages are not identifiers: `kimi plan --json` keeps its `stage` / `layers_per_stage` keys.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+from kimi_pipeline.stages import STAGES
+
+ROOT = Path(__file__).resolve().parents[2]
+SCAN_DIRS = ("kimi_pipeline", "tasks", "flows", "bench")
+PP = re.compile(r"pp_stage|PPStage|pipeline_(first_|last_)?stage", re.IGNORECASE)
+# the DAG's own helpers and errors (one line each: what stage they mean)
+DAG_NAMES = {
+    "stage", "stages", "STAGES",
+    "set_stage",  # RunSummary: one DAG stage's status
+    "_run_stage",  # cli: run one DAG stage as a command
+    "stage_error",  # rl.loop: the train stage's error for an actor failure
+    "stage_text", "_failed_stages",  # flows.notify: the DAG stages of a failed run
+    "ConvertStageError",  # the convert stage failed
+    "StageOrderError",  # a stage ran before the one it needs (download before validate …)
+}
+
+
+def _identifiers(tree: ast.AST):
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Name):
+            yield n.id, n.lineno
+        elif isinstance(n, ast.Attribute):
+            yield n.attr, n.lineno
+        elif isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            yield n.name, n.lineno
+        elif isinstance(n, ast.arg):
+            yield n.arg, n.lineno
+        elif isinstance(n, ast.alias):
+            yield (n.asname or n.name.split(".")[-1]), n.lineno
+        elif isinstance(n, ast.keyword) and n.arg:
+            yield n.arg, n.value.lineno
+
+
+def ambiguous_stage_names(sources: dict[str, str]) -> list[str]:
+    """`file:line name` for every identifier that says "stage" without saying which kind."""
+    dag = DAG_NAMES | {f"stage_{s}" for s in STAGES}
+    bad = []
+    for path, text in sources.items():
+        for name, line in _identifiers(ast.parse(text)):
+            if "stage" in name.lower() and not PP.search(name) and name not in dag:
+                bad.append(f"{path}:{line} {name}")
+    return sorted(set(bad))
+
+
+def _library_sources() -> dict[str, str]:
+    return {str(f.relative_to(ROOT)): f.read_text() for d in SCAN_DIRS for f in sorted((ROOT / d).rglob("*.py"))}
+
+
+def test_every_stage_name_says_which_stage():
+    bad = ambiguous_stage_names(_library_sources())
+    assert not bad, (
+        "identifiers that say 'stage' without saying which kind (a pipeline-parallel stage is pp_stage…/PPStage…; "
+        "a new DAG helper goes in DAG_NAMES):\n" + "\n".join(bad)
+    )
+
+
+def test_the_scan_catches_an_unqualified_pipeline_stage():
+    src = "def stage_layers(layout):\n    last_stage = layout.pp - 1\n    return pp_stage_layers(layout), stage_train\n"
+    assert ambiguous_stage_names({"x.py": src}) == ["x.py:1 stage_layers", "x.py:2 last_stage"]
