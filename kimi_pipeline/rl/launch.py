@@ -242,6 +242,19 @@ def engine_options(plan: LaunchPlan, recipe: Recipe, pgs: dict[str, Any], engine
     }
 
 
+def rollout_manager_options(recipe: Recipe) -> dict[str, Any]:
+    """Options for the `RolloutManager` actor: the driver's node (where the train task runs the loop), no CPU
+    or GPU reserved (the plan's bundles are the trainers' and engines'), one intra-op thread."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return {
+        "num_cpus": 0, "num_gpus": 0,
+        "scheduling_strategy": NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
+        "runtime_env": {"env_vars": worker_env(recipe, 1)},
+    }
+
+
 def check_launch(plan: LaunchPlan) -> None:
     """Refuse to start actors for a plan with problems (each names its recipe field)."""
     if plan.problems:

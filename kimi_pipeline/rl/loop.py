@@ -1,10 +1,11 @@
 """The GRPO driver: rollout → reward → advantages → train → weight sync → checkpoint → eval.
 
 Runs in the stage's process and wires a few objects that each own their phase, as slime's `train.py`
-does: the `RolloutManager` (engines, prompts, reward, the split over data-parallel ranks), the
-`TrainerGroup` (the `PolicyWorker` ranks, one torch.distributed job) and the `PeriodicEval`. Every random choice is seeded by (recipe seed, step), and a
-checkpoint carries the data position, so a retried stage resumes from its latest checkpoint and
-ends with the same metrics as an uninterrupted run.
+does: the `RolloutManager` actor (engines, prompts, reward, the split over data-parallel ranks; the samples
+go from it to the trainers through the object store, not through this process), the `TrainerGroup` (the
+`PolicyWorker` ranks, one torch.distributed job) and the `PeriodicEval`. Every random choice is seeded by
+(recipe seed, step), and a checkpoint carries the data position, so a retried stage resumes from its latest
+checkpoint and ends with the same metrics as an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -19,14 +20,13 @@ from typing import Any
 
 from kimi_pipeline.cluster.placement import create_placement_groups, remove_placement_groups
 from kimi_pipeline.errors import PermanentError
-from kimi_pipeline.model.tokenizer import load_tokenizer
 from kimi_pipeline.recipes import Recipe
 from kimi_pipeline.report.metrics import MetricsLog, first_last_mean, open_wandb, read_jsonl
 from kimi_pipeline.report.progress import TrainProgress
 from kimi_pipeline.rl.evaluator import EvalFn, PeriodicEval
 from kimi_pipeline.rl.launch import check_launch, plan_launch
 from kimi_pipeline.rl.metrics import plain
-from kimi_pipeline.rl.rollout_manager import RolloutManager
+from kimi_pipeline.rl.rollout_manager import start_rollout_manager, stop_rollout_manager
 from kimi_pipeline.rl.trainer_group import TrainerGroup
 
 log = logging.getLogger(__name__)
@@ -68,14 +68,24 @@ def stage_error(e: Exception) -> Exception:
 
     if isinstance(e, PermanentError):
         return e
-    cause = getattr(e, "cause", None)  # Ray's RayTaskError carries the actor's own exception
+    cause = _root_cause(e)  # Ray's RayTaskError carries the actor's own exception
     if isinstance(cause, PermanentError):
         return PermanentError(f"{type(cause).__name__} in a training actor: {cause}")
-    what = "rollout engine" if isinstance(e, EngineRequestError) else "training actors"
+    what = "rollout engine" if isinstance(e, EngineRequestError) or isinstance(cause, EngineRequestError) \
+        else "training actors"
     first = _first_line(e)  # for an actor's exception: Ray's "ray::Actor.method() (pid=…)" line …
-    if cause is not None:  # … and the actor's own message
+    if cause is not e:  # … and the actor's own message
         first = f"{first}: {_first_line(cause)}"
     return TrainingError(f"{what} failed ({type(e).__name__}): {first}; a retry resumes from the latest checkpoint")
+
+
+def _root_cause(e: BaseException) -> BaseException:
+    """The exception an actor raised, through Ray's wrappers: the rollout manager's call into an engine actor
+    nests one RayTaskError in another."""
+    seen = 0
+    while getattr(e, "cause", None) is not None and seen < 8:
+        e, seen = e.cause, seen + 1  # type: ignore[attr-defined]
+    return e
 
 
 def _first_line(e: BaseException) -> str:
@@ -118,7 +128,6 @@ def run_training(
 
     paths = TrainPaths(Path(run_dir) / "train")
     paths.root.mkdir(parents=True, exist_ok=True)
-    tokenizer = load_tokenizer(model_dir, recipe.hub.trust_remote_code)
     if not ray.is_initialized():
         if ray_address is None:
             raise PermanentError("no Ray cluster: run the cluster stage first (or pass --ray-address)")
@@ -129,26 +138,26 @@ def run_training(
     wandb_run = open_wandb(None, f"{recipe.name}-{Path(run_dir).name}", recipe.model_dump(mode="json",
                                                                                           exclude={"hub": {"token"}}))
     metrics_log = MetricsLog(paths.metrics, tensorboard_dir=paths.tensorboard, wandb_run=wandb_run)
-    rollouts: RolloutManager | None = None
+    rollouts = None  # the RolloutManager actor
     trainers: TrainerGroup | None = None
     pgs: dict = {}
     try:
         plan = plan_launch(recipe, str(model_dir))
         check_launch(plan)
         pgs = create_placement_groups(plan.placement)
-        rollouts = RolloutManager(recipe, tokenizer, Path(run_dir) / "validate" / "train.jsonl", model_dir, plan, pgs,
-                                  _cpu_threads(recipe, 1))
+        rollouts, urls = start_rollout_manager(recipe, Path(run_dir) / "validate" / "train.jsonl", model_dir, plan,
+                                               pgs, _cpu_threads(recipe, 1))
         trainers = TrainerGroup(recipe, plan, pgs["trainer"], _cpu_threads(recipe, recipe.cluster.gpus_per_node))
         extra = trainers.load(paths.checkpoints, init_checkpoint)
         start = int(extra.get("step", 0))
         if extra:
-            rollouts.restore(extra["data"])
+            ray.get(rollouts.restore.remote(extra["data"]))
             metrics_log.truncate_after(start)
             log.info("resumed from %s at step %d", paths.checkpoints, start)
-        trainers.sync_weights(rollouts.urls, str(start))
-        rollouts.connect()
+        trainers.sync_weights(urls, str(start))
+        ray.get(rollouts.connect.remote())
         end = total if stop_after is None else min(total, stop_after)
-        _loop(recipe, rollouts, trainers, evaluator, metrics_log, paths, start, end, on_step)
+        _loop(recipe, rollouts, urls, trainers, evaluator, metrics_log, paths, start, end, on_step)
     except (ray.exceptions.RayError, EngineRequestError) as e:
         err = stage_error(e)
         if err is e:
@@ -158,40 +167,42 @@ def run_training(
         if trainers is not None:
             trainers.close()
         if rollouts is not None:
-            rollouts.close()
+            stop_rollout_manager(rollouts)
         metrics_log.close()
         remove_placement_groups(pgs)  # a retry in this driver must find the bundles free again
     return _train_section(paths)
 
 
-def _loop(recipe: Recipe, rollouts: RolloutManager, trainers: TrainerGroup, evaluator: PeriodicEval | None,
+def _loop(recipe: Recipe, rollouts, urls: list[str], trainers: TrainerGroup, evaluator: PeriodicEval | None,
           metrics_log: MetricsLog, paths: TrainPaths, start: int, end: int,
           on_step: Callable[[dict[str, Any]], None] | None) -> None:
-    """rollout → split → train → weight sync → metrics → checkpoint → eval, from `start` to `end`."""
+    """rollout (split over DP ranks) → train → weight sync → metrics → checkpoint → eval, from `start` to `end`.
+    `rollouts` is the `RolloutManager` actor; `urls` its engines'."""
+    import ray
+
     from kimi_pipeline.model.checkpoint_dirs import prune_checkpoints
 
     total = recipe.rollout.num_rollout
     progress = TrainProgress(total, start)
     if evaluator and start == 0:  # the base policy, on a fresh run only
-        progress.log_eval(0, evaluator.evaluate(0, rollouts.urls))
+        progress.log_eval(0, evaluator.evaluate(0, urls))
     progress.start_clock()
     for step in range(start, end):
         t0 = time.perf_counter()
-        samples, row = rollouts.generate(step)
-        shares, split = rollouts.split(samples, step)
+        shares, row = ray.get(rollouts.generate.remote(step))  # one object-store reference per DP rank
         train = plain(trainers.train(shares, step))
-        sync = plain(trainers.sync_weights(rollouts.urls, str(step + 1)))
-        row = {"step": step + 1, **row, **train, **split, **sync, "step_seconds": time.perf_counter() - t0}
+        sync = plain(trainers.sync_weights(urls, str(step + 1)))
+        row = {"step": step + 1, **row, **train, **sync, "step_seconds": time.perf_counter() - t0}
         metrics_log.log(row)
         progress.log_step(row)
         done = step + 1
         if done % recipe.checkpoint.save_interval == 0 or done == total:
-            trainers.save(paths.checkpoints, done, {"step": done, "data": rollouts.state()})
+            trainers.save(paths.checkpoints, done, {"step": done, "data": ray.get(rollouts.state.remote())})
             prune_checkpoints(paths.checkpoints, recipe.checkpoint.keep_last)
         if on_step:
             on_step(row)
         if evaluator and evaluator.should_evaluate(done):
-            progress.log_eval(done, evaluator.evaluate(done, rollouts.urls))
+            progress.log_eval(done, evaluator.evaluate(done, urls))
 
 
 def _train_section(paths: TrainPaths) -> dict[str, Any]:

@@ -3,10 +3,10 @@
 `cluster.nodes` raylets on this host, each advertising `gpus_per_node` GPUs as Ray resources (no GPUs, no
 weights). The launch plan (`rl/launch.py`, the code the real run uses) creates its placement groups there;
 stand-in actors with the real actors' exact options (bundle, GPU/CPU share, runtime env) start for every
-trainer rank of node 0 and every engine process on it, and report what Ray gave them. What is checked: the
+trainer rank of node 0, every engine process on it and the rollout manager, and report what Ray gave them. What is checked: the
 groups place at all (no deadlock: requested ≤ available), one bundle per node, rank 0 (MASTER_ADDR) on
 bundle 0's node, every TP group inside one node, each colocated engine on the GPUs of the ranks it shares
-them with, and each stand-in on the node the plan says. Results: `launch-plan.json` and `launch-plan.md`.
+them with, each stand-in on the node the plan says, and the rollout manager on the driver's node. Results: `launch-plan.json` and `launch-plan.md`.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ NODE_RESOURCE = "node_{}"  # the simulated node index, as cluster/stage.py names
 
 
 class StandIn:
-    """A trainer rank or engine node with the real actor's options; it only reports where it landed."""
+    """A trainer rank, engine node or the rollout manager with the real actor's options; it only reports where
+    it landed."""
 
     def __init__(self, role: str):
         self.role = role
@@ -186,10 +187,11 @@ def _check_groups(plan, trainer_nodes: list[int], add) -> None:
 
 
 def _stand_ins(plan, recipe, pgs, where, index: dict[str, int], stand_in_nodes: int, add) -> list[dict]:
-    """Start stand-ins for the ranks of the first `stand_in_nodes` bundles and every engine node on them."""
+    """Start stand-ins for the ranks of the first `stand_in_nodes` bundles, every engine node on them and the
+    rollout manager."""
     import ray
 
-    from kimi_pipeline.rl.launch import engine_options, trainer_options
+    from kimi_pipeline.rl.launch import engine_options, rollout_manager_options, trainer_options
 
     actor = ray.remote(StandIn)
     started: list[tuple[str, int, list[int], Any]] = []
@@ -205,6 +207,9 @@ def _stand_ins(plan, recipe, pgs, where, index: dict[str, int], stand_in_nodes: 
                 a = actor.options(**engine_options(plan, recipe, pgs, e.id, n.node_rank, 1)).remote(
                     f"engine {e.id} node {n.node_rank}")
                 started.append((f"engine {e.id} node {n.node_rank}", where[slot.group][n.node], list(n.gpus), a))
+    driver_node = index.get(ray.get_runtime_context().get_node_id(), -1)
+    started.append(("rollout manager", driver_node, [],
+                    actor.options(**rollout_manager_options(recipe)).remote("rollout manager")))
     reports = ray.get([a.report.remote() for *_, a in started], timeout=300)
     observed = []
     for (name, expected, gpus, a), rep in zip(started, reports):

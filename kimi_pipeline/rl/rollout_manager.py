@@ -1,5 +1,12 @@
-"""The rollout side of a run, like slime's `RolloutManager`: it owns the engines, the prompt stream, the
-reward and the split of each rollout over the trainer's data-parallel ranks."""
+"""The rollout side of a run, like slime's `RolloutManager`: a Ray actor that owns the engines, the prompt
+stream, the reward processes and the split of each rollout over the trainer's data-parallel ranks.
+
+Why an actor and not an object in the train task: the samples never pass through the driver. Each rollout's
+shares go from this actor into the object store, and every trainer rank reads its data-parallel rank's share
+there; the driver only sees the metrics. The engines are this actor's children, so they go when it goes. It is
+pinned to the driver's node with no CPU reserved, which is where the rollout ran before (the launch plan's
+bundles stay for trainers and engines).
+"""
 
 from __future__ import annotations
 
@@ -9,49 +16,61 @@ from typing import Any
 
 from kimi_pipeline.recipes import Recipe
 from kimi_pipeline.rl.engine.kinds import EngineGroup, start_engines
-from kimi_pipeline.rl.prompts import PromptStream, load_prompts
-from kimi_pipeline.rl.rollout import rollout
 from kimi_pipeline.rl.samples import RankShare, Sample, share_rollout
 
 log = logging.getLogger(__name__)
 
 
 class RolloutManager:
-    def __init__(self, recipe: Recipe, tokenizer, train_file: Path, model_dir: Path, plan, pgs: dict,
-                 threads: int) -> None:
-        """Load the prompts and start the engines where the launch plan puts them (`close` stops what started)."""
-        from kimi_pipeline.reward import AnswerGrader
+    """Constructed by `start_rollout_manager`; every method is called through Ray (`.remote`)."""
 
-        d, ro = recipe.data, recipe.rollout
-        self.recipe, self.tokenizer = recipe, tokenizer
-        self.prompts = PromptStream(load_prompts(train_file, tokenizer, d.input_key, d.label_key,
-                                                 d.apply_chat_template), ro.seed, ro.shuffle)
-        self.reward = AnswerGrader(ro.rm_type, ro.thinking, strict=ro.reward_strict)
+    def __init__(self, recipe_data: dict[str, Any], train_file: str, model_dir: str) -> None:
+        self.recipe = Recipe.model_validate(recipe_data)  # sent without the hub token
+        self.train_file, self.model_dir = Path(train_file), Path(model_dir)
         self.engines: EngineGroup | None = None
         self.router = None
+        self.reward = None
+
+    def start(self, plan, pgs: dict, threads: int) -> list[str]:
+        """Load the tokenizer and prompts, start the reward pool and the engines where the launch plan puts them;
+        the engines' URLs. On failure, whatever started is stopped before the error is raised."""
+        from kimi_pipeline.model.tokenizer import load_tokenizer
+        from kimi_pipeline.reward import AnswerGrader
+        from kimi_pipeline.rl.prompts import PromptStream, load_prompts
+
+        d, ro = self.recipe.data, self.recipe.rollout
         try:
-            self.engines = start_engines(recipe, plan, pgs, model_dir, threads)
+            self.tokenizer = load_tokenizer(self.model_dir, self.recipe.hub.trust_remote_code)
+            self.prompts = PromptStream(load_prompts(self.train_file, self.tokenizer, d.input_key, d.label_key,
+                                                     d.apply_chat_template), ro.seed, ro.shuffle)
+            self.reward = AnswerGrader(ro.rm_type, ro.thinking, strict=ro.reward_strict)
+            self.engines = start_engines(self.recipe, plan, pgs, self.model_dir, threads)
         except BaseException:
             self.close()
             raise
-
-    @property
-    def urls(self) -> list[str]:
-        return self.engines.urls if self.engines else []
+        return self.engines.urls
 
     def connect(self) -> None:
         """The router the rollouts go through (after the first weight sync: the engines serve the policy)."""
         from kimi_pipeline.rl.engine.client import Router
 
         m = self.recipe.model
-        self.router = Router(self.urls, num_layers=m.num_layers, topk=m.moe_router_topk,
-                             first_k_dense=m.first_k_dense, server_concurrency=self.recipe.sglang.server_concurrency)
+        self.router = Router(self.engines.urls if self.engines else [], num_layers=m.num_layers,
+                             topk=m.moe_router_topk, first_k_dense=m.first_k_dense,
+                             server_concurrency=self.recipe.sglang.server_concurrency)
 
-    def generate(self, step: int) -> tuple[list[Sample], dict[str, float]]:
-        """Rollout `step`: graded samples with advantages, and the rollout's metrics."""
-        return rollout(self.router, self.tokenizer, self.reward, self.prompts, self.recipe, step)
+    def generate(self, step: int) -> tuple[list, dict[str, float]]:
+        """Rollout `step`: one object-store reference per data-parallel rank (its `RankShare`) and the
+        rollout's and the split's metrics."""
+        import ray
 
-    def split(self, samples: list[Sample], step: int) -> tuple[list[RankShare], dict[str, float]]:
+        from kimi_pipeline.rl.rollout import rollout
+
+        samples, metrics = rollout(self.router, self.tokenizer, self.reward, self.prompts, self.recipe, step)
+        shares, split = self._split(samples, step)
+        return [ray.put(s) for s in shares], {**metrics, **split}
+
+    def _split(self, samples: list[Sample], step: int) -> tuple[list[RankShare], dict[str, float]]:
         """Each data-parallel rank's share (optimizer steps × micro-batches) and the split's metrics."""
         shares, split = share_rollout(samples, self.recipe)
         if split.trimmed:
@@ -68,13 +87,47 @@ class RolloutManager:
         self.prompts.restore(state)
 
     def close(self) -> None:
+        """Stop the router, the reward processes and the engines (best effort: at teardown)."""
         import ray
 
         if self.router is not None:
             self.router.close()
-        self.reward.close()
+        if self.reward is not None:
+            self.reward.close()
         for a in self.engines.actors if self.engines else []:
             try:
                 ray.kill(a)
             except Exception:  # noqa: BLE001 - best effort: the actor may already be gone
                 pass
+        self.router = self.reward = self.engines = None
+
+
+def start_rollout_manager(recipe: Recipe, train_file: Path, model_dir: Path, plan, pgs: dict, threads: int):
+    """The run's `RolloutManager` actor, started (engines serving) on the driver's node; its engines' URLs."""
+    import ray
+
+    from kimi_pipeline.rl.launch import rollout_manager_options
+
+    data = recipe.model_dump(mode="json", exclude={"hub": {"token"}})
+    manager = ray.remote(RolloutManager).options(**rollout_manager_options(recipe)).remote(
+        data, str(train_file), str(model_dir))
+    try:
+        urls = ray.get(manager.start.remote(plan, pgs, threads))
+    except BaseException:
+        stop_rollout_manager(manager)
+        raise
+    return manager, urls
+
+
+def stop_rollout_manager(manager, timeout_s: float = 30.0) -> None:
+    """Let the manager stop its engines and reward processes, then kill it (best effort: at teardown)."""
+    import ray
+
+    try:
+        ray.get(manager.close.remote(), timeout=timeout_s)
+    except Exception:  # noqa: BLE001 - a dead manager's engines went with it (Ray fate-shares owned actors)
+        pass
+    try:
+        ray.kill(manager)
+    except Exception:  # noqa: BLE001 - it may already be gone
+        pass

@@ -8,7 +8,6 @@ from typing import Any
 
 from kimi_pipeline.recipes import Recipe
 from kimi_pipeline.rl.metrics import reduce_metrics
-from kimi_pipeline.rl.samples import RankShare
 
 
 class TrainerGroup:
@@ -35,13 +34,13 @@ class TrainerGroup:
         extras = ray.get([w.load.remote(str(ckpt_dir), str(init_checkpoint)) for w in self.workers])
         return extras[0] or {}
 
-    def train(self, shares: list[RankShare], step: int) -> dict[str, float]:
-        """Each DP rank's share goes into the object store once; every trainer rank of that DP rank reads it
-        there (the samples are not serialized into 256 actor calls)."""
+    def train(self, shares: list, step: int) -> dict[str, float]:
+        """`shares[dp]` is the object-store reference of DP rank `dp`'s `RankShare` (the rollout manager put it
+        there once); every trainer rank of that DP rank reads it there, the samples are not serialized into 256
+        actor calls."""
         import ray
 
-        refs = [ray.put(s) for s in shares]
-        return reduce_metrics(ray.get([w.train.remote(refs[self.plan.ranks[i].dp], step)
+        return reduce_metrics(ray.get([w.train.remote(shares[self.plan.ranks[i].dp], step)
                                        for i, w in enumerate(self.workers)]), equal_weights=True)
 
     def sync_weights(self, urls: list[str], version: str) -> dict[str, float]:

@@ -39,8 +39,11 @@ def test_seed_recipe_launches_on_a_simulated_32x8_cluster(cluster_32x8, name, tm
     observed = {o["actor"]: o for o in d["observed"]}
     assert {f"rank {r}" for r in range(8)} <= set(observed)  # every rank of the first node really started
     assert any(a.startswith("engine ") for a in observed)  # and the engine process(es) on that node
+    assert observed["rollout manager"]["ray_gpu_ids"] == []  # on the driver's node, no GPU of the plan taken
     for o in d["observed"]:
         assert o["node"] == o["expected_node"], o
+        if o["actor"] == "rollout manager":
+            continue
         assert o["env"]["NCCL_TIMEOUT"] == "3600" and o["env"]["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
         assert "CUDA_VISIBLE_DEVICES" not in o["env"]  # colocated actors choose their own GPU
     md = (tmp_path / "launch-plan.md").read_text()
@@ -52,6 +55,7 @@ def test_kimi_rehearse_cli_starts_and_stops_its_own_cluster(tmp_path):
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     d = json.loads((tmp_path / "tiny" / "launch-plan.json").read_text())
-    assert d["ok"] and d["cluster_nodes"] == 1 and [o["actor"] for o in d["observed"]] == ["rank 0", "engine 0 node 0"]
+    assert d["ok"] and d["cluster_nodes"] == 1 and [o["actor"] for o in d["observed"]] == ["rank 0", "engine 0 node 0",
+                                                                                "rollout manager"]
     state = json.loads((tmp_path / "tiny" / "rehearsal-cluster" / "cluster" / "state.json").read_text())
     assert state["stopped_at"] is not None  # nothing left running

@@ -193,3 +193,22 @@ def test_a_permanent_error_inside_an_actor_is_not_retried(ray_local):
         assert str(err) in str(got)
     assert isinstance(stage_error(EngineBadRequest("HTTP 400")), PermanentError)
     assert isinstance(stage_error(EngineRequestError("connection refused")), TrainingError)
+
+    # the rollout manager is an actor that calls engine actors: their errors arrive wrapped twice
+    @ray.remote
+    class Manager:
+        def start(self, err):
+            return ray.get(launch_engine.remote(err))
+
+        def generate(self):
+            raise EngineRequestError("engine 0 at 127.0.0.1:1: connection refused")
+
+    m = Manager.remote()
+    with pytest.raises(ray.exceptions.RayError) as info:
+        ray.get(m.start.remote(PermanentError("model dir has no config.json")))
+    got = stage_error(info.value)
+    assert isinstance(got, PermanentError) and "no config.json" in str(got)
+    with pytest.raises(ray.exceptions.RayError) as info:
+        ray.get(m.generate.remote())
+    got = stage_error(info.value)
+    assert isinstance(got, TrainingError) and "rollout engine failed" in str(got) and "connection refused" in str(got)
