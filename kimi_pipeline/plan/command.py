@@ -19,7 +19,7 @@ from kimi_pipeline.plan.hardware import GPU, GPUS, get_gpu
 from kimi_pipeline.plan.memory import (
     GIB,
     EngineMemory,
-    Layout,
+    PlanLayout,
     MemoryAssumptions,
     PPStageMemory,
     engine_memory,
@@ -71,7 +71,7 @@ def _split_for(num_layers: int, pp: int, first: int | None, last: int | None) ->
     return (None, best[1]) if best else None
 
 
-def _try_layout(base: Layout, num_layers: int, nodes: int) -> Layout | None:
+def _try_layout(base: PlanLayout, num_layers: int, nodes: int) -> PlanLayout | None:
     world = nodes * base.gpus_per_node
     for pp in range(base.pp, 0, -1):
         mp = base.tp * pp * base.cp
@@ -86,11 +86,11 @@ def _try_layout(base: Layout, num_layers: int, nodes: int) -> Layout | None:
             split = _split_for(num_layers, pp, base.first if pp > 1 else None, base.last if pp > 1 else None)
         if split is None:
             continue
-        return Layout(nodes, base.gpus_per_node, base.tp, pp, base.cp, base.ep, base.etp, dp, *split)
+        return PlanLayout(nodes, base.gpus_per_node, base.tp, pp, base.cp, base.ep, base.etp, dp, *split)
     return None
 
 
-def fit_layout(r: Recipe, nodes: int | None) -> tuple[Layout, list[str], str | None]:
+def fit_layout(r: Recipe, nodes: int | None) -> tuple[PlanLayout, list[str], str | None]:
     """(layout, notes, problem): the recipe's layout, or one rescaled to `nodes` (DP first, then PP)."""
     base = layout_from_recipe(r)
     if nodes is None or nodes == base.nodes:
@@ -115,7 +115,7 @@ def fit_layout(r: Recipe, nodes: int | None) -> tuple[Layout, list[str], str | N
     return lay, notes, None
 
 
-def _apply_layout(r: Recipe, lay: Layout) -> Recipe:
+def _apply_layout(r: Recipe, lay: PlanLayout) -> Recipe:
     r2 = r.model_copy(deep=True)
     r2.cluster.nodes = lay.nodes
     r2.parallel.pp = lay.pp

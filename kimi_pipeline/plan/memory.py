@@ -40,8 +40,9 @@ def megatron_bytes_per_param(distributed_optimizer: bool, dp: int) -> float:
 
 
 @dataclass(frozen=True)
-class Layout:
-    """The training layout the plan evaluates (the recipe's, or one shrunk to fit fewer nodes)."""
+class PlanLayout:
+    """The training layout the plan evaluates (the recipe's, or one shrunk to fit fewer nodes). Unlike
+    `model.parallel.Layout`, which refuses a layout that cannot run, it holds any layout so the plan can say why."""
 
     nodes: int
     gpus_per_node: int
@@ -73,15 +74,15 @@ class Layout:
         return d
 
 
-def layout_from_recipe(r: Recipe) -> Layout:
+def layout_from_recipe(r: Recipe) -> PlanLayout:
     p, c = r.parallel, r.cluster
-    return Layout(
+    return PlanLayout(
         c.nodes, c.gpus_per_node, p.tp, p.pp, p.cp, p.ep, p.etp, r.data_parallel_size,
         p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers,
     )
 
 
-def pp_stage_layers_or_guess(num_layers: int, lay: Layout) -> tuple[list[int], str | None]:
+def pp_stage_layers_or_guess(num_layers: int, lay: PlanLayout) -> tuple[list[int], str | None]:
     """Layers per pipeline stage; on an impossible split, an as-even-as-possible guess plus the problem."""
     try:
         return pipeline_layers(num_layers, lay.pp, lay.first, lay.last), None
@@ -133,7 +134,7 @@ class PPStageMemory:
         return self.state_gpu + self.activations
 
 
-def per_gpu_params(sp: PPStageParams, pc: ParamCounts, lay: Layout) -> tuple[float, float]:
+def per_gpu_params(sp: PPStageParams, pc: ParamCounts, lay: PlanLayout) -> tuple[float, float]:
     """(dense, expert) parameters one GPU of this stage holds."""
     dense = sp.tp_split / lay.tp + sp.replicated
     experts_per_rank = math.ceil(pc.num_experts / lay.ep)  # uneven EP rounds up (the check reports it)
@@ -169,7 +170,7 @@ def layer_activation_bytes_per_token(r: Recipe, tp: int, moe: bool) -> float:
     return b
 
 
-def pp_stage_activations(r: Recipe, lay: Layout, pp_rank: int, layers: int, dense_layers: int, microbatches: int,
+def pp_stage_activations(r: Recipe, lay: PlanLayout, pp_rank: int, layers: int, dense_layers: int, microbatches: int,
                       a: MemoryAssumptions) -> float:
     """Activation bytes per GPU of a stage under Megatron's 1F1B schedule and the recompute settings.
 
@@ -201,7 +202,7 @@ def pp_stage_activations(r: Recipe, lay: Layout, pp_rank: int, layers: int, dens
     return total
 
 
-def train_pp_stages(r: Recipe, pc: ParamCounts, lay: Layout, microbatches: int, a: MemoryAssumptions) -> list[PPStageMemory]:
+def train_pp_stages(r: Recipe, pc: ParamCounts, lay: PlanLayout, microbatches: int, a: MemoryAssumptions) -> list[PPStageMemory]:
     """Training memory of every pipeline stage (one GPU each)."""
     split, _ = pp_stage_layers_or_guess(r.model.num_layers, lay)
     o = r.optimizer
@@ -290,7 +291,7 @@ def engine_memory(r: Recipe, pc: ParamCounts, gpu: GPU, a: MemoryAssumptions) ->
 # host RAM
 
 
-def host_memory(r: Recipe, st: PPStageMemory, lay: Layout, a: MemoryAssumptions) -> dict[str, float]:
+def host_memory(r: Recipe, st: PPStageMemory, lay: PlanLayout, a: MemoryAssumptions) -> dict[str, float]:
     """Host RAM (bytes) of one node whose GPUs all sit in pipeline stage `st` (TP is innermost, so they do).
 
     Colocated, the actor sleeps while SGLang runs: torch_memory_saver backs its live GPU tensors (weights,

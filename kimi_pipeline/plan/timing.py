@@ -21,7 +21,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from kimi_pipeline.plan.hardware import GPU
-from kimi_pipeline.plan.memory import Layout
+from kimi_pipeline.plan.memory import PlanLayout
 from kimi_pipeline.model.params import ParamCounts
 from kimi_pipeline.recipes.recipe import Recipe
 
@@ -67,7 +67,7 @@ class Workload:
     def rollout_tokens(self) -> float:
         return self.prompts_generated * self.n_samples * self.mean_response
 
-    def microbatches(self, r: Recipe, lay: Layout) -> int:
+    def microbatches(self, r: Recipe, lay: PlanLayout) -> int:
         """Micro-batches per optimizer step per DP rank under dynamic batching (max_tokens_per_gpu x CP each)."""
         per_rank = self.global_batch * self.mean_seq / max(1, lay.dp)
         return max(1, math.ceil(per_rank / (r.parallel.max_tokens_per_gpu * lay.cp)))
@@ -112,7 +112,7 @@ def train_passes(r: Recipe, layers_per_pp_stage: float) -> dict[str, float]:
     }
 
 
-def step_time(r: Recipe, pc: ParamCounts, lay: Layout, gpu: GPU, a: TimeAssumptions,
+def step_time(r: Recipe, pc: ParamCounts, lay: PlanLayout, gpu: GPU, a: TimeAssumptions,
               node_shard_params: float, engine_weight_bytes_per_gpu: float) -> dict:
     """Seconds per RL step and the pieces behind it."""
     wl = workload(r, a)
@@ -156,7 +156,7 @@ def step_time(r: Recipe, pc: ParamCounts, lay: Layout, gpu: GPU, a: TimeAssumpti
     }
 
 
-def sync_time(r: Recipe, pc: ParamCounts, lay: Layout, a: TimeAssumptions) -> dict:
+def sync_time(r: Recipe, pc: ParamCounts, lay: PlanLayout, a: TimeAssumptions) -> dict:
     """Seconds to move the trained weights into the engines, by protocol (see the module docstring)."""
     from kimi_pipeline.plan.memory import format_bytes, rollout_formats
 

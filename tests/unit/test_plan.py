@@ -11,7 +11,7 @@ import typer
 from typer.testing import CliRunner
 
 from kimi_pipeline.plan import count_params, get_gpu, make_plan, megatron_bytes_per_param, plan_command
-from kimi_pipeline.plan.memory import Layout, MemoryAssumptions, train_pp_stages
+from kimi_pipeline.plan.memory import PlanLayout, MemoryAssumptions, train_pp_stages
 from kimi_pipeline.model.params import pp_stage_params
 from kimi_pipeline.plan.timing import TimeAssumptions, forward_flops_per_token
 from kimi_pipeline.recipes import load_recipe, pipeline_layers
@@ -139,7 +139,7 @@ def test_reproduces_megatron_theoretical_memory(dp, distributed):
     routers = pc.num_moe_layers * pc.router
     assert _megatron_params(args) == pc.total - routers  # same model, bar the router Megatron omits
 
-    lay = Layout(nodes=dp, gpus_per_node=1, tp=1, pp=1, cp=1, ep=1, etp=1, dp=dp)
+    lay = PlanLayout(nodes=dp, gpus_per_node=1, tp=1, pp=1, cp=1, ep=1, etp=1, dp=dp)
     (st,) = train_pp_stages(r, pc, lay, 1, MemoryAssumptions())
     assert st.params_per_gpu == pc.total
     per_param = megatron_bytes_per_param(distributed, dp)
@@ -150,7 +150,7 @@ def test_reproduces_megatron_theoretical_memory(dp, distributed):
 def test_expert_optimizer_shards_over_expert_dp():
     r = load_recipe("kimi-k2.5", ["optimizer.optimizer_cpu_offload=false"])
     pc = count_params(r.model)
-    lay = Layout(nodes=32, gpus_per_node=8, tp=8, pp=8, cp=4, ep=32, etp=1, dp=1, last=5)
+    lay = PlanLayout(nodes=32, gpus_per_node=8, tp=8, pp=8, cp=4, ep=32, etp=1, dp=1, last=5)
     st = train_pp_stages(r, pc, lay, 8, MemoryAssumptions())[1]
     experts = 8 * (384 // 32) * pc.expert  # 8 MoE layers x 12 local experts, expert-DP = 256 / (32 x 8) = 1
     dense = st.params_per_gpu - experts
