@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kimi_pipeline.data.validate import DataValidationError, run_validate
 from kimi_pipeline.errors import PermanentError
@@ -18,6 +18,9 @@ from kimi_pipeline.recipes import Recipe, recipe_to_yaml
 from kimi_pipeline.report.summary import RunSummary
 from kimi_pipeline.util.files import atomic_write_text
 from kimi_pipeline.util.paths import new_run_dir, resolve_path
+
+if TYPE_CHECKING:
+    from kimi_pipeline.rl.launch import LaunchPlan
 
 STAGES = ("download", "validate", "convert", "cluster", "train", "export")
 
@@ -85,6 +88,7 @@ def stage_train(
     ray_address: str | None = None,
     evaluate: Callable[[int, list[str]], dict[str, Any]] | None = None,
     on_step: Callable[[dict[str, Any]], None] | None = None,
+    on_plan: Callable[[LaunchPlan], None] | None = None,
     stop_after: int | None = None,
 ) -> dict[str, Any]:
     """Stage `train`: GRPO from the converted checkpoint on the run's Ray cluster, resuming when re-run; records
@@ -101,7 +105,7 @@ def stage_train(
         section = run_training(
             recipe, Path(run_dir), init_checkpoint=initial_weights(recipe, run_dir), model_dir=hf_dir,
             ray_address=ray_address or cluster_address(run_dir), evaluate=evaluate, on_step=on_step,
-            stop_after=stop_after,
+            on_plan=on_plan, stop_after=stop_after,
         )
         summary.set_section("train", section)
     return section

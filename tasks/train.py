@@ -19,7 +19,7 @@ from kimi_pipeline.eval.stage import run_eval_step
 from kimi_pipeline.hub.download import model_root
 from kimi_pipeline.recipes import Recipe
 from kimi_pipeline.report.stage_reports import train_report
-from kimi_pipeline.rl.launch import plan_launch, plan_markdown
+from kimi_pipeline.rl.launch import LaunchPlan, plan_markdown
 from kimi_pipeline.stages import stage_train
 from tasks.common import RETRY_DELAYS, retry_unless_permanent
 
@@ -59,10 +59,12 @@ def train_task(recipe: Recipe, run_dir: str, cluster: dict[str, Any] | None = No
     def evaluate(step: int, urls: list[str]) -> dict[str, Any]:
         return eval_task(recipe, run_dir, step, urls, hf_dir)
 
-    plan = plan_launch(recipe, hf_dir)  # the train stage refuses a plan with problems (check_launch) before any actor
-    create_markdown_artifact(plan_markdown(plan), key="launch-plan", description="trainer ranks and engines → nodes/GPUs")
+    def show_plan(plan: LaunchPlan) -> None:  # shown before the stage refuses a plan with problems
+        create_markdown_artifact(plan_markdown(plan), key="launch-plan",
+                                 description="trainer ranks and engines → nodes/GPUs")
+
     section = stage_train(recipe, Path(run_dir), ray_address=(cluster or {}).get("address"),
-                          evaluate=evaluate, on_step=on_step)
+                          evaluate=evaluate, on_step=on_step, on_plan=show_plan)
     update_progress_artifact(progress_id, progress=100.0)
     create_markdown_artifact(train_report(section), key="train", description="GRPO training summary")
     return section

@@ -24,7 +24,7 @@ from kimi_pipeline.recipes import Recipe
 from kimi_pipeline.report.metrics import MetricsLog, first_last_mean, open_wandb, read_jsonl
 from kimi_pipeline.report.progress import TrainProgress
 from kimi_pipeline.rl.evaluator import EvalFn, PeriodicEval
-from kimi_pipeline.rl.launch import check_launch, plan_launch
+from kimi_pipeline.rl.launch import LaunchPlan, check_launch, plan_launch
 from kimi_pipeline.rl.metrics import plain
 from kimi_pipeline.rl.rollout_manager import start_rollout_manager, stop_rollout_manager
 from kimi_pipeline.rl.trainer_group import TrainerGroup
@@ -115,12 +115,14 @@ def run_training(
     ray_address: str | None = None,
     evaluate: EvalFn | None = None,
     on_step: Callable[[dict[str, Any]], None] | None = None,
+    on_plan: Callable[[LaunchPlan], None] | None = None,
     stop_after: int | None = None,
 ) -> dict[str, Any]:
     """Train `recipe.rollout.num_rollout` rollouts (resuming from DIR/train/checkpoints); return the summary section.
 
     `evaluate(step, engine_urls)` is called at step 0 of a fresh run, every `eval.interval` steps and at
-    the end (the task layer makes each one a retried Prefect task). `stop_after` ends early (tests).
+    the end (the task layer makes each one a retried Prefect task). `on_plan(plan)` sees the launch plan
+    before it is checked (the task shows it, problems and all). `stop_after` ends early (tests).
     """
     import ray
 
@@ -128,6 +130,9 @@ def run_training(
 
     paths = TrainPaths(Path(run_dir) / "train")
     paths.root.mkdir(parents=True, exist_ok=True)
+    plan = plan_launch(recipe, str(model_dir))  # pure: no Ray yet
+    if on_plan:
+        on_plan(plan)
     if not ray.is_initialized():
         if ray_address is None:
             raise PermanentError("no Ray cluster: run the cluster stage first (or pass --ray-address)")
@@ -142,7 +147,6 @@ def run_training(
     trainers: TrainerGroup | None = None
     pgs: dict = {}
     try:
-        plan = plan_launch(recipe, str(model_dir))
         check_launch(plan)
         pgs = create_placement_groups(plan.placement)
         rollouts, urls = start_rollout_manager(recipe, Path(run_dir) / "validate" / "train.jsonl", model_dir, plan,
