@@ -7,6 +7,7 @@ rank touches only the files and bytes of the tensors it asks for. Names are the 
 (`model.layers.3.mlp.experts.7.up_proj.weight`): quantized storage (`weight` + `weight_scale_inv`
 for FP8, `weight_packed/scale/shape` for INT4) is resolved and dequantized here, per tensor.
 
+`StoredTensors` is random access to tensors as stored (HFCheckpoint's and the export check's);
 `iter_stored_tensors` is the whole-model pass over the same directory (engine load, export inputs):
 every tensor as stored, one file open at a time. Both share the index parsing and the errors that name
 the missing or corrupt file, so every reader of a checkpoint directory fails the same clear way.
@@ -115,6 +116,45 @@ def iter_stored_tensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tens
                 yield name, f.get_tensor(name)
 
 
+class StoredTensors:
+    """Random access to tensors as stored, by stored name: one lazily opened (memory-mapped) handle per file.
+
+    `weight_map` defaults to the directory's index; a rank checking its own shards before the index exists
+    passes its own. Counts what it read, for the readers' stats."""
+
+    def __init__(self, root: str | Path, weight_map: dict[str, str] | None = None):
+        self.root = Path(root)
+        self.weight_map = read_weight_map(self.root) if weight_map is None else weight_map
+        self._handles: dict[str, Any] = {}
+        self.bytes_read = 0
+
+    def __contains__(self, stored: str) -> bool:
+        return stored in self.weight_map
+
+    def files_opened(self) -> set[str]:
+        return set(self._handles)
+
+    def get(self, stored: str) -> torch.Tensor:
+        fname = self.weight_map.get(stored)
+        if fname is None:
+            raise HFCheckpointError(f"{self.root}: tensor {stored!r} is not in the checkpoint index (wrong model?)")
+        h = self._handles.get(fname)
+        if h is None:
+            h = self._handles[fname] = _open_file(self.root / fname)
+        try:
+            t = h.get_tensor(stored)
+        except Exception as e:  # safetensors raises its own error type for a name missing from the header
+            raise HFCheckpointError(
+                f"{self.root / fname}: cannot read tensor {stored!r} listed in the index ({e}); "
+                "the file is corrupt or from another revision — re-run the download stage"
+            ) from None
+        self.bytes_read += t.numel() * t.element_size()
+        return t
+
+    def close(self) -> None:
+        self._handles.clear()
+
+
 class HFCheckpoint:
     """Lazily opened, index-driven view of an HF checkpoint directory.
 
@@ -134,14 +174,12 @@ class HFCheckpoint:
             raise HFCheckpointError(f"{cfg_path}: not valid JSON ({e})") from None
         self.format: SourceFormat = detect_format(self.config, text_config_key)
         self.dtype = dtype
-        self._stored: dict[str, str] = read_weight_map(self.root)  # stored name -> file name
+        self._tensors = StoredTensors(self.root)
+        self._stored: dict[str, str] = self._tensors.weight_map  # stored name -> file name
         self.prefix = self._detect_prefix() if prefix is None else prefix
         self._int4 = Int4Dequantizer(self.format.quant_config) if self.format.kind == "int4" else None
-        self._handles: dict[str, Any] = {}
         self._lock = threading.Lock()
-        self._bytes_read = 0
         self._tensors_read = 0
-        self._files_opened: set[str] = set()
 
     # ------------------------------------------------------------ index
     def _detect_prefix(self) -> str:
@@ -180,27 +218,8 @@ class HFCheckpoint:
         return sorted(set(self._stored.values()))
 
     # ------------------------------------------------------------ reading
-    def _open(self, fname: str):
-        h = self._handles.get(fname)
-        if h is None:
-            h = self._handles[fname] = _open_file(self.root / fname)
-            self._files_opened.add(fname)
-        return h
-
     def _raw(self, stored: str) -> torch.Tensor:
-        fname = self._stored.get(stored)
-        if fname is None:
-            raise HFCheckpointError(f"{self.root}: tensor {stored!r} is not in the checkpoint index (wrong model?)")
-        h = self._open(fname)
-        try:
-            t = h.get_tensor(stored)
-        except Exception as e:  # safetensors raises its own error type for a name missing from the header
-            raise HFCheckpointError(
-                f"{self.root / fname}: cannot read tensor {stored!r} listed in the index ({e}); "
-                "the file is corrupt or from another revision — re-run the download stage"
-            ) from None
-        self._bytes_read += t.numel() * t.element_size()
-        return t
+        return self._tensors.get(stored)
 
     def get(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The logical tensor `name`, dequantized if stored quantized, cast to `dtype` (or the reader's)."""
@@ -229,12 +248,12 @@ class HFCheckpoint:
         return t if t.dtype == out_dtype else t.to(out_dtype)
 
     def stats(self) -> dict[str, Any]:
-        return {"tensors_read": self._tensors_read, "bytes_read": self._bytes_read,
-                "files_opened": len(self._files_opened), "files_total": len(self.files())}
+        return {"tensors_read": self._tensors_read, "bytes_read": self._tensors.bytes_read,
+                "files_opened": len(self._tensors.files_opened()), "files_total": len(self.files())}
 
     def total_bytes(self) -> int:
         """Bytes of all weight files (what a `cp` of the checkpoint would move)."""
         return sum((self.root / f).stat().st_size for f in self.files() if (self.root / f).is_file())
 
     def close(self) -> None:
-        self._handles.clear()
+        self._tensors.close()

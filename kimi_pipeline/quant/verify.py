@@ -23,10 +23,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
-from kimi_pipeline.convert.hf_reader import read_weight_map
+from kimi_pipeline.convert.hf_reader import StoredTensors
 from kimi_pipeline.errors import PermanentError
 from kimi_pipeline.model.hf_model import deepseek_config, load_hf_model
 from kimi_pipeline.quant.export import KEEP_FP32, is_quantized, kimi_quantization_config
@@ -63,23 +62,6 @@ def _scheme(quantization_config: dict[str, Any]):
     return next(iter(qc.config_groups.values()))
 
 
-class _ExportReader:
-    """Reads tensors of the export by name through its index, keeping one file handle per shard."""
-
-    def __init__(self, export_dir: Path, weight_map: dict[str, str] | None = None):
-        self.dir = export_dir
-        self.weight_map = read_weight_map(export_dir) if weight_map is None else weight_map
-        self._open: dict[str, Any] = {}
-
-    def get(self, name: str) -> torch.Tensor:
-        fname = self.weight_map.get(name)
-        if fname is None:
-            raise ExportVerificationError(f"{self.dir}: tensor {name} missing from the export")
-        if fname not in self._open:
-            self._open[fname] = safe_open(str(self.dir / fname), framework="pt")
-        return self._open[fname].get_tensor(name)
-
-
 def check_tensors(export_dir: str | Path, trainer_tensors: Iterable[tuple[str, torch.Tensor]],
                   group_size: int, *, weight_map: dict[str, str] | None = None) -> TensorCheck:
     """Stage 1: decompress each packed expert with compressed-tensors and compare with fake-quant exactly.
@@ -95,12 +77,18 @@ def check_tensors(export_dir: str | Path, trainer_tensors: Iterable[tuple[str, t
     else:
         qconfig = kimi_quantization_config(group_size)
     scheme = _scheme(qconfig)
-    reader = _ExportReader(export_dir, weight_map)
+    reader = StoredTensors(export_dir, weight_map)
+
+    def stored(name: str) -> torch.Tensor:
+        if name not in reader:
+            raise ExportVerificationError(f"{export_dir}: tensor {name} missing from the export")
+        return reader.get(name)
+
     out = TensorCheck()
     for name, t in trainer_tensors:
         if is_quantized(name):
             prefix = name.removesuffix(".weight")
-            parts = {k: reader.get(f"{prefix}.{k}") for k in ("weight_packed", "weight_scale", "weight_shape")}
+            parts = {k: stored(f"{prefix}.{k}") for k in ("weight_packed", "weight_scale", "weight_shape")}
             deq = PackedQuantizationCompressor.decompress(parts, scheme)["weight"]
             fq = fake_quant_int4(t.detach(), group_size)
             ok = deq.shape == fq.shape and torch.equal(deq.to(fq.dtype), fq) and torch.equal(fq.to(deq.dtype), deq)
@@ -109,14 +97,15 @@ def check_tensors(export_dir: str | Path, trainer_tensors: Iterable[tuple[str, t
                 out.dequant_exact = False
                 out.mismatches.append(name)
         else:
-            stored = reader.get(name)
+            got = stored(name)
             want = t
             if t.is_floating_point():
                 want = t.to(torch.float32 if name.endswith(KEEP_FP32) else torch.bfloat16)
             out.num_other += 1
-            if stored.dtype != want.dtype or not torch.equal(stored, want):
+            if got.dtype != want.dtype or not torch.equal(got, want):
                 out.others_exact = False
                 out.mismatches.append(name)
+    reader.close()
     return out
 
 
