@@ -180,7 +180,7 @@ def run_training(
 def _loop(recipe: Recipe, rollouts, urls: list[str], trainers: TrainerGroup, evaluator: PeriodicEval | None,
           metrics_log: MetricsLog, paths: TrainPaths, start: int, end: int,
           on_step: Callable[[dict[str, Any]], None] | None) -> None:
-    """rollout (split over DP ranks) → train → weight sync → metrics → checkpoint → eval, from `start` to `end`.
+    """rollout (split over DP ranks) → train → weight sync → metrics → checkpoint → eval, `start` to `end`.
     `rollouts` is the `RolloutManager` actor; `urls` its engines'."""
     import ray
 

@@ -3,10 +3,11 @@
 `cluster.nodes` raylets on this host, each advertising `gpus_per_node` GPUs as Ray resources (no GPUs, no
 weights). The launch plan (`rl/launch.py`, the code the real run uses) creates its placement groups there;
 stand-in actors with the real actors' exact options (bundle, GPU/CPU share, runtime env) start for every
-trainer rank of node 0, every engine process on it and the rollout manager, and report what Ray gave them. What is checked: the
-groups place at all (no deadlock: requested ≤ available), one bundle per node, rank 0 (MASTER_ADDR) on
-bundle 0's node, every TP group inside one node, each colocated engine on the GPUs of the ranks it shares
-them with, each stand-in on the node the plan says, and the rollout manager on the driver's node. Results: `launch-plan.json` and `launch-plan.md`.
+trainer rank of node 0, every engine process on it and the rollout manager, and report what Ray gave them.
+What is checked: the groups place at all (no deadlock: requested ≤ available), one bundle per node, rank 0
+(MASTER_ADDR) on bundle 0's node, every TP group inside one node, each colocated engine on the GPUs of the
+ranks it shares them with, each stand-in on the node the plan says, and the rollout manager on the driver's
+node. Results: `launch-plan.json` and `launch-plan.md`.
 """
 
 from __future__ import annotations
