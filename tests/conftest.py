@@ -30,3 +30,12 @@ def tiny_copy(tmp_path: Path) -> Path:
     dst = tmp_path / "tiny"
     shutil.copytree(TINY, dst)
     return dst
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Stop Prefect's default ephemeral server (one a test's trailing log or event flush started) while pytest's
+    captured streams are still open: Prefect's own atexit stop logs to the captured stderr its console handler
+    was bound to, after pytest has closed it, and prints a 'Logging error' traceback at the end of a green run."""
+    from prefect.server.api.server import SubprocessASGIServer
+
+    SubprocessASGIServer().stop()  # the default (port None) server; a no-op when none was started
