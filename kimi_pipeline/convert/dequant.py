@@ -289,8 +289,7 @@ INT4_TARGET = re.compile(r"\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
 def write_quantized_checkpoint(src: str | Path, dst: str | Path, kind: str, *, group_size: int = 32,
                                block: tuple[int, int] = (128, 128)) -> Path:
     """Copy an HF checkpoint with its Linear weights stored as Kimi ships them (fp8 or int4)."""
-    from safetensors.torch import load_file
-
+    from kimi_pipeline.convert.hf_reader import iter_stored_files  # imported here: hf_reader imports this module
     from kimi_pipeline.util.shards import ShardWriter, finish_shards
 
     if kind not in ("fp8", "int4"):
@@ -298,8 +297,8 @@ def write_quantized_checkpoint(src: str | Path, dst: str | Path, kind: str, *, g
     src, dst = Path(src), Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
     writer = ShardWriter(dst, max_shard_bytes=1 << 62)  # one output shard per source shard
-    for shard in sorted(src.glob("*.safetensors")):
-        for name, t in load_file(shard).items():
+    for _, tensors in iter_stored_files(src):
+        for name, t in tensors:
             if kind == "fp8" and FP8_TARGET.search(name):
                 q, scale_inv = quantize_fp8_block(t, block)
                 writer.add(name, q)

@@ -188,6 +188,14 @@ def test_quantized_sources_dequantize_within_the_quantization_error(tiny_ckpt, t
     assert quantized == QUANTIZED[kind]
 
 
+def test_quantized_copy_keeps_the_source_shards_and_names_a_corrupt_one(tiny_ckpt, tmp_path):
+    q = write_quantized_checkpoint(tiny_ckpt, tmp_path / "int4", "int4")
+    assert len(list(q.glob("*.safetensors"))) == len(list(tiny_ckpt.glob("*.safetensors"))) > 1
+    bad, shard = _with_truncated_shard(tiny_ckpt, tmp_path / "bad")
+    with pytest.raises(HFCheckpointError, match=f"{shard.name}.*corrupt or truncated"):
+        write_quantized_checkpoint(bad, tmp_path / "from-bad", "int4")
+
+
 # ---------------------------------------------------------------- layouts and commands
 def test_verify_layout_differs_from_the_written_one():
     from kimi_pipeline.convert.verify import SMALL_MODEL_BYTES, model_bytes, verify_layout
@@ -321,7 +329,6 @@ def test_quantized_source_converts_close_to_the_bf16_source(tiny_ckpt, tmp_path,
 
 
 # ---------------------------------------------------------------- failures
-@pytest.mark.slow
 def _with_truncated_shard(src: Path, dst: Path) -> tuple[Path, Path]:
     """A copy of `src` whose shard holding a last-pipeline-stage expert is cut to 1000 bytes."""
     import shutil
@@ -333,6 +340,7 @@ def _with_truncated_shard(src: Path, dst: Path) -> tuple[Path, Path]:
     return dst, shard
 
 
+@pytest.mark.slow
 def test_corrupt_shard_fails_naming_the_file_and_rank(tiny_ckpt, tmp_path):
     bad, shard = _with_truncated_shard(tiny_ckpt, tmp_path / "bad")
     with pytest.raises(ConversionJobPermanentError) as info:
