@@ -297,7 +297,7 @@ def write_quantized_checkpoint(src: str | Path, dst: str | Path, kind: str, *, g
     src, dst = Path(src), Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
     writer = ShardWriter(dst, max_shard_bytes=1 << 62)  # one output shard per source shard
-    for _, tensors in iter_stored_files(src):
+    for tensors in iter_stored_files(src):
         for name, t in tensors:
             if kind == "fp8" and FP8_TARGET.search(name):
                 q, scale_inv = quantize_fp8_block(t, block)

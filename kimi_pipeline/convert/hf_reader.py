@@ -101,16 +101,16 @@ def _weight_files(root: Path) -> list[str]:
     return files
 
 
-def iter_stored_files(model_dir: str | Path) -> Iterator[tuple[str, Iterator[tuple[str, torch.Tensor]]]]:
-    """(file name, its (stored name, tensor as stored) pairs), file by file in shard order, one file open at a
-    time, so a whole-model pass never maps the whole checkpoint; for a consumer that keeps the source's shards."""
+def iter_stored_files(model_dir: str | Path) -> Iterator[Iterator[tuple[str, torch.Tensor]]]:
+    """Each file's (stored name, tensor as stored) pairs, file by file in shard order, one file open at a time,
+    so a whole-model pass never maps the whole checkpoint; for a consumer that keeps the source's shards."""
     root = Path(model_dir)
     files = _weight_files(root)
     for fname in files:  # every file present before the first tensor: a consumer is never left half-loaded
         if not (root / fname).is_file():
             _open_file(root / fname)
     for fname in files:
-        yield fname, _file_tensors(root / fname)
+        yield _file_tensors(root / fname)
 
 
 def _file_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -123,7 +123,7 @@ def iter_stored_tensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tens
     """(stored name, tensor as stored) of every tensor, file by file (`iter_stored_files`). Nothing is
     dequantized: a quantized checkpoint yields its stored parts (`weight_scale_inv`, `weight_packed`, ...)
     under their own names."""
-    for _, tensors in iter_stored_files(model_dir):
+    for tensors in iter_stored_files(model_dir):
         yield from tensors
 
 
