@@ -23,6 +23,8 @@ os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 import torch  # noqa: E402
 
+CPU = torch.device("cpu")
+
 
 def _batch(vocab: int, batch: int, prompt: int, response: int, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
@@ -46,9 +48,9 @@ def megatron_steps(recipe, tokens, targets, mask, steps: int) -> float:
     from kimi_pipeline.model.parallel import Layout, destroy, init_distributed
 
     layout = Layout()
-    init_distributed(layout)
+    init_distributed(layout, device=CPU)
     try:
-        model, opt = build_trainable(recipe.model, layout, recipe.optimizer)
+        model, opt = build_trainable(recipe.model, layout, recipe.optimizer, device=CPU)
         hf = dict(iter_stored_tensors("data/tiny/model"))
         load_hf_tensors_into_model(unwrap(model[0]), hf.__getitem__, recipe.model, layout)
 

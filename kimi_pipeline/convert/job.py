@@ -47,12 +47,15 @@ class UnloadedParameterError(PermanentError):
     """A megatron parameter received no value from the HF checkpoint (mapping gap or NaN in the source)."""
 
 
-def write_job_file(path: str | Path, *, model: ModelSpec, layout, model_dir: str | Path, out_dir: str | Path,
-                   report_dir: str | Path, text_config_key: str | None = None, **extra: Any) -> Path:
-    """Everything a rank needs, in one JSON file on the shared filesystem (the command line stays short)."""
+def write_job_file(path: str | Path, *, model: ModelSpec, layout, device: str, model_dir: str | Path,
+                   out_dir: str | Path, report_dir: str | Path, text_config_key: str | None = None,
+                   **extra: Any) -> Path:
+    """Everything a rank needs, in one JSON file on the shared filesystem (the command line stays short).
+    `device` is the recipe's `cluster.device`; each rank resolves it with `model.device.job_device`."""
     payload = {
         "model": model.model_dump(mode="json"),
         "layout": dataclasses.asdict(layout),
+        "device": device,
         "model_dir": str(model_dir),
         "out_dir": str(out_dir),
         "report_dir": str(report_dir),
@@ -118,6 +121,7 @@ def convert_rank(job: dict[str, Any]) -> dict[str, Any]:
     """Build this rank's slice, fill it from the HF checkpoint, save torch_dist; return the rank report."""
     from kimi_pipeline.convert.hf_reader import HFCheckpoint
     from kimi_pipeline.convert.names import load_hf_tensors_into_model
+    from kimi_pipeline.model.device import job_device
     from kimi_pipeline.model.megatron_model import build_model
     from kimi_pipeline.model.megatron_train import save_model_only
     from kimi_pipeline.model.parallel import Layout, destroy, init_distributed, ranks
@@ -127,7 +131,8 @@ def convert_rank(job: dict[str, Any]) -> dict[str, Any]:
     startup = time.time() - float(os.environ.get("KIMI_LAUNCH_TIME", T_IMPORT))
     spec = ModelSpec.model_validate(job["model"])
     layout = Layout(**job["layout"])
-    init_distributed(layout)
+    device = job_device(job["device"])
+    init_distributed(layout, device=device)
     prewarm = prewarm_checkpoint_writer()
     coords = ranks()
     t_init = time.monotonic()
@@ -135,7 +140,7 @@ def convert_rank(job: dict[str, Any]) -> dict[str, Any]:
     # dtype, so the fp32 expert bias stays fp32 in a bf16 model
     reader = HFCheckpoint(job["model_dir"], text_config_key=job.get("text_config_key"))
     # weights come from the checkpoint: skipping megatron's random init saves minutes on big models
-    model = build_model(spec, layout, perform_initialization=False)
+    model = build_model(spec, layout, device=device, perform_initialization=False)
     poison_parameters(model)
     rss_before_load = current_rss_mb()
     t_build = time.monotonic()

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from kimi_pipeline.errors import PermanentError, is_permanent
+from kimi_pipeline.model.device import JOB_DEVICE_ENV, cuda_device_count
 from kimi_pipeline.util.lifetime import bind_to_parent, die_with_parent
 from kimi_pipeline.util.net import free_port
 
@@ -248,15 +249,6 @@ def launch_manual(module: str, args: list[str], *, nodes: int, procs_per_node: i
         time.sleep(poll_s)
 
 
-def _cuda_devices() -> int:
-    try:
-        import torch
-
-        return torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except ImportError:
-        return 0
-
-
 def launch_local(module: str, args: list[str], *, nodes: int, procs_per_node: int, work_dir: str | Path,
                  report_dir: str | Path, name: str = "job", env: dict[str, str] | None = None,
                  timeout: float | None = None, grace: float = 15.0, port_attempts: int = 3) -> JobResult:
@@ -270,11 +262,13 @@ def launch_local(module: str, args: list[str], *, nodes: int, procs_per_node: in
     log_dir = work_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     report_dir.mkdir(parents=True, exist_ok=True)
-    gpus = _cuda_devices()
-    if gpus and nodes * procs_per_node > gpus:  # one rank per GPU, never several (4 K2-sized ranks would OOM one)
-        log.warning("%s: %d ranks but %d GPU(s) on this host: the ranks run on CPU (gloo); on a Ray cluster "
-                    "(cluster.address) every node runs its own ranks on its own GPUs", name, nodes * procs_per_node, gpus)
-        env = {**(env or {}), "CUDA_VISIBLE_DEVICES": ""}
+    gpus = cuda_device_count()
+    if nodes * procs_per_node > gpus:  # one rank per GPU, never several (4 K2-sized ranks would OOM one)
+        if gpus:
+            log.warning("%s: %d ranks but %d GPU(s) on this host: the ranks run on CPU (gloo); on a Ray cluster "
+                        "(cluster.address) every node runs its own ranks on its own GPUs", name, nodes * procs_per_node,
+                        gpus)
+        env = {**(env or {}), "CUDA_VISIBLE_DEVICES": "", JOB_DEVICE_ENV: "cpu"}
     for attempt in range(1, port_attempts + 1):
         for stale in report_dir.glob("rank_*.error.json"):
             stale.unlink()

@@ -147,7 +147,8 @@ def run_convert(recipe: Recipe, run_dir: str | Path, model_dir: str | Path, *,
     shutil.rmtree(work, ignore_errors=True)
     reports = work / "reports"
     tmp = out / f"{CKPT_NAME}.tmp-{uuid.uuid4().hex[:8]}"
-    job = write_job_file(work / "job.json", model=recipe.model, layout=layout, model_dir=model_dir.resolve(),
+    job = write_job_file(work / "job.json", model=recipe.model, layout=layout, device=recipe.cluster.device,
+                         model_dir=model_dir.resolve(),
                          out_dir=tmp.resolve(), report_dir=reports.resolve(), text_config_key=recipe.hub.text_config_key)
     t0 = time.monotonic()
     job_result, ranks, command = run_weight_job(recipe, "kimi_pipeline.convert.job", job, reports, "convert", "rank",
@@ -182,7 +183,8 @@ def run_convert(recipe: Recipe, run_dir: str | Path, model_dir: str | Path, *,
         small = model_bytes(recipe.model) <= SMALL_MODEL_BYTES
         vlayout = verify_layout(recipe.model, layout, small)
         same_world = vlayout.world_size == layout.world_size
-        vjob = write_job_file(work / "verify.json", model=recipe.model, layout=vlayout, model_dir=model_dir.resolve(),
+        vjob = write_job_file(work / "verify.json", model=recipe.model, layout=vlayout, device=recipe.cluster.device,
+                              model_dir=model_dir.resolve(),
                               out_dir=tmp.resolve(), ckpt_dir=tmp.resolve(), report_dir=reports.resolve(),
                               text_config_key=recipe.hub.text_config_key, logits=small)
         t1 = time.monotonic()

@@ -107,6 +107,7 @@ def verify_rank(job: dict[str, Any]) -> dict[str, Any]:
 
     from kimi_pipeline.convert.hf_reader import HFCheckpoint
     from kimi_pipeline.convert.names import export_hf_tensors, load_hf_tensors_into_model
+    from kimi_pipeline.model.device import job_device
     from kimi_pipeline.model.megatron_model import build_model
     from kimi_pipeline.model.megatron_train import load_model_only
     from kimi_pipeline.model.parallel import Layout, destroy, init_distributed, ranks
@@ -115,15 +116,16 @@ def verify_rank(job: dict[str, Any]) -> dict[str, Any]:
     t0 = time.monotonic()
     spec = ModelSpec.model_validate(job["model"])
     layout = Layout(**job["layout"])
-    init_distributed(layout)
+    device = job_device(job["device"])
+    init_distributed(layout, device=device)
     coords = ranks()
     reader = HFCheckpoint(job["model_dir"], text_config_key=job.get("text_config_key"))
 
     # 1. torch_dist reloaded under this layout == the same slice filled from HF
-    model = build_model(spec, layout, perform_initialization=False)
+    model = build_model(spec, layout, device=device, perform_initialization=False)
     poison_parameters(model)
     load_model_only(job["ckpt_dir"], model)
-    ref = build_model(spec, layout, perform_initialization=False)
+    ref = build_model(spec, layout, device=device, perform_initialization=False)
     poison_parameters(ref)
     load_hf_tensors_into_model(ref, reader.get, spec, layout)
     got, want = _megatron_state(model), _megatron_state(ref)
@@ -146,6 +148,7 @@ def verify_rank(job: dict[str, Any]) -> dict[str, Any]:
     export_state: dict[str, torch.Tensor] = {}
     # owned_only: each tensor is yielded once, by the rank that holds it (no broadcast of the whole model)
     for name, tensor in export_hf_tensors(model, spec, layout, owned_only=True):
+        tensor = tensor.cpu()  # compared with the source as read, on the host
         exported.append(name)
         if name not in reader:
             rt_mismatches.append(f"{name}: exported but not in the HF source")
@@ -197,13 +200,13 @@ def logits_parity(model, spec: ModelSpec, job: dict[str, Any], source_kind: str,
 
     from kimi_pipeline.model.hf_config import hf_config_dict
     from kimi_pipeline.model.hf_model import load_hf_model
-    from kimi_pipeline.model.megatron_model import causal_forward
+    from kimi_pipeline.model.megatron_model import causal_forward, model_device
 
     dtype = dtype_of(spec.params_dtype)
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, spec.vocab_size, (2, min(32, spec.max_position_embeddings)), generator=g)
     with torch.no_grad():
-        m_logits = causal_forward(model.eval(), tokens).float()
+        m_logits = causal_forward(model.eval(), tokens.to(model_device(model))).float().cpu()
         with tempfile.TemporaryDirectory(prefix="kimi-verify-") as tmp:
             if source_kind == "bf16":
                 hf_dir, via = job["model_dir"], "source"

@@ -13,6 +13,7 @@ from typing import Any
 from kimi_pipeline.errors import PermanentError
 from kimi_pipeline.eval.run import eval_step_path, evaluate
 from kimi_pipeline.model.checkpoint_dirs import TRACKER, latest_step
+from kimi_pipeline.model.device import resolve_device
 from kimi_pipeline.model.tokenizer import load_tokenizer
 from kimi_pipeline.recipes import Recipe
 from kimi_pipeline.report.stage_reports import eval_report
@@ -95,6 +96,7 @@ def _torch_dist_hf_tensors(recipe: Recipe, checkpoint: Path) -> dict:
 
     ckpt_dir, step = (checkpoint.parent, int(checkpoint.name.split("_")[1])) if checkpoint.name.startswith("iter_") \
         else (checkpoint, None)
-    with checkpoint_model(recipe.model, ckpt_dir, step) as (model, layout, _):
+    with checkpoint_model(recipe.model, ckpt_dir, step, device=resolve_device(recipe.cluster.device)) as (
+            model, layout, _):
         qat = recipe.quant.group_size if recipe.quant.int4_qat else None
         return dict(policy_tensors(model, recipe.model, layout, qat_group_size=qat))

@@ -1,11 +1,22 @@
-"""CPU compatibility for megatron-core 0.16.1 (pinned): the ONE place where megatron is patched.
+"""megatron-core 0.16.1 (pinned) compatibility: the ONE place where megatron is patched, each patch for its cause.
 
-megatron-core assumes CUDA everywhere (current device, CUDA RNG, streams, `device="cuda"` literals).
-On a machine without CUDA, `apply_cpu_compat()` applies the small patches in `PATCHES` so that the
-same megatron code (GPTModel, MoE dispatch, DDP, distributed optimizer, schedules, torch_dist
-checkpoints) runs on CPU with gloo. With CUDA present it does nothing. Every patch is one row of
-`PATCHES` (target module, attribute, why); `tests/integration/test_megatron_model.py` checks that every target
-still exists, so an upgrade that moves one fails loudly instead of silently running unpatched code.
+megatron-core assumes CUDA tensors, NCCL and Transformer Engine / apex kernels. Each row of `PATCHES` names
+the module attribute it replaces, why, and the one cause it exists for:
+
+- `TE_ABSENT`  Transformer Engine is not installed (megatron's own `HAVE_TE` is False): MLA's TE isinstance
+  check, the router's `te_general_gemm`, the torch norm under sequence parallelism. A GPU without TE needs
+  these exactly as the CPU does.
+- `TORCH_ADAM` neither TE nor apex: megatron falls back to torch's Adam (`optimizer/__init__.py:24-34`), whose
+  per-parameter `step` its checkpoint code mishandles, and to its local multi-tensor l2 norm
+  (`optimizer/clip_grads.py:17-40`, `utils.py:1200-1208`); torch's Adam is built fused.
+- `GLOO`       the process group backend is gloo: int split sizes, equal-size collectives, 1-rank copies.
+- `CPU`        tensors live on the CPU: `torch.cuda.*` stand-ins, the CPU RNG, CUDA tensor-type names, CPU
+  speed paths.
+
+`compat_causes(device, backend)` says which causes hold for a process and `apply_compat` applies exactly their
+rows (restoring any row whose cause no longer holds), so a TE-less GPU runs the TE-less rows the CPU tests
+run, and no CPU row ever reaches a GPU. `tests/integration/test_megatron_model.py` checks that every target
+still exists and that each (device, TE, backend) gets the documented set.
 """
 
 from __future__ import annotations
@@ -14,7 +25,7 @@ import contextlib
 import functools
 import importlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +33,10 @@ import torch
 
 MEGATRON_CORE_VERSION = "0.16.1"
 
-# Environment every CPU rank needs before megatron is imported (set by apply_cpu_compat()).
+TE_ABSENT, TORCH_ADAM, GLOO, CPU = "te_absent", "torch_adam", "gloo", "cpu"
+CAUSES = (TE_ABSENT, TORCH_ADAM, GLOO, CPU)
+
+# Environment every CPU rank needs before megatron compiles anything (set by apply_compat on CPU).
 CPU_ENV = {
     "TORCHDYNAMO_DISABLE": "1",  # megatron wraps small ops in torch.compile: a ~22 s compile per process on CPU
 }
@@ -30,10 +44,15 @@ CPU_ENV = {
 
 @dataclass(frozen=True)
 class Patch:
+    cause: str  # one of CAUSES: the condition under which megatron breaks without this row
     module: str  # importable module path holding the attribute
     attribute: str  # dotted attribute path inside the module (e.g. "Class.method")
     why: str  # one line: what breaks without it
     make: Callable[[Any], Any]  # original -> replacement
+
+    @property
+    def name(self) -> str:
+        return f"{self.module}.{self.attribute}"
 
 
 # --------------------------------------------------------------------------- replacements
@@ -214,9 +233,9 @@ def _router_gating_linear(inp: torch.Tensor, weight: torch.Tensor, bias: Any, ro
 
 
 def _l2_norm(chunk_size: int, noop_flag: Any, tensor_lists: list, per_tensor: bool, *args: Any) -> tuple:
-    """megatron's local multi_tensor_l2norm stand-in, returning a CPU tensor instead of a CUDA one."""
+    """megatron's local multi_tensor_l2norm stand-in: the norms stay on the grads' device (no per-tensor host copy)."""
     norms = [torch.linalg.vector_norm(t.float()) for tl in tensor_lists for t in tl]
-    total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+    total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros((), device=torch.cuda.current_device())
     return total.reshape(1), None
 
 
@@ -425,87 +444,88 @@ def _noop(*args: Any, **kwargs: Any) -> None:
 # --------------------------------------------------------------------------- the table
 
 PATCHES: list[Patch] = [
-    Patch("torch.cuda", "current_device", "megatron allocates on torch.cuda.current_device() (~100 call sites): CPU",
+    Patch(CPU, "torch.cuda", "current_device", "megatron allocates on torch.cuda.current_device() (~100 call sites): CPU",
           lambda orig: _cpu_device),
-    Patch("torch.cuda", "synchronize", "DDP buffer free/alloc and dist-checkpointing sync the device; nothing to wait for",
+    Patch(CPU, "torch.cuda", "synchronize", "DDP buffer free/alloc and dist-checkpointing sync the device; nothing to wait for",
           lambda orig: _noop),
-    Patch("torch.cuda", "Stream", "the MoE all-to-all dispatcher creates a device-to-host side stream at init",
+    Patch(CPU, "torch.cuda", "Stream", "the MoE all-to-all dispatcher creates a device-to-host side stream at init",
           lambda orig: _NoOpStream),
-    Patch("torch.cuda", "current_stream", "the MoE dispatcher syncs its side stream with the current one",
+    Patch(CPU, "torch.cuda", "current_stream", "the MoE dispatcher syncs its side stream with the current one",
           lambda orig: lambda *a, **k: _NoOpStream()),
-    Patch("torch.cuda", "default_stream", "as current_stream (DDP / offloading paths)",
+    Patch(CPU, "torch.cuda", "default_stream", "as current_stream (DDP / offloading paths)",
           lambda orig: lambda *a, **k: _NoOpStream()),
-    Patch("torch.cuda", "stream", "MoE dispatcher / grad buffers run copies under `with torch.cuda.stream(s)`",
+    Patch(CPU, "torch.cuda", "stream", "MoE dispatcher / grad buffers run copies under `with torch.cuda.stream(s)`",
           lambda orig: lambda *a, **k: contextlib.nullcontext()),
-    Patch("torch.cuda", "Event", "dispatcher / timers record CUDA events; CPU work is synchronous",
+    Patch(CPU, "torch.cuda", "Event", "dispatcher / timers record CUDA events; CPU work is synchronous",
           lambda orig: _NoOpEvent),
-    Patch("torch", "Tensor.cuda", "state exchange in the distributed optimizer / dist-checkpointing calls .cuda(); "
+    Patch(CPU, "torch", "Tensor.cuda", "state exchange in the distributed optimizer / dist-checkpointing calls .cuda(); "
           "on a CPU-only build it returns the tensor itself", lambda orig: _tensor_cuda),
-    Patch("megatron.core.transformer.multi_latent_attention", "HAVE_TE",
+    Patch(TE_ABSENT, "megatron.core.transformer.multi_latent_attention", "HAVE_TE",
           "TE's MagicMock stand-ins import fine, so MLA thinks TE is present and isinstance()s a mock",
           lambda orig: False),
-    Patch("megatron.core.transformer.torch_norm", "WrappedTorchNorm.__new__",
+    Patch(TE_ABSENT, "megatron.core.transformer.torch_norm", "WrappedTorchNorm.__new__",
           "asserts no sequence parallelism (needed for TP x EP); build unparallel + tag weights sequence_parallel",
           _sequence_parallel_norm),
-    Patch("megatron.core.transformer.moe.router", "router_gating_linear",
+    Patch(TE_ABSENT, "megatron.core.transformer.moe.router", "router_gating_linear",
           "its autograd Function reads te_general_gemm, undefined without TE (NameError)",
           lambda orig: _router_gating_linear),
-    Patch("megatron.core.transformer.moe.token_dispatcher", "all_to_all",
+    Patch(GLOO, "megatron.core.transformer.moe.token_dispatcher", "all_to_all",
           "expert all-to-all passes tensor split sizes; gloo accepts int lists only", _split_sizes_as_lists),
-    Patch("megatron.core.tensor_parallel.layers", "linear_with_grad_accumulation_and_async_allreduce",
+    Patch(CPU, "megatron.core.tensor_parallel.layers", "linear_with_grad_accumulation_and_async_allreduce",
           "speed: megatron's Python autograd Linear where it has nothing to communicate; torch's linear instead",
           _plain_linear_without_tp),
-    Patch("megatron.core.transformer.moe.token_dispatcher", "sort_chunks_by_idxs",
+    Patch(CPU, "megatron.core.transformer.moe.token_dispatcher", "sort_chunks_by_idxs",
           "speed: an identity expert sort (EP x TP = 1) still copies every token twice per layer", _skip_identity_sort),
-    Patch("megatron.core.transformer.moe.token_dispatcher", "unpermute",
+    Patch(CPU, "megatron.core.transformer.moe.token_dispatcher", "unpermute",
           "speed: scatter_add with an expanded index has a slow CPU backward; index_add sums the same rows",
           _unpermute_with_index_add),
-    Patch("megatron.core.distributed.param_and_grad_buffer", "dist_all_gather_func",
+    Patch(GLOO, "megatron.core.distributed.param_and_grad_buffer", "dist_all_gather_func",
           "speed: a 1-rank param all-gather on gloo's thread leaves the trainer at one-thread speed",
           _local_when_one_rank),
-    Patch("megatron.core.distributed.param_and_grad_buffer", "dist_reduce_scatter_func",
+    Patch(GLOO, "megatron.core.distributed.param_and_grad_buffer", "dist_reduce_scatter_func",
           "speed: a 1-rank grad reduce-scatter on gloo's thread leaves the trainer at one-thread speed",
           _local_when_one_rank),
-    Patch("megatron.core.distributed.param_and_grad_buffer", "_coalescing_manager",
+    Patch(GLOO, "megatron.core.distributed.param_and_grad_buffer", "_coalescing_manager",
           "the coalescing context of those 1-rank collectives has nothing to coalesce", _coalescing_when_one_rank),
-    Patch("megatron.core.tensor_parallel.mappings", "_gather_along_first_dim",
+    Patch(GLOO, "megatron.core.tensor_parallel.mappings", "_gather_along_first_dim",
           "uneven all_gather (MoE tokens under TP x EP) is unsupported by gloo", _uneven_gather),
-    Patch("megatron.core.tensor_parallel.mappings", "_reduce_scatter_along_first_dim",
+    Patch(GLOO, "megatron.core.tensor_parallel.mappings", "_reduce_scatter_along_first_dim",
           "uneven reduce_scatter (MoE tokens under TP x EP) is unsupported by gloo", _uneven_reduce_scatter),
-    Patch("megatron.core.tensor_parallel.random", "CudaRNGStatesTracker",
+    Patch(CPU, "megatron.core.tensor_parallel.random", "CudaRNGStatesTracker",
           "the model-parallel RNG tracker keeps CUDA generator states; keep them in the CPU generator",
           _cpu_rng_tracker_class),
-    Patch("megatron.core.tensor_parallel.random", "_get_cuda_rng_state",
+    Patch(CPU, "megatron.core.tensor_parallel.random", "_get_cuda_rng_state",
           "activation recompute saves the CUDA RNG state; save the CPU one",
           lambda orig: lambda *a, **k: torch.get_rng_state()),
-    Patch("megatron.core.tensor_parallel.random", "_set_cuda_rng_state",
+    Patch(CPU, "megatron.core.tensor_parallel.random", "_set_cuda_rng_state",
           "activation recompute restores the CUDA RNG state; restore the CPU one",
           lambda orig: lambda new_state, *a, **k: torch.set_rng_state(new_state)),
-    Patch("megatron.core.optimizer.clip_grads", "torch", "grad-norm buffers are created with device='cuda'",
+    Patch(CPU, "megatron.core.optimizer.clip_grads", "torch", "grad-norm buffers are created with device='cuda'",
           _CpuTorch),
-    Patch("megatron.core.optimizer.clip_grads", "l2_norm_impl",
-          "the local l2-norm fallback returns its result on device='cuda'", lambda orig: _l2_norm),
-    Patch("megatron.core.optimizer", "torch", "speed: torch's per-tensor CPU Adam loop; build it fused",
+    Patch(TORCH_ADAM, "megatron.core.optimizer.clip_grads", "l2_norm_impl",
+          "the local l2-norm fallback (no TE/apex) copies each norm to the host (a sync per tensor on GPU) and "
+          "returns on device='cuda'", lambda orig: _l2_norm),
+    Patch(TORCH_ADAM, "megatron.core.optimizer", "torch", "speed: torch's per-tensor Adam loop (CPU and CUDA alike); build it fused",
           _FusedAdamTorch),
-    Patch("megatron.core.optimizer.optimizer", "torch", "found_inf / scale buffers are created with device='cuda'",
+    Patch(CPU, "megatron.core.optimizer.optimizer", "torch", "found_inf / scale buffers are created with device='cuda'",
           _CpuTorch),
-    Patch("megatron.core.pipeline_parallel.schedules", "torch", "token counters are created with device='cuda'",
+    Patch(CPU, "megatron.core.pipeline_parallel.schedules", "torch", "token counters are created with device='cuda'",
           _CpuTorch),
-    Patch("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer.__init__",
+    Patch(CPU, "megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer.__init__",
           "rejects parameters whose type() is not torch.cuda.*Tensor", _with_cuda_type_names),
-    Patch("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer._set_main_param_and_optimizer_states",
+    Patch(TORCH_ADAM, "megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer._set_main_param_and_optimizer_states",
           "KeyError 'step' when loading a reshardable checkpoint with torch Adam (no TE/apex)", _keep_adam_step),
-    Patch("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer.load_state_dict",
+    Patch(TORCH_ADAM, "megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer.load_state_dict",
           "restores one torch-Adam `step` tensor shared by all params; Adam then bumps it once per param",
           _unshare_adam_steps),
-    Patch("megatron.core.optimizer.optimizer", "clip_grad_by_total_norm_fp32",
+    Patch(CPU, "megatron.core.optimizer.optimizer", "clip_grad_by_total_norm_fp32",
           "asserts grad.type() == 'torch.cuda.FloatTensor'", _with_cuda_type_names),
-    Patch("megatron.core.optimizer.optimizer", "Float16OptimizerWithFloat16Params.__init__",
+    Patch(CPU, "megatron.core.optimizer.optimizer", "Float16OptimizerWithFloat16Params.__init__",
           "rejects parameters whose type() is not torch.cuda.*Tensor", _with_cuda_type_names),
 ]
 
-_applied: list[str] = []
-_originals: dict[tuple[str, str], Any] = {}
+_applied: dict[str, Patch] = {}
+_originals: dict[str, Any] = {}
 
 
 def _resolve(patch: Patch) -> tuple[Any, str, Any]:
@@ -528,34 +548,69 @@ def missing_targets() -> list[str]:
         try:
             _resolve(patch)
         except (ImportError, AttributeError) as exc:
-            out.append(f"{patch.module}.{patch.attribute}: {exc}")
+            out.append(f"{patch.name}: {exc}")
     return out
 
 
-def cuda_available() -> bool:
-    return torch.cuda.is_available()
+def megatron_kernels() -> tuple[bool, bool]:
+    """(Transformer Engine present, megatron uses torch's Adam) as megatron itself decided at import."""
+    import warnings
+
+    with warnings.catch_warnings():  # megatron warns about the missing TE / apex it falls back from
+        warnings.simplefilter("ignore")
+        from megatron.core import optimizer as mcore_optimizer
+        from megatron.core.models.gpt import gpt_layer_specs
+    return bool(gpt_layer_specs.HAVE_TE), bool(mcore_optimizer.USING_PYTORCH_OPTIMIZER)
 
 
-def apply_cpu_compat(force: bool = False) -> list[str]:
-    """Patch megatron-core for CPU + gloo; returns the applied patch names. Idempotent.
+def compat_causes(device: torch.device | str, backend: str | None, *, te: bool | None = None,
+                  torch_adam: bool | None = None) -> frozenset[str]:
+    """The causes that hold for a process computing on `device` over `backend` (None: no process group yet)."""
+    if te is None or torch_adam is None:
+        have_te, using_torch_adam = megatron_kernels()
+        te = have_te if te is None else te
+        torch_adam = using_torch_adam if torch_adam is None else torch_adam
+    causes = set()
+    if not te:
+        causes.add(TE_ABSENT)
+    if torch_adam:
+        causes.add(TORCH_ADAM)
+    if backend == "gloo":
+        causes.add(GLOO)
+    if torch.device(device).type == "cpu":
+        causes.add(CPU)
+    return frozenset(causes)
 
-    No-op (returns []) when CUDA is available, unless `force` (tests of the guard only).
-    """
-    if cuda_available() and not force:
-        return []
-    if _applied:
-        return list(_applied)
-    for key, value in CPU_ENV.items():
-        os.environ.setdefault(key, value)
-    import megatron.core  # noqa: F401  (fail early and clearly if megatron is missing)
 
+def patches_for(causes: Iterable[str]) -> list[str]:
+    """Names of the rows applied for `causes`, in table order."""
+    wanted = set(causes)
+    return [p.name for p in PATCHES if p.cause in wanted]
+
+
+def apply_compat(device: torch.device | str, backend: str | None = None) -> list[str]:
+    """Patch megatron-core for this process's device and backend; returns the applied row names.
+
+    Idempotent; a later call with other causes (a test process that builds a GPU model after CPU ones)
+    restores the rows that no longer apply before applying the new ones."""
+    causes = compat_causes(device, backend)
+    if CPU in causes:
+        for key, value in CPU_ENV.items():
+            os.environ.setdefault(key, value)
+    for name, patch in list(_applied.items()):
+        if patch.cause not in causes:
+            owner, leaf, _ = _resolve(patch)
+            setattr(owner, leaf, _originals.pop(name))
+            del _applied[name]
     for patch in PATCHES:
-        owner, leaf, original = _resolve(patch)
-        _originals[(patch.module, patch.attribute)] = original
-        setattr(owner, leaf, patch.make(original))
-        _applied.append(f"{patch.module}.{patch.attribute}")
-    return list(_applied)
+        if patch.cause in causes and patch.name not in _applied:
+            owner, leaf, original = _resolve(patch)
+            _originals[patch.name] = original
+            setattr(owner, leaf, patch.make(original))
+            _applied[patch.name] = patch
+    return applied()
 
 
 def applied() -> list[str]:
-    return list(_applied)
+    """The applied rows' names, in table order."""
+    return [p.name for p in PATCHES if p.name in _applied]

@@ -5,7 +5,8 @@ sigmoid router scores in fp32, expert bias used for expert *selection* only, top
 then multiplied by the routed scaling factor, shared expert, first-k dense layers, YaRN rope with the
 mscale_all_dim softmax scale, interleaved rope dims (megatron's MLA de-interleaves them like HF's
 `rope_interleave`), RMSNorm, untied lm_head. Local (pure-PyTorch) layer specs on CPU or without
-Transformer Engine; TE specs when TE and CUDA are present (parameter names differ: see convert/names.py).
+Transformer Engine; TE specs when TE is installed and the device is a GPU (parameter names differ: see
+convert/names.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from kimi_pipeline.model.megatron_compat import apply_compat, megatron_kernels
 from kimi_pipeline.model.parallel import Layout, LayoutError
 from kimi_pipeline.recipes.models import ModelSpec
 
@@ -25,26 +27,14 @@ log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def have_te() -> bool:
-    """Transformer Engine importable (megatron's own detection)."""
-    try:
-        from megatron.core.models.gpt import gpt_layer_specs
-
-        return bool(gpt_layer_specs.HAVE_TE)
-    except ImportError:  # pragma: no cover - megatron missing is caught earlier
-        return False
+def use_te_default(device: torch.device) -> bool:
+    """TE layer specs where Transformer Engine is installed and the model lives on a GPU; megatron's local
+    modules everywhere else (a TE-less GPU runs the local modules the CPU tests run)."""
+    return device.type == "cuda" and megatron_kernels()[0]
 
 
-def use_te_default() -> bool:
-    """TE layer specs only with CUDA + TE; everything else uses megatron's local modules."""
-    return torch.cuda.is_available() and have_te()
-
-
-def _prepare() -> None:
-    if not torch.cuda.is_available():
-        from kimi_pipeline.model.megatron_compat import apply_cpu_compat
-
-        apply_cpu_compat()
+def _process_backend() -> str | None:
+    return torch.distributed.get_backend() if torch.distributed.is_initialized() else None
 
 
 def moe_layer_pattern(spec: ModelSpec) -> list[int]:
@@ -56,6 +46,7 @@ def transformer_config(
     spec: ModelSpec,
     layout: Layout,
     *,
+    device: torch.device,
     use_te: bool | None = None,
     expert_bias_update_rate: float = 0.0,
     recompute_granularity: str | None = None,
@@ -69,13 +60,13 @@ def transformer_config(
     same bias; aux-loss-free rebalancing is a pre-training mechanism). Extra keyword arguments override
     config fields (e.g. moe_enable_routing_replay=True).
     """
-    _prepare()
+    apply_compat(device, _process_backend())
     from megatron.core.transformer.enums import AttnBackend
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
     layout.check_model(spec)
-    use_te = use_te_default() if use_te is None else use_te
-    cuda = torch.cuda.is_available()
+    use_te = use_te_default(device) if use_te is None else use_te
+    cuda = device.type == "cuda"
     groups = spec.moe_router_num_groups
     if groups > 1 and spec.moe_router_topk // spec.moe_router_group_topk != 2:
         # HF scores a group by its top-2 experts; megatron by its top-(topk/group_topk). Equal only here.
@@ -165,7 +156,8 @@ def transformer_config(
         recompute_granularity=recompute_granularity,
         recompute_method=recompute_method,
         recompute_num_layers=recompute_num_layers,
-        # kernels: fused ones need CUDA (and TE/apex)
+        # kernels: fused ones need CUDA (and TE/apex); on CUDA megatron creates its parallel layers' weights on
+        # the current device, build_model moves the rest (local norms, router, modelopt Linear)
         use_cpu_initialization=not cuda,
         bias_activation_fusion=False,
         bias_dropout_fusion=cuda,
@@ -284,20 +276,24 @@ def build_model(
     spec: ModelSpec,
     layout: Layout,
     *,
+    device: torch.device,
     pre_process: bool | None = None,
     post_process: bool | None = None,
     use_te: bool | None = None,
     config=None,
     **config_overrides: Any,
 ):
-    """The GPTModel of the current pipeline stage (parallel_state must be initialised)."""
-    _prepare()
+    """The GPTModel of the current pipeline stage on `device`, every parameter and buffer (parallel_state must
+    be initialised). megatron creates only its parallel layers on the GPU (`use_cpu_initialization=False`); the
+    local spec's torch norms, the router weight and the modelopt Linear are created on the CPU and only DDP's
+    buffers would move them, so a model used without DDP (the reference model, verification) is moved here."""
+    apply_compat(device, _process_backend())
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
-    use_te = use_te_default() if use_te is None else use_te
+    use_te = use_te_default(device) if use_te is None else use_te
     if config is None:
-        config = transformer_config(spec, layout, use_te=use_te, **config_overrides)
+        config = transformer_config(spec, layout, device=device, use_te=use_te, **config_overrides)
     if pre_process is None:
         pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=True)
     if post_process is None:
@@ -315,6 +311,7 @@ def build_model(
     )
     if not use_te and config.perform_initialization:
         _init_duplicated_linears(model, config)
+    model.to(device)  # in place: the same Parameter objects (DDP and megatron's param attributes keep them)
     model.kimi_use_te = use_te  # names.py reads which spec (TE or local) built the parameters
     return model
 

@@ -26,7 +26,8 @@ import torch
 
 from kimi_pipeline.model.checkpoint_dirs import TRACKER, CheckpointError, iteration_dir, latest_step
 from kimi_pipeline.model.context_parallel import Packing, SeqLayout, batch_logprobs, cp_group, seq_multiple
-from kimi_pipeline.model.megatron_model import build_model, causal_mask, check_positions, unwrap
+from kimi_pipeline.model.megatron_compat import megatron_kernels
+from kimi_pipeline.model.megatron_model import build_model, causal_mask, check_positions, model_device, unwrap
 from kimi_pipeline.model.parallel import Layout
 from kimi_pipeline.recipes.models import ModelSpec, OptimizerSpec
 from kimi_pipeline.util.files import atomic_write_json, atomic_write_text
@@ -36,9 +37,14 @@ log = logging.getLogger(__name__)
 
 EXTRA = "kimi_extra.json"
 CHECKPOINT_VERSION = 3.0  # what Megatron-LM's --load expects in common state
-# Optimizer state sharding that reshards across TP/PP/EP/DP changes (megatron's canonical form).
+# Optimizer state sharding that reshards across TP/PP/EP/DP changes (megatron's canonical form). Saving it
+# gathers each model-parallel shard's whole fp32 optimizer state (main params + two Adam moments): by default
+# on EVERY data-parallel rank, on the GPU (`distrib_optimizer.py:1443-1451`, ~16 GB GPU + ~48 GB host per rank
+# at K2 scale); "mem_efficient" gathers it over megatron's gloo DP group on DP rank 0 only, in host memory —
+# the figure `kimi plan` reports as the checkpoint-time host peak (`plan.memory.checkpoint_gather_bytes`).
 SHARDED_METADATA = {
     "distrib_optim_sharding_type": "fully_reshardable",
+    "distrib_optim_fully_reshardable_mem_efficient": True,
     "singleton_local_shards": False,
     "chained_optim_avoid_prefix": True,
 }
@@ -55,10 +61,11 @@ def build_trainable(
     layout: Layout,
     opt: OptimizerSpec,
     *,
+    device: torch.device,
     use_te: bool | None = None,
     **config_overrides: Any,
 ) -> tuple[list[torch.nn.Module], Any]:
-    """(model_chunks, optimizer): this stage's GPTModel in megatron DDP + megatron's optimizer.
+    """(model_chunks, optimizer): this stage's GPTModel on `device` in megatron DDP + megatron's optimizer.
 
     The loss contract is per-token style (config.calculate_per_token_loss): see `forward_backward`.
     """
@@ -67,7 +74,7 @@ def build_trainable(
     from megatron.core.transformer.module import Float16Module
 
     config_overrides.setdefault("calculate_per_token_loss", True)
-    model = build_model(spec, layout, use_te=use_te, **config_overrides)
+    model = build_model(spec, layout, device=device, use_te=use_te, **config_overrides)
     config = model.config
     use_te_flag = model.kimi_use_te
     # Routed-expert params always get their own (expert-data-parallel) grad buffers and optimizer, as
@@ -89,9 +96,6 @@ def build_trainable(
     )
     ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
     ddp.kimi_use_te = use_te_flag
-    offload = opt.optimizer_cpu_offload and torch.cuda.is_available()
-    if opt.optimizer_cpu_offload and not offload:
-        log.info("optimizer_cpu_offload ignored: the model already lives on the CPU")
     opt_config = OptimizerConfig(
         optimizer=opt.optimizer,
         lr=opt.lr,
@@ -105,15 +109,34 @@ def build_trainable(
         fp16=config.fp16,
         params_dtype=config.params_dtype,
         use_distributed_optimizer=opt.use_distributed_optimizer,
-        optimizer_cpu_offload=offload,
-        overlap_cpu_optimizer_d2h_h2d=offload and opt.overlap_cpu_optimizer_d2h_h2d,
-        use_precision_aware_optimizer=opt.use_precision_aware_optimizer and torch.cuda.is_available(),
+        **optimizer_placement(opt, device, te=megatron_kernels()[0]),
     )
     optimizer = get_megatron_optimizer(opt_config, [ddp])
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = ddp.no_sync
     config.grad_scale_func = optimizer.scale_loss
     return [ddp], optimizer
+
+
+def optimizer_placement(opt: OptimizerSpec, device: torch.device, *, te: bool) -> dict[str, Any]:
+    """OptimizerConfig fields for where the optimizer state lives.
+
+    `optimizer_cpu_offload` keeps ALL of it (fp32 main params, Adam moments) in host memory and steps there:
+    megatron's HybridDeviceOptimizer offloads `optimizer_offload_fraction` of the parameters, default 0.0 —
+    nothing (`optimizer/optimizer_config.py:307`, `optimizer/__init__.py:306-345`) — so the fraction is 1.0,
+    what `kimi plan` counts as host memory. It moves GPU parameters only (`cpu_offloading/hybrid_optimizer.py`
+    splits them by `param.is_cuda`): with the model's tensors already on the host there is nothing to offload.
+    The precision-aware optimizer needs Transformer Engine: its config check reads TE's version before anything
+    else (`optimizer_config.py:375-383`, a TypeError without TE)."""
+    offload = opt.optimizer_cpu_offload and device.type == "cuda"
+    if opt.use_precision_aware_optimizer and not te:
+        log.warning("optimizer.use_precision_aware_optimizer needs Transformer Engine (not installed): off")
+    return {
+        "optimizer_cpu_offload": offload,
+        "optimizer_offload_fraction": 1.0 if offload else 0.0,
+        "overlap_cpu_optimizer_d2h_h2d": offload and opt.overlap_cpu_optimizer_d2h_h2d,
+        "use_precision_aware_optimizer": opt.use_precision_aware_optimizer and te,
+    }
 
 
 def lr_scheduler(optimizer, opt: OptimizerSpec, total_steps: int):
@@ -280,7 +303,8 @@ def optimizer_step(optimizer, scheduler=None) -> tuple[bool, float | None]:
     return bool(ok), None if grad_norm is None else float(grad_norm)
 
 
-def _broadcast_from_last_pp_stage(parts: list[torch.Tensor] | None, shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
+def _broadcast_from_last_pp_stage(parts: list[torch.Tensor] | None, shapes: list[tuple[int, ...]],
+                                  device: torch.device) -> list[torch.Tensor]:
     """The last pipeline stage's tensors on every stage: one flat broadcast, not one per micro-batch."""
     from megatron.core import parallel_state as ps
 
@@ -290,8 +314,8 @@ def _broadcast_from_last_pp_stage(parts: list[torch.Tensor] | None, shapes: list
     sizes = [math.prod(s) for s in shapes]
     if parts is not None:
         buf = torch.cat([p.reshape(-1).float() for p in parts])
-    else:  # NCCL broadcasts device tensors
-        buf = torch.empty(sum(sizes), device=torch.cuda.current_device() if torch.cuda.is_available() else "cpu")
+    else:  # the same device as the last stage's tensors (NCCL broadcasts device tensors)
+        buf = torch.empty(sum(sizes), device=device)
     src = ps.get_pipeline_model_parallel_last_rank()
     torch.distributed.broadcast(buf, src=src, group=ps.get_pipeline_model_parallel_group())
     return [x.view(s) for x, s in zip(buf.split(sizes), shapes)]
@@ -319,10 +343,11 @@ def micro_batch_logprobs(
         for m in chunks:
             m.train()
     shapes = [tuple(b["targets"].shape) for b in batches]
-    lps = _broadcast_from_last_pp_stage([o["logprobs"] for o in out] if out else None, shapes)
+    device = model_device(unwrap(chunks))
+    lps = _broadcast_from_last_pp_stage([o["logprobs"] for o in out] if out else None, shapes, device)
     if not with_entropy:
         return lps
-    ents = _broadcast_from_last_pp_stage([o["entropy"] for o in out] if out else None, shapes)
+    ents = _broadcast_from_last_pp_stage([o["entropy"] for o in out] if out else None, shapes, device)
     return list(zip(lps, ents))
 
 
@@ -356,8 +381,8 @@ def _unb64(s: str) -> torch.Tensor:
     return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8).clone()
 
 
-def rng_state() -> dict:
-    """This rank's RNG states (python, numpy, torch CPU/CUDA, megatron tracker) as JSON-able data."""
+def rng_state(device: torch.device) -> dict:
+    """This rank's RNG states (python, numpy, torch CPU, `device`'s when a GPU, megatron tracker) as JSON data."""
     import numpy as np
     from megatron.core import tensor_parallel
 
@@ -368,12 +393,12 @@ def rng_state() -> dict:
         "torch": _b64(torch.get_rng_state()),
         "tracker": {k: _b64(v) for k, v in tensor_parallel.get_cuda_rng_tracker().get_states().items()},
     }
-    if torch.cuda.is_available():
-        state["cuda"] = _b64(torch.cuda.get_rng_state())
+    if device.type == "cuda":
+        state["cuda"] = _b64(torch.cuda.get_rng_state(device))
     return state
 
 
-def set_rng_state(state: dict) -> None:
+def set_rng_state(state: dict, device: torch.device) -> None:
     import numpy as np
     from megatron.core import tensor_parallel
 
@@ -381,8 +406,8 @@ def set_rng_state(state: dict) -> None:
     n = state["numpy"]
     np.random.set_state((n[0], np.array(n[1], dtype=np.uint32), n[2], n[3], n[4]))
     torch.set_rng_state(_unb64(state["torch"]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(_unb64(state["cuda"]))
+    if "cuda" in state and device.type == "cuda":
+        torch.cuda.set_rng_state(_unb64(state["cuda"]), device)
     tensor_parallel.get_cuda_rng_tracker().set_states({k: _unb64(v) for k, v in state["tracker"].items()})
 
 
@@ -403,7 +428,7 @@ def _model_sharded_state_dict(model_chunks) -> dict:
     return unwrap(model_chunks).sharded_state_dict(metadata=dict(SHARDED_METADATA))
 
 
-def _save(ckpt_dir: Path, step: int, state: dict, extra: dict | None) -> Path:
+def _save(ckpt_dir: Path, step: int, state: dict, extra: dict | None, device: torch.device) -> Path:
     """torch_dist save into a temp dir, rename into place, tracker last (collective)."""
     from megatron.core import dist_checkpointing
 
@@ -415,7 +440,7 @@ def _save(ckpt_dir: Path, step: int, state: dict, extra: dict | None) -> Path:
         tmp.mkdir()
     _barrier()
     dist_checkpointing.save(state, str(tmp), content_metadata=dict(SHARDED_METADATA))
-    atomic_write_json(tmp / f"rng_rank{_rank():05d}.json", rng_state())
+    atomic_write_json(tmp / f"rng_rank{_rank():05d}.json", rng_state(device))
     _barrier()
     if _rank() == 0:
         # save_id: new on every save, so a re-save of the same step is a new checkpoint to its readers' caches
@@ -454,7 +479,7 @@ def save_checkpoint(ckpt_dir: str | Path, step: int, model_chunks, optimizer, ex
         "iteration": step,
         "checkpoint_version": CHECKPOINT_VERSION,
     }
-    return _save(Path(ckpt_dir), step, state, extra)
+    return _save(Path(ckpt_dir), step, state, extra, model_device(unwrap(model_chunks)))
 
 
 @one_intraop_thread_for_helpers()
@@ -465,7 +490,7 @@ def save_model_only(ckpt_dir: str | Path, model_chunks, step: int = 0, extra: di
         "iteration": step,
         "checkpoint_version": CHECKPOINT_VERSION,
     }
-    return _save(Path(ckpt_dir), step, state, extra)
+    return _save(Path(ckpt_dir), step, state, extra, model_device(unwrap(model_chunks)))
 
 
 def resolve_iteration(ckpt_dir: str | Path, step: int | None = None) -> tuple[Path, int]:
@@ -520,7 +545,7 @@ def load_checkpoint(
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     saved_world = len(list(path.glob("rng_rank*.json")))
     if restore_rng and rng_file.is_file() and saved_world == world:
-        set_rng_state(json.loads(rng_file.read_text()))
+        set_rng_state(json.loads(rng_file.read_text()), model_device(unwrap(model_chunks)))
     _barrier()
     return meta.get("extra", {})
 
@@ -529,11 +554,17 @@ def _ensure_optimizer_state(optimizer) -> None:
     """Give a fresh (never stepped) optimizer its state tensors so megatron can describe them for loading.
 
     megatron keeps `init_state_fn` for this but never calls it itself; torch's Adam also needs a `step`
-    entry (megatron's DistributedOptimizer.state_dict() reads it), which load_state_dict then overwrites.
+    entry (megatron's DistributedOptimizer.state_dict() reads it), which load_state_dict then overwrites. The
+    offloaded (hybrid) optimizer has no `init_state_fn`: its `dummy_step` allocates its sub-optimizers' state.
     """
+    from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
+
     for part in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = getattr(part, "optimizer", None)
         if inner is None or any(len(s) for s in inner.state.values()):
+            continue
+        if isinstance(inner, HybridDeviceOptimizer):  # offloaded: megatron's own way to allocate its state
+            inner.dummy_step()  # (distrib_optimizer.py:727-729 does the same before reading a fresh state)
             continue
         if getattr(part, "init_state_fn", None) is not None:
             part.init_state_fn(inner, part.config)

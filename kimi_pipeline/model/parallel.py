@@ -3,18 +3,20 @@
 One `Layout` describes how a job splits the model (TP, PP, EP, expert-TP, CP; DP derived from the world
 size; uneven first/last pipeline stages). It is built from the recipe's `convert` or `parallel` section,
 and `init_distributed` turns it into process groups: from torchrun / Ray env vars (RANK, WORLD_SIZE,
-MASTER_ADDR, MASTER_PORT), or as a single process on a free port. gloo on CPU, nccl on CUDA.
+MASTER_ADDR, MASTER_PORT), or as a single process on a free port, on the device the process was given.
 """
 
 from __future__ import annotations
 
 import datetime
+import math
 import os
 from dataclasses import dataclass
 
 import torch
 
 from kimi_pipeline.errors import PermanentError
+from kimi_pipeline.model.megatron_compat import apply_compat
 from kimi_pipeline.recipes.models import ConvertSpec, ModelSpec, ParallelSpec
 from kimi_pipeline.util.net import free_port
 
@@ -133,26 +135,42 @@ def _cpu_threads(local_world_size: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, local_world_size))
 
 
+def process_group_timeout(default_minutes: int = 30) -> datetime.timedelta:
+    """How long a collective may wait: the seeds' `NCCL_TIMEOUT` (seconds; `rl.launch.SEED_CUDA_ENV` sets it for
+    every GPU actor) when set, else `default_minutes`. Neither torch nor NCCL reads that variable themselves:
+    the timeout only takes effect through `init_process_group` and megatron's groups, which this feeds."""
+    raw = os.environ.get("NCCL_TIMEOUT")
+    if raw is None:
+        return datetime.timedelta(minutes=default_minutes)
+    try:
+        seconds = int(raw)
+    except ValueError:
+        raise LayoutError(f"NCCL_TIMEOUT={raw!r}: expected whole seconds (the seeds use 3600)") from None
+    if seconds <= 0:
+        raise LayoutError(f"NCCL_TIMEOUT={raw!r}: expected a positive number of seconds")
+    return datetime.timedelta(seconds=seconds)
+
+
 def init_distributed(
     layout: Layout,
-    backend: str | None = None,
     *,
+    device: torch.device,
+    backend: str | None = None,
     seed: int = 1234,
     timeout_minutes: int = 30,
 ) -> int:
-    """Initialise torch.distributed + megatron parallel_state for `layout`; returns this rank.
+    """Initialise torch.distributed + megatron parallel_state for `layout` on `device`; returns this rank.
 
-    Reads RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT (torchrun and Ray actors set them); without
-    them runs as a single process on a free loopback port. On CPU applies the megatron compatibility
-    patches, uses gloo and one intra-op thread per core per local rank.
+    `device` comes from `model.device` (decided once per process). Reads RANK / WORLD_SIZE / MASTER_ADDR /
+    MASTER_PORT (torchrun and Ray actors set them); without them runs as a single process on a free loopback
+    port. nccl for CUDA tensors, gloo for CPU ones; megatron's compatibility rows for that device, backend and
+    the installed kernels; on CPU one intra-op thread per core per local rank. megatron's gloo groups are
+    created on both paths, as megatron's default does (its distributed optimizer needs them).
     """
     import torch.distributed as dist
 
-    cuda = torch.cuda.is_available()
-    if not cuda:
-        from kimi_pipeline.model.megatron_compat import apply_cpu_compat
-
-        apply_cpu_compat()
+    backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+    apply_compat(device, backend)
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -166,25 +184,17 @@ def init_distributed(
         init_method = f"tcp://127.0.0.1:{free_port()}"
     if world != layout.world_size:
         raise LayoutError(f"layout is for {layout.world_size} ranks but WORLD_SIZE={world}")
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
-
-    if cuda:  # one rank per GPU: several "nodes" on one host (convert.launch) take consecutive GPUs
-        device = int(os.environ.get("KIMI_LOCAL_DEVICE_BASE", "0")) + local_rank
-        if device >= torch.cuda.device_count():
-            raise LayoutError(f"rank {rank} (local rank {local_rank}) would need GPU {device}; this host has "
-                              f"{torch.cuda.device_count()}: one rank per GPU, never several")
-        torch.cuda.set_device(device)
-    else:
+    if device.type == "cpu":
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", _cpu_threads(local_world))))
-    backend = backend or ("nccl" if cuda else "gloo")
+    timeout = process_group_timeout(timeout_minutes)
     if not dist.is_initialized():
         dist.init_process_group(
             backend=backend,
             init_method=init_method,
             rank=rank,
             world_size=world,
-            timeout=datetime.timedelta(minutes=timeout_minutes),
+            timeout=timeout,
         )
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
@@ -194,8 +204,7 @@ def init_distributed(
         context_parallel_size=layout.cp,
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.etp,
-        distributed_timeout_minutes=timeout_minutes,
-        create_gloo_process_groups=not cuda or backend == "gloo",
+        distributed_timeout_minutes=max(1, math.ceil(timeout.total_seconds() / 60)),
     )
     torch.manual_seed(seed + 100 * parallel_state.get_pipeline_model_parallel_rank())
     model_parallel_cuda_manual_seed(seed)

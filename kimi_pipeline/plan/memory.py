@@ -291,6 +291,12 @@ def engine_memory(r: Recipe, pc: ParamCounts, gpu: GPU, a: MemoryAssumptions) ->
 # host RAM
 
 
+def checkpoint_gather_bytes(st: PPStageMemory) -> float:
+    """Host bytes one GPU's optimizer state takes when a checkpoint gathers it unsharded (fp32 main params + Adam
+    moments of every parameter the GPU holds), on the data-parallel rank 0 that writes it."""
+    return st.params_per_gpu * BYTES_OPTIM
+
+
 def host_memory(r: Recipe, st: PPStageMemory, lay: PlanLayout, a: MemoryAssumptions) -> dict[str, float]:
     """Host RAM (bytes) of one node whose GPUs all sit in pipeline stage `st` (TP is innermost, so they do).
 
@@ -308,6 +314,9 @@ def host_memory(r: Recipe, st: PPStageMemory, lay: PlanLayout, a: MemoryAssumpti
         "actor_weights_copy": n * st.weights,
         "ref_model": n * st.weights if kl else 0.0,
         "checkpoint_staging": n * (st.weights + st.optimizer_gpu) if a.checkpoint_staging else 0.0,
+        # saving the optimizer (megatron_train.SHARDED_METADATA): DP rank 0 of each model-parallel shard gathers
+        # that shard's whole fp32 state in host memory; a node holding DP rank 0 holds it for all its GPUs
+        "checkpoint_gather": n * checkpoint_gather_bytes(st) if r.optimizer.use_distributed_optimizer else 0.0,
         "processes": (a.host_base_gb + n * a.host_per_gpu_gb) * GIB,
     }
     out["total"] = sum(out.values())

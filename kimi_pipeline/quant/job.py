@@ -35,6 +35,7 @@ def export_rank(job: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
 
     from kimi_pipeline.quant.policy_weights import checkpoint_model, policy_tensors
+    from kimi_pipeline.model.device import job_device
     from kimi_pipeline.model.parallel import Layout
     from kimi_pipeline.quant.export import write_int4_shards
     from kimi_pipeline.quant.verify import check_tensors
@@ -44,7 +45,8 @@ def export_rank(job: dict[str, Any]) -> dict[str, Any]:
     spec = ModelSpec.model_validate(job["model"])
     group = int(job["group_size"])
     out = Path(job["out_dir"])
-    with checkpoint_model(spec, job["checkpoint_dir"], job.get("step"), Layout(**job["layout"])) as (model, layout, _):
+    with checkpoint_model(spec, job["checkpoint_dir"], job.get("step"), Layout(**job["layout"]),
+                          device=job_device(job["device"])) as (model, layout, _):
         rank = dist.get_rank() if dist.is_initialized() else 0
         t_load = time.monotonic()
         part = write_int4_shards(policy_tensors(model, spec, layout, owned_only=True), out, group,

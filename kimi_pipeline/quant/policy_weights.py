@@ -40,18 +40,18 @@ def policy_tensors(model, spec: ModelSpec, layout: Layout, *, qat_group_size: in
 
 @contextlib.contextmanager
 def checkpoint_model(spec: ModelSpec, checkpoint_dir: str | Path, step: int | None = None,
-                     layout: Layout | None = None) -> Iterator[tuple[object, Layout, int]]:
-    """(model slice, layout, step) of a torch_dist checkpoint for this rank; process groups set up here and
-    torn down on exit. Without a layout this process is a one-rank world."""
+                     layout: Layout | None = None, *, device: torch.device) -> Iterator[tuple[object, Layout, int]]:
+    """(model slice on `device`, layout, step) of a torch_dist checkpoint for this rank; process groups set up
+    here and torn down on exit. Without a layout this process is a one-rank world."""
     from kimi_pipeline.model.megatron_model import build_model
     from kimi_pipeline.model.megatron_train import load_model_only
     from kimi_pipeline.model.parallel import destroy, init_distributed
 
     layout = layout or Layout()
-    init_distributed(layout)
+    init_distributed(layout, device=device)
     try:
         layout.check_model(spec)
-        model = build_model(spec, layout, perform_initialization=False)  # every value comes from the checkpoint
+        model = build_model(spec, layout, device=device, perform_initialization=False)  # every value comes from the checkpoint
         step = load_model_only(checkpoint_dir, model, step)
         yield model, layout, step
     finally:

@@ -32,6 +32,7 @@ import torch
 
 from kimi_pipeline.errors import PermanentError
 from kimi_pipeline.hub.download import model_root
+from kimi_pipeline.model.device import resolve_device
 from kimi_pipeline.model.params import count_params
 from kimi_pipeline.quant.export import ExportInfo, Int4Part, export_int4, export_temp_dir, finish_int4_dir
 from kimi_pipeline.quant.verify import (
@@ -218,7 +219,8 @@ def export_distributed(recipe: Recipe, run_dir: Path, checkpoint_dir: str | Path
     work = out / "work"
     shutil.rmtree(work, ignore_errors=True)
     reports = work / "reports"
-    job = write_job_file(work / "job.json", model=recipe.model, layout=layout, model_dir=model_dir.resolve(),
+    job = write_job_file(work / "job.json", model=recipe.model, layout=layout, device=recipe.cluster.device,
+                         model_dir=model_dir.resolve(),
                          out_dir=tmp.resolve(), report_dir=reports.resolve(), checkpoint_dir=str(Path(checkpoint_dir).resolve()),
                          step=step, group_size=q.group_size, max_shard_bytes=shard_bytes(recipe))
     t0 = time.monotonic()
@@ -253,7 +255,8 @@ def check_checkpoint_model(recipe: Recipe, out: Path, checkpoint_dir: str | Path
     from kimi_pipeline.model.megatron_model import causal_forward
     from kimi_pipeline.quant.qat import enable_int4_qat
 
-    with checkpoint_model(recipe.model, checkpoint_dir, step) as (model, layout, _):
+    with checkpoint_model(recipe.model, checkpoint_dir, step, device=resolve_device(recipe.cluster.device)) as (
+            model, layout, _):
         if recipe.quant.int4_qat:
             enable_int4_qat(model, recipe.quant.group_size)
         model.eval()

@@ -22,12 +22,12 @@ from typing import Any
 
 from kimi_pipeline.cluster.errors import ClusterConfigError
 from kimi_pipeline.cluster.placement import PlacementPlan, plan_placement
+from kimi_pipeline.model.device import NOSET_VISIBLE_DEVICES
 from kimi_pipeline.recipes import Problem, Recipe
 
 # The seeds' launcher environment for GPU jobs (seed 001): a long NCCL timeout for 1 T-parameter weight syncs
 # and checkpoint barriers, and one CUDA work queue so megatron's TP/SP communication overlaps in order.
 SEED_CUDA_ENV = {"NCCL_TIMEOUT": "3600", "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
-NOSET_VISIBLE_DEVICES = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
 MODEL_PLACEHOLDER = "<run_dir>/download/model"
 
 
@@ -183,13 +183,14 @@ def _engines(recipe: Recipe, placement: PlacementPlan, model_path: str, add) -> 
     c = recipe.cluster
     out = []
     for e, slot in enumerate(placement.engines):
-        if not engine_kind(recipe).one_process_per_node:  # the embedded engine: one process, no command line
-            out.append(EnginePlacement(e, (EngineNode(slot.bundles[0], 0, (), 0, ()),)))
-            continue
         g, per = slot.devices, c.gpus_per_node
         # GPUs on each node: a whole node for a node-spanning engine, else g from the first GPU it shares
         base = (e * g) % per if placement.colocate else 0
         local = tuple(range(per)) if g >= per else tuple(range(base, base + g))
+        if not engine_kind(recipe).one_process_per_node:  # the embedded engine: one process, no command line
+            gpus = local[:1] if c.device == "cuda" else ()  # it computes on the first GPU of its share
+            out.append(EnginePlacement(e, (EngineNode(slot.bundles[0], 0, gpus, next(iter(gpus), 0), ()),)))
+            continue
         addr = f"<node {slot.bundles[0]} ip>:<port>" if len(slot.bundles) > 1 else None
         nodes = []
         for j, bundle in enumerate(slot.bundles):

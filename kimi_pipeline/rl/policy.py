@@ -8,6 +8,7 @@ of the rollout (`samples.share_rollout`, planned by the driver so micro-batch co
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import time
@@ -18,15 +19,16 @@ import torch
 
 from kimi_pipeline.recipes import Recipe
 from kimi_pipeline.errors import PermanentError
+from kimi_pipeline.model.device import actor_gpu_index, resolve_device
 from kimi_pipeline.rl.metrics import Metric, reduce_metrics
 from kimi_pipeline.rl.samples import MicroBatch, RankShare, Sample, collate, padding_micro_batch
 
 log = logging.getLogger(__name__)
 
 
-def trainer_config_overrides(recipe: Recipe) -> dict[str, Any]:
+def trainer_config_overrides(recipe: Recipe, device: torch.device) -> dict[str, Any]:
     """The recipe's megatron TransformerConfig settings beyond the model shape: routing replay, activation
-    recompute, the MoE token dispatcher (flex/DeepEP only where deep_ep is installed, else alltoall)."""
+    recompute, the MoE token dispatcher (flex/DeepEP only where it can run, else alltoall)."""
     p = recipe.parallel
     out: dict[str, Any] = {}
     if recipe.rollout.routing_replay:
@@ -35,13 +37,25 @@ def trainer_config_overrides(recipe: Recipe) -> dict[str, Any]:
         out.update(recompute_granularity=p.recompute_granularity, recompute_method=p.recompute_method,
                    recompute_num_layers=p.recompute_num_layers)
     if p.moe_token_dispatcher_type == "flex":
-        import importlib.util
-
-        if torch.cuda.is_available() and importlib.util.find_spec("deep_ep") is not None:
+        reason = flex_dispatcher_refusal(p.tp * p.ep, device, importlib.util.find_spec("deep_ep") is not None)
+        if reason is None:
             out.update(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="deepep")
         else:
-            log.warning("parallel.moe_token_dispatcher_type=flex needs DeepEP (deep_ep) on CUDA; using alltoall")
+            log.warning("parallel.moe_token_dispatcher_type=flex: %s; using alltoall", reason)
     return out
+
+
+def flex_dispatcher_refusal(tp_x_ep: int, device: torch.device, have_deep_ep: bool) -> str | None:
+    """Why megatron's flex (DeepEP) token dispatcher cannot run here, or None when it can: it needs a GPU, the
+    deep_ep package and more than one rank to dispatch over (`FlexTokenDispatcher.__init__` asserts
+    TP x EP > 1, megatron/core/transformer/moe/token_dispatcher.py)."""
+    if device.type != "cuda":
+        return "DeepEP needs a GPU"
+    if not have_deep_ep:
+        return "DeepEP (deep_ep) is not installed"
+    if tp_x_ep <= 1:
+        return "TP x EP = 1: nothing to dispatch across (megatron asserts TP x EP > 1 for flex)"
+    return None
 
 
 def microbatch_loss(logits: torch.Tensor, batch: dict[str, Any], grpo, temperature: float = 1.0):
@@ -65,9 +79,13 @@ def microbatch_loss(logits: torch.Tensor, batch: dict[str, Any], grpo, temperatu
 
 class PolicyWorker:
     def __init__(self, recipe: Recipe | dict, rank: int = 0, world_size: int = 1, master_addr: str = "127.0.0.1",
-                 master_port: int | None = None, total_steps: int | None = None, threads: int | None = None):
+                 master_port: int | None = None, total_steps: int | None = None, threads: int | None = None,
+                 local_gpu: int = 0):
+        """`local_gpu`: the node-local GPU the launch plan gave this rank (used as such when the actor picks its
+        own GPU, colocated; otherwise Ray made exactly that GPU visible, as index 0)."""
         recipe = recipe if isinstance(recipe, Recipe) else Recipe.model_validate(recipe)
         self.recipe = recipe
+        self.device = resolve_device(recipe.cluster.device, actor_gpu_index(local_gpu))
         if world_size > 1 or master_port is not None:
             per_node = min(world_size, recipe.cluster.gpus_per_node)  # ranks per node (GPUs, or CPU ranks)
             os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank % per_node),
@@ -79,9 +97,10 @@ class PolicyWorker:
 
         self.layout = Layout.from_parallel(recipe.parallel, world_size)
         self.world_size = world_size
-        self.rank = init_distributed(self.layout, seed=recipe.rollout.seed)
-        overrides = trainer_config_overrides(recipe)
-        self.model, self.optimizer = build_trainable(recipe.model, self.layout, recipe.optimizer, **overrides)
+        self.rank = init_distributed(self.layout, device=self.device, seed=recipe.rollout.seed)
+        overrides = trainer_config_overrides(recipe, self.device)
+        self.model, self.optimizer = build_trainable(recipe.model, self.layout, recipe.optimizer, device=self.device,
+                                                     **overrides)
         total = total_steps or recipe.rollout.num_rollout * recipe.rollout.num_steps_per_rollout
         self.scheduler = lr_scheduler(self.optimizer, recipe.optimizer, total)
         self.qat: list[str] = []
@@ -113,7 +132,7 @@ class PolicyWorker:
         if self.recipe.grpo.use_kl_loss and self.recipe.grpo.kl_loss_coef > 0:
             from kimi_pipeline.model.megatron_model import build_model
 
-            self.ref_model = build_model(self.recipe.model, self.layout)
+            self.ref_model = build_model(self.recipe.model, self.layout, device=self.device)
             self._load_initial(self.ref_model, Path(init_ckpt_dir))
             for p in self.ref_model.parameters():
                 p.requires_grad_(False)
@@ -150,11 +169,11 @@ class PolicyWorker:
         lay = self.layout
         multiple = seq_multiple(lay.tp, lay.cp, lay.sequence_parallel)
         if mb:
-            return collate([samples[i] for i in mb], mb, pad_id=0, pad_to_multiple=multiple)
+            return collate([samples[i] for i in mb], mb, pad_id=0, pad_to_multiple=multiple).to(self.device)
         m = self.recipe.model
         replay = self.recipe.rollout.routing_replay and bool(samples) and samples[0].routed_experts is not None
         return padding_micro_batch(0, (m.num_layers - m.first_k_dense, m.moe_router_topk) if replay else None,
-                                   width=multiple)
+                                   width=multiple).to(self.device)
 
     def _moe_layer_slice(self) -> slice:
         """Which of the rollout's MoE layers (engine order) the routers of this pipeline stage are."""
@@ -222,7 +241,7 @@ class PolicyWorker:
         from kimi_pipeline.rl.samples import response_values
 
         plan = plan_micro_batches([s.num_tokens for s in samples], self.recipe.parallel.max_tokens_per_gpu, 1)
-        mbs = [collate([samples[i] for i in mb], mb, pad_id=0) for mb in plan.ranks[0] if mb]
+        mbs = [collate([samples[i] for i in mb], mb, pad_id=0).to(self.device) for mb in plan.ranks[0] if mb]
         out: list[list[float]] = [[] for _ in samples]
         for mb, lp in zip(mbs, self._logprobs(model_chunks, mbs)):
             for row, i in enumerate(mb.index):
@@ -298,7 +317,8 @@ class PolicyWorker:
             m = self.recipe.model
             # colocated: shared memory with the engine on this host; otherwise a process group (gloo / NCCL)
             router = Router(urls, num_layers=m.num_layers, topk=m.moe_router_topk, first_k_dense=m.first_k_dense,
-                            weight_transport="auto" if self.recipe.cluster.colocate else "distributed")
+                            weight_transport="auto" if self.recipe.cluster.colocate else "distributed",
+                            group_backend="nccl" if self.device.type == "cuda" else "gloo")
             self._sync = choose_weight_sync(self, router)
         return self._sync.update(version)
 

@@ -7,6 +7,7 @@ boundaries (Ray) as plain lists, so they stay cheap to serialize and never need 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -53,6 +54,14 @@ class MicroBatch:
     index: list[int]  # positions of these samples in the step's sample list
     routed_experts: torch.Tensor | None = None  # [b, s, moe_layers, topk] long
     lengths: list[int] | None = None  # real tokens per row (THD packing packs only these, padded to the TP/CP multiple)
+
+    def to(self, device: torch.device) -> MicroBatch:
+        """The same micro-batch with its tensors on `device`: the one place where a batch moves to the trainer's
+        device (collate builds it on the host, where the samples are)."""
+        move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+        return dataclasses.replace(self, tokens=move(self.tokens), targets=move(self.targets), mask=move(self.mask),
+                                   rollout_logprobs=move(self.rollout_logprobs), advantages=move(self.advantages),
+                                   routed_experts=move(self.routed_experts))
 
 
 def collate(samples: list[Sample], index: list[int], pad_id: int, pad_to_multiple: int = 1) -> MicroBatch:

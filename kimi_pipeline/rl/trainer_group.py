@@ -24,7 +24,8 @@ class TrainerGroup:
         addr, port = free_port_on(pg, plan.master_addr_node)
         data = recipe.model_dump(mode="json", exclude={"hub": {"token"}})
         cls = ray.remote(PolicyWorker)
-        self.workers = [cls.options(**trainer_options(plan, recipe, pg, rank, threads)).remote(data, rank, world, addr, port)
+        self.workers = [cls.options(**trainer_options(plan, recipe, pg, rank, threads)).remote(
+                            data, rank, world, addr, port, local_gpu=next(iter(plan.ranks[rank].gpus), 0))
                         for rank in range(world)]
 
     def load(self, ckpt_dir: Path, init_checkpoint: Path) -> dict[str, Any]:

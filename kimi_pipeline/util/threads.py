@@ -20,13 +20,12 @@ _lock = threading.RLock()  # re-entrant: a guarded function may call another
 
 @contextlib.contextmanager
 def one_intraop_thread_for_helpers() -> Iterator[None]:
-    """Run the enclosed work with one intra-op thread (a no-op with CUDA, where the ops run on the GPU).
+    """Run the enclosed work with one intra-op thread, on every device: on a GPU the phases it guards (checkpoint
+    I/O, a paused engine's weight update) run their few CPU ops as memory copies, which gain nothing from a
+    second team, so the CPU rule costs a GPU nothing and both run one program.
 
     The setting is process-wide, so this is for phases in which nothing else computes (checkpoint I/O,
     a paused engine's weight update)."""
-    if torch.cuda.is_available():
-        yield
-        return
     with _lock:
         threads = torch.get_num_threads()
         torch.set_num_threads(1)

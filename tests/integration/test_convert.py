@@ -294,7 +294,7 @@ def _load_converted(ckpt: Path, spec) -> dict[str, torch.Tensor]:
         "from kimi_pipeline.convert.names import export_hf_tensors\n"
         "if __name__ == '__main__':\n"
         "    spec = ModelSpec.model_validate_json(open(sys.argv[1]).read()); lay = Layout()\n"
-        "    init_distributed(lay); m = build_model(spec, lay); load_model_only(sys.argv[2], m)\n"
+        "    init_distributed(lay, device=torch.device('cpu')); m = build_model(spec, lay, device=torch.device('cpu')); load_model_only(sys.argv[2], m)\n"
         "    save_file({n: t.contiguous() for n, t in export_hf_tensors(m, spec, lay)}, sys.argv[3]); destroy()\n"
     )
     out = ckpt.parent / "export.safetensors"

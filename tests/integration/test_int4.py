@@ -29,6 +29,8 @@ from kimi_pipeline.quant.int4 import (
 )
 from support.common import TINY
 
+CPU = torch.device("cpu")
+
 TINY_MODEL = TINY / "model"
 def int4_args(group_size: int = 32):
     """compressed-tensors' own description of the scheme (as in Kimi-K2-Thinking's config)."""
@@ -285,9 +287,9 @@ def megatron_pair():
     from kimi_pipeline.recipes import load_recipe
 
     spec = load_recipe("tiny").model
-    init_distributed(Layout())
+    init_distributed(Layout(), device=CPU)
     try:
-        qat, ref = build_model(spec, Layout()), build_model(spec, Layout())
+        qat, ref = build_model(spec, Layout(), device=CPU), build_model(spec, Layout(), device=CPU)
         ref.load_state_dict(qat.state_dict())
         yield qat, ref
     finally:
@@ -397,7 +399,7 @@ def test_stage_export_from_a_megatron_checkpoint(megatron_pair, tmp_path):
 
     recipe = load_recipe("tiny", ["quant.int4_qat=true"])  # the QAT export path (the preset trains without QAT)
     src = dict(iter_stored_tensors(TINY_MODEL))
-    model = build_model(recipe.model, Layout(), perform_initialization=False)
+    model = build_model(recipe.model, Layout(), device=CPU, perform_initialization=False)
     load_hf_tensors_into_model(model, src.__getitem__, recipe.model, Layout())
     ckpt = tmp_path / "ckpt"
     save_model_only(ckpt, model, step=20)

@@ -12,10 +12,13 @@ import sys
 from collections import defaultdict
 
 import pytest
+import torch
 
 from kimi_pipeline.cluster.placement import COLOCATED_ENGINE_FRACTION, COLOCATED_TRAINER_FRACTION
 from kimi_pipeline.recipes import load_recipe
 from kimi_pipeline.rl.launch import plan_launch
+
+CPU = torch.device("cpu")
 
 KIMI = ("kimi-k2-instruct", "kimi-k2-thinking", "kimi-k2.5")
 
@@ -106,7 +109,7 @@ def test_recompute_and_dispatcher_fields_reach_the_megatron_config():
 
     r = load_recipe("tiny", ["parallel.recompute_granularity=full", "parallel.recompute_method=uniform",
                              "parallel.recompute_num_layers=1", "parallel.moe_token_dispatcher_type=flex"])
-    config = transformer_config(r.model, Layout.from_parallel(r.parallel, 1), use_te=False,
+    config = transformer_config(r.model, Layout.from_parallel(r.parallel, 1), device=CPU, use_te=False,
                                 **trainer_config_overrides(r))
     assert (config.recompute_granularity, config.recompute_method, config.recompute_num_layers) == ("full", "uniform", 1)
     assert config.moe_token_dispatcher_type == "alltoall"  # flex needs DeepEP on CUDA: not here

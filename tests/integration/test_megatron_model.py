@@ -13,6 +13,8 @@ from kimi_pipeline.model import megatron_compat
 from kimi_pipeline.model.parallel import Layout, LayoutError
 from kimi_pipeline.recipes import load_recipe
 
+CPU = torch.device("cpu")
+
 ROOT = Path(__file__).resolve().parents[2]
 TINY_WEIGHTS = ROOT / "data" / "tiny" / "model"
 
@@ -33,18 +35,76 @@ def test_every_patch_target_exists_in_pinned_megatron():
 
 
 def test_guard_reports_a_vanished_target():
-    ghost = megatron_compat.Patch("megatron.core.tensor_parallel.random", "NoSuchTracker", "test", lambda o: o)
+    ghost = megatron_compat.Patch(megatron_compat.CPU, "megatron.core.tensor_parallel.random", "NoSuchTracker", "test",
+                                  lambda o: o)
     with pytest.raises(AttributeError, match="NoSuchTracker no longer exists"):
         megatron_compat._resolve(ghost)
 
 
-def test_apply_is_idempotent_and_a_noop_with_cuda(monkeypatch):
-    first = megatron_compat.apply_cpu_compat()
-    assert first == megatron_compat.apply_cpu_compat()
-    assert len(first) == len(megatron_compat.PATCHES)
+def test_apply_is_idempotent_and_applies_every_row_on_a_te_less_cpu_with_gloo():
+    first = megatron_compat.apply_compat(CPU, "gloo")
+    assert first == megatron_compat.apply_compat(CPU, "gloo")
+    assert megatron_compat.megatron_kernels() == (False, True)  # this machine: no TE, no apex
+    assert first == [p.name for p in megatron_compat.PATCHES]
     assert torch.cuda.current_device() == torch.device("cpu")
-    monkeypatch.setattr(megatron_compat, "cuda_available", lambda: True)
-    assert megatron_compat.apply_cpu_compat() == []
+
+
+# The documented sets: what a process gets for (device, Transformer Engine installed?, apex/TE Adam?, backend).
+TE_LESS = [
+    "megatron.core.transformer.multi_latent_attention.HAVE_TE",
+    "megatron.core.transformer.torch_norm.WrappedTorchNorm.__new__",
+    "megatron.core.transformer.moe.router.router_gating_linear",
+]
+TORCH_ADAM = [
+    "megatron.core.optimizer.clip_grads.l2_norm_impl",
+    "megatron.core.optimizer.torch",
+    "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer._set_main_param_and_optimizer_states",
+    "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer.load_state_dict",
+]
+GLOO = [
+    "megatron.core.transformer.moe.token_dispatcher.all_to_all",
+    "megatron.core.distributed.param_and_grad_buffer.dist_all_gather_func",
+    "megatron.core.distributed.param_and_grad_buffer.dist_reduce_scatter_func",
+    "megatron.core.distributed.param_and_grad_buffer._coalescing_manager",
+    "megatron.core.tensor_parallel.mappings._gather_along_first_dim",
+    "megatron.core.tensor_parallel.mappings._reduce_scatter_along_first_dim",
+]
+
+
+@pytest.mark.parametrize("device, te, torch_adam, backend, expected", [
+    ("cuda", True, False, "nccl", []),  # a full GPU stack: megatron as shipped
+    ("cuda", False, True, "nccl", TE_LESS + TORCH_ADAM),  # the H100 image: no TE, no apex
+    ("cuda", False, False, "nccl", TE_LESS),  # apex without TE
+    ("cuda", False, True, "gloo", TE_LESS + TORCH_ADAM + GLOO),
+    ("cpu", False, True, "gloo", None),  # every row (CPU rows included)
+    ("cpu", False, True, None, "no-gloo"),  # before a process group exists
+])
+def test_each_device_te_backend_gets_the_documented_patch_set(device, te, torch_adam, backend, expected):
+    causes = megatron_compat.compat_causes(device, backend, te=te, torch_adam=torch_adam)
+    got = megatron_compat.patches_for(causes)
+    if expected is None:
+        assert got == [p.name for p in megatron_compat.PATCHES]
+    elif expected == "no-gloo":
+        assert got == [p.name for p in megatron_compat.PATCHES if p.name not in GLOO]
+    else:
+        assert sorted(got) == sorted(expected)
+        assert not any(p.cause == megatron_compat.CPU for p in megatron_compat.PATCHES if p.name in got)
+
+
+def test_a_gpu_process_gets_no_cpu_row_and_keeps_the_te_less_ones():
+    """Switching causes restores the rows that no longer apply: on a (TE-less) GPU, megatron's own CUDA calls
+    are back and the TE-less rows stay; the CPU set is re-applied after."""
+    cpu_set = megatron_compat.apply_compat(CPU, "gloo")
+    try:
+        gpu_set = megatron_compat.apply_compat(torch.device("cuda"), "nccl")
+        assert sorted(gpu_set) == sorted(TE_LESS + TORCH_ADAM)
+        assert torch.cuda.current_device is not megatron_compat._cpu_device
+        from megatron.core.transformer import multi_latent_attention
+
+        assert multi_latent_attention.HAVE_TE is False
+    finally:
+        assert megatron_compat.apply_compat(CPU, "gloo") == cpu_set
+    assert torch.cuda.current_device() == torch.device("cpu")
 
 
 # --------------------------------------------------------------------------- layouts
@@ -83,7 +143,7 @@ def single_process():
     from kimi_pipeline.model import parallel
 
     layout = Layout()
-    parallel.init_distributed(layout, seed=11)
+    parallel.init_distributed(layout, device=CPU, seed=11)
     yield layout
     parallel.destroy()
 
@@ -105,7 +165,7 @@ def test_one_process_trains_with_megatron_optimizer(single_process):
     from kimi_pipeline.model import megatron_train as mt
 
     r = load_recipe("tiny")
-    chunks, opt = mt.build_trainable(r.model, single_process, r.optimizer)
+    chunks, opt = mt.build_trainable(r.model, single_process, r.optimizer, device=CPU)
     tokens, targets = _fixed_batch(r.model)
     micro = [{"tokens": tokens[:4], "targets": targets[:4]}, {"tokens": tokens[4:], "targets": targets[4:]}]
     before = {k: v.detach().clone() for k, v in names.model_tensors(chunks).items()}
@@ -157,7 +217,7 @@ def test_grouped_experts_equal_megatrons_expert_loop(single_process, qat):
     from kimi_pipeline.quant.qat import enable_int4_qat
 
     r = load_recipe("tiny")
-    chunks, _ = mt.build_trainable(r.model, single_process, r.optimizer)
+    chunks, _ = mt.build_trainable(r.model, single_process, r.optimizer, device=CPU)
     if qat:
         enable_int4_qat(chunks[0], r.quant.group_size)
     experts = _moe_layer(chunks).experts
@@ -194,7 +254,7 @@ def test_sdpa_attention_equals_megatrons_local_attention(single_process):
     from kimi_pipeline.model.megatron_model import causal_mask
 
     r = load_recipe("tiny")
-    chunks, _ = mt.build_trainable(r.model, single_process, r.optimizer)
+    chunks, _ = mt.build_trainable(r.model, single_process, r.optimizer, device=CPU)
     from kimi_pipeline.model.megatron_model import unwrap
 
     core = unwrap(chunks[0]).decoder.layers[0].self_attention.core_attention
@@ -221,7 +281,7 @@ def test_cpu_speed_patches_compute_what_megatron_computes():
     index_add, 1-rank collectives as local copies."""
     from megatron.core.transformer.moe import moe_utils
 
-    megatron_compat.apply_cpu_compat()
+    megatron_compat.apply_compat(CPU, "gloo")
     orig = megatron_compat._originals
     x = torch.randn(10, 4)
     sizes = torch.tensor([3, 0, 7])
@@ -246,7 +306,7 @@ def test_cpu_speed_patches_compute_what_megatron_computes():
     assert gather(out, inp, group=OneRank(), async_op=True).wait()
     with megatron_compat._coalescing_when_one_rank(None)(OneRank(), async_ops=True) as cm:
         assert cm.wait()
-    assert ("megatron.core.distributed.param_and_grad_buffer", "dist_all_gather_func") in orig
+    assert "megatron.core.distributed.param_and_grad_buffer.dist_all_gather_func" in orig
 
     from megatron.core.tensor_parallel import layers
 
@@ -255,7 +315,7 @@ def test_cpu_speed_patches_compute_what_megatron_computes():
     xs = [x0.clone().requires_grad_() for _ in range(2)]
     outs = [megatron_compat._plain_linear_without_tp(layers.linear_with_grad_accumulation_and_async_allreduce)(
                 xs[0], w, None, False, False, False),
-            orig[("megatron.core.tensor_parallel.layers", "linear_with_grad_accumulation_and_async_allreduce")](
+            orig["megatron.core.tensor_parallel.layers.linear_with_grad_accumulation_and_async_allreduce"](
                 xs[1], w, None, False, False, False)]
     grads = []
     for x, out in zip(xs, outs):
@@ -282,7 +342,7 @@ def test_checkpoint_is_atomic_and_round_trips(single_process, tmp_path, monkeypa
     def weights(chunks):
         return {k: v.detach().clone() for k, v in names.model_tensors(chunks).items()}
 
-    chunks, opt = mt.build_trainable(r.model, single_process, r.optimizer)
+    chunks, opt = mt.build_trainable(r.model, single_process, r.optimizer, device=CPU)
     step(chunks, opt)
     ckpt = tmp_path / "ckpt"
     mt.save_checkpoint(ckpt, 1, chunks, opt, {"rollout": 1, "data_pos": 64})
@@ -315,7 +375,7 @@ def test_checkpoint_is_atomic_and_round_trips(single_process, tmp_path, monkeypa
 
     # a fresh model + optimizer resumes from "latest": same weights, and (Adam state, step count) the
     # next step lands exactly where the original run went
-    fresh, fresh_opt = mt.build_trainable(r.model, single_process, r.optimizer)
+    fresh, fresh_opt = mt.build_trainable(r.model, single_process, r.optimizer, device=CPU)
     assert mt.load_checkpoint(ckpt, fresh, fresh_opt) == {"rollout": 1, "data_pos": 64}
     now = weights(fresh)
     assert all(torch.equal(saved[k], now[k]) for k in saved)
@@ -331,7 +391,7 @@ def test_checkpoint_is_atomic_and_round_trips(single_process, tmp_path, monkeypa
 
     plain = tmp_path / "model_only"
     mt.save_model_only(plain, fresh)
-    other = build_model(r.model, single_process)
+    other = build_model(r.model, single_process, device=CPU)
     assert mt.load_model_only(plain, other) == 0
     mine, theirs = names.model_tensors(fresh), names.model_tensors(other)
     assert all(torch.equal(mine[k], theirs[k]) for k in mine)

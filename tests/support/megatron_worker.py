@@ -83,7 +83,7 @@ def _setup(args: dict):
     world = int(os.environ.get("WORLD_SIZE", "1"))
     layout = Layout(world_size=world, tp=args.get("tp", 1), pp=args.get("pp", 1), cp=args.get("cp", 1), ep=args.get("ep", 1),
                     etp=args.get("etp", 1), sequence_parallel=args.get("sp", False))
-    init_distributed(layout, seed=args.get("seed", 1234))
+    init_distributed(layout, device=torch.device("cpu"), seed=args.get("seed", 1234))
     torch.manual_seed(0)
     return recipe, layout
 
@@ -158,12 +158,14 @@ def scenario_ops(out_dir: Path, args: dict) -> dict:
     ops: ["load_hf"], ["train", n], ["eval"], ["logprobs"], ["export", path], ["save", dir, step],
     ["load", dir] (model + optimizer + extra; reshards to this layout).
     """
+    import torch
+
     from kimi_pipeline.convert import names
     from kimi_pipeline.model import megatron_train as mt
 
     recipe, layout = _setup(args)
     spec = recipe.model
-    chunks, opt = mt.build_trainable(spec, layout, recipe.optimizer)
+    chunks, opt = mt.build_trainable(spec, layout, recipe.optimizer, device=torch.device("cpu"))
     full_tokens, full_targets = _batch(spec, args)
     micro = _micro(*_dp_slice(full_tokens, full_targets), args.get("micro", 1))
     rec: dict = {"losses": [], "grad_norms": [], "eval": [], "logprobs": [], "extra": []}
@@ -208,7 +210,7 @@ def scenario_grpo_padded(out_dir: Path, args: dict) -> dict:
 
     recipe, layout = _setup(args)
     spec = recipe.model
-    chunks, opt = mt.build_trainable(spec, layout, recipe.optimizer)
+    chunks, opt = mt.build_trainable(spec, layout, recipe.optimizer, device=torch.device("cpu"))
     names.load_hf_tensors_into_model(chunks, _hf_reader(args["weights"]), spec, layout)
     g = torch.Generator().manual_seed(5)
     samples = []

@@ -328,13 +328,16 @@ class Router:
     """
 
     def __init__(self, engines: list[str | EngineClient], *, server_concurrency: int | None = None,
-                 weight_transport: str = "auto", **client_kwargs):
+                 weight_transport: str = "auto", group_backend: str = "gloo", **client_kwargs):
+        """`group_backend`: the weight-update group's backend, the pushing trainer's (nccl from GPU tensors,
+        gloo from CPU ones)."""
         if not engines:
             raise PermanentError("Router needs at least one engine URL")
         if weight_transport not in WEIGHT_TRANSPORTS:
             raise PermanentError(f"weight_transport={weight_transport!r}: one of {WEIGHT_TRANSPORTS}")
         self.server_concurrency = server_concurrency
         self.weight_transport = weight_transport
+        self.group_backend = group_backend
         self._group = None  # dist_update.WeightGroup, made at the first sync that needs it, kept for the run
         self.clients = [e if isinstance(e, EngineClient) else EngineClient(e, **client_kwargs) for e in engines]
         self._outstanding = [0] * len(self.clients)
@@ -421,8 +424,7 @@ class Router:
 
             # SGLang: every GPU of an engine is a rank of the group (slime: rank_offset = 1 + i * gpus_per_engine)
             sizes = [int(c.server_info().get("tp_size", 1)) * int(c.server_info().get("pp_size", 1)) for c in members]
-            self._group = WeightGroup(members, self._pool, backend="nccl" if torch.cuda.is_available() else "gloo",
-                                      ranks_per_engine=sizes)
+            self._group = WeightGroup(members, self._pool, backend=self.group_backend, ranks_per_engine=sizes)
         return self._group
 
     def update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> None:

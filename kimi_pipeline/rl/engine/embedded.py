@@ -7,12 +7,18 @@ import os
 
 import torch
 
+from kimi_pipeline.model.device import actor_gpu_index, resolve_device
+
 
 class EmbeddedEngine:
     """One embedded engine process; the same start / get_url / stop as `sglang.SGLangEngine`."""
 
-    def __init__(self, model_path: str, seed: int, host: str = "127.0.0.1", device: str | None = None):
-        self.model_path, self.seed, self.host, self.device = model_path, seed, host, device
+    def __init__(self, model_path: str, seed: int, host: str = "127.0.0.1", device: str = "cpu",
+                 base_gpu_id: int = 0):
+        """`device`: the recipe's cluster.device; `base_gpu_id`: the node-local GPU the launch plan gave this
+        engine (as SGLang's --base-gpu-id), used as such when the actor picks its own GPU (colocated)."""
+        self.model_path, self.seed, self.host = model_path, seed, host
+        self.device, self.base_gpu_id = device, base_gpu_id
         self.server = None
 
     def start(self) -> str:
@@ -21,7 +27,7 @@ class EmbeddedEngine:
         from kimi_pipeline.rl.engine.server import EngineServer
 
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-        device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        device = resolve_device(self.device, actor_gpu_index(self.base_gpu_id))
         model = EngineModel.from_pretrained(self.model_path, device=device)
         self.server = EngineServer(RolloutEngine(model, seed=self.seed), self.host, 0, None, self.model_path)
         return self.server.start()

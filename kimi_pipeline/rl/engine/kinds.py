@@ -34,7 +34,8 @@ def _embedded_class() -> type:
 
 
 def _embedded_args(recipe: Recipe, model_dir: Path, node_rank: int, base_gpu_id: int, addr: str | None):
-    return (str(model_dir), recipe.rollout.seed), {"host": recipe.sglang.host}
+    return (str(model_dir), recipe.rollout.seed), {"host": recipe.sglang.host, "device": recipe.cluster.device,
+                                                    "base_gpu_id": base_gpu_id}
 
 
 def _sglang_class() -> type:

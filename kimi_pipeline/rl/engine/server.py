@@ -48,6 +48,7 @@ from fastapi import FastAPI, HTTPException
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
+from kimi_pipeline.model.device import resolve_device
 from kimi_pipeline.rl.engine import shm
 from kimi_pipeline.rl.engine.model import EngineModel, EngineWeightError, config_summary, iter_safetensors
 from kimi_pipeline.rl.engine.sampler import ENGINE_NAME, FINISH_ABORT, Completion, EngineInputError, RolloutEngine, SamplingParams
@@ -594,13 +595,12 @@ def _fail(message: str) -> JSONResponse:
 
 def main(argv: list[str] | None = None) -> None:
     """`python -m kimi_pipeline.rl.engine.server --model-path DIR`: serve a checkpoint until interrupted."""
-    import torch
-
     ap = argparse.ArgumentParser(description="embedded rollout engine with SGLang's HTTP API")
     ap.add_argument("--model-path", required=True)
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cpu", help="cluster.device of the recipe")
+    ap.add_argument("--gpu", type=int, default=0, help="visible GPU index (with --device cuda)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     args = ap.parse_args(argv)
@@ -608,7 +608,7 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     from kimi_pipeline.model.tokenizer import load_tokenizer
 
-    model = EngineModel.from_pretrained(args.model_path, device=args.device)
+    model = EngineModel.from_pretrained(args.model_path, device=resolve_device(args.device, args.gpu))
     try:
         tokenizer = load_tokenizer(args.model_path)
     except Exception:  # a weights-only directory still serves input_ids
