@@ -16,6 +16,8 @@ from kimi_pipeline.model.hf_config import hf_config_dict
 from kimi_pipeline.model.parallel import Layout
 from kimi_pipeline.recipes import load_recipe
 
+CPU = torch.device("cpu")
+
 LOGITS_ATOL = 1e-5  # fp32; measured max |diff| ~4e-7 on logits of magnitude ~1
 
 
@@ -59,7 +61,7 @@ def single_process():
     from kimi_pipeline.model import parallel
 
     layout = Layout()
-    parallel.init_distributed(layout)
+    parallel.init_distributed(layout, device=CPU)
     yield layout
     parallel.destroy()
 
@@ -84,7 +86,7 @@ def test_logits_parity_and_bit_exact_round_trip(spec, hf_saved, single_process):
 
     model, disk = hf_saved
     torch.manual_seed(1)
-    mg = mm.build_model(spec, single_process).eval()
+    mg = mm.build_model(spec, single_process, device=CPU).eval()
     read = names.load_hf_tensors_into_model(mg, disk.__getitem__, spec, single_process)
     assert sorted(read) == sorted(disk)
     tokens = torch.randint(0, spec.vocab_size, (3, 40), generator=torch.Generator().manual_seed(3))
@@ -107,7 +109,7 @@ def test_expert_bias_changes_routing(spec, hf_saved, single_process):
 
     _, disk = hf_saved
     zeroed = {k: (torch.zeros_like(v) if k.endswith("e_score_correction_bias") else v) for k, v in disk.items()}
-    mg = mm.build_model(spec, single_process).eval()
+    mg = mm.build_model(spec, single_process, device=CPU).eval()
     tokens = torch.randint(0, spec.vocab_size, (2, 32), generator=torch.Generator().manual_seed(4))
     names.load_hf_tensors_into_model(mg, disk.__getitem__, spec, single_process)
     with torch.no_grad():
@@ -122,7 +124,7 @@ def test_loader_fails_on_missing_or_misshaped_tensor(spec, hf_saved, single_proc
     from kimi_pipeline.model import megatron_model as mm
 
     _, disk = hf_saved
-    mg = mm.build_model(spec, single_process)
+    mg = mm.build_model(spec, single_process, device=CPU)
     gone = "model.layers.2.mlp.experts.5.up_proj.weight"
     with pytest.raises(names.NameMappingError, match="experts.5.up_proj"):
         names.load_hf_tensors_into_model(mg, lambda n: None if n == gone else disk[n], spec, single_process)
@@ -134,7 +136,7 @@ def test_loader_fails_on_missing_or_misshaped_tensor(spec, hf_saved, single_proc
 def test_positions_must_be_left_aligned(spec, single_process):
     from kimi_pipeline.model import megatron_model as mm
 
-    mg = mm.build_model(spec, single_process)
+    mg = mm.build_model(spec, single_process, device=CPU)
     tokens = torch.zeros(1, 4, dtype=torch.long)
     with pytest.raises(ValueError, match="right-pad"):
         mm.causal_forward(mg, tokens, position_ids=torch.tensor([[0, 0, 1, 2]]))

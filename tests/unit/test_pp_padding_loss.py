@@ -9,13 +9,15 @@ import torch
 from kimi_pipeline.recipes import load_recipe
 from kimi_pipeline.rl.policy import microbatch_loss
 
+CPU = torch.device("cpu")
+
 
 @pytest.fixture(scope="module", autouse=True)
 def single_process():
     """The logprob reduction runs over megatron's TP group: one gloo rank."""
     from kimi_pipeline.model import parallel
 
-    parallel.init_distributed(parallel.Layout(), seed=3)
+    parallel.init_distributed(parallel.Layout(), device=CPU, seed=3)
     yield
     parallel.destroy()
 
