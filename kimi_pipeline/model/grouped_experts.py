@@ -10,8 +10,9 @@ grad hooks, the distributed optimizer and QAT see exactly what they saw before) 
 `torch._grouped_mm` over the dispatcher's expert-sorted tokens — the same kernel transformers' `grouped_mm`
 experts use. Results equal the loop's to float rounding (tested).
 
-Used when expert-TP is 1 and the tensors live on the CPU; otherwise (expert-TP > 1 needs the Linear
-layers' TP collectives; CUDA without TE is not validated here) it falls back to the loop.
+Used when expert-TP is 1 and `torch._grouped_mm` takes the operands (`grouped_mm_supported`: any float on CPU,
+bf16 on sm80+ GPUs — the same rule on both, so a TE-less GPU runs what the CPU tests run); otherwise (expert-TP
+> 1 needs the Linear layers' TP collectives) it falls back to the loop.
 """
 
 from __future__ import annotations
@@ -52,8 +53,17 @@ def _stacked_weights(linears: list[torch.nn.Module]) -> torch.Tensor:
     return transforms.pop()(w)
 
 
-def _aligned(*tensors: torch.Tensor) -> bool:
-    return all(t.shape[-1] * t.element_size() % _ALIGN_BYTES == 0 for t in tensors)
+def grouped_mm_supported(t: torch.Tensor, *dims: int) -> bool:
+    """Whether `torch._grouped_mm` takes operands like `t` whose rows are `dims` elements long: on CPU any float
+    dtype, on CUDA bf16 on sm80+; rows 16-byte aligned on both. One rule for the trainer's experts and the
+    engine's."""
+    if any((d * t.element_size()) % _ALIGN_BYTES for d in dims):
+        return False
+    if t.device.type == "cpu":
+        return True
+    if t.device.type == "cuda":
+        return t.dtype == torch.bfloat16 and torch.cuda.get_device_capability(t.device)[0] >= 8
+    return False
 
 
 @functools.cache
@@ -67,14 +77,15 @@ def grouped_sequential_mlp() -> type:
             first = self.local_experts[0] if len(self.local_experts) else None
             return (
                 first is not None
-                and hidden.device.type == "cpu"
                 and self.tp_group.size() == 1
                 and c.gated_linear_unit
                 and not (c.fp8 or c.fp4 or c.moe_apply_probs_on_input or c.add_bias_linear)
                 and getattr(c, "activation_func_clamp_value", None) is None
                 and getattr(c, "glu_linear_offset", 0.0) == 0.0
                 and hidden.dim() == 2
-                and _aligned(hidden, first.linear_fc1.weight, first.linear_fc2.weight)
+                and grouped_mm_supported(hidden, hidden.shape[-1], *first.linear_fc1.weight.shape[-1:],
+                                         *first.linear_fc2.weight.shape[-1:])
+                and first.linear_fc1.weight.dtype == hidden.dtype
             )
 
         def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):

@@ -157,6 +157,24 @@ def test_expert_optimizer_shards_over_expert_dp():
     assert st.optimizer_gpu == pytest.approx(12 * (dense / 4 + experts))  # dense over DP x CP = 4
 
 
+def test_checkpoint_gather_is_the_unsharded_optimizer_state_of_a_dp_rank_0_node():
+    """Saving gathers each model-parallel shard's whole fp32 optimizer state on its DP rank 0, in host memory
+    (megatron_train.SHARDED_METADATA, mem_efficient): 12 bytes per parameter of every GPU of that node."""
+    from kimi_pipeline.model.megatron_train import SHARDED_METADATA
+    from kimi_pipeline.plan.memory import host_memory
+
+    assert SHARDED_METADATA["distrib_optim_fully_reshardable_mem_efficient"] is True
+    r = load_recipe("kimi-k2-thinking")
+    pc = count_params(r.model)
+    lay = PlanLayout(nodes=32, gpus_per_node=8, tp=8, pp=8, cp=4, ep=32, etp=1, dp=1, last=5)
+    st = train_pp_stages(r, pc, lay, 8, MemoryAssumptions())[1]
+    host = host_memory(r, st, lay, MemoryAssumptions())
+    assert host["checkpoint_gather"] == pytest.approx(8 * 12 * st.params_per_gpu)
+    assert host["checkpoint_gather"] > host["cpu_optimizer"]  # unsharded over DP: more than the live shard
+    plan = make_plan(r, get_gpu("h200"))
+    assert plan["host_mem_gb"]["checkpoint_gather"] == pytest.approx(host["checkpoint_gather"] / 2**30, rel=1e-3)
+
+
 # ---------------------------------------------------------------------------------------------- verdicts
 
 

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from kimi_pipeline.errors import PermanentError
+from kimi_pipeline.model.grouped_experts import grouped_mm_supported
 
 # transformers builds q_a_layernorm / kv_a_layernorm with its RMSNorm default eps (not rms_norm_eps).
 LATENT_NORM_EPS = 1e-6
@@ -128,17 +129,6 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.dtype == torch.float32:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     return weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
-
-
-def _grouped_mm_ok(t: torch.Tensor, *dims: int) -> bool:
-    """torch's grouped_mm runs on CPU (any float dtype) and on CUDA (bf16, sm80+), 16-byte aligned rows."""
-    if any((d * t.element_size()) % 16 for d in dims):
-        return False
-    if t.device.type == "cpu":
-        return True
-    if t.device.type == "cuda":
-        return t.dtype == torch.bfloat16 and torch.cuda.get_device_capability(t.device)[0] >= 8
-    return False
 
 
 class _Layer:
@@ -534,7 +524,7 @@ class EngineModel:
     @staticmethod
     def _grouped(xs: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Rows of xs sorted by expert; w [E, out, in]: out_rows = xs_rows @ w[e].T, one grouped matmul."""
-        if _grouped_mm_ok(xs, w.shape[1], w.shape[2]):
+        if grouped_mm_supported(xs, w.shape[1], w.shape[2]):
             offs = counts.cumsum(0).to(torch.int32)
             return F.grouped_mm(xs, w.transpose(1, 2), offs=offs)
         out, start = xs.new_empty(xs.shape[0], w.shape[1]), 0  # fallback: per-expert matmuls
