@@ -9,7 +9,7 @@ WHEELS := $(wildcard /opt/wheels)
 PIP_FLAGS := --disable-pip-version-check $(if $(WHEELS),--find-links $(WHEELS))
 ARGS ?=
 
-.PHONY: install run test clean browser
+.PHONY: install run test clean browser gpu-check
 
 $(BIN)/.installed: pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -36,6 +36,13 @@ browser:
 
 test: install browser
 	$(BIN)/python -m pytest $(ARGS)
+
+# GPU machines only: preflight (CUDA + megatron-core, else exit 1 naming what is missing), `pytest -m gpu tests/gpu`,
+# the GPU benchmarks, then gpu-check.json / gpu-check.md in the repo root (bench/gpu_check.py). Installs nothing:
+# run `make install TORCH_SPEC=torch==2.14.1 EXTRAS=dev,gpu` first.
+gpu-check:
+	@test -x $(BIN)/python || { echo "gpu-check: no $(BIN)/python: run 'make install TORCH_SPEC=torch==2.14.1 EXTRAS=dev,gpu' first" >&2; exit 1; }
+	$(BIN)/python bench/gpu_check.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) .prefect runs

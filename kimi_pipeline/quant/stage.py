@@ -252,7 +252,7 @@ def check_checkpoint_model(recipe: Recipe, out: Path, checkpoint_dir: str | Path
     """In THIS process (the child): the export vs the checkpoint's one-rank megatron forward (fake-quant
     experts when the recipe trains with QAT); returns the model-check section fields and problems."""
     from kimi_pipeline.quant.policy_weights import checkpoint_model, policy_tensors
-    from kimi_pipeline.model.megatron_model import causal_forward
+    from kimi_pipeline.model.megatron_model import causal_forward, model_device
     from kimi_pipeline.quant.qat import enable_int4_qat
 
     with checkpoint_model(recipe.model, checkpoint_dir, step, device=resolve_device(recipe.cluster.device)) as (
@@ -262,8 +262,8 @@ def check_checkpoint_model(recipe: Recipe, out: Path, checkpoint_dir: str | Path
         model.eval()
 
         @torch.no_grad()
-        def trainer_logits(ids: torch.Tensor) -> torch.Tensor:
-            return causal_forward(model, ids)
+        def trainer_logits(ids: torch.Tensor) -> torch.Tensor:  # host tokens in, host logits out
+            return causal_forward(model, ids.to(model_device(model))).cpu()
 
         section: dict[str, Any] = {}
         check_model_into(section, recipe, out, policy_tensors(model, recipe.model, layout), trainer_logits)

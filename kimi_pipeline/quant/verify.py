@@ -86,6 +86,7 @@ def check_tensors(export_dir: str | Path, trainer_tensors: Iterable[tuple[str, t
 
     out = TensorCheck()
     for name, t in trainer_tensors:
+        t = t.cpu()  # the trainer's tensor (on its device) compared with the export as read, on the host
         if is_quantized(name):
             prefix = name.removesuffix(".weight")
             parts = {k: stored(f"{prefix}.{k}") for k in ("weight_packed", "weight_scale", "weight_shape")}

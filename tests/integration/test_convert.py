@@ -271,7 +271,8 @@ def test_reload_under_tp2_matches_the_source(converted, tiny_ckpt, tmp_path):
     run_dir, _ = converted
     layout = Layout(world_size=2, tp=2, etp=2)  # experts split along expert-TP too
     reports = tmp_path / "reports"
-    job = write_job_file(tmp_path / "verify.json", model=load_recipe("tiny").model, layout=layout, model_dir=tiny_ckpt,
+    job = write_job_file(tmp_path / "verify.json", model=load_recipe("tiny").model, layout=layout, device="cpu",
+                         model_dir=tiny_ckpt,
                          out_dir=checkpoint_dir(run_dir), ckpt_dir=checkpoint_dir(run_dir), report_dir=reports, logits=False)
     launch_local("kimi_pipeline.convert.verify", ["--job", str(job)], nodes=1, procs_per_node=2, work_dir=tmp_path,
                  report_dir=reports, name="verify-tp2", timeout=300)

@@ -132,7 +132,7 @@ def test_grouped_matmul_fallback_matches(hf_a, monkeypatch):
     eng = EngineModel.from_hf_model(hf_a)
     ids = torch.tensor(_prompts(torch.Generator().manual_seed(1), (10, 10)))
     fast, _, ex_fast = eng.prefill(ids, all_logits=True)
-    monkeypatch.setattr(engine_model, "_grouped_mm_ok", lambda *a: False)  # the CUDA-fp32 / unaligned path
+    monkeypatch.setattr(engine_model, "grouped_mm_supported", lambda *a: False)  # the CUDA-fp32 / unaligned path
     slow, _, ex_slow = eng.prefill(ids, all_logits=True)
     assert torch.equal(ex_fast, ex_slow)
     _close(fast, slow, 1e-6)
