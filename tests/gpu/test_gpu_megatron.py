@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from support.gpu import deterministic_kernels, fixed_batch, nll, off_device
+from support.common import fixed_batch, nll
+from support.gpu import deterministic_kernels, off_device
 
 pytestmark = pytest.mark.gpu
 

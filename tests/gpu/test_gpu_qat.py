@@ -6,15 +6,12 @@ linear `weight{e}` when Transformer Engine is installed)."""
 
 from __future__ import annotations
 
-import re
-
 import pytest
 
-from support.gpu import fixed_batch, nll, off_device
+from support.common import fixed_batch, nll, qat_vs_quantized_weights
+from support.gpu import off_device
 
 pytestmark = pytest.mark.gpu
-
-_WEIGHT = re.compile(r"weight\d*")  # as quant/qat.py: `weight` (local Linear) or `weight{e}` (TE grouped linear)
 
 
 @pytest.fixture(scope="module")
@@ -60,44 +57,17 @@ def test_qat_wraps_only_routed_experts_on_the_gpu(megatron_pair, cuda):
 
 def test_qat_forward_and_ste_grads_under_megatron_ddp_on_the_gpu(megatron_pair, cuda):
     import torch
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-
-    from kimi_pipeline.model.megatron_model import causal_forward
-    from kimi_pipeline.quant.int4 import fake_quant_int4
-    from kimi_pipeline.quant.qat import disable_int4_qat, enable_int4_qat, routed_expert_linears
 
     model, ref = megatron_pair
-    with torch.no_grad():
-        for _, lin in routed_expert_linears(ref):
-            for name, p in lin._parameters.items():
-                if p is not None and _WEIGHT.fullmatch(name):
-                    p.copy_(fake_quant_int4(p, 32))
-    expert_params = {id(p) for _, lin in routed_expert_linears(model) for p in lin.parameters()}
-    enable_int4_qat(model, 32)
-    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), module=model)
-    try:
-        tokens = torch.randint(4, 300, (2, 12), generator=torch.Generator().manual_seed(1)).to(cuda)
-        up = torch.randn(2, 12, 384, generator=torch.Generator().manual_seed(2)).to(cuda)
-        ddp.zero_grad_buffer()
-        got = causal_forward(ddp, tokens)
-        (got * up).sum().backward()
-        ddp.finish_grad_sync()
-        ref.zero_grad(set_to_none=True)
-        want = causal_forward(ref, tokens)
-        (want * up).sum().backward()
-        # same kernels on the same values; only the order of CUDA atomic adds (MoE unpermute) may differ
-        scale = want.abs().max().item()
-        assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * scale), (got - want).abs().max()
-        ref_grads = dict(ref.named_parameters())
-        expert_grads = 0
-        for n, p in model.named_parameters():
-            g, w = p.main_grad, ref_grads[n].grad
-            assert g.device == cuda and torch.allclose(g, w, rtol=1e-4, atol=1e-6 + 1e-4 * w.abs().max().item()), n
-            expert_grads += id(p) in expert_params and bool(g.abs().sum() > 0)
-        # routed experts received (straight-through) gradients: 24 tokens x top-4 reach most of the 16 per layer
-        assert expert_grads >= len(expert_params) // 4, (expert_grads, len(expert_params))
-    finally:
-        disable_int4_qat(model)
+    got, want, grads, experts = qat_vs_quantized_weights(model, ref, cuda)
+    # same kernels on the same values; only the order of CUDA atomic adds (MoE unpermute) may differ
+    scale = want.abs().max().item()
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * scale), (got - want).abs().max()
+    for n, (g, w) in grads.items():
+        assert g.device == cuda and torch.allclose(g, w, rtol=1e-4, atol=1e-6 + 1e-4 * w.abs().max().item()), n
+    # routed experts received (straight-through) gradients: 24 tokens x top-4 reach most of the 16 per layer
+    reached = sum(bool(grads[n][0].abs().sum() > 0) for n in experts)
+    assert reached >= len(experts) // 4, (reached, len(experts))
 
 
 def test_bf16_trainer_with_qat_trains_on_the_gpu(cuda, one_gpu_rank):

@@ -27,7 +27,7 @@ from kimi_pipeline.quant.int4 import (
     quantize_int4,
     unpack_int4,
 )
-from support.common import TINY
+from support.common import TINY, qat_vs_quantized_weights
 
 CPU = torch.device("cpu")
 
@@ -339,36 +339,13 @@ def test_qat_forward_and_ste_grads_under_megatron_ddp(megatron_pair):
     """QAT model (in megatron DDP) == a model whose expert weights *are* the fake-quant values, in logits and
     in every gradient: the STE gives the plain linear's gradient at the quantized point, and it reaches
     DDP's main_grad buffers through the real Parameters."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-
-    from kimi_pipeline.model.megatron_model import causal_forward
-    from kimi_pipeline.quant.qat import disable_int4_qat, enable_int4_qat, routed_expert_linears
-
     model, ref = megatron_pair
-    with torch.no_grad():
-        for _, lin in routed_expert_linears(ref):
-            lin.weight.copy_(fake_quant_int4(lin.weight, 32))
-    enable_int4_qat(model, 32)
-    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), module=model)
-    try:
-        tokens = torch.randint(4, 300, (2, 12), generator=torch.Generator().manual_seed(1))
-        up = torch.randn(2, 12, 384, generator=torch.Generator().manual_seed(2))
-        ddp.zero_grad_buffer()
-        got = causal_forward(ddp, tokens)
-        (got * up).sum().backward()
-        ddp.finish_grad_sync()
-        ref.zero_grad(set_to_none=True)
-        want = causal_forward(ref, tokens)
-        (want * up).sum().backward()
-        assert torch.equal(got, want)
-        ref_grads = dict(ref.named_parameters())
-        expert_grads = 0
-        for n, p in model.named_parameters():
-            assert torch.equal(p.main_grad, ref_grads[n].grad), n
-            expert_grads += ".local_experts." in n and bool(p.main_grad.abs().sum() > 0)
-        assert expert_grads > 50  # routed experts did receive (straight-through) gradients
-    finally:
-        disable_int4_qat(model)
+    got, want, grads, experts = qat_vs_quantized_weights(model, ref, CPU)
+    assert torch.equal(got, want)
+    for n, (g, w) in grads.items():
+        assert torch.equal(g, w), n
+    # routed experts did receive (straight-through) gradients
+    assert sum(bool(grads[n][0].abs().sum() > 0) for n in experts) > 50
 
 
 def test_run_export_section(tmp_path):

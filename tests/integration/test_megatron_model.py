@@ -12,6 +12,7 @@ import torch
 from kimi_pipeline.model import megatron_compat
 from kimi_pipeline.model.parallel import Layout, LayoutError
 from kimi_pipeline.recipes import load_recipe
+from support.common import fixed_batch, nll
 
 CPU = torch.device("cpu")
 
@@ -148,30 +149,18 @@ def single_process():
     parallel.destroy()
 
 
-def _nll(logits, batch):
-    from kimi_pipeline.model.megatron_train import logprobs_from_logits
-
-    lp, _ = logprobs_from_logits(logits, batch["targets"])
-    return -lp.sum(), lp.numel(), {"loss": (-lp.mean()).detach()}
-
-
-def _fixed_batch(spec, n=8, s=24):
-    tokens = torch.randint(0, spec.vocab_size, (n, s), generator=torch.Generator().manual_seed(5))
-    return tokens, torch.roll(tokens, -1, dims=1)
-
-
 def test_one_process_trains_with_megatron_optimizer(single_process):
     from kimi_pipeline.convert import names
     from kimi_pipeline.model import megatron_train as mt
 
     r = load_recipe("tiny")
     chunks, opt = mt.build_trainable(r.model, single_process, r.optimizer, device=CPU)
-    tokens, targets = _fixed_batch(r.model)
+    tokens, targets = fixed_batch(r.model)
     micro = [{"tokens": tokens[:4], "targets": targets[:4]}, {"tokens": tokens[4:], "targets": targets[4:]}]
     before = {k: v.detach().clone() for k, v in names.model_tensors(chunks).items()}
     losses = []
     for _ in range(5):
-        out = mt.forward_backward(chunks, micro, _nll, optimizer=opt)
+        out = mt.forward_backward(chunks, micro, nll, optimizer=opt)
         losses.append(sum(o["loss"].item() for o in out) / len(out))
         ok, grad_norm = mt.optimizer_step(opt)
         assert ok and grad_norm > 0
@@ -194,7 +183,7 @@ def test_one_process_trains_with_megatron_optimizer(single_process):
     warm = r.optimizer.model_copy(update={"lr_warmup_steps": 2, "lr_decay_style": "linear"})
     sched = mt.lr_scheduler(opt, warm, total_steps=10)
     lrs = {g["lr"] for g in opt.param_groups}
-    mt.forward_backward(chunks, micro, _nll, optimizer=opt)
+    mt.forward_backward(chunks, micro, nll, optimizer=opt)
     mt.optimizer_step(opt, sched)
     assert lrs == {0.0}
     assert [g["lr"] for g in opt.param_groups] == pytest.approx([warm.lr / 2] * len(opt.param_groups))
@@ -332,11 +321,11 @@ def test_checkpoint_is_atomic_and_round_trips(single_process, tmp_path, monkeypa
     from kimi_pipeline.model import megatron_train as mt
 
     r = load_recipe("tiny")
-    tokens, targets = _fixed_batch(r.model)
+    tokens, targets = fixed_batch(r.model)
     micro = [{"tokens": tokens, "targets": targets}]
 
     def step(chunks, opt):
-        mt.forward_backward(chunks, micro, _nll, optimizer=opt)
+        mt.forward_backward(chunks, micro, nll, optimizer=opt)
         assert mt.optimizer_step(opt)[0]
 
     def weights(chunks):

@@ -59,8 +59,8 @@ def stable_row(row: dict) -> dict:
     return {k: v for k, v in row.items() if not any(t in k for t in TIMING)}
 
 
-def engine_samples(recipe, n_prompts: int = 4, n: int = 2):
-    """Samples of the tiny prompts from the embedded engine in-process, with their routed experts."""
+def engine_samples(recipe, device="cpu", n_prompts: int = 4, n: int = 2):
+    """Samples of the tiny prompts from the embedded engine in-process on `device`, with their routed experts."""
     from kimi_pipeline.model.tokenizer import load_tokenizer
     from kimi_pipeline.rl.engine.model import EngineModel
     from kimi_pipeline.rl.engine.sampler import RolloutEngine, SamplingParams
@@ -68,9 +68,87 @@ def engine_samples(recipe, n_prompts: int = 4, n: int = 2):
     from kimi_pipeline.rl.samples import Sample
 
     prompts = load_prompts(TINY / "dapo-math-tiny.jsonl", load_tokenizer(TINY / "model"))[:n_prompts]
-    engine = RolloutEngine(EngineModel.from_pretrained(TINY / "model"), seed=3)
+    engine = RolloutEngine(EngineModel.from_pretrained(TINY / "model", device=device), seed=3)
     out = engine.generate([p.ids for p in prompts for _ in range(n)], 1,
                           SamplingParams(temperature=1.0, max_new_tokens=recipe.rollout.max_response_len, seed=3),
                           return_routed_experts=True)
     return [Sample(prompt_ids=list(c.prompt_ids), response_ids=list(c.output_ids), rollout_logprobs=list(c.logprobs),
                    routed_experts=c.routed_experts) for c in out]
+
+
+def fixed_batch(spec, device="cpu", n: int = 8, s: int = 24):
+    """A fixed random batch (seed 5) on `device`: tokens and next-token targets [n, s]."""
+    import torch
+
+    tokens = torch.randint(0, spec.vocab_size, (n, s), generator=torch.Generator().manual_seed(5))
+    return tokens.to(device), torch.roll(tokens, -1, dims=1).to(device)
+
+
+def nll(logits, batch):
+    """Token NLL in megatron's per-token-loss contract (loss sum, token count, metrics)."""
+    from kimi_pipeline.model.megatron_train import logprobs_from_logits
+
+    lp, _ = logprobs_from_logits(logits, batch["targets"])
+    return -lp.sum(), lp.numel(), {"loss": (-lp.mean()).detach()}
+
+
+def replay_diffs(worker, samples) -> dict[str, float]:
+    """Routing replay measured on a trainer `worker`: max |trainer - engine| logprob with the engine's own expert
+    ids ("replayed"), how far other ids move the trainer ("moved"), and how far no ids (the live router) are
+    from the replayed forward ("live")."""
+    import numpy as np
+
+    def max_diff(xs, ys):
+        return max(abs(a - b) for x, y in zip(xs, ys) for a, b in zip(x, y))
+
+    base = worker._token_logprobs(worker.model, samples)
+    assert [len(b) for b in base] == [len(s.rollout_logprobs) for s in samples]
+    out = {"replayed": max_diff(base, [s.rollout_logprobs for s in samples])}
+    experts = worker.recipe.model.num_experts
+    for s in samples:
+        s.routed_experts = ((s.routed_experts.astype(np.int64) + 5) % experts).astype(np.int16)
+    out["moved"] = max_diff(base, worker._token_logprobs(worker.model, samples))
+    for s in samples:
+        s.routed_experts = None
+    out["live"] = max_diff(base, worker._token_logprobs(worker.model, samples))
+    return out
+
+
+def qat_vs_quantized_weights(model, ref, device) -> tuple:
+    """INT4 QAT (group 32) on `model` in megatron DDP against `ref` whose routed-expert weights ARE the fake-quant
+    values: the same forward and backward of a fixed batch on `device` through both. Returns (QAT logits, ref
+    logits, {param name: (QAT main_grad, ref grad)}, names of the routed-expert params); QAT is off after."""
+    import re
+
+    import torch
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from kimi_pipeline.model.megatron_model import causal_forward
+    from kimi_pipeline.quant.int4 import fake_quant_int4
+    from kimi_pipeline.quant.qat import disable_int4_qat, enable_int4_qat, routed_expert_linears
+
+    weight = re.compile(r"weight\d*")  # as quant/qat.py: `weight` (local Linear) or `weight{e}` (TE grouped linear)
+    with torch.no_grad():
+        for _, lin in routed_expert_linears(ref):
+            for name, p in lin._parameters.items():
+                if p is not None and weight.fullmatch(name):
+                    p.copy_(fake_quant_int4(p, 32))
+    expert_ids = {id(p) for _, lin in routed_expert_linears(model) for p in lin.parameters()}
+    experts = {n for n, p in model.named_parameters() if id(p) in expert_ids}
+    enable_int4_qat(model, 32)
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), module=model)
+    try:
+        tokens = torch.randint(4, 300, (2, 12), generator=torch.Generator().manual_seed(1)).to(device)
+        up = torch.randn(2, 12, 384, generator=torch.Generator().manual_seed(2)).to(device)
+        ddp.zero_grad_buffer()
+        got = causal_forward(ddp, tokens)
+        (got * up).sum().backward()
+        ddp.finish_grad_sync()
+        ref.zero_grad(set_to_none=True)
+        want = causal_forward(ref, tokens)
+        (want * up).sum().backward()
+        ref_grads = dict(ref.named_parameters())
+        grads = {n: (p.main_grad, ref_grads[n].grad) for n, p in model.named_parameters()}
+    finally:
+        disable_int4_qat(model)
+    return got, want, grads, experts
