@@ -235,8 +235,9 @@ def _router_gating_linear(inp: torch.Tensor, weight: torch.Tensor, bias: Any, ro
 def _l2_norm(chunk_size: int, noop_flag: Any, tensor_lists: list, per_tensor: bool, *args: Any) -> tuple:
     """megatron's local multi_tensor_l2norm stand-in: the norms stay on the grads' device (no per-tensor host copy)."""
     norms = [torch.linalg.vector_norm(t.float()) for tl in tensor_lists for t in tl]
-    total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros((), device=torch.cuda.current_device())
-    return total.reshape(1), None
+    if not norms:
+        return torch.zeros(1, device=torch.cuda.current_device()), None
+    return torch.linalg.vector_norm(torch.stack(norms)).reshape(1), None
 
 
 def _tensor_cuda(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -444,9 +445,11 @@ def _noop(*args: Any, **kwargs: Any) -> None:
 # --------------------------------------------------------------------------- the table
 
 PATCHES: list[Patch] = [
-    Patch(CPU, "torch.cuda", "current_device", "megatron allocates on torch.cuda.current_device() (~100 call sites): CPU",
+    Patch(CPU, "torch.cuda", "current_device",
+          "megatron allocates on torch.cuda.current_device() (~100 call sites): CPU",
           lambda orig: _cpu_device),
-    Patch(CPU, "torch.cuda", "synchronize", "DDP buffer free/alloc and dist-checkpointing sync the device; nothing to wait for",
+    Patch(CPU, "torch.cuda", "synchronize",
+          "DDP buffer free/alloc and dist-checkpointing sync the device; nothing to wait for",
           lambda orig: _noop),
     Patch(CPU, "torch.cuda", "Stream", "the MoE all-to-all dispatcher creates a device-to-host side stream at init",
           lambda orig: _NoOpStream),
@@ -458,7 +461,8 @@ PATCHES: list[Patch] = [
           lambda orig: lambda *a, **k: contextlib.nullcontext()),
     Patch(CPU, "torch.cuda", "Event", "dispatcher / timers record CUDA events; CPU work is synchronous",
           lambda orig: _NoOpEvent),
-    Patch(CPU, "torch", "Tensor.cuda", "state exchange in the distributed optimizer / dist-checkpointing calls .cuda(); "
+    Patch(CPU, "torch", "Tensor.cuda",
+          "state exchange in the distributed optimizer / dist-checkpointing calls .cuda(); "
           "on a CPU-only build it returns the tensor itself", lambda orig: _tensor_cuda),
     Patch(TE_ABSENT, "megatron.core.transformer.multi_latent_attention", "HAVE_TE",
           "TE's MagicMock stand-ins import fine, so MLA thinks TE is present and isinstance()s a mock",
@@ -505,7 +509,8 @@ PATCHES: list[Patch] = [
     Patch(TORCH_ADAM, "megatron.core.optimizer.clip_grads", "l2_norm_impl",
           "the local l2-norm fallback (no TE/apex) copies each norm to the host (a sync per tensor on GPU) and "
           "returns on device='cuda'", lambda orig: _l2_norm),
-    Patch(TORCH_ADAM, "megatron.core.optimizer", "torch", "speed: torch's per-tensor Adam loop (CPU and CUDA alike); build it fused",
+    Patch(TORCH_ADAM, "megatron.core.optimizer", "torch",
+          "speed: torch's per-tensor Adam loop (CPU and CUDA alike); build it fused",
           _FusedAdamTorch),
     Patch(CPU, "megatron.core.optimizer.optimizer", "torch", "found_inf / scale buffers are created with device='cuda'",
           _CpuTorch),

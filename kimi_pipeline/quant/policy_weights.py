@@ -51,7 +51,8 @@ def checkpoint_model(spec: ModelSpec, checkpoint_dir: str | Path, step: int | No
     init_distributed(layout, device=device)
     try:
         layout.check_model(spec)
-        model = build_model(spec, layout, device=device, perform_initialization=False)  # every value comes from the checkpoint
+        # every value comes from the checkpoint: no random init
+        model = build_model(spec, layout, device=device, perform_initialization=False)
         step = load_model_only(checkpoint_dir, model, step)
         yield model, layout, step
     finally:
