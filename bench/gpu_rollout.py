@@ -19,8 +19,11 @@ on smaller inputs"); the bench times that as-shipped variant and one with groupe
 compares the engine with the faster of the two (a variant that runs out of memory is reported and skipped).
 
 Embedded engine side: `RolloutEngine` as the pipeline runs it (prefill of each distinct prompt once, a latent
-MLA cache, grouped MoE, routed experts returned as routing replay needs them). Whether its decode steps ran in
-CUDA graphs is measured (captures/replays counted) and printed; the engine is measured as it is.
+MLA cache, grouped MoE, routed experts returned as routing replay needs them), decode mode "graphs": each decode
+step replayed from a CUDA graph captured once per (batch bucket, cache-length bucket), lazily, the first time a
+batch needs it (so inside the first timed run; the best of `--repeats` keeps a run without captures). Where the GPU
+cannot capture the step (graphs need bf16 on sm90/sm100) the engine runs "dynamic" and says so. Whether CUDA graphs
+ran is measured at torch's entry points (captures/replays counted) and printed with the graphs the engine holds.
 
 Lines: per-run detail, per-size `size <s>: ... ratio <engine / generate> (goal >= 3: met|NOT met)`, and last
 `gpu_rollout ratio=<min over sizes>`. Without CUDA it prints one "needs CUDA" line and exits 0.
@@ -97,6 +100,7 @@ def bench_size(size: str, device, args) -> float:
 
     from kimi_pipeline.rl.engine.model import EngineModel
     from kimi_pipeline.rl.engine.sampler import RolloutEngine
+    from kimi_pipeline.rl.engine.static_decode import graphs_supported
 
     spec = gpu_common.kimi_spec(size)
     counts = gpu_common.param_counts(spec)
@@ -105,8 +109,9 @@ def bench_size(size: str, device, args) -> float:
     print(f"size {size}: {counts.total / 1e9:.2f} B params ({counts.active / 1e9:.2f} B active), {rows} rows "
           f"({len(prompts)} prompts x {args.n}), prompt {args.prompt_len} tokens, up to {args.max_new} new tokens")
     hf = gpu_common.hf_model(spec, device, seed=args.seed)
-    engine = RolloutEngine(EngineModel.from_hf_model(hf, device=device, dtype=torch.bfloat16), seed=args.seed,
-                           max_batch_rows=max(1024, rows))
+    model = EngineModel.from_hf_model(hf, device=device, dtype=torch.bfloat16)
+    mode = "graphs" if graphs_supported(model) else "dynamic"
+    engine = RolloutEngine(model, seed=args.seed, max_batch_rows=max(1024, rows), decode_mode=mode)
     sides = {
         "generate (grouped_mm prefill, batched_mm decode: as shipped)": lambda s: hf_generate(
             hf, prompts, args.n, args.max_new, s, keep_grouped=False),
@@ -152,11 +157,16 @@ def bench_size(size: str, device, args) -> float:
     hf_best_side = max(hf_sides, key=hf_sides.get)
     ratio = best["engine"] / hf_sides[hf_best_side]
     print(f"  transformers best: {hf_sides[hf_best_side]:,.0f} tok/s ({hf_best_side})")
-    print(f"  embedded engine:   {best['engine']:,.0f} tok/s; CUDA graphs: {graphs.describe()}; "
+    if engine.static is not None and engine.static.use_graphs:
+        kept = engine.static.graphs
+        held = f"{len(kept)} graphs held (batch x cache length: {', '.join(f'{b}x{L}' for b, L in sorted(kept))})"
+    else:
+        held = "decode mode dynamic: this GPU cannot capture the step (graphs need bf16 on sm90/sm100)"
+    print(f"  embedded engine:   {best['engine']:,.0f} tok/s; CUDA graphs: {graphs.describe()}; {held}; "
           f"peak GPU memory {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB")
     print(f"size {size}: engine / transformers generate ratio {ratio:.2f} "
           f"(goal >= {GOAL:g}: {'met' if ratio >= GOAL else 'NOT met'})")
-    del hf, engine
+    del hf, engine, model
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)

@@ -14,7 +14,7 @@ import torch
 
 from kimi_pipeline.errors import PermanentError
 from kimi_pipeline.model.hf_config import hf_config_dict
-from kimi_pipeline.model.hf_model import build_hf_model, save_hf_model
+from kimi_pipeline.model.hf_model import save_hf_model
 from kimi_pipeline.recipes import load_recipe
 from kimi_pipeline.rl.engine import model as engine_model
 from kimi_pipeline.rl.engine.client import EngineBadRequest, EngineClient, Router, chunk_named_tensors
@@ -22,6 +22,9 @@ from kimi_pipeline.rl.engine.model import EngineModel, EngineWeightError, iter_s
 from kimi_pipeline.rl.engine.sampler import EngineInputError, RolloutEngine, SamplingParams, sample_tokens
 from kimi_pipeline.rl.engine.server import EngineServer
 from kimi_pipeline.rl.engine.sglang import sglang_command
+from kimi_pipeline.rl.engine.static_decode import (batch_bucket, batch_buckets, cache_bucket, default_decode_mode,
+                                                   graphs_supported)
+from support.common import assert_bf16_engine_tracks_fp32, random_tiny_hf
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_MODEL = ROOT / "data" / "tiny" / "model"
@@ -40,28 +43,14 @@ def _spec(**changes):
     return load_recipe("tiny").model.model_copy(update=changes)
 
 
-def _hf(seed: int = 0, **changes):
-    """The tiny model with larger random weights and a non-zero expert bias, so routing and logits are non-trivial."""
-    model = build_hf_model(_spec(**changes), seed=seed)
-    g = torch.Generator().manual_seed(seed + 100)
-    with torch.no_grad():
-        for _, p in model.named_parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.12, generator=g)
-        for layer in model.model.layers:
-            if hasattr(layer.mlp, "gate"):
-                layer.mlp.gate.e_score_correction_bias.normal_(0, 0.05, generator=g)
-    return model
-
-
 @pytest.fixture(scope="module")
 def hf_a():
-    return _hf(0)
+    return random_tiny_hf(0)
 
 
 @pytest.fixture(scope="module")
 def hf_b():
-    return _hf(1)
+    return random_tiny_hf(1)
 
 
 def _prompts(g: torch.Generator, lengths=(5, 9, 12, 7)) -> list[list[int]]:
@@ -91,7 +80,7 @@ def _close(a: torch.Tensor, b: torch.Tensor, rel: float = 1e-5) -> float:
      "moe_router_topk": 2},
 ])
 def test_prefill_and_decode_logits_match_transformers(variant):
-    hf = _hf(3, **variant)
+    hf = random_tiny_hf(3, **variant)
     if "kv_lora_rank" in variant:
         hf.config.rope_interleave = False
     eng = EngineModel.from_hf_model(hf)
@@ -117,15 +106,7 @@ def test_prefill_and_decode_logits_match_transformers(variant):
 
 def test_bfloat16_engine_runs_the_same_model(hf_a):
     """The GPU dtype path (bf16 weights, fp32 router/softmax/logits) on CPU: close to fp32, samples fine."""
-    fp32 = EngineModel.from_hf_model(hf_a)
-    bf16 = EngineModel.from_hf_model(hf_a, dtype=torch.bfloat16)
-    ids = torch.tensor(_prompts(torch.Generator().manual_seed(9), (12, 12)))
-    ref, low = fp32.prefill(ids, all_logits=True)[0], bf16.prefill(ids, all_logits=True)[0]
-    assert low.dtype == torch.float32
-    # bf16 rounding can flip a near-tie expert choice at a few tokens, so compare on average
-    assert (ref - low).abs().mean() < 0.02 * ref.abs().max()
-    out = RolloutEngine(bf16).generate(ids.tolist(), 2, SamplingParams(max_new_tokens=4, stop_token_ids=(), seed=0))
-    assert all(len(c.output_ids) == 4 and np.isfinite(c.logprobs).all() for c in out)
+    assert_bf16_engine_tracks_fp32(hf_a, _prompts(torch.Generator().manual_seed(9), (12, 12)))
 
 
 def test_grouped_matmul_fallback_matches(hf_a, monkeypatch):
@@ -229,6 +210,127 @@ def test_seeded_generation_is_deterministic(hf_a):
     assert [x.output_ids for x in a] != [x.output_ids for x in c]
     # samples of one prompt share its prefill but are drawn independently
     assert len({tuple(x.output_ids) for x in a[:4]}) > 1
+
+
+# ---------------------------------------------------------------- static decode (what CUDA graphs capture)
+
+
+def test_static_decode_buckets():
+    """SGLang's default capture sizes (1, 2, 4, 8, then steps of 8) and cache lengths in steps of 256."""
+    assert [batch_bucket(n) for n in (1, 2, 3, 4, 5, 8, 9, 16, 17, 24, 25, 255, 256, 257)] == \
+        [1, 2, 4, 4, 8, 8, 16, 16, 24, 24, 32, 256, 256, 264]
+    assert batch_buckets(256) == [1, 2, 4, 8] + list(range(16, 257, 8))
+    assert all(batch_bucket(n) in batch_buckets(256) for n in range(1, 257))  # every batch lands on a capture size
+    assert batch_buckets(6) == [1, 2, 4]
+    assert [cache_bucket(n) for n in (1, 255, 256, 257, 600)] == [256, 256, 256, 512, 768]
+    assert [cache_bucket(n, 16) for n in (1, 16, 17, 33)] == [16, 16, 32, 48]
+    with pytest.raises(ValueError):
+        batch_bucket(0)
+
+
+def test_decode_mode_is_chosen_from_the_models_device_and_dtype(hf_a):
+    fp32, bf16 = EngineModel.from_hf_model(hf_a), EngineModel.from_hf_model(hf_a, dtype=torch.bfloat16)
+    for m in (fp32, bf16):  # CUDA graphs need a CUDA device: never on CPU, whatever the dtype
+        assert not graphs_supported(m) and default_decode_mode(m) == "dynamic"
+        assert RolloutEngine(m).decode_mode == "dynamic" and RolloutEngine(m).static is None
+        with pytest.raises(ValueError, match="graphs"):
+            RolloutEngine(m, decode_mode="graphs")
+    with pytest.raises(ValueError, match="decode_mode"):
+        RolloutEngine(fp32, decode_mode="eager")
+    static = RolloutEngine(fp32, decode_mode="static")
+    assert static.decode_mode == "static" and not static.static.use_graphs
+    params = SamplingParams(max_new_tokens=4, stop_token_ids=(), seed=0)
+    out = RolloutEngine(bf16, decode_mode="static").generate(_prompts(torch.Generator().manual_seed(9), (12, 5)), 3,
+                                                             params)
+    assert all(len(c.output_ids) == 4 and np.isfinite(c.logprobs).all() for c in out)  # bf16: the GPU dtype
+
+
+def _same_samples(a, b, atol: float = 2e-5) -> None:
+    """Same tokens, finish reasons and routed experts; logprobs equal to fp32 rounding (other summation orders)."""
+    assert [c.output_ids for c in a] == [c.output_ids for c in b]
+    assert [(c.finish_reason, c.matched_stop) for c in a] == [(c.finish_reason, c.matched_stop) for c in b]
+    for x, y in zip(a, b):
+        assert len(x.logprobs) == len(y.logprobs) and np.allclose(x.logprobs, y.logprobs, atol=atol, rtol=0)
+        assert np.array_equal(x.routed_experts, y.routed_experts)
+
+
+def test_static_decode_draws_the_dynamic_paths_tokens(hf_a):
+    """Issue 25 item 5 on CPU: the static-shape step (padded batch buckets, whole-bucket attention under the -inf
+    mask, sync-free experts) run eagerly samples exactly what the dynamic loop samples for a seed, across batch and
+    cache-length buckets, with rows stopping early so compaction moves live rows down into smaller buckets."""
+    model = EngineModel.from_hf_model(hf_a)
+    dynamic, static = RolloutEngine(model, decode_mode="dynamic"), RolloutEngine(model, decode_mode="static")
+    static.static.cache_step = 16  # small cache buckets, so these short batches cross them
+    stops = tuple(range(4, 384, 9))  # ~1 token in 9 ends a sample
+    prompts = _prompts(torch.Generator().manual_seed(3))  # lengths 5, 9, 12, 7
+    seen: set[tuple[int, int]] = set()
+    for n, max_new, seed in ((5, 14, 1), (1, 3, 2), (3, 22, 3), (9, 10, 4)):  # 20, 4, 12, 36 rows
+        params = SamplingParams(temperature=0.8, max_new_tokens=max_new, stop_token_ids=stops, seed=seed)
+        static.static.steps.clear()
+        a, b = dynamic.generate(prompts, n, params), static.generate(prompts, n, params)
+        _same_samples(a, b)
+        assert all(len(c.routed_experts) == len(c.prompt_ids) + len(c.output_ids) - 1 for c in b)
+        steps = set(static.static.steps)
+        assert {L for _, L in steps} == {cache_bucket(12 + max_new, 16)}
+        if n > 1:  # rows stopped at many steps: the batch moved down through several buckets
+            assert len({c.finish_reason for c in b}) == 2 and len({bb for bb, _ in steps}) >= 2
+        seen |= steps
+    assert {bb for bb, _ in seen} >= {1, 2, 4, 8, 16, 24, 32}
+    assert len({L for _, L in seen}) >= 3
+    # the buffers (with graphs: the captures reading them) outlive a batch; one that fits them reuses them
+    cache = static.static.cache
+    static.generate(prompts, 2, SamplingParams(max_new_tokens=5, stop_token_ids=(), seed=5))
+    assert static.static.cache is cache
+
+
+def test_static_decode_padding_rows_never_reach_the_outputs(hf_a):
+    """Padding rows (ids past the live rows) share the batch's matmuls and expert groups but no output: another pad
+    token, which routes differently, changes nothing the samples report."""
+    model = EngineModel.from_hf_model(hf_a)
+    prompts = _prompts(torch.Generator().manual_seed(5), (6, 11, 8))
+    params = SamplingParams(max_new_tokens=9, stop_token_ids=tuple(range(4, 384, 7)), seed=3)  # 15 rows: bucket 16
+    runs = []
+    for pad in (0, 383):
+        engine = RolloutEngine(model, decode_mode="static")
+        engine.static.pad_id = pad
+        runs.append(engine.generate(prompts, 5, params))
+        assert len(runs[-1]) == 15 and all(len(c.output_ids) <= 9 for c in runs[-1])
+    _same_samples(*runs, atol=1e-5)
+    _same_samples(RolloutEngine(model, decode_mode="dynamic").generate(prompts, 5, params), runs[0])
+
+
+def test_static_decode_through_the_per_expert_fallback(hf_a, monkeypatch):
+    """Where grouped_mm does not take the operands (CUDA fp32, unaligned) the static step's group ends still work."""
+    model = EngineModel.from_hf_model(hf_a)
+    params = SamplingParams(max_new_tokens=6, stop_token_ids=(), seed=2)
+    prompts = _prompts(torch.Generator().manual_seed(6), (7, 4))
+    want = RolloutEngine(model, decode_mode="static").generate(prompts, 3, params)
+    monkeypatch.setattr(engine_model, "grouped_mm_supported", lambda *a: False)
+    _same_samples(RolloutEngine(model, decode_mode="static").generate(prompts, 3, params), want, atol=1e-5)
+
+
+@pytest.mark.parametrize("variant", [{}, {"q_lora_rank": None}])  # merged weights in q_b / in the fused q/kv
+def test_weight_updates_copy_in_place_so_captured_graphs_stay_valid(variant, hf_a, hf_b):
+    """A CUDA graph reads every weight by address. load_weights copies into the engine's tensors and refresh copies
+    the merged (derived) weights into theirs: no address changes, storage_epoch stays; the static path then
+    samples what a fresh engine with the new weights samples. A rebound tensor is detected (the graphs' cue)."""
+    src_a, src_b = (hf_a, hf_b) if not variant else (random_tiny_hf(5, **variant), random_tiny_hf(6, **variant))
+    model = EngineModel.from_hf_model(src_a)
+    engine = RolloutEngine(model, decode_mode="static")
+    prompts = _prompts(torch.Generator().manual_seed(7), (5, 10))
+    params = SamplingParams(max_new_tokens=6, stop_token_ids=(), seed=4)
+    before = engine.generate(prompts, 2, params)
+    storage = model._storage_signature()
+    model.load_weights(src_b.state_dict().items())
+    assert model._storage_signature() == storage and model.storage_epoch == 0
+    fresh = RolloutEngine(EngineModel.from_hf_model(src_b), decode_mode="static").generate(prompts, 2, params)
+    after = engine.generate(prompts, 2, params)
+    assert [c.output_ids for c in after] == [c.output_ids for c in fresh] != [c.output_ids for c in before]
+    assert [c.logprobs for c in after] == [c.logprobs for c in fresh]
+    layer = model.layers[1]
+    layer.o = layer.o.clone()  # what a loader that rebinds would do
+    model.load_weights([])
+    assert model.storage_epoch == 1
 
 
 def test_sample_tokens_distribution_and_truncation():

@@ -152,3 +152,44 @@ def qat_vs_quantized_weights(model, ref, device) -> tuple:
     finally:
         disable_int4_qat(model)
     return got, want, grads, experts
+
+
+def random_tiny_hf(seed: int = 0, device="cpu", **changes):
+    """The tiny model (transformers) with larger random weights and a non-zero expert bias, so routing and logits
+    are non-trivial; `changes` edit the tiny ModelSpec."""
+    import torch
+
+    from kimi_pipeline.model.hf_model import build_hf_model
+    from kimi_pipeline.recipes import load_recipe
+
+    model = build_hf_model(load_recipe("tiny").model.model_copy(update=changes), seed=seed)
+    g = torch.Generator().manual_seed(seed + 100)
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.12, generator=g)
+        for layer in model.model.layers:
+            if hasattr(layer.mlp, "gate"):
+                layer.mlp.gate.e_score_correction_bias.normal_(0, 0.05, generator=g)
+    return model.to(device)
+
+
+def assert_bf16_engine_tracks_fp32(hf, prompts: list[list[int]], device="cpu") -> None:
+    """The GPU dtype path (bf16 weights, fp32 router/softmax/logits) of the embedded engine built from `hf` on
+    `device`: prefill logits close to the fp32 engine's on average, and sampling runs."""
+    import numpy as np
+    import torch
+
+    from kimi_pipeline.rl.engine.model import EngineModel
+    from kimi_pipeline.rl.engine.sampler import RolloutEngine, SamplingParams
+
+    fp32 = EngineModel.from_hf_model(hf, device=device)
+    bf16 = EngineModel.from_hf_model(hf, device=device, dtype=torch.bfloat16)
+    assert bf16.embed.dtype == torch.bfloat16 and bf16.device == torch.device(device)
+    ids = torch.tensor(prompts, device=device)
+    ref, low = fp32.prefill(ids, all_logits=True)[0], bf16.prefill(ids, all_logits=True)[0]
+    assert low.dtype == torch.float32
+    # bf16 rounding can flip a near-tie expert choice at a few tokens, so compare on average
+    assert (ref - low).abs().mean() < 0.02 * ref.abs().max()
+    out = RolloutEngine(bf16).generate(ids.tolist(), 2, SamplingParams(max_new_tokens=4, stop_token_ids=(), seed=0))
+    assert all(len(c.output_ids) == 4 and np.isfinite(c.logprobs).all() for c in out)

@@ -14,11 +14,12 @@ class EmbeddedEngine:
     """One embedded engine process; the same start / get_url / stop as `sglang.SGLangEngine`."""
 
     def __init__(self, model_path: str, seed: int, host: str = "127.0.0.1", device: str = "cpu",
-                 base_gpu_id: int = 0):
+                 base_gpu_id: int = 0, decode_mode: str | None = None):
         """`device`: the recipe's cluster.device; `base_gpu_id`: the node-local GPU the launch plan gave this
-        engine (as SGLang's --base-gpu-id), used as such when the actor picks its own GPU (colocated)."""
+        engine (as SGLang's --base-gpu-id), used as such when the actor picks its own GPU (colocated);
+        `decode_mode`: RolloutEngine's (None: CUDA graphs where the model's device and dtype allow them)."""
         self.model_path, self.seed, self.host = model_path, seed, host
-        self.device, self.base_gpu_id = device, base_gpu_id
+        self.device, self.base_gpu_id, self.decode_mode = device, base_gpu_id, decode_mode
         self.server = None
 
     def start(self) -> str:
@@ -29,7 +30,8 @@ class EmbeddedEngine:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
         device = resolve_device(self.device, actor_gpu_index(self.base_gpu_id))
         model = EngineModel.from_pretrained(self.model_path, device=device)
-        self.server = EngineServer(RolloutEngine(model, seed=self.seed), self.host, 0, None, self.model_path)
+        engine = RolloutEngine(model, seed=self.seed, decode_mode=self.decode_mode)
+        self.server = EngineServer(engine, self.host, 0, None, self.model_path)
         return self.server.start()
 
     def get_url(self) -> str:

@@ -15,6 +15,10 @@ Weights are the HF tensors under their HF names (on-disk per-expert names and tr
 fused names both load), so weight sync can update the engine by name. Numerics follow transformers'
 eager implementation (fp32 router, RMSNorm in fp32, q/kv latent norms at eps 1e-6 as transformers
 builds them, YaRN tables from transformers' own rotary module); parity is tested on logits.
+
+`decode_static` is the decode step with shapes fixed by its buffers and no host syncs, what static_decode.py runs
+eagerly or captures in CUDA graphs. Weight loads write into the existing tensors (derived ones included), so the
+addresses captured graphs read stay valid across weight updates.
 """
 
 from __future__ import annotations
@@ -168,10 +172,13 @@ class _Layer:
         return kvb[:, : c.qk_nope_head_dim], kvb[:, c.qk_nope_head_dim :]
 
     def refresh(self, c: EngineConfig) -> None:
-        """Derived (merged) weights; called after every weight load. Computed in fp32, stored in the model dtype."""
+        """Derived (merged) weights; called after every weight load. Computed in fp32, stored in the model dtype.
+
+        After the first call every derived tensor keeps its storage (the new values are copied in): captured CUDA
+        graphs read weights by address, so a rebound tensor would leave them computing with the old one."""
         q_src = self.q_b if self.q_b is not None else self.qkv_a[: self.qkv_a.shape[0] - c.latent_dim]
-        self.q_eff, self.qkv_a_eff, self.o_eff = q_src, self.qkv_a, self.o
         if not c.merge_absorbed:
+            self.q_eff, self.qkv_a_eff, self.o_eff = q_src, self.qkv_a, self.o  # views of the weights themselves
             return
         nh, dn, dr, r, dv = c.num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.kv_lora_rank, c.v_head_dim
         w_uk, w_uv = (w.float() for w in self.kv_b_views(c))
@@ -180,12 +187,22 @@ class _Layer:
         merged_q = torch.cat((torch.bmm(w_uk.transpose(1, 2), wq[:, :dn]), wq[:, dn:]), dim=1)
         merged_q = merged_q.reshape(nh * (r + dr), -1).to(q_src.dtype)
         if self.q_b is not None:
-            self.q_eff = merged_q
+            self._derive("q_eff", merged_q)
+            self.qkv_a_eff = self.qkv_a
         else:
-            self.qkv_a_eff = torch.cat((merged_q, self.qkv_a[q_src.shape[0] :]), dim=0)
+            self.q_eff = q_src
+            self._derive("qkv_a_eff", torch.cat((merged_q, self.qkv_a[q_src.shape[0] :]), dim=0))
         # out = sum_h o_proj[:, h] @ W_UV[h] @ o_lat[h]  ->  o_eff[:, h] = o_proj[:, h] @ W_UV[h]
         wo = self.o.float().view(-1, nh, dv).transpose(0, 1)  # [nh, H, v]
-        self.o_eff = torch.bmm(wo, w_uv).transpose(0, 1).reshape(-1, nh * r).to(self.o.dtype)
+        self._derive("o_eff", torch.bmm(wo, w_uv).transpose(0, 1).reshape(-1, nh * r).to(self.o.dtype))
+
+    def _derive(self, name: str, value: torch.Tensor) -> None:
+        """Set a derived weight: the first time by binding it, then by copying into the tensor already bound."""
+        old = self.__dict__.get(name)
+        if old is None or old.shape != value.shape:
+            setattr(self, name, value)
+        else:
+            old.copy_(value)
 
 
 class EngineModel:
@@ -204,6 +221,11 @@ class EngineModel:
             layer.refresh(c)
         self._params = self._registry()
         self._init_rope(hf_config)
+        self._expert_ids = torch.arange(c.num_experts, device=self.device)  # group ends of the static MoE path
+        # Bumped whenever a tensor the forward reads moves to new storage; captured CUDA graphs (static_decode.py)
+        # hold addresses and are dropped when it changes. Weight loads copy in place, so it stays 0 in practice.
+        self.storage_epoch = 0
+        self._storage = self._storage_signature()
         from kimi_pipeline.convert.dequant import QuantizedParts
 
         self._parts = QuantizedParts()  # INT4 / FP8 weights (a sync in the engine's format) arrive as parts
@@ -340,7 +362,17 @@ class EngineModel:
             dst.copy_(src.to(device=dst.device, dtype=dst.dtype))
         for layer in self.layers:
             layer.refresh(self.config)
+        storage = self._storage_signature()
+        if storage != self._storage:
+            self._storage, self.storage_epoch = storage, self.storage_epoch + 1
         return [n for _, _, n in plan]
+
+    def _storage_signature(self) -> tuple[int, ...]:
+        """The addresses of every tensor the forward reads (weights, derived weights, rope tables)."""
+        tensors = [self.embed, self.lm_head, self.final_norm, self.cos, self.sin, self._expert_ids]
+        for layer in self.layers:
+            tensors += [t for t in vars(layer).values() if isinstance(t, torch.Tensor)]
+        return tuple(t.data_ptr() for t in tensors)
 
     def finish_update(self) -> None:
         """After the last bucket of a sync: no quantized weight may be left waiting for its other parts."""
@@ -419,17 +451,35 @@ class EngineModel:
         Returns (logits [B, V], experts [B, moe_layers, topk] int16).
         """
         B = ids.shape[0]
-        keys = torch.arange(kv_len, device=self.device)
-        bias = torch.zeros(B, 1, kv_len, device=self.device, dtype=self.dtype)
-        bias.masked_fill_(keys[None, None, :] > positions[:, None, None], float("-inf"))
-        h, experts = self._forward(ids, positions, B, 1, cache, positions, kv_len, bias)
+        h, experts = self._forward(ids, positions, B, 1, cache, positions, kv_len, self._decode_bias(positions, kv_len))
         return self._logits(h), experts
+
+    @torch.inference_mode()
+    def decode_static(self, ids: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor):
+        """`decode` with every shape fixed by the arguments' shapes, so one CUDA graph can capture it.
+
+        cache [layers, B, L, latent] (a view of a persistent buffer): each row attends all L slots, those beyond its
+        position masked to -inf (no host-side kv_len), and the routed experts run without host syncs
+        (`_moe(static=True)`). A row a caller pads with id 0 at position 0 writes its own slot 0 and reads only that.
+        Returns (logits [B, V] fp32, experts [B, moe_layers, topk] int16) like `decode`.
+        """
+        B, L = ids.shape[0], cache.shape[2]
+        h, experts = self._forward(ids, positions, B, 1, cache, positions, L, self._decode_bias(positions, L),
+                                   static=True)
+        return self._logits(h), experts
+
+    def _decode_bias(self, positions: torch.Tensor, kv_len: int) -> torch.Tensor:
+        """[B, 1, kv_len]: 0 for keys at or before each row's position, -inf after."""
+        keys = torch.arange(kv_len, device=self.device)
+        bias = torch.zeros(positions.shape[0], 1, kv_len, device=self.device, dtype=self.dtype)
+        return bias.masked_fill_(keys[None, None, :] > positions[:, None, None], float("-inf"))
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         return F.linear(_rms(h, self.final_norm, self.config.rms_norm_eps), self.lm_head).float()
 
-    def _forward(self, ids, positions, B, S, cache, write_pos, kv_len, bias):
-        """Token-flattened forward (N = B*S rows). write_pos None: fill cache[:, :, :S] (prefill)."""
+    def _forward(self, ids, positions, B, S, cache, write_pos, kv_len, bias, static: bool = False):
+        """Token-flattened forward (N = B*S rows). write_pos None: fill cache[:, :, :S] (prefill).
+        static: the experts' sync-free variant (see `_moe`)."""
         c = self.config
         h = F.embedding(ids, self.embed)
         experts = []
@@ -440,7 +490,7 @@ class EngineModel:
             h = h + self._attention(L, x, rot, B, S, cache[li], rows, write_pos, kv_len, bias)
             x = _rms(h, L.post_norm, c.rms_norm_eps)
             if L.moe:
-                y, idx = self._moe(L, x)
+                y, idx = self._moe(L, x, static)
                 experts.append(idx)
             else:
                 g, u = F.linear(x, L.gate_up).chunk(2, dim=-1)
@@ -503,30 +553,47 @@ class EngineModel:
             w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
         return idx, w * c.routed_scaling_factor
 
-    def _moe(self, L: _Layer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _moe(self, L: _Layer, x: torch.Tensor, static: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Routed (+ shared) experts of tokens x [N, H]. static: no host syncs, so a CUDA graph can capture it
+        (group ends from the sorted expert ids instead of bincount, which reads its input's max on the host on
+        CUDA: aten/src/ATen/native/cuda/SummaryOps.cu, _bincount_cuda_template), and each token's expert outputs
+        summed in a fixed order instead of by index_add_ (atomic adds on CUDA: rounding that varies run to run)."""
         c = self.config
         idx, w = self._route(L, x)
         flat = idx.reshape(-1)
-        order = flat.argsort(stable=True)  # assignments sorted by expert
+        if static:
+            ranked, order = flat.sort(stable=True)
+            counts, offs = None, torch.searchsorted(ranked, self._expert_ids, right=True, out_int32=True)
+        else:
+            order = flat.argsort(stable=True)  # assignments sorted by expert
+            counts, offs = torch.bincount(flat, minlength=c.num_experts), None
         tok = order // c.topk
-        counts = torch.bincount(flat, minlength=c.num_experts)
         xs = x.index_select(0, tok)
-        hs = self._grouped(xs, L.w13, counts)
+        hs = self._grouped(xs, L.w13, counts, offs)
         g, u = hs.chunk(2, dim=-1)
         # the routing weight scales the (narrower) activation rather than the output: same product
         act = F.silu(g) * (u * w.reshape(-1)[order].unsqueeze(1).to(u.dtype))
-        y = torch.zeros_like(x).index_add_(0, tok, self._grouped(act, L.w2, counts))
+        out = self._grouped(act, L.w2, counts, offs)
+        if static:  # back to (token, slot) order, then the topk slots of each token summed
+            y = out.new_empty(out.shape).index_copy_(0, order, out).view(x.shape[0], c.topk, -1).sum(dim=1)
+        else:
+            y = torch.zeros_like(x).index_add_(0, tok, out)
         if L.shared_gate_up is not None:
             g, u = F.linear(x, L.shared_gate_up).chunk(2, dim=-1)
             y = y + F.linear(F.silu(g) * u, L.shared_down)
         return y, idx
 
     @staticmethod
-    def _grouped(xs: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """Rows of xs sorted by expert; w [E, out, in]: out_rows = xs_rows @ w[e].T, one grouped matmul."""
+    def _grouped(xs: torch.Tensor, w: torch.Tensor, counts: torch.Tensor | None,
+                 offs: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows of xs sorted by expert; w [E, out, in]: out_rows = xs_rows @ w[e].T, one grouped matmul.
+        Group sizes as counts [E], or as their running sums offs [E] int32 (what grouped_mm takes)."""
         if grouped_mm_supported(xs, w.shape[1], w.shape[2]):
-            offs = counts.cumsum(0).to(torch.int32)
+            if offs is None:
+                offs = counts.cumsum(0).to(torch.int32)
             return F.grouped_mm(xs, w.transpose(1, 2), offs=offs)
+        if counts is None:
+            counts = torch.diff(offs, prepend=offs.new_zeros(1))
         out, start = xs.new_empty(xs.shape[0], w.shape[1]), 0  # fallback: per-expert matmuls
         for e, n in enumerate(counts.tolist()):
             if n:

@@ -11,10 +11,17 @@ Routed experts follow SGLang's convention: one row per token that went through t
 [moe_layers, topk] expert ids (int16) as the router picked them.
 
 Runs are deterministic for the same prompts, n, params and seed (one torch.Generator per call).
+
+Decode modes (`decode_mode`, chosen once per engine): "dynamic" runs `EngineModel.decode` on a cache sized for
+the batch, attending only as far as the longest row (the CPU default); "static" runs the static-shape step of
+static_decode.py eagerly; "graphs" runs that same step captured in CUDA graphs (the default where the model's
+device and dtype allow them). All three sample the same rows in the same order from one generator, so a seed draws
+the same tokens; they differ only in how the logits are computed (to float rounding).
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,6 +31,7 @@ import torch
 
 from kimi_pipeline.errors import PermanentError
 from kimi_pipeline.rl.engine.model import EngineModel
+from kimi_pipeline.rl.engine.static_decode import StaticDecoder, resolve_decode_mode
 
 ENGINE_NAME = "kimi-embedded"  # what the embedded engine's /server_info reports; clients tell it from SGLang by it
 FINISH_LENGTH, FINISH_STOP, FINISH_ABORT = "length", "stop", "abort"
@@ -92,14 +100,23 @@ def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float, top_k:
 
 
 class RolloutEngine:
-    """Thread-safe batched generation; `model_lock` also guards weight updates between decode steps."""
+    """Thread-safe batched generation; `model_lock` also guards weight updates between decode steps.
 
-    def __init__(self, model: EngineModel, seed: int = 0, max_batch_rows: int = 1024, weight_version: str = "0"):
+    decode_mode: "dynamic", "static" or "graphs" (see the module docstring); None picks "graphs" where
+    static_decode.graphs_supported(model) holds, else "dynamic". The static modes keep one set of decode buffers
+    (and graphs), so their batches run one at a time.
+    """
+
+    def __init__(self, model: EngineModel, seed: int = 0, max_batch_rows: int = 1024, weight_version: str = "0",
+                 decode_mode: str | None = None):
         self.model = model
         self.max_batch_rows = max_batch_rows
         self.weight_version = weight_version
         self.model_lock = threading.RLock()
         self._seeds = torch.Generator().manual_seed(seed)
+        self.decode_mode = resolve_decode_mode(model, decode_mode)
+        self.static = None if self.decode_mode == "dynamic" else StaticDecoder(model, self.decode_mode == "graphs")
+        self._static_lock = threading.Lock()
 
     @property
     def config(self):
@@ -121,9 +138,11 @@ class RolloutEngine:
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seeds))
         gen = torch.Generator(device=self.model.device).manual_seed(seed)
         out: list[Completion] = []
-        for start in range(0, len(rows), self.max_batch_rows):
-            out += self._generate_rows(rows[start : start + self.max_batch_rows], params, gen,
-                                       return_routed_experts, step_hook)
+        # the static modes' buffers serve one batch at a time (weight updates still interleave between steps)
+        with self._static_lock if self.static is not None else contextlib.nullcontext():
+            for start in range(0, len(rows), self.max_batch_rows):
+                out += self._generate_rows(rows[start : start + self.max_batch_rows], params, gen,
+                                           return_routed_experts, step_hook)
         return out
 
     def _validate(self, prompts: list[list[int]], params: SamplingParams) -> None:
@@ -159,10 +178,14 @@ class RolloutEngine:
         stop_ids = params.stop_token_ids if params.stop_token_ids is not None else self.config.eos_token_ids
         stop_t = torch.tensor(list(stop_ids) or [-1], device=dev)
 
+        static = self.static
         with self.model_lock:
             logits_u, cache_u, experts_u = m.prefill(ids_u, lengths=lens_t)
-            cache = m.new_cache(B, Lp + max_new)
-            cache[:, :, :Lp] = cache_u.index_select(1, row_map_t)
+            if static is None:
+                cache = m.new_cache(B, Lp + max_new)
+                cache[:, :, :Lp] = cache_u.index_select(1, row_map_t)
+            else:  # the prompts' cache goes into the persistent buffers' rows [0, B)
+                static.start(cache_u.index_select(1, row_map_t), Lp + max_new)
         logits = logits_u.index_select(0, row_map_t)
         del cache_u
 
@@ -199,9 +222,15 @@ class RolloutEngine:
                 keep = alive.nonzero().squeeze(1)
                 host_plens = [host_plens[i] for i in keep.tolist()]
                 active, plens, tok, alive = active[keep], plens[keep], tok[keep], alive[keep]
-                cache = cache.index_select(1, keep)
+                if static is None:
+                    cache = cache.index_select(1, keep)
+                else:  # live rows into the buffers' prefix; a smaller batch bucket when they fit one
+                    static.compact(keep)
             with self.model_lock:
-                logits, experts = m.decode(tok, plens + t, cache, max(host_plens) + t + 1)
+                if static is None:
+                    logits, experts = m.decode(tok, plens + t, cache, max(host_plens) + t + 1)
+                else:
+                    logits, experts = static.step(tok, plens + t)
             if out_exp is not None:
                 out_exp[active, t] = experts
         return self._assemble(rows, row_map, lens_u, out_tok, out_lp, resp_len, reason, experts_u, out_exp)

@@ -52,6 +52,7 @@ from kimi_pipeline.model.device import resolve_device
 from kimi_pipeline.rl.engine import shm
 from kimi_pipeline.rl.engine.model import EngineModel, EngineWeightError, config_summary, iter_safetensors
 from kimi_pipeline.rl.engine.sampler import ENGINE_NAME, FINISH_ABORT, Completion, EngineInputError, RolloutEngine, SamplingParams
+from kimi_pipeline.rl.engine.static_decode import DECODE_MODES
 from kimi_pipeline.util.threads import one_intraop_thread_for_helpers
 
 log = logging.getLogger(__name__)
@@ -545,7 +546,8 @@ class EngineServer:
             return {"engine": ENGINE_NAME, "weight_version": engine.weight_version, "model_path": self.model_path,
                     "hostname": socket.gethostname(), "weight_update_formats": ["safetensors", shm.LOAD_FORMAT, "distributed"],
                     "device": str(engine.model.device), "dtype": str(engine.model.dtype).replace("torch.", ""),
-                    "max_batch_rows": engine.max_batch_rows, **config_summary(cfg), **self.scheduler.state()}
+                    "max_batch_rows": engine.max_batch_rows, "decode_mode": engine.decode_mode,
+                    **config_summary(cfg), **self.scheduler.state()}
 
         @app.get("/get_weight_version")
         def get_weight_version():
@@ -603,6 +605,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--gpu", type=int, default=0, help="visible GPU index (with --device cuda)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    ap.add_argument("--decode-mode", choices=DECODE_MODES, default=None,
+                    help="decode steps: eager 'dynamic', eager 'static', or 'static' captured in CUDA 'graphs' "
+                         "(default: graphs where the GPU and dtype allow them, else dynamic)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -613,7 +618,8 @@ def main(argv: list[str] | None = None) -> None:
         tokenizer = load_tokenizer(args.model_path)
     except Exception:  # a weights-only directory still serves input_ids
         tokenizer = None
-    server = EngineServer(RolloutEngine(model, seed=args.seed), args.host, args.port, tokenizer, args.model_path)
+    engine = RolloutEngine(model, seed=args.seed, decode_mode=args.decode_mode)
+    server = EngineServer(engine, args.host, args.port, tokenizer, args.model_path)
     print(server.start(), flush=True)
     try:
         threading.Event().wait()
