@@ -84,6 +84,16 @@ def evaluate_checkpoint(recipe: Recipe, checkpoint: Path, run_dir: Path, *, mode
                        strict=recipe.rollout.reward_strict, out_dir=Path(run_dir) / "eval", top_k=recipe.rollout.top_k)
 
 
+def base_policy_scores(recipe: Recipe, model_dir: Path, data_file: Path, work_dir: Path) -> dict[str, float]:
+    """How an HF checkpoint behaves on an eval set, as the pipeline measures it: the recipe's sampled eval at
+    step 0 (`avg_at_n`, its seed) and a greedy pass (temperature 0, one sample: `greedy`)."""
+    greedy = recipe.model_copy(update={"eval": recipe.eval.model_copy(update={"temperature": 0.0,
+                                                                              "n_samples_per_prompt": 1})})
+    sampled = evaluate_checkpoint(recipe, model_dir, Path(work_dir) / "sampled", data_file=data_file, step=0)
+    first = evaluate_checkpoint(greedy, model_dir, Path(work_dir) / "greedy", data_file=data_file, step=0)
+    return {"avg_at_n": sampled["avg_at_n"], "greedy": first["avg_at_n"], "problems": sampled["problems"]}
+
+
 def _checkpoint_step(checkpoint: Path) -> int:
     if checkpoint.name.startswith("iter_") and checkpoint.name[5:].isdigit():
         return int(checkpoint.name[5:])

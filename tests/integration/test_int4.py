@@ -364,6 +364,7 @@ def test_run_export_section(tmp_path):
     assert json.loads((tmp_path / "export" / SECTION_FILE).read_text()) == section
 
 
+@pytest.mark.slow  # a 4-rank distributed export plus the checkpoint model check in a child process
 def test_stage_export_from_a_megatron_checkpoint(megatron_pair, tmp_path):
     """Trainer checkpoint (torch_dist) -> child process -> INT4 export whose logits match the megatron
     fake-quant forward; summary.json gains the export section; the cache key is the content hash."""
