@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from kimi_pipeline.errors import PermanentError
 from kimi_pipeline.recipes import Recipe
 from kimi_pipeline.report.metrics import MetricsLog, first_last_mean, open_wandb, read_jsonl
 from kimi_pipeline.report.progress import TrainProgress
+from kimi_pipeline.rl.engine.kinds import engine_kind
 from kimi_pipeline.rl.evaluator import EvalFn, PeriodicEval
 from kimi_pipeline.rl.launch import LaunchPlan, check_launch, plan_launch
 from kimi_pipeline.rl.metrics import plain
@@ -60,10 +62,11 @@ def _cpu_threads(recipe: Recipe, ranks_per_node: int) -> int:
     return max(1, cores // max(1, ranks_per_node))
 
 
-def stage_error(e: Exception) -> Exception:
+def stage_error(e: Exception, engines: dict[str, str] | None = None) -> Exception:
     """What the stage raises for a failure inside the actors or engines: a PermanentError (bad model, bad
     recipe, a 400 from an engine) stays permanent even when Ray wraps it, so the task does not retry what a
-    retry cannot fix; anything else (a lost actor, node or engine) is a retryable TrainingError."""
+    retry cannot fix; anything else (a lost actor, node or engine) is a retryable TrainingError naming the
+    actor that failed. `engines`: engine URL → the engine actor's name, for errors that only carry a URL."""
     from kimi_pipeline.rl.engine.client import EngineRequestError
 
     if isinstance(e, PermanentError):
@@ -76,7 +79,21 @@ def stage_error(e: Exception) -> Exception:
     first = _first_line(e)  # for an actor's exception: Ray's "ray::Actor.method() (pid=…)" line …
     if cause is not e:  # … and the actor's own message
         first = f"{first}: {_first_line(cause)}"
+    first += _failed_actor(e, first, engines or {})
     return TrainingError(f"{what} failed ({type(e).__name__}): {first}; a retry resumes from the latest checkpoint")
+
+
+def _failed_actor(e: BaseException, first: str, engines: dict[str, str]) -> str:
+    """The failed actor where the first line does not name it: a dead actor's class (Ray writes it on a later
+    line: "class_name: PolicyWorker"), or the engine behind a URL an HTTP error names."""
+    text = str(e)
+    m = re.search(r"^\s*class_name: (\S+)", text, re.M)
+    if m and m.group(1) not in first:
+        where = ", ".join(f"{k} {v}" for k, v in re.findall(r"^\s*(pid|ip): (\S+)", text, re.M))
+        return f" [actor {m.group(1)}{f' ({where})' if where else ''}]"
+    # the URL itself, not a prefix of another (":3000" is not ":30001")
+    named = [name for url, name in engines.items() if re.search(re.escape(url) + r"(?![\w.])", text)]
+    return f" [{', '.join(named)}]" if named else ""
 
 
 def _root_cause(e: BaseException) -> BaseException:
@@ -146,6 +163,7 @@ def run_training(
     rollouts = None  # the RolloutManager actor
     trainers: TrainerGroup | None = None
     pgs: dict = {}
+    urls: list[str] = []  # the engines'
     try:
         check_launch(plan)
         pgs = create_placement_groups(plan.placement)
@@ -163,7 +181,8 @@ def run_training(
         end = total if stop_after is None else min(total, stop_after)
         _loop(recipe, rollouts, urls, trainers, evaluator, metrics_log, paths, start, end, on_step)
     except (ray.exceptions.RayError, EngineRequestError) as e:
-        err = stage_error(e)
+        actor = engine_kind(recipe).actor_class().__name__ if urls else ""
+        err = stage_error(e, {url: f"rollout engine {i} ({actor} actor)" for i, url in enumerate(urls)})
         if err is e:
             raise
         raise err from e

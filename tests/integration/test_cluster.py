@@ -590,13 +590,13 @@ def test_prefect_task_and_flow_finally_leave_no_ray_process():
     assert seen["section"]["nodes"] == 1 and "raylet" in seen["pids"].values()
     _assert_all_gone(run_dir, seen["pids"])
 
+    # this run's artifact (filtered by its flow run id), describing this run's cluster
     from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 
-    async def artifact():
-        async with get_client() as client:
-            return await client.read_latest_artifacts()
-
-    import asyncio
-
-    keys = {a.key for a in asyncio.run(artifact())}
-    assert "cluster-facts" in keys
+    with get_client(sync_client=True) as client:
+        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(
+            flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id])))
+    (facts,) = [a for a in artifacts if a.key == "cluster-facts"]
+    assert f"- address: `{seen['section']['address']}`" in facts.data, facts.data
+    assert all(n["node_id"][:8] in facts.data for n in seen["section"]["node_list"]), facts.data

@@ -160,8 +160,14 @@ def served(tmp_path_factory):
     """`kimi serve --port P --no-schedule`, as a background job with (sentinel) secrets in its env."""
     root = tmp_path_factory.mktemp("served")
     port = free_port()
+    wandb_dir = root / "wandb"  # the runs' W&B mirror (wandb is a dev dependency), offline: no network here
+    wandb_dirs = {k: wandb_dir / k.lower() for k in ("WANDB_DIR", "WANDB_CONFIG_DIR", "WANDB_CACHE_DIR",
+                                                     "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR")}
+    for d in wandb_dirs.values():
+        d.mkdir(parents=True)
     env = dict(os.environ, PREFECT_HOME=str(root / "prefect-home"), HF_TOKEN=HF_SENTINEL,
-               WANDB_API_KEY=WANDB_SENTINEL, PREFECT_LOGGING_LEVEL="INFO")
+               WANDB_API_KEY=WANDB_SENTINEL, PREFECT_LOGGING_LEVEL="INFO", WANDB_MODE="offline", WANDB_SILENT="true",
+               **{k: str(d) for k, d in wandb_dirs.items()})
     env.pop("PREFECT_API_URL", None)
     log = open(root / "serve.log", "w")
     kimi = [str(BIN / "kimi")] if (BIN / "kimi").exists() else [sys.executable, "-m", "kimi_pipeline.cli"]
@@ -170,7 +176,7 @@ def served(tmp_path_factory):
                             preexec_fn=_background_job, cwd=root)
     api_url = f"http://127.0.0.1:{port}/api"
     info = {"proc": proc, "root": root, "port": port, "api_url": api_url, "ui_url": f"http://127.0.0.1:{port}",
-            "log": root / "serve.log", "env": cli_env(api_url, root / "client-home")}
+            "log": root / "serve.log", "env": cli_env(api_url, root / "client-home"), "wandb_dir": wandb_dir}
     try:
         deadline = time.monotonic() + 240
         while True:
@@ -349,11 +355,13 @@ def test_secrets_never_reach_logs_artifacts_parameters_or_the_run_dir(served):
              "artifacts": "\n".join(f"{a.key} {a.description} {json.dumps(a.data, default=str)}" for a in artifacts),
              "parameters": json.dumps(params),
              "serve output": served["log"].read_text(errors="replace")}
-    for r in runs:
-        for p in r["run_dir"].rglob("*"):
+    for top in [r["run_dir"] for r in runs] + [served["wandb_dir"]]:  # + every file the runs' W&B mirror wrote
+        for p in top.rglob("*"):
             if p.is_file() and not p.is_symlink():
                 texts[str(p)] = p.read_bytes().decode("latin-1")
     assert any(k.endswith("summary.json") for k in texts) and any(k.endswith("summary.md") for k in texts)
+    wandb_runs = [k for k, text in texts.items() if k.endswith(".wandb") and "reward_mean" in text]
+    assert len(wandb_runs) >= len(runs), "the runs' W&B mirror wrote no run: the WANDB_API_KEY check proves nothing"
     leaks = [where for where, text in texts.items() if HF_SENTINEL in text or WANDB_SENTINEL in text]
     assert leaks == []
     print(f"searched {len(texts)} places ({len(logs)} log lines, {len(artifacts)} artifacts): no secret")

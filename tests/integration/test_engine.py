@@ -609,31 +609,78 @@ def test_colocated_weight_sync_goes_through_shared_memory_not_http_bodies(server
         _reset(s, hf_a)
 
 
-def test_shared_memory_descriptors_are_checked(servers, tmp_path):
+def _post_shm(url: str, descriptor: dict) -> httpx.Response:
     from kimi_pipeline.rl.engine import shm
 
-    url = servers[0].url
-    with shm.SharedBucket() as seg:
-        desc = seg.write_bucket({"model.norm.weight": torch.ones(4)})
-        bad = [{**desc, "segment": "../../etc/passwd"}, {**desc, "tensors": [["model.norm.weight", "float32", [64], 0]]},
-               {**desc, "tensors": [["model.norm.weight", "object", [4], 0]]}]
-        for d in bad:
-            r = httpx.post(f"{url}/update_weights_from_tensor",
-                           json={"serialized_named_tensors": [json.dumps(d)], "load_format": shm.LOAD_FORMAT})
-            assert r.status_code == 400 or r.json().get("success") is False, d
-    gone = httpx.post(f"{url}/update_weights_from_tensor",
-                      json={"serialized_named_tensors": [json.dumps(desc)], "load_format": shm.LOAD_FORMAT})
-    assert "no such segment" in gone.text
-    # a segment whose owner died (SIGKILLed trainer) is removed when the next one is created; live ones stay
+    return httpx.post(f"{url}/update_weights_from_tensor",
+                      json={"serialized_named_tensors": [json.dumps(descriptor)], "load_format": shm.LOAD_FORMAT})
+
+
+# a trainer rank that stages one bucket (norm weights of 7.0) and is then SIGKILLed: its segment stays behind
+_OWNER = """
+import json, sys, time, torch
+from kimi_pipeline.rl.engine import shm
+seg = shm.SharedBucket()
+print(json.dumps(seg.write_bucket({"model.norm.weight": torch.full((int(sys.argv[1]),), 7.0)})), flush=True)
+time.sleep(600)
+"""
+
+
+def test_shared_memory_descriptors_are_checked(servers, hf_a):
+    import os
+    import signal
+    import stat
     import subprocess
     import sys
 
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    stale = shm.shm_dir() / f"{shm.PREFIX}{int(dead.stdout)}-{'0' * 32}"
-    stale.write_bytes(b"x" * 4096)
+    from kimi_pipeline.rl.engine import shm
+
+    server = servers[0]
+    _reset(server, hf_a)
+    url, name = server.url, "model.norm.weight"
+    weight = server.engine.model._params[name]
+    before = weight.clone()
+    seven = torch.full_like(before, 7.0)  # a bucket the engine takes: right name, shape and dtype
+    with shm.SharedBucket() as seg:
+        assert stat.S_IMODE(seg.path.stat().st_mode) == 0o600  # only this user's engine may read the weights
+        desc = seg.write_bucket({name: seven})
+        size = seg.path.stat().st_size
+        bad = [  # (descriptor, what the 400 names)
+            ({**desc, "segment": "../../etc/passwd"}, "segment '../../etc/passwd' is not one of ours"),
+            ({**desc, "segment": f"{shm.PREFIX}{os.getpid()}-{'0' * 31}"}, "is not one of ours"),
+            ({**desc, "tensors": [[name, "float32", [size // 4 + 1], 0]]},
+             f"{name}: bytes 0..{size + 4} outside the {size}-byte segment"),
+            ({**desc, "tensors": [[name, "float32", list(seven.shape), -4]]}, f"{name}: bytes -4.."),
+            ({**desc, "tensors": [[name, "object", list(seven.shape), 0]]},
+             f"{name}: dtype 'object' is not a weight dtype"),
+        ]
+        for d, names in bad:
+            r = _post_shm(url, d)
+            assert r.status_code == 400 and r.json()["success"] is False and names in r.json()["message"], (d, r.text)
+            assert torch.equal(weight, before), d  # no weight changed
+        ok = _post_shm(url, desc)  # control: the well-formed descriptor of the same bucket is taken
+        assert ok.status_code == 200 and ok.json()["success"] and torch.equal(weight, seven), ok.text
+    _reset(server, hf_a)
+    gone = _post_shm(url, desc)  # the segment was removed at close
+    assert gone.status_code == 400 and "no such segment" in gone.json()["message"] and torch.equal(weight, before)
+
+    # a segment whose owner died (a SIGKILLed trainer) is removed when the next one is created; live ones stay
+    owner = subprocess.Popen([sys.executable, "-c", _OWNER, str(before.numel())], stdout=subprocess.PIPE, text=True,
+                             cwd=ROOT)
+    try:
+        dead = json.loads(owner.stdout.readline())
+    finally:
+        owner.kill()  # SIGKILL
+        owner.wait()
+    assert owner.returncode == -signal.SIGKILL
+    stale = shm.shm_dir() / dead["segment"]
+    assert dead["segment"].startswith(f"{shm.PREFIX}{owner.pid}-") and stale.exists()  # it could not clean up
+    assert stat.S_IMODE(stale.stat().st_mode) == 0o600
     with shm.SharedBucket() as live:
         assert not stale.exists() and live.path.exists()
         assert live.name not in shm.remove_stale_segments()
+        r = _post_shm(url, dead)  # the dead trainer's bucket is gone, not half-read
+        assert r.status_code == 400 and "no such segment" in r.json()["message"] and torch.equal(weight, before)
     client = EngineClient("http://127.0.0.1:9")
     client._info = {"engine": "x", "weight_update_formats": [shm.LOAD_FORMAT], "hostname": "another-node"}
     assert not client.shares_memory()  # an engine elsewhere gets safetensors bodies

@@ -10,7 +10,7 @@ import threading
 import time
 
 import pytest
-from support.common import ROOT, TINY
+from support.common import ROOT, TINY, assert_eval_agrees_with_its_problems
 
 sys.path.insert(0, str(ROOT))
 
@@ -67,8 +67,9 @@ def test_eval_task_retries_until_the_engine_answers(tmp_path):
         (tr,) = [r for r in runs if r.name.startswith("eval-step-20")]
         history = [s.name for s in client.read_task_run_states(tr.id)]
     assert "Retrying" in history and history[-1] == "Completed", history
-    row = json.loads((run / "eval" / "eval.jsonl").read_text().splitlines()[-1])
-    assert row["step"] == 20 and 0.0 <= row["avg_at_n"] <= 1.0 and row["n"] == 2
-    table = json.loads((run / "eval" / "step_0000020.json").read_text())["problems_table"]
-    assert len(table) == sum(1 for _ in open(TINY / "aime-tiny.jsonl")) and {"label", "correct", "pass@1", "pass@2"} <= set(table[0])
-    assert json.loads((run / "summary.json").read_text())["eval"][0]["step"] == 20
+    (row,) = [json.loads(line) for line in (run / "eval" / "eval.jsonl").read_text().splitlines()]
+    assert row["step"] == 20 and row["n"] == 2 and row["problems"] == sum(1 for _ in open(TINY / "aime-tiny.jsonl"))
+    # the scores are what the per-problem table adds up to, and its counts agree with the recorded responses
+    assert_eval_agrees_with_its_problems(row, run / "eval" / "step_0000020.json")
+    (recorded,) = json.loads((run / "summary.json").read_text())["eval"]
+    assert recorded == {k: row[k] for k in ("step", "avg_at_n", "pass_at_1", "pass_at_n", "maj_at_n")}

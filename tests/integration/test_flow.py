@@ -89,7 +89,18 @@ def test_flow_fails_clearly_on_bad_data_without_retrying(tmp_path, tiny_copy):
     run_dir = tmp_path / "run"
     state = run(run_dir, tiny_overrides(tiny_copy))
     assert state.is_failed()
-    assert task_states(state)["validate"] == "Failed"  # not AwaitingRetry: bad data is permanent
+    # bad data is permanent: the validate task ran once (3 retries are allowed for transient failures), its
+    # history has no retry, and the flow run itself ran once
+    flow_run_id = state.state_details.flow_run_id
+    with get_client(sync_client=True) as client:
+        this_run = FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id]))
+        runs = [tr for tr in client.read_task_runs(flow_run_filter=this_run) if tr.name.rsplit("-", 1)[0] == "validate"]
+        assert len(runs) == 1, [tr.name for tr in runs]
+        history = [s.name for s in client.read_task_run_states(runs[0].id)]
+        flow_run_count = client.read_flow_run(flow_run_id).run_count
+    assert runs[0].state.name == "Failed" and runs[0].run_count == 1, (runs[0].state.name, runs[0].run_count)
+    assert not {"AwaitingRetry", "Retrying"} & set(history) and history[-1] == "Failed", history
+    assert flow_run_count == 1
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["stages"]["validate"]["status"] == "failed"
     rows = len((tiny_copy / "aime-tiny.jsonl").read_text().splitlines())

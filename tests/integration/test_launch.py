@@ -120,10 +120,16 @@ def test_remote_code_needs_a_pinned_revision():
     """Issue 14 item 7 / the security rule: trust_remote_code only with a commit SHA, never a moving branch."""
     from kimi_pipeline.recipes import RecipeError
 
-    with pytest.raises(RecipeError, match="hub.model.revision"):
-        load_recipe("kimi-k2-thinking", ["hub.model.revision=main"])  # remote code from a moving branch
+    import re
+
+    sha = "0123456789abcdef" * 2 + "01234567"
+    # remote code from a moving branch, or from anything that is not 40 hex digits (a 40-character branch name too)
+    for revision in ("main", "v1.0", "g" * 40, "main-" + "a" * 35, sha[:39], sha + "0"):
+        with pytest.raises(RecipeError, match="hub.model.revision"):
+            load_recipe("kimi-k2-thinking", [f"hub.model.revision={revision}"])
+    assert load_recipe("kimi-k2-thinking", [f"hub.model.revision={sha}"]).hub.model.revision == sha
     for name in ("kimi-k2-instruct", "kimi-k2-thinking", "kimi-k2.5"):  # on in the presets, each pinned
         hub = load_recipe(name).hub
-        assert hub.trust_remote_code and len(hub.model.revision) == 40, name
+        assert hub.trust_remote_code and re.fullmatch(r"[0-9a-f]{40}", hub.model.revision), name
     assert not load_recipe("tiny").hub.trust_remote_code  # off by default
-    assert not load_recipe("tiny", ["hub.trust_remote_code=true"]).hub.model.kind == "hub"  # local dirs: no revision
+    load_recipe("tiny", ["hub.trust_remote_code=true"])  # a local model directory: no revision to pin

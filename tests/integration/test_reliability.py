@@ -6,6 +6,7 @@ test_validate malformed rows; flow level: test_deployment kill -9 through a serv
   writes DIR/FAILED.md and posts the webhook (secrets redacted); a fixed re-run clears FAILED.md;
 - a Ray node lost during `train`: the stage fails clearly (the actors it lost), and once the node is
   back the retry resumes from the last checkpoint and completes;
+- the W&B mirror of the metrics (real wandb, offline) writes no secret into any file;
 - no downloaded file is ever unpickled: none of our code can (static), and pickles planted in the
   model directory are never loaded on the download → validate → convert path or by the model loaders.
 """
@@ -94,20 +95,64 @@ def test_failure_report_redacts_secrets(monkeypatch):
     assert text == "401 for <hf-token> with key <WANDB_API_KEY>"
 
 
+WANDB_OWNER = """
+import sys
+from kimi_pipeline.recipes import load_recipe
+from kimi_pipeline.report.metrics import MetricsLog, open_wandb
+recipe = load_recipe("tiny")
+run = open_wandb(None, "tiny-secrets", recipe.model_dump(mode="json", exclude={"hub": {"token"}}))  # as rl/loop.py
+assert run is not None, "no W&B run"
+log = MetricsLog(sys.argv[1], wandb_run=run)
+for step in (1, 2):
+    log.log({"step": step, "reward_mean": 0.25 * step, "wandbProbeMetric": 7.0})
+log.close()
+"""
+
+
+def test_wandb_run_writes_no_secret(tmp_path):
+    """The train stage's W&B mirror (open_wandb + MetricsLog; wandb from the dev extra, offline: no network
+    here) with WANDB_API_KEY / HF_TOKEN sentinels in its environment: the run is written, and no file it
+    wrote holds either (HOME, TMPDIR and every W&B dir point into tmp_path, and all of tmp_path is searched)."""
+    import os
+    import subprocess
+
+    import wandb  # noqa: F401 - a dev dependency: without it this check would prove nothing
+
+    wandb_key, hf_token = "wandbSentinelKey-5d0c2e71b9", "hf_WandbSentinel0123456789abcdef"
+    dirs = {name: tmp_path / name.lower() for name in ("HOME", "TMPDIR", "WANDB_DIR", "WANDB_CONFIG_DIR",
+                                                       "WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR")}
+    for d in dirs.values():
+        d.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "XDG_"))}
+    env.update({k: str(v) for k, v in dirs.items()}, WANDB_MODE="offline", WANDB_SILENT="true",
+               WANDB_API_KEY=wandb_key, HF_TOKEN=hf_token)
+    out = subprocess.run([sys.executable, "-c", WANDB_OWNER, str(tmp_path / "metrics.jsonl")], env=env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-3000:]
+    files = [p for p in tmp_path.rglob("*") if p.is_file() and not p.is_symlink()]
+    runs = [p for p in files if p.suffix == ".wandb"]
+    assert runs and all(b"wandbProbeMetric" in p.read_bytes() for p in runs), files  # the run logged the rows
+    leaks = [str(p) for p in files if wandb_key.encode() in p.read_bytes() or hf_token.encode() in p.read_bytes()]
+    leaks += [stream for stream, text in (("stdout", out.stdout), ("stderr", out.stderr))
+              if wandb_key in text or hf_token in text]
+    assert leaks == [], leaks
+    print(f"W&B wrote {len(files)} files: no secret")
+
+
 # --------------------------------------------------------------------------- a Ray node lost during train
 
 
 @pytest.mark.slow
 def test_ray_node_lost_during_train_fails_clearly_and_the_retry_resumes(tmp_path_factory):
-    """Simulated 2-node cluster (head + one extra raylet, 2 CPUs each; 2 trainer ranks + 1 engine need 3,
-    so the extra node always hosts an actor). After the step-2 checkpoint the extra node dies (raylet and
-    its workers, SIGKILL); the infrastructure brings a node back; the retry resumes at step 2."""
+    """Simulated 2-node cluster (head + one extra raylet, 2 CPUs each; the trainer bundles are spread one per
+    node, so the extra node always hosts trainer rank 1 and its node's engine). After the step-2 checkpoint the
+    extra node dies (raylet and its workers, SIGKILL): the TrainingError names an actor it hosted; the
+    infrastructure brings a node back; the retry resumes at step 2."""
 
     from kimi_pipeline.cluster import LocalCluster, stage_cluster, stop_cluster
     from kimi_pipeline.cluster.stage import embedded_layout
     from kimi_pipeline.convert.stage import stage_convert
     from kimi_pipeline.report.metrics import read_jsonl
-    from kimi_pipeline.rl.engine.client import EngineRequestError
     from kimi_pipeline.rl.loop import TrainingError
     from kimi_pipeline.stages import stage_train
     from kimi_pipeline.stages import prepare_run, stage_download, stage_validate
@@ -141,17 +186,15 @@ def test_ray_node_lost_during_train_fails_clearly_and_the_retry_resumes(tmp_path
                 p.kill()
             lost["processes"], lost["t"] = len(victims), time.monotonic()
 
-        with pytest.raises((TrainingError, EngineRequestError)) as failure:
+        with pytest.raises(TrainingError) as failure:
             stage_train(r, run, evaluate=lambda step, urls: {}, on_step=lose_node)
         detect_s = time.monotonic() - lost["t"]
         assert lost["actors"], "no actor ran on the lost node"
         msg = str(failure.value)
-        if "PolicyWorker" in lost["actors"]:
-            assert failure.type is TrainingError and "a retry resumes from the latest checkpoint" in msg
-            # whichever surfaces first: the dead rank (ActorDiedError), its peer's failed collective, or the
-            # rollout engine the lost node also hosted (one engine per node)
-            assert any(k in msg for k in ("ActorDiedError", "ActorUnavailableError", "PolicyWorker",
-                                          "rollout engine failed")), msg
+        assert "a retry resumes from the latest checkpoint" in msg, msg
+        # whichever surfaces first (the dead rank, its peer's failed collective, the rollout engine the lost node
+        # also hosted), the error names an actor that was on the lost node
+        assert any(actor in msg for actor in lost["actors"]), (lost["actors"], msg)
         summary = json.loads((run / "summary.json").read_text())
         assert summary["stages"]["train"]["status"] == "failed"
         before = read_jsonl(run / "train" / "metrics.jsonl")

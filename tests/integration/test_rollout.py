@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from support.common import TINY
+from support.common import TINY, tiny_correct
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +45,15 @@ def test_rollout_samples_rewards_and_advantages(engine_url):
             assert all((s.advantage > 0) == (s.reward > 0.5) for s in group)
     for s in samples:
         assert len(s.rollout_logprobs) == len(s.response_ids) and all(lp <= 0 for lp in s.rollout_logprobs)
-    assert m["samples"] == 32 and 0 <= m["reward_mean"] <= 1 and m["rollout_tokens_per_s"] > 0
+    # each reward is the grade of its own response against its prompt's label (graded here, independently)
+    label_of = {tuple(p.ids): p.label for p in stream.prompts}
+    assert all(s.label == label_of[tuple(s.prompt_ids)] for s in samples)
+    expected = [1.0 if tiny_correct(s.response_text, s.label) else 0.0 for s in samples]
+    assert [s.reward for s in samples] == expected, [(s.response_text, s.label, s.reward) for s in samples]
+    assert 0 < sum(expected) < len(expected), "the tiny policy solves some prompts, not all: nothing was checked"
+    assert m["samples"] == 32 and m["reward_mean"] == pytest.approx(sum(expected) / 32)
+    assert m["solved_group_fraction"] == pytest.approx(sum(max(expected[g * 4:(g + 1) * 4]) for g in range(8)) / 8)
+    assert m["rollout_tokens_per_s"] > 0
     # same seed and step: the same rollout (resume relies on it)
     again = _rollout(engine_url, ["rollout.dynamic_sampling=false"])[2]
     assert [s.response_ids for s in again] == [s.response_ids for s in samples]

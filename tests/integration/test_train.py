@@ -1,8 +1,9 @@
 """GRPO training stage on a real local Ray cluster: megatron policy actor(s) + an embedded HTTP engine.
 
 Covers: metrics / checkpoints / summary section; engine logprobs after weight sync equal the trainer's
-(the TIS ratio); kill -9 of the trainer at a random step, then a retry resumes from the last checkpoint
-and ends with exactly the metrics of an uninterrupted run; EP2 across 2 trainer actors.
+(the TIS ratio); `kimi eval` of the step-4 checkpoint and of the HF directory; `kimi train --quiet`; kill -9
+of the trainer at a random step, then a retry resumes from the last checkpoint and ends with exactly the
+metrics of an uninterrupted run; EP2 across 2 trainer actors.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from support.common import REPRODUCIBLE, TRAIN_SET, assert_same_rows, stable_row, train_recipe
+from support.common import (REPRODUCIBLE, TRAIN_SET, assert_eval_agrees_with_its_problems, assert_same_rows,
+                            stable_row, tiny_overrides, train_recipe)
 
 pytestmark = pytest.mark.slow
 
@@ -110,10 +112,47 @@ def test_kimi_eval_checkpoint_reproduces_the_in_training_eval(trained, tmp_path)
     result = json.loads(out.stdout[out.stdout.index("{"):])
     for key in ("avg_at_n", "pass_at_1", "pass_at_n", "maj_at_n"):
         assert result[key] == pytest.approx(recorded[4][key]), key
-    # an HF directory evaluates too (the shipped base policy = step 0 without the fake-INT4 experts)
+    (table,) = (tmp_path / "eval").rglob("step_0000004.json")  # the per-problem table this eval wrote
+    assert_eval_agrees_with_its_problems(result, table)
+    # an HF directory evaluates too (the shipped base policy = step 0 without the fake-INT4 experts): its scores
+    # are what its per-problem table adds up to, and the table agrees with the responses it recorded
     hf = subprocess.run(args[:5] + [str(tiny / "model")] + args[6:], capture_output=True, text=True, timeout=300)
     assert hf.returncode == 0, hf.stderr[-2000:]
-    assert 0.0 <= json.loads(hf.stdout[hf.stdout.index("{"):])["avg_at_n"] <= 1.0
+    base = json.loads(hf.stdout[hf.stdout.index("{"):])
+    assert base["step"] == 0 and base["problems"] == result["problems"] == 96
+    (table,) = (tmp_path / "eval").rglob("step_0000000.json")
+    assert_eval_agrees_with_its_problems(base, table)
+
+
+def test_kimi_train_quiet_drops_the_progress_lines_not_the_result(prepared, ray_local, tmp_path):
+    """`kimi train` prints one progress line per rollout and per eval on stderr; with `--quiet` none, while the
+    stage still trains, evaluates and prints its section (one rollout on this module's Ray cluster)."""
+    import re
+    import subprocess
+    import sys
+
+    import ray
+
+    tiny, base = prepared
+    outputs = {}
+    for quiet in (False, True):
+        run = _copy_run(base, tmp_path / ("quiet" if quiet else "loud"))
+        args = [sys.executable, "-m", "kimi_pipeline.cli", "train", "--run-dir", str(run),
+                "--ray-address", ray.get_runtime_context().gcs_address] + (["--quiet"] if quiet else [])
+        for item in tiny_overrides(tiny) + TRAIN_SET + ["rollout.num_rollout=1", "eval.interval=1"]:
+            args += ["--set", item]
+        out = subprocess.run(args, capture_output=True, text=True, timeout=300,
+                             env={**os.environ, "TORCHDYNAMO_DISABLE": "1"})
+        assert out.returncode == 0, out.stderr[-3000:]
+        section = json.loads(out.stdout[out.stdout.index("{"):])  # the result: the train section
+        assert section["steps"] == 1 and section["checkpoint"].endswith("iter_0000001"), section
+        assert [r["step"] for r in _rows(run)] == [1]
+        assert [e["step"] for e in json.loads((run / "summary.json").read_text())["eval"]] == [0, 1]  # evaluated
+        text = out.stdout + out.stderr
+        outputs[quiet] = (re.findall(r"^step 1/1  reward .* ETA \S+$", text, re.M),
+                          re.findall(r"^eval at step \d+: avg@2 .*$", text, re.M))
+    assert [len(lines) for lines in outputs[False]] == [1, 2], outputs[False]  # one rollout, evals at 0 and 1
+    assert outputs[True] == ([], []), outputs[True]
 
 
 def test_kill_9_then_retry_resumes_with_identical_metrics(prepared, ray_local, tmp_path):
@@ -212,3 +251,19 @@ def test_a_permanent_error_inside_an_actor_is_not_retried(ray_local):
         ray.get(m.generate.remote())
     got = stage_error(info.value)
     assert isinstance(got, TrainingError) and "rollout engine failed" in str(got) and "connection refused" in str(got)
+
+    # a lost actor is named: Ray gives its class only on a later line of the error
+    @ray.remote
+    class Doomed:
+        def die(self):
+            os._exit(1)
+
+    with pytest.raises(ray.exceptions.RayActorError) as info:
+        ray.get(Doomed.remote().die.remote())
+    got = stage_error(info.value)
+    assert isinstance(got, TrainingError) and "[actor " in str(got) and "Doomed (pid " in str(got), got
+    # ... and so is an engine that only an HTTP error names, by the driver's URL → engine map
+    engines = {"http://10.0.0.2:3000": "rollout engine 0 (EmbeddedEngine actor)",
+               "http://10.0.0.2:30001": "rollout engine 1 (EmbeddedEngine actor)"}
+    got = str(stage_error(EngineRequestError("http://10.0.0.2:30001/generate: ReadError: connection reset"), engines))
+    assert "rollout engine 1 (EmbeddedEngine actor)" in got and "engine 0" not in got, got

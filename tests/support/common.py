@@ -45,7 +45,63 @@ TRAIN_SET = [
     "checkpoint.save_interval=2", "eval.interval=2", "eval.n_samples_per_prompt=2",
     "convert.nodes=1", "convert.pp=1", "convert.ep=1",
 ]
-TIMING = ("seconds", "tokens_per_s", "_s")
+# The wall-clock figures of a metrics row (rl/rollout.py, rl/policy.py, rl/weight_sync.py, rl/loop.py): they differ
+# from run to run. Every other key (reward_std, global_batch_size, optimizer_steps, train_samples, ...) is compared.
+TIMING = frozenset({"rollout_seconds", "rollout_tokens_per_s", "train_seconds", "train_tokens_per_s", "sync_seconds",
+                    "step_seconds"})
+
+
+def tiny_answer(text: str) -> str | None:
+    """The final answer of a tiny-task response, read independently of kimi_pipeline.reward: the last
+    \\boxed{...}, else a last line "Answer: X" (the tiny policy writes "Answer: \\boxed{6}")."""
+    import re
+
+    boxes = re.findall(r"\\boxed\{([^{}]*)\}", text)
+    if boxes:
+        return boxes[-1].strip()
+    lines = text.strip().splitlines()
+    m = re.fullmatch(r"\s*answer\s*:\s*(.+?)\s*", lines[-1], re.IGNORECASE) if lines else None
+    return m.group(1) if m else None
+
+
+def tiny_correct(text: str, label: str) -> bool:
+    """Whether a tiny-task response answers `label` (integers: equal as strings or as numbers)."""
+    answer = tiny_answer(text)
+    if answer is None:
+        return False
+    if answer == label.strip():
+        return True
+    try:
+        return float(answer) == float(label)
+    except ValueError:
+        return False
+
+
+def assert_eval_agrees_with_its_problems(result: dict, step_file: Path) -> None:
+    """An eval result (avg@n, pass@1, pass@n, maj@n) is what its per-problem table in `step_file` adds up to,
+    and that table's correct counts agree with the responses it recorded, graded here: the first sample of
+    each problem (`example`), and all n when they gave one answer (maj_votes == n)."""
+    import json
+
+    data = json.loads(Path(step_file).read_text())
+    table, n = data["problems_table"], result["n"]
+    for key in ("step", "avg_at_n", "pass_at_1", "pass_at_n", "maj_at_n", "n", "problems"):
+        assert data[key] == result[key], key
+    assert len(table) == result["problems"] and all(t["n"] == n and 0 <= t["correct"] <= n for t in table)
+    assert result["avg_at_n"] == pytest.approx(sum(t["correct"] for t in table) / (n * len(table)))
+    assert result["pass_at_1"] == pytest.approx(result["avg_at_n"])
+    assert result["pass_at_n"] == pytest.approx(sum(t["correct"] > 0 for t in table) / len(table))
+    assert result["maj_at_n"] == pytest.approx(sum(t["maj_correct"] for t in table) / len(table))
+    first_right = 0
+    for t in table:
+        right = tiny_correct(t["example"], t["label"])
+        first_right += right
+        assert (t["correct"] >= 1) if right else (t["correct"] <= n - 1), t
+        if t["maj_answer"] is not None:
+            assert t["maj_correct"] == tiny_correct(f"\\boxed{{{t['maj_answer']}}}", t["label"]), t
+            if t["maj_votes"] == n:
+                assert t["correct"] == (n if t["maj_correct"] else 0), t
+    assert 0 < first_right < len(table), "the tiny policy solves some problems, not all: nothing was checked"
 
 
 def train_recipe(tiny: Path, extra: list[str] | None = None):
@@ -55,8 +111,8 @@ def train_recipe(tiny: Path, extra: list[str] | None = None):
 
 
 def stable_row(row: dict) -> dict:
-    """A metrics row without its timings (which differ from run to run)."""
-    return {k: v for k, v in row.items() if not any(t in k for t in TIMING)}
+    """A metrics row without its timings (which differ from run to run): the keys named in TIMING, no others."""
+    return {k: v for k, v in row.items() if k not in TIMING}
 
 
 def engine_samples(recipe, device="cpu", n_prompts: int = 4, n: int = 2):

@@ -152,6 +152,24 @@ def _export(chunks, spec, layout, out: Path) -> None:
         save_file(tensors, str(out))
 
 
+def _export_grads(chunks, spec, layout, out: Path) -> None:
+    """The gradients megatron left in the DDP grad buffers (`main_grad`, after finalize_model_grads), HF-named
+    and gathered like the weights (collective); rank 0 writes them. Buffers (the expert bias) keep their values."""
+    import torch
+
+    saved = []
+    for chunk in chunks:
+        for _, p in chunk.named_parameters():
+            grad = getattr(p, "main_grad", None)
+            saved.append((p, p.data))
+            p.data = (torch.zeros_like(p) if grad is None else grad).to(p.dtype)
+    try:
+        _export(chunks, spec, layout, out)
+    finally:
+        for p, data in saved:
+            p.data = data
+
+
 def scenario_ops(out_dir: Path, args: dict) -> dict:
     """Run a list of operations on one trainable model; every rank returns the same record.
 
@@ -198,7 +216,8 @@ def scenario_ops(out_dir: Path, args: dict) -> dict:
 def scenario_grpo_padded(out_dir: Path, args: dict) -> dict:
     """One GRPO optimizer step over uneven micro-batches (3 and 2 samples of different lengths, plus the
     zero-weight padding micro-batch a DP rank runs when it has no sample for a slot), built by the trainer's
-    own collate / `padding_micro_batch` / `microbatch_loss`, unpadded at any PP; returns the grad norm."""
+    own collate / `padding_micro_batch` / `microbatch_loss`, unpadded at any PP; returns the grad norm and writes
+    every parameter's gradient (HF names) to `grads.safetensors`."""
     import functools
 
     import torch
@@ -223,6 +242,7 @@ def scenario_grpo_padded(out_dir: Path, args: dict) -> dict:
     batches = [{"tokens": mb.tokens, "targets": mb.targets, "mask": mb.mask, "rollout_logprobs": mb.rollout_logprobs,
                 "advantages": mb.advantages, "old_logprobs": mb.mask * -1.2} for mb in mbs]
     out = mt.forward_backward(chunks, batches, functools.partial(microbatch_loss, grpo=recipe.grpo), optimizer=opt)
+    _export_grads(chunks, spec, layout, out_dir / "grads.safetensors")  # per parameter, before the step clips them
     ok, grad_norm = mt.optimizer_step(opt)
     return {"ok": ok, "grad_norm": grad_norm, "rows": [mb.tokens.shape[0] for mb in mbs],
             "real_rows": sum(max((m.weight for m in o.values()), default=0.0) for o in out)}
