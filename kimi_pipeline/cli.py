@@ -225,7 +225,8 @@ def eval_(
     set_: list[str] = typer.Option([], "--set", help=SET_HELP),
     data: Optional[Path] = typer.Option(None, "--data", help="AIME-format jsonl (default: the recipe's eval set)."),
     model_dir: Optional[Path] = typer.Option(None, "--model-dir", help="HF config + tokenizer dir (torch_dist only)."),
-    out: Path = typer.Option(Path("runs/eval"), "--out", help="Where eval.jsonl and the per-problem table go."),
+    out: Path = typer.Option(Path("runs/eval"), "--out",
+                             help="Run directory: eval.jsonl and the per-problem tables go to OUT/eval/ (as in a run)."),
 ) -> None:
     """Evaluate any checkpoint on an AIME-format set: avg@n, pass@1, pass@n, maj@n."""
     from kimi_pipeline.eval.stage import evaluate_checkpoint
