@@ -70,4 +70,4 @@ def job_device(requested: str) -> torch.device:
     the launcher moved the job to the CPU; GPU = KIMI_LOCAL_DEVICE_BASE + LOCAL_RANK."""
     requested = os.environ.get(JOB_DEVICE_ENV) or requested
     index = int(os.environ.get(LOCAL_DEVICE_BASE_ENV, "0")) + int(os.environ.get("LOCAL_RANK", "0"))
-    return resolve_device(requested, index if requested == "cuda" else 0)
+    return resolve_device(requested, index)  # the index only matters for "cuda"

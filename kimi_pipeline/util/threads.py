@@ -20,9 +20,8 @@ _lock = threading.RLock()  # re-entrant: a guarded function may call another
 
 @contextlib.contextmanager
 def one_intraop_thread_for_helpers() -> Iterator[None]:
-    """Run the enclosed work with one intra-op thread, on every device: on a GPU the phases it guards (checkpoint
-    I/O, a paused engine's weight update) run their few CPU ops as memory copies, which gain nothing from a
-    second team, so the CPU rule costs a GPU nothing and both run one program.
+    """Run the enclosed work with one intra-op thread, on every device (one program for CPU and GPU; on a GPU the
+    guarded phases' host work is mostly copies, its cost there not measured yet).
 
     The setting is process-wide, so this is for phases in which nothing else computes (checkpoint I/O,
     a paused engine's weight update)."""
