@@ -143,9 +143,11 @@ def grpo_loss(
             raise ValueError("grpo.use_tis is on but no rollout logprobs were given (the rollout must return logprobs)")
         w, raw = tis_weights(old_logp, rollout_logp, cfg.tis_clip, cfg.tis_clip_low)
         pg = pg * w
-        tis_mean, tis_min, tis_max = _masked_stats(raw, mask)
+        _, tis_min, tis_max = _masked_stats(raw, mask)
         metrics.update(
-            tis_mean=tis_mean,
+            # a per-sample token mean like every other mean here: weighted by rows over micro-batches it is the
+            # rollout's mean whatever the micro-batching (a plain token mean changed with DP and max_tokens_per_gpu)
+            tis_mean=per_sample_token_mean(raw, mask).item(),
             tis_min=Metric(tis_min, "min"),  # extremes stay extremes over micro-batches, steps and ranks
             tis_max=Metric(tis_max, "max"),
             tis_clipfrac=per_sample_token_mean((w != raw).to(logp.dtype), mask).item(),

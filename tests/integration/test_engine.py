@@ -501,9 +501,11 @@ def test_pause_batches_queued_requests_and_abort_ends_them(servers, hf_a):
         threads = [threading.Thread(target=call, args=(i, prompts[i])) for i in range(4)]
         for t in threads:
             t.start()
+        # paused: all 4 wait in the queue (an unpaused scheduler takes each request as it arrives), none ran
         _wait_for(lambda: server.scheduler.state()["queued_requests"] == 4)
-        time.sleep(0.2)
-        assert not results  # paused: nothing ran
+        state = server.scheduler.state()
+        assert state["paused"] and state["running_requests"] == 0 and state["batches_run"] == batches_before, state
+        assert not results
         client.resume()
         for t in threads:
             t.join(60)
@@ -532,7 +534,7 @@ def test_in_place_pause_holds_a_running_batch(hf_a):
     def hook() -> bool:
         steps.append(time.monotonic())
         if len(steps) == 2:
-            gate.wait(10)  # held between decode steps until "continue"
+            assert gate.wait(300), "the test never released the hook"  # held between decode steps until "continue"
         return False
 
     done = []
@@ -540,10 +542,9 @@ def test_in_place_pause_holds_a_running_batch(hf_a):
                                                                          stop_token_ids=()), step_hook=hook)))
     t.start()
     _wait_for(lambda: len(steps) == 2)
-    time.sleep(0.2)
-    assert not done and len(steps) == 2
+    assert not done and len(steps) == 2  # the engine waits on the hook: no decode step runs past it
     gate.set()
-    t.join(10)
+    t.join(300)
     assert done and len(done[0][0].output_ids) == 5
 
 

@@ -401,6 +401,16 @@ def _tensors(path: Path) -> dict[str, torch.Tensor]:
     return load_file(str(path))
 
 
+def assert_close_by_tensor(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], rel: float) -> None:
+    """Every tensor within `rel` of the largest value of its own reference (a floor of 1e-3 of the largest
+    anywhere, for tensors that are (near) zero), and not all zero."""
+    floor = 1e-3 * max(float(t.double().abs().max()) for t in expected.values())
+    worst = {k: float((got[k].double() - t.double()).abs().max()) / max(float(t.double().abs().max()), floor)
+             for k, t in expected.items()}
+    assert max(worst.values()) < rel, sorted(worst.items(), key=lambda kv: -kv[1])[:5]
+    assert sum(float(t.double().abs().sum()) for t in expected.values()) > 0
+
+
 @pytest.mark.slow
 def test_tp2_ep2_matches_one_process_and_checkpoints_reshard(tmp_path):
     """1 process vs TP2xEP2 (4 ranks, DDP + distributed optimizer); torch_dist 1 -> TP2xEP2 -> PP2xEP2."""
@@ -466,8 +476,39 @@ def test_pp2_step_on_uneven_micro_batches_has_the_pp1_gradients(tmp_path):
     # every parameter's gradient, not only their norm: PP 2 (two stages, gathered) equals PP 1
     g1, g2 = _tensors(tmp_path / "pp1" / "grads.safetensors"), _tensors(tmp_path / "pp2" / "grads.safetensors")
     assert sorted(g1) == sorted(g2) and len(g1) > 10
-    floor = 1e-3 * max(float(g.double().abs().max()) for g in g1.values())  # a tensor with (near) zero gradient
-    worst = {k: float((g2[k].double() - g1[k].double()).abs().max()) / max(float(g1[k].double().abs().max()), floor)
-             for k in g1}
-    assert max(worst.values()) < 1e-5, sorted(worst.items(), key=lambda kv: -kv[1])[:5]
-    assert sum(float(g.double().abs().sum()) for g in g1.values()) > 0
+    assert_close_by_tensor(g2, g1, 1e-5)
+
+
+@pytest.mark.slow
+def test_grpo_at_dp2_has_the_dp1_losses_and_gradients(tmp_path):
+    """The trainer's GRPO step (PolicyWorker.train, the recipe's split, dynamic micro-batches, KL on) on the same
+    16 samples at DP 1 and DP 2: the same gradient for every parameter before each optimizer step, the same
+    weights after, the same loss metrics as the trainer group reports them."""
+    from support.megatron_worker import launch
+
+    from kimi_pipeline.rl.metrics import Metric, reduce_metrics
+
+    args = {"model": str(TINY_WEIGHTS)}
+    one = launch("grpo_dp", 1, tmp_path / "dp1", args)
+    two = launch("grpo_dp", 2, tmp_path / "dp2", args)
+    assert [(r["dp"], r["steps"], r["global_batch_size"]) for r in one + two] == [(1, 2, 8)] + [(2, 2, 8)] * 2
+    assert [r["samples"] for r in two] == [8, 8] and one[0]["samples"] == 16
+    assert all(n >= 2 for r in one + two for n in r["micro_batches"]), "each step accumulates micro-batches"
+    for k in range(2):  # each optimizer step's gradient, parameter by parameter
+        g1 = _tensors(tmp_path / "dp1" / f"grads{k}.safetensors")
+        g2 = _tensors(tmp_path / "dp2" / f"grads{k}.safetensors")
+        assert sorted(g1) == sorted(g2) and len(g1) > 10
+        assert_close_by_tensor(g2, g1, 1e-5)
+    # the weights after the two Adam steps: Adam divides each gradient by its own magnitude, so an element whose
+    # gradient is ~0 moves by noise; a wrong optimizer shard would move whole tensors by ~lr (measured: 0.011 lr)
+    w1, w2 = _tensors(tmp_path / "dp1" / "weights.safetensors"), _tensors(tmp_path / "dp2" / "weights.safetensors")
+    lr = load_recipe("tiny").optimizer.lr
+    assert max(float((w2[k].double() - w1[k].double()).abs().max()) for k in w1) < 0.1 * lr
+    # the metrics row: DP 2's ranks combined as the trainer group combines them
+    ranks = [{k: Metric(v, red, w) for k, (v, red, w) in r["metrics"].items()} for r in two]
+    combined, ref = reduce_metrics(ranks, equal_weights=True), one[0]["metrics"]
+    for key in ("loss", "pg_loss", "kl", "ppo_kl", "entropy", "clip_fraction", "tis_mean", "tis_min", "tis_max",
+                "grad_norm", "optimizer_steps"):
+        assert float(combined[key]) == pytest.approx(ref[key][0], rel=1e-5, abs=1e-7), key
+    assert ref["kl"][0] > 0 and ref["clip_fraction"][0] > 0  # the second step moved off the reference and the clip
+

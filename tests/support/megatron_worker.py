@@ -265,6 +265,90 @@ def scenario_replay(out_dir: Path, args: dict) -> dict:
     return {"logprobs": worker._token_logprobs(worker.model, samples)}
 
 
+def _fixed_rollout(vocab: int, groups: int = 4, per_group: int = 4) -> list:
+    """A rollout of `groups` x `per_group` samples of different lengths, group-normalized advantages and
+    rollout logprobs that are not the trainer's (TIS weights differ from 1): the same on every rank."""
+    import torch
+
+    from kimi_pipeline.rl.samples import Sample
+
+    g = torch.Generator().manual_seed(13)
+    samples = []
+    for group in range(groups):
+        rewards = torch.rand(per_group, generator=g).round()
+        rewards[0] = 1.0 - rewards[1]  # every group has differing rewards
+        adv = (rewards - rewards.mean()) / (rewards.std() + 1e-6)
+        for k in range(per_group):
+            n = int(torch.randint(3, 11, (1,), generator=g))
+            samples.append(Sample(prompt_ids=torch.randint(3, vocab, (int(torch.randint(5, 9, (1,), generator=g)),),
+                                                           generator=g).tolist(),
+                                  response_ids=torch.randint(3, vocab, (n,), generator=g).tolist(),
+                                  rollout_logprobs=(-0.5 - 2.5 * torch.rand(n, generator=g)).tolist(),
+                                  group=group, reward=float(rewards[k]), advantage=float(adv[k])))
+    return samples
+
+
+def _gather_dp_grads(chunks) -> None:
+    """Make every rank's DDP grad buffers hold the full data-parallel-reduced gradient. With the distributed
+    optimizer megatron reduce-scatters each bucket (param_and_grad_buffer.py `start_grad_sync`), so a rank
+    holds only its shard of the reduced gradient; all-gathering the shards rebuilds what an all-reduce gives.
+    The optimizer reads only its own shard, which this leaves as it was."""
+    import torch.distributed as dist
+    from megatron.core.distributed.param_and_grad_buffer import shard_buffer
+
+    for chunk in chunks:
+        if not chunk.ddp_config.use_distributed_optimizer:
+            continue
+        for group in chunk.bucket_groups + chunk.expert_parallel_bucket_groups:
+            size = group.intra_distributed_optimizer_instance_size
+            if size == 1:
+                continue
+            for bucket in group.buckets:
+                shards = shard_buffer(bucket.grad_data, size)
+                mine = shards[group.intra_distributed_optimizer_instance_rank].clone()
+                dist.all_gather(list(shards), mine, group=group.intra_distributed_optimizer_instance_group)
+
+
+def scenario_grpo_dp(out_dir: Path, args: dict) -> dict:
+    """One rollout of GRPO through the trainer itself: `PolicyWorker.train` on this DP rank's share of the
+    recipe's split of a fixed rollout (2 optimizer steps of 8 samples, several micro-batches each, the KL
+    term on). Before each optimizer step every parameter's gradient (HF names, full over DP) goes to
+    `grads<k>.safetensors`; returns the rank's metrics with their reductions and the weights after the rollout."""
+    import torch
+
+    from kimi_pipeline.model import megatron_train as mt
+    from kimi_pipeline.recipes import load_recipe
+    from kimi_pipeline.rl.policy import PolicyWorker
+    from kimi_pipeline.rl.samples import share_rollout
+
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    recipe = load_recipe("tiny", [f"cluster.gpus_per_node={world}", "rollout.global_batch_size=8",
+                                  "rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4", "rollout.num_steps_per_rollout=2",
+                                  "parallel.max_tokens_per_gpu=40", "grpo.use_kl_loss=true", "grpo.kl_loss_coef=0.05"])
+    worker = PolicyWorker(recipe, rank, world, "127.0.0.1", int(os.environ["MASTER_PORT"]))
+    worker.load(str(out_dir / "no-checkpoints"), args["model"])
+    shares, split = share_rollout(_fixed_rollout(recipe.model.vocab_size), recipe)
+    real_step, steps = mt.optimizer_step, []
+
+    def step_after_export(optimizer, scheduler=None):  # the real step, after recording the gradients it applies
+        _gather_dp_grads(worker.model)
+        _export_grads(worker.model, recipe.model, worker.layout, out_dir / f"grads{len(steps)}.safetensors")
+        steps.append(len(steps))
+        return real_step(optimizer, scheduler)
+
+    mt.optimizer_step = step_after_export
+    try:
+        metrics = worker.train(shares[worker._dp_rank()], 1)
+    finally:
+        mt.optimizer_step = real_step
+    _export(worker.model, recipe.model, worker.layout, out_dir / "weights.safetensors")
+    return {"metrics": {k: [float(v), getattr(v, "reduce", "mean"), getattr(v, "weight", 1.0)]
+                        for k, v in metrics.items()},
+            "dp": len(shares), "global_batch_size": split.global_batch_size, "steps": len(steps),
+            "samples": len(shares[worker._dp_rank()].samples),
+            "micro_batches": [len(step) for step in shares[worker._dp_rank()].steps]}
+
+
 def scenario_cp(out_dir: Path, args: dict) -> dict:
     """Per-token logprobs/entropy through the trainer's `SeqLayout` (this CP rank's part of each sequence,
     padded [b, s] or THD-packed) and `batch_logprobs`, against the plain [b, s] computation, with gradients.
@@ -317,7 +401,8 @@ def main() -> None:
     (out_dir / f"{scenario}.rank{rank}.json").write_text(json.dumps(result))
 
 
-SCENARIOS = {"ops": scenario_ops, "grpo_padded": scenario_grpo_padded, "replay": scenario_replay, "cp": scenario_cp}
+SCENARIOS = {"ops": scenario_ops, "grpo_padded": scenario_grpo_padded, "grpo_dp": scenario_grpo_dp,
+             "replay": scenario_replay, "cp": scenario_cp}
 
 
 if __name__ == "__main__":

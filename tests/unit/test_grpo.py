@@ -138,8 +138,8 @@ def test_grpo_loss_with_tis_kl_entropy_by_hand():
     assert m["entropy"] == pytest.approx(2.25)
     assert loss.item() == pytest.approx(pg + 0.1 * kl - 0.01 * 2.25)
     assert m["loss"] == pytest.approx(loss.item())
-    # raw TIS ratios on response tokens: 3, 1, 0.5, 1, 1
-    assert (m["tis_mean"], m["tis_min"], m["tis_max"]) == pytest.approx((1.3, 0.5, 3.0))
+    # raw TIS ratios on response tokens: s0 [3, 1], s1 [0.5, 1, 1]; the mean is per sample, as every mean here
+    assert (m["tis_mean"], m["tis_min"], m["tis_max"]) == pytest.approx(((2 + 2.5 / 3) / 2, 0.5, 3.0))
     assert m["tis_clipfrac"] == pytest.approx((1 / 2 + 0) / 2)
     # split into micro-batches of one sample with num_samples=2: the parts add up to the whole
     parts = [
