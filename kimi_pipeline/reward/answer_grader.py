@@ -102,6 +102,11 @@ class AnswerGrader:
         """The extracted final answers (for majority voting in eval)."""
         return [extract_answer(r, self._answer_style, self.thinking, self.strict) for r in responses]
 
+    def worker_pids(self) -> list[int]:
+        """Process ids of this grader's symbolic workers; empty until an answer first needs sympy (and after
+        close). How a caller checks that a batch of plain numbers, or of refused forms, started no process."""
+        return self._pool.pids() if self._pool is not None else []
+
     def close(self) -> None:
         if self._pool is not None:
             self._pool.close()

@@ -111,6 +111,12 @@ class SymbolicPool:
         with self._lock:
             _kill_all(self._workers)
 
+    def pids(self) -> list[int]:
+        """Process ids of the workers the pool holds now (empty before the first comparison and after close).
+        Observable state rather than timing: a caller sees that a stuck worker was replaced (its pid gone)."""
+        with self._lock:
+            return [w.proc.pid for w in self._workers]
+
     def _spawn(self) -> _Worker:
         w = _Worker(self.memory_mb)
         self._workers.append(w)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 
@@ -21,16 +20,27 @@ from kimi_pipeline.reward import (
 from support.common import TINY
 
 
+# Per-comparison limit where a test is not about the limit: far above what a comparison takes (< 1 s even on a
+# loaded 2-core box), so a slow machine never turns an equivalent answer into a timeout.
+GENEROUS_TIMEOUT_S = 60.0
+
+
 @pytest.fixture(scope="module")
 def deepscaler():
-    with AnswerGrader("deepscaler", timeout_s=3.0, workers=2) as rm:
+    with AnswerGrader("deepscaler", timeout_s=GENEROUS_TIMEOUT_S, workers=2) as rm:
+        yield rm
+
+
+@pytest.fixture(scope="module")
+def math_grader():
+    with AnswerGrader("math", timeout_s=GENEROUS_TIMEOUT_S, workers=2) as rm:
         yield rm
 
 
 def score_one(response: str, label: str, rm_type: str = "math", thinking: bool = False, *,
               strict: bool = False) -> float:
     """One response graded by a fresh AnswerGrader (its worker, if any, closed afterwards)."""
-    with AnswerGrader(rm_type, thinking, workers=1, strict=strict) as grader:
+    with AnswerGrader(rm_type, thinking, workers=1, strict=strict, timeout_s=GENEROUS_TIMEOUT_S) as grader:
         return grader.score([response], [label])[0]
 
 
@@ -119,13 +129,72 @@ def test_thinking_models_must_close_their_thinking():
     assert score_one("\\boxed{7}", "7", "math", thinking=False) == 1.0
 
 
-def test_math_variant_is_string_and_numeric_only():
-    # x+1 vs 1+x needs algebra: math says 0 without starting a worker, deepscaler says 1
-    rm = AnswerGrader("math")
-    assert rm.score(["\\boxed{x+1}"], ["1+x"]) == [0.0]
-    assert rm._pool is None
+@pytest.mark.parametrize(
+    "response, label, via",
+    [
+        # slime's --rm-type math: normalized string OR symbolic equality (sympy), so algebra counts
+        ("\\boxed{1+x}", "x+1", "symbolic"),
+        ("Answer: 1+x", "x+1", "symbolic"),  # DAPO's "Answer:" last line is graded the same way
+        ("\\boxed{\\sqrt{4}}", "2", "symbolic"),
+        ("\\boxed{2\\sqrt{3}}", "\\sqrt{12}", "symbolic"),
+        ("\\boxed{\\frac{\\sqrt{2}}{2}}", "\\frac{1}{\\sqrt{2}}", "symbolic"),
+        ("\\boxed{(x+1)^2}", "x^2+2x+1", "symbolic"),
+        ("\\boxed{\\frac{\\pi}{2}}", "\\pi/2", "symbolic"),
+        ("\\boxed{2^{10}}", "1024", "symbolic"),
+        ("\\boxed{3\\cdot 4}", "12", "symbolic"),
+        ("\\boxed{\\{2,1\\}}", "\\{1,2\\}", "symbolic"),  # a set: order does not matter
+        # decided in-process, before any worker
+        ("\\boxed{\\frac{2}{4}}", "\\frac12", "numeric"),
+        ("\\boxed{0.5}", "1/2", "numeric"),
+        ("\\boxed{(1,2)}", "(1, 2)", "fast"),
+    ],
+)
+def test_math_scores_equivalent_forms_1(math_grader, response, label, via):
+    assert math_grader.score([response], [label]) == [1.0]
+    s = math_grader.last_stats
+    assert getattr(s, via) == 1 and s.timeouts == 0 and s.errors == 0, s
+
+
+@pytest.mark.parametrize(
+    "response, label",
+    [
+        ("\\boxed{x+2}", "x+1"),
+        ("\\boxed{y+1}", "x+1"),
+        ("\\boxed{x^2-1}", "(x-1)^2"),
+        ("\\boxed{\\sqrt{5}}", "2"),
+        ("\\boxed{\\sqrt{2}}", "1.414"),  # a rounded value is not the exact one
+        ("\\boxed{2\\sqrt{3}}", "\\sqrt{13}"),
+        ("\\boxed{(2,1)}", "(1,2)"),  # an ordered pair: order matters
+        ("\\boxed{[1,2)}", "[1,2]"),
+        ("\\boxed{\\frac{\\pi}{3}}", "\\frac{\\pi}{2}"),
+        ("\\boxed{7x}", "7"),
+    ],
+)
+def test_math_scores_different_forms_0(math_grader, response, label):
+    assert math_grader.score([response], [label]) == [0.0]
+    s = math_grader.last_stats
+    assert s.symbolic == 1 and s.timeouts == 0 and s.errors == 0, s  # sympy said "different", nothing failed
+
+
+def test_a_math_batch_of_plain_numbers_starts_no_worker():
+    responses = ["\\boxed{7}", "Answer: 7", "\\boxed{\\frac{14}{2}}", "\\boxed{0.5}", "\\boxed{1,000}",
+                 "\\boxed{8}", "no answer"]
+    labels = ["7", "7", "7", "\\frac{1}{2}", "1000", "7", "7"]
+    with AnswerGrader("math") as rm:
+        assert rm.score(responses, labels) == [1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0]
+        s = rm.last_stats
+        assert (s.fast, s.numeric, s.no_answer, s.symbolic) == (3, 3, 1, 0), s
+        assert rm.worker_pids() == [] and rm._pool is None
+        # the control: one answer that is not a plain number does start a worker, and close() ends it
+        assert rm.score(["\\boxed{1+x}"], ["x+1"]) == [1.0]
+        assert rm.last_stats.symbolic == 1 and len(rm.worker_pids()) == 1
+    assert rm.worker_pids() == []
+
+
+def test_deepscaler_needs_a_box():
+    assert score_one("Answer: 1+x", "x+1", "deepscaler") == 0.0  # no box, no answer
+    assert score_one("Answer: 1+x", "x+1", "math") == 1.0  # DAPO's Answer: line, equal by sympy
     assert score_one("\\boxed{1+x}", "x+1", "deepscaler") == 1.0
-    assert score_one("Answer: x+1", "x+1", "deepscaler") == 0.0  # deepscaler needs a box
 
 
 @pytest.mark.parametrize(
@@ -145,11 +214,13 @@ def test_deepscaler_symbolic(deepscaler, response, label, expected):
     assert deepscaler.last_stats.timeouts == 0 and deepscaler.last_stats.errors == 0
 
 
-def test_batch_stats_count_each_path(deepscaler):
+@pytest.mark.parametrize("rm_type", ["math", "deepscaler"])
+def test_batch_stats_count_each_path(request, rm_type):
+    grader = request.getfixturevalue({"math": "math_grader", "deepscaler": "deepscaler"}[rm_type])
     responses = ["\\boxed{7}", "\\boxed{\\frac{14}{2}}", "\\boxed{x+1}", "no answer", "\\boxed{9^{9^{9}}}"]
     labels = ["7", "7", "1+x", "7", "9"]
-    assert deepscaler.score(responses, labels) == [1.0, 1.0, 1.0, 0.0, 0.0]
-    s = deepscaler.last_stats
+    assert grader.score(responses, labels) == [1.0, 1.0, 1.0, 0.0, 0.0]
+    s = grader.last_stats
     assert (s.n, s.correct, s.fast, s.numeric, s.symbolic, s.no_answer, s.rejected) == (5, 3, 1, 1, 1, 1, 1)
 
 
@@ -167,11 +238,12 @@ def test_normalization_and_numbers():
 def test_tiny_dataset_labels_grade_against_the_learned_format():
     rows = [json.loads(line) for line in (TINY / "aime-tiny.jsonl").read_text().splitlines()]
     responses = [f"The answer is \\boxed{{{r['label']}}}. Answer: \\boxed{{{r['label']}}}<|im_end|>" for r in rows]
-    rm = AnswerGrader("math")
-    assert rm.score(responses, [r["label"] for r in rows]) == [1.0] * len(rows)
-    shifted = [str((int(r["label"]) + 1) % 10) for r in rows]
-    assert rm.score(responses, shifted) == [0.0] * len(rows)
-    assert rm.totals.n == 2 * len(rows) and rm._pool is None  # the common case never starts a worker
+    with AnswerGrader("math") as rm:
+        assert rm.score(responses, [r["label"] for r in rows]) == [1.0] * len(rows)
+        shifted = [str((int(r["label"]) + 1) % 10) for r in rows]
+        assert rm.score(responses, shifted) == [0.0] * len(rows)
+        # the common case never starts a worker
+        assert rm.totals.n == 2 * len(rows) and rm.totals.symbolic == 0 and rm.worker_pids() == []
 
 
 # ------------------------------------------------------------------------------------------------
@@ -179,30 +251,41 @@ def test_tiny_dataset_labels_grade_against_the_learned_format():
 # ------------------------------------------------------------------------------------------------
 
 
-def test_power_tower_is_refused_without_sympy(deepscaler):
-    t = time.monotonic()
+@pytest.mark.parametrize("rm_type", ["math", "deepscaler"])
+def test_power_tower_is_refused_without_sympy(rm_type):
     explosive = ["\\boxed{9^{9^{9^{9}}}}", "\\boxed{(10^{100})!}", "\\boxed{3^{123456789}}", "\\boxed{1000000!}"]
-    assert deepscaler.score(explosive, ["9"] * 4) == [0.0] * 4
-    assert deepscaler.last_stats.rejected == 4
-    assert time.monotonic() - t < 1.0
-    assert score_one("\\boxed{9^{9^{9^{9}}}}", "9", "deepscaler", strict=False) == 0.0
-    assert deepscaler.score(["\\boxed{2^{2024}}", "\\boxed{100!}"], ["2^{2024}", "100!"]) == [1.0, 1.0]
+    with AnswerGrader(rm_type, timeout_s=GENEROUS_TIMEOUT_S, workers=1) as rm:
+        assert rm.score(explosive, ["9"] * 4) == [0.0] * 4
+        s = rm.last_stats
+        assert (s.rejected, s.symbolic, s.timeouts) == (4, 0, 0), s
+        assert rm.worker_pids() == [] and rm._pool is None  # refused in-process: no worker was ever started
+        # tame powers and factorials are not refused: the string match, or sympy, grades them
+        tame = ["\\boxed{2^{2024}}", "\\boxed{100!}", "\\boxed{5!}"]
+        assert rm.score(tame, ["2^{2024}", "100!", "120"]) == [1.0, 1.0, 1.0]
+        s = rm.last_stats
+        assert (s.rejected, s.fast, s.symbolic, s.timeouts) == (0, 2, 1, 0), s
 
 
+@pytest.mark.timeout(180)  # a generous bound on the whole test; what it checks are the pool's states, not times
 def test_spinning_sympy_is_killed_and_replaced():
-    # binom(10^6, 5*10^5) passes the explosive-form filter and then grinds in sympy for long
-    with AnswerGrader("deepscaler", timeout_s=1.0, workers=1) as rm:
-        t = time.monotonic()
+    # binom(10^6, 5*10^5) passes the explosive-form filter and then grinds in sympy for minutes (> 85 s measured),
+    # far past the default 5 s limit that an ordinary comparison (~0.05 s) never nears
+    with AnswerGrader("deepscaler", workers=1) as rm:
+        assert rm.score(["\\boxed{1+x}"], ["x+1"]) == [1.0]
+        (first,) = rm._pool._workers
+        assert rm.worker_pids() == [first.proc.pid]
         assert rm.score(["\\boxed{\\binom{1000000}{500000}}", "\\boxed{1+x}"], ["9", "x+1"]) == [0.0, 1.0]
-        elapsed = time.monotonic() - t
-        assert rm.last_stats.timeouts == 1 and rm.last_stats.symbolic == 2
+        s = rm.last_stats
+        assert (s.symbolic, s.timeouts, s.errors) == (2, 1, 0), s  # the binomial timed out, nothing else failed
         assert rm._pool.restarts == 1
-        assert elapsed < 8.0, elapsed
-        old = [w.proc for w in rm._pool._workers]
-    assert all(p.poll() is not None for p in old)  # close() leaves no worker behind
+        assert first.proc.poll() is not None  # the stuck worker was killed, not waited for
+        (second,) = rm._pool._workers
+        assert rm.worker_pids() == [second.proc.pid] != [first.proc.pid]  # and replaced: the new one graded 1+x
+    assert second.proc.poll() is not None and rm.worker_pids() == []  # close() leaves no worker behind
 
 
-def test_megabytes_and_deep_nesting_finish_fast(deepscaler):
+@pytest.mark.parametrize("rm_type", ["math", "deepscaler"])
+def test_megabytes_and_deep_nesting_take_the_cheap_path(rm_type):
     big = "blah " * 1_000_000  # 5 MB
     nested = "\\boxed{" + "{" * 10_000 + "7" + "}" * 10_000 + "}"
     long_box = "\\boxed{" + "1" * (MAX_ANSWER_CHARS + 1) + "}"
@@ -215,15 +298,24 @@ def test_megabytes_and_deep_nesting_finish_fast(deepscaler):
         nested,
         big + nested,
         long_box,
-        "\\boxed{" + "1" * 200 + "}",
-        "\\boxed{1e999999999}",
     ]
-    t = time.monotonic()
-    rewards = deepscaler.score(responses, ["7"] * len(responses))
-    elapsed = time.monotonic() - t
-    assert rewards == [0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
-    assert elapsed < 5.0, elapsed
-    assert AnswerGrader("math", thinking=True).score(["<think>" + big], ["7"]) == [0.0]
+    with AnswerGrader(rm_type, timeout_s=GENEROUS_TIMEOUT_S, workers=1) as rm:
+        assert rm.score(responses, ["7"] * len(responses)) == [0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+        s = rm.last_stats
+        # only the last MAX_TAIL_CHARS are read, brace matching stops at MAX_ANSWER_CHARS: no worker to wait for
+        assert (s.no_answer, s.fast, s.symbolic) == (7, 1, 0), s
+        assert rm.worker_pids() == []
+    with AnswerGrader(rm_type, thinking=True) as rm:
+        assert rm.score(["<think>" + big], ["7"]) == [0.0] and rm.last_stats.no_answer == 1
+
+
+def test_numbers_too_long_for_exact_values_go_to_sympy_safely(deepscaler):
+    # past 40 digits, or in exponent notation, as_number gives up (nothing is expanded in-process);
+    # sympy compares them without expanding 10^999999999 either
+    responses = ["\\boxed{" + "1" * 200 + "}", "\\boxed{1e999999999}", "\\boxed{" + "1" * 200 + "}"]
+    assert deepscaler.score(responses, ["7", "7", "1" * 200]) == [0.0, 0.0, 1.0]
+    s = deepscaler.last_stats
+    assert (s.symbolic, s.fast, s.timeouts, s.errors) == (2, 1, 0, 0), s
 
 
 def test_bad_configuration_is_a_clear_error():
@@ -238,7 +330,7 @@ def test_bad_configuration_is_a_clear_error():
 
 
 def test_a_worker_killed_from_outside_is_replaced():
-    with AnswerGrader("deepscaler", timeout_s=3.0, workers=1) as rm:
+    with AnswerGrader("deepscaler", timeout_s=GENEROUS_TIMEOUT_S, workers=1) as rm:
         assert rm.score(["\\boxed{1+x}"], ["x+1"]) == [1.0]
         victim = rm._pool._workers[0].proc
         victim.kill()

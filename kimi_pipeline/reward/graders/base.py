@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-from kimi_pipeline.reward.normalize import as_number, normalize_answer
+from kimi_pipeline.reward.normalize import as_number, normalize_answer, too_risky
 
 Via = Literal["no_answer", "fast", "numeric", "rejected", "symbolic"]  # the RewardStats counter a grade adds to
 
@@ -44,3 +44,12 @@ def plain_verdict(pred: str | None, label: str) -> Verdict:
     if pv is not None and gv is not None:
         return Verdict(1.0 if pv == gv else 0.0, "numeric")
     return Verdict.pending(g, p)
+
+
+def symbolic_unless_risky(verdict: Verdict) -> Verdict:
+    """`verdict` as it stands, except that a pending pair whose prediction only ever explodes in sympy
+    (power tower, huge factorial) is refused here, 0 without a worker: the time limit would catch it
+    too, but each one costs a full timeout and a worker restart. What stays pending goes to the pool."""
+    if verdict.symbolic is not None and too_risky(verdict.symbolic[1]):
+        return Verdict(0.0, "rejected")
+    return verdict
