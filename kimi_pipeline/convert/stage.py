@@ -19,10 +19,19 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from kimi_pipeline.convert.job import write_job_file
 from kimi_pipeline.convert.launch import launch, read_rank_reports, scale_out_command
+from kimi_pipeline.convert.verify import (
+    SMALL_MODEL_BYTES,
+    ConversionVerifyError,
+    model_bytes,
+    summarize,
+    verify_layout,
+)
 from kimi_pipeline.errors import PermanentError
 from kimi_pipeline.hub.download import read_manifest
 from kimi_pipeline.model.checkpoint_dirs import TRACKER
+from kimi_pipeline.model.parallel import Layout
 from kimi_pipeline.recipes import Recipe
 from kimi_pipeline.util.files import atomic_write_json, sha256_json
 
@@ -121,9 +130,6 @@ def run_convert(recipe: Recipe, run_dir: str | Path, model_dir: str | Path, *,
                 reuse: bool = True, timeout: float | None = None) -> dict[str, Any]:
     """Convert `model_dir` per recipe.convert into DIR/convert/torch_dist, verify, return the summary section."""
     from kimi_pipeline.convert.hf_reader import HFCheckpoint
-    from kimi_pipeline.convert.job import write_job_file
-    from kimi_pipeline.convert.verify import SMALL_MODEL_BYTES, ConversionVerifyError, model_bytes, summarize, verify_layout
-    from kimi_pipeline.model.parallel import Layout
 
     cs = recipe.convert
     if cs.mode != "torch_dist":
@@ -180,27 +186,7 @@ def run_convert(recipe: Recipe, run_dir: str | Path, model_dir: str | Path, *,
 
     do_verify = cs.verify if verify is None else verify
     if do_verify:
-        small = model_bytes(recipe.model) <= SMALL_MODEL_BYTES
-        vlayout = verify_layout(recipe.model, layout, small)
-        same_world = vlayout.world_size == layout.world_size
-        vjob = write_job_file(work / "verify.json", model=recipe.model, layout=vlayout, device=recipe.cluster.device,
-                              model_dir=model_dir.resolve(),
-                              out_dir=tmp.resolve(), ckpt_dir=tmp.resolve(), report_dir=reports.resolve(),
-                              text_config_key=recipe.hub.text_config_key, logits=small)
-        t1 = time.monotonic()
-        launch("kimi_pipeline.convert.verify", ["--job", str(vjob.resolve())],
-               nodes=cs.nodes if same_world else 1, procs_per_node=cs.gpus_per_node if same_world else vlayout.world_size,
-               work_dir=work, report_dir=reports, name="verify", timeout=timeout, report_prefix="verify_rank",
-               **launch_target(recipe))
-        verdict = summarize(read_rank_reports(reports, "verify_rank", vlayout.world_size), logits_expected=small)
-        section.update({k: v for k, v in verdict.items() if k != "problems"})
-        section["verify_layout"] = {"world_size": vlayout.world_size, "tp": vlayout.tp, "pp": vlayout.pp, "ep": vlayout.ep}
-        section["verify_seconds"] = round(time.monotonic() - t1, 3)
-        if not verdict["verified"]:
-            atomic_write_json(work / "verify_failed.json", verdict)
-            raise ConversionVerifyError(
-                f"converted checkpoint {tmp} does not reproduce {model_dir}:\n  - " + "\n  - ".join(verdict["problems"])
-            )
+        section.update(verify_conversion(recipe, model_dir, tmp, work, timeout))
     else:
         section["verify_skipped"] = "convert.verify=false"
         log.warning("convert: verification skipped by convert.verify=false; the checkpoint is NOT verified")
@@ -210,6 +196,40 @@ def run_convert(recipe: Recipe, run_dir: str | Path, model_dir: str | Path, *,
         shutil.rmtree(final)
     tmp.rename(final)
     atomic_write_json(out / MARKER, {"fingerprint": fp, "section": section})  # completion marker, last
+    return section
+
+
+def verify_conversion(recipe: Recipe, model_dir: str | Path, ckpt: str | Path, work: str | Path,
+                      timeout: float | None = None) -> dict[str, Any]:
+    """Verify the torch_dist checkpoint `ckpt`, written in recipe.convert's layout, against the HF checkpoint
+    `model_dir` (`kimi_pipeline.convert.verify`, reloaded under another layout); returns the verdict's fields
+    for the convert section. Raises ConversionVerifyError listing every tensor that differs (the whole
+    verdict is then in WORK/verify_failed.json)."""
+    cs = recipe.convert
+    model_dir, ckpt, work = Path(model_dir), Path(ckpt), Path(work)
+    reports = work / "reports"
+    layout = Layout.from_convert(cs)
+    small = model_bytes(recipe.model) <= SMALL_MODEL_BYTES
+    vlayout = verify_layout(recipe.model, layout, small)
+    same_world = vlayout.world_size == layout.world_size
+    vjob = write_job_file(work / "verify.json", model=recipe.model, layout=vlayout, device=recipe.cluster.device,
+                          model_dir=model_dir.resolve(),
+                          out_dir=ckpt.resolve(), ckpt_dir=ckpt.resolve(), report_dir=reports.resolve(),
+                          text_config_key=recipe.hub.text_config_key, logits=small)
+    t1 = time.monotonic()
+    launch("kimi_pipeline.convert.verify", ["--job", str(vjob.resolve())],
+           nodes=cs.nodes if same_world else 1, procs_per_node=cs.gpus_per_node if same_world else vlayout.world_size,
+           work_dir=work, report_dir=reports, name="verify", timeout=timeout, report_prefix="verify_rank",
+           **launch_target(recipe))
+    verdict = summarize(read_rank_reports(reports, "verify_rank", vlayout.world_size), logits_expected=small)
+    section = {k: v for k, v in verdict.items() if k != "problems"}
+    section["verify_layout"] = {"world_size": vlayout.world_size, "tp": vlayout.tp, "pp": vlayout.pp, "ep": vlayout.ep}
+    section["verify_seconds"] = round(time.monotonic() - t1, 3)
+    if not verdict["verified"]:
+        atomic_write_json(work / "verify_failed.json", verdict)
+        raise ConversionVerifyError(
+            f"converted checkpoint {ckpt} does not reproduce {model_dir}:\n  - " + "\n  - ".join(verdict["problems"])
+        )
     return section
 
 

@@ -7,17 +7,22 @@ randomly (norms and expert biases perturbed too, so a swapped mapping cannot hid
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from kimi_pipeline.convert.dequant import (
     Int4Dequantizer,
@@ -31,7 +36,18 @@ from kimi_pipeline.convert.dequant import (
 )
 from kimi_pipeline.convert.hf_reader import HFCheckpoint, HFCheckpointError
 from kimi_pipeline.convert.launch import ConversionJobPermanentError, launch_local, scale_out_command
-from kimi_pipeline.convert.stage import TRACKER, checkpoint_dir, completed, fingerprint, run_convert, source_manifest
+from kimi_pipeline.convert.stage import (
+    MARKER,
+    TRACKER,
+    checkpoint_dir,
+    completed,
+    convert_dir,
+    fingerprint,
+    run_convert,
+    source_manifest,
+    verify_conversion,
+)
+from kimi_pipeline.convert.verify import ConversionVerifyError
 from kimi_pipeline.errors import is_permanent
 from kimi_pipeline.model.hf_config import hf_config_dict
 from kimi_pipeline.recipes import load_recipe
@@ -219,6 +235,15 @@ def test_scale_out_command_is_one_torchrun_per_node():
 
 
 # ---------------------------------------------------------------- the 4-node job
+def _tree_state(root: Path) -> dict[str, tuple[int, int, int]]:
+    """(inode, size, mtime) of every file and directory under `root`: any write, replacement or removal shows."""
+    out = {}
+    for p in sorted(root.rglob("*")):
+        st = p.stat()
+        out[str(p.relative_to(root))] = (st.st_ino, st.st_size, st.st_mtime_ns)
+    return out
+
+
 @pytest.mark.slow
 def test_tiny_four_node_conversion_is_exact(converted, tiny_ckpt):
     run_dir, s = converted
@@ -239,10 +264,13 @@ def test_tiny_four_node_conversion_is_exact(converted, tiny_ckpt):
     assert max(s["bytes_read_per_rank"]) < 0.5 * s["bytes"]
     reports = [json.loads(p.read_text()) for p in sorted((run_dir / "convert" / "work" / "reports").glob("rank_*.json"))]
     assert sorted((r["pp"], r["ep"]) for r in reports) == [(0, 0), (0, 1), (1, 0), (1, 1)]
-    # a finished conversion of the same source + recipe is reused, not redone
-    t0 = time.monotonic()
+    # a finished conversion of the same source + recipe is reused, not redone: the recorded section comes
+    # back and nothing under DIR/convert is written, replaced or removed (no job, no verification launched)
+    before = _tree_state(convert_dir(run_dir))
     again = run_convert(_tiny_recipe(), run_dir, tiny_ckpt)  # fingerprint from the files themselves: same hashes
-    assert again["reused"] is True and time.monotonic() - t0 < 5
+    assert again == {**json.loads((convert_dir(run_dir) / MARKER).read_text())["section"], "reused": True}
+    assert again == {**s, "reused": True}
+    assert _tree_state(convert_dir(run_dir)) == before
     # ... but not for another recipe section (here: the conversion layout)
     other = fingerprint(_tiny_recipe(ep=1), source_manifest(tiny_ckpt))
     assert completed(run_dir) is not None and completed(run_dir, other) is None
@@ -283,6 +311,76 @@ def test_reload_under_tp2_matches_the_source(converted, tiny_ckpt, tmp_path):
     assert v["max_abs_diff"] == 0.0 and v["roundtrip_exact"] and v["roundtrip_tensors"] == v["hf_tensors"]
 
 
+def _tampered_copy(src: Path, dst: Path, change: Callable[[dict[str, torch.Tensor]], None], names: list[str]) -> Path:
+    """A copy of the HF checkpoint `src` in which `change` edits tensors `names` in place (same names,
+    shapes and shards; the index untouched): what the converter would have produced with a wrong mapping."""
+    shutil.copytree(src, dst)
+    index = json.loads((dst / "model.safetensors.index.json").read_text())["weight_map"]
+    shards = {index[n] for n in names}
+    tensors: dict[str, torch.Tensor] = {}
+    where: dict[str, str] = {}
+    for shard in shards:
+        with safe_open(str(dst / shard), "pt") as f:
+            for n in f.keys():
+                tensors[n], where[n] = f.get_tensor(n), shard
+    before = {n: tensors[n].clone() for n in names}
+    change(tensors)
+    assert all(not torch.equal(tensors[n], before[n]) for n in names)  # the edit really changed each tensor
+    for shard in shards:
+        save_file({n: t.contiguous() for n, t in tensors.items() if where[n] == shard}, str(dst / shard),
+                  metadata={"format": "pt"})
+    return dst
+
+
+def _swap(a: str, b: str) -> Callable[[dict[str, torch.Tensor]], None]:
+    def change(t: dict[str, torch.Tensor]) -> None:
+        t[a], t[b] = t[b], t[a]
+    return change
+
+
+def _one_ulp(name: str) -> Callable[[dict[str, torch.Tensor]], None]:
+    def change(t: dict[str, torch.Tensor]) -> None:
+        w = t[name].clone()
+        w.view(-1)[7] = torch.nextafter(w.view(-1)[7], torch.tensor(float("inf"), dtype=w.dtype))
+        t[name] = w
+    return change
+
+
+GATE, UP = "model.layers.3.mlp.experts.0.gate_proj.weight", "model.layers.3.mlp.experts.0.up_proj.weight"
+KV_A = "model.layers.1.self_attn.kv_a_proj_with_mqa.weight"
+TAMPER = {
+    # gate and up exchanged: the classic fused-fc1 mapping bug (same shapes, both in the last pipeline stage)
+    "swapped": ([GATE, UP], _swap(GATE, UP)),
+    # one element of one tensor off by one float32 ulp: verification is exact, not within a tolerance
+    "perturbed": ([KV_A], _one_ulp(KV_A)),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tamper", sorted(TAMPER))
+def test_verification_catches_a_swapped_or_perturbed_tensor(converted, tiny_ckpt, tmp_path, tamper):
+    """Negative control for the stage's verification: the tiny conversion (verified against its source) checked
+    against a source that differs in a swapped pair / one perturbed tensor fails, naming exactly those tensors."""
+    run_dir, s = converted
+    assert s["verified"] is True  # the same checkpoint against the untouched source
+    names, change = TAMPER[tamper]
+    bad = _tampered_copy(tiny_ckpt, tmp_path / "hf", change, names)
+    work = tmp_path / "work"
+    with pytest.raises(ConversionVerifyError) as info:
+        verify_conversion(load_recipe("tiny"), bad, checkpoint_dir(run_dir), work, timeout=300)
+    msg = str(info.value)
+    assert msg.startswith(f"converted checkpoint {checkpoint_dir(run_dir)} does not reproduce {bad}")
+    for n in names:  # the round trip HF -> Megatron -> HF names each changed tensor
+        assert re.search(rf"round trip: {re.escape(n)}: max \|diff\| [0-9.e+-]+", msg), msg
+    assert set(re.findall(r"round trip: (model\.\S+):", msg)) == set(names), msg  # and nothing else
+    # the reload compared with the HF-filled model: the megatron parameter(s) holding them
+    want = "linear_fc1" if tamper == "swapped" else "linear_kv_down_proj"  # kv_a_proj_with_mqa's megatron name
+    mismatched = re.findall(r"rank 0: (\S+): max \|diff\|", msg)
+    assert mismatched and all(want in m for m in mismatched), msg
+    verdict = json.loads((work / "verify_failed.json").read_text())
+    assert verdict["verified"] is False and not verdict["roundtrip_exact"] and verdict["max_abs_diff"] > 0
+
+
 # ---------------------------------------------------------------- quantized sources end to end
 def _load_converted(ckpt: Path, spec) -> dict[str, torch.Tensor]:
     """HF-named tensors of a torch_dist checkpoint, loaded on one rank in a fresh process."""
@@ -303,7 +401,7 @@ def _load_converted(ckpt: Path, spec) -> dict[str, torch.Tensor]:
     spec_file.write_text(spec.model_dump_json())
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
     subprocess.run([sys.executable, "-c", code, str(spec_file), str(ckpt), str(out)], check=True, env=env,
-                   cwd=ROOT, timeout=300, capture_output=True)
+                   cwd=ROOT, timeout=120, capture_output=True)  # with the conversion, inside the per-test 600 s
     from safetensors.torch import load_file
 
     return load_file(out)
@@ -314,7 +412,7 @@ def _load_converted(ckpt: Path, spec) -> dict[str, torch.Tensor]:
 def test_quantized_source_converts_close_to_the_bf16_source(tiny_ckpt, tmp_path, kind):
     qdir = write_quantized_checkpoint(tiny_ckpt, tmp_path / kind, kind)
     run_dir = tmp_path / "run"
-    s = run_convert(_two_nodes(), run_dir, qdir)
+    s = run_convert(_two_nodes(), run_dir, qdir, timeout=200)  # per launch: conversion, then verification
     assert s["source_format"] == kind and s["source"]["format"] == kind
     # exact against the dequantized source (the stage's own verification) ...
     assert s["verified"] and s["max_abs_diff"] == 0.0 and s["roundtrip_exact"]
@@ -345,7 +443,7 @@ def _with_truncated_shard(src: Path, dst: Path) -> tuple[Path, Path]:
 def test_corrupt_shard_fails_naming_the_file_and_rank(tiny_ckpt, tmp_path):
     bad, shard = _with_truncated_shard(tiny_ckpt, tmp_path / "bad")
     with pytest.raises(ConversionJobPermanentError) as info:
-        run_convert(_two_nodes(), tmp_path / "run", bad, source_files={})
+        run_convert(_two_nodes(), tmp_path / "run", bad, source_files={}, timeout=300)
     msg = str(info.value)
     assert shard.name in msg and "corrupt or truncated" in msg
     assert "rank 1 (node 1) failed: HFCheckpointError" in msg
@@ -367,6 +465,16 @@ def _running(p: psutil.Process) -> bool:
         return False
 
 
+# Waits on states are bounded well inside pytest's per-test --timeout=600 (pyproject.toml), so that a hang
+# reports what it was waiting for: reaching the save, then the re-run (SAVE_WAIT_S + 20 + RERUN_TIMEOUT_S).
+SAVE_WAIT_S = 300
+RERUN_TIMEOUT_S = 240
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.is_file() else "(no log)"
+
+
 @pytest.mark.slow
 def test_interrupted_conversion_is_never_taken_as_complete(tiny_ckpt, tmp_path):
     run_dir = tmp_path / "run"
@@ -378,21 +486,26 @@ def test_interrupted_conversion_is_never_taken_as_complete(tiny_ckpt, tmp_path):
         "    r = r.model_copy(update={'convert': r.convert.model_copy(update=dict(nodes=2, pp=2, ep=1, verify=False))})\n"
         "    run_convert(r, Path(sys.argv[1]), Path(sys.argv[2]))\n"
     )
-    proc = subprocess.Popen([sys.executable, "-c", code, str(run_dir), str(tiny_ckpt)], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    log_path = tmp_path / "launcher.log"
+    with open(log_path, "wb") as log_fh:
+        proc = subprocess.Popen([sys.executable, "-c", code, str(run_dir), str(tiny_ckpt)], cwd=ROOT,
+                                stdout=log_fh, stderr=subprocess.STDOUT, start_new_session=True)
     out = run_dir / "convert"
-    deadline = time.monotonic() + 240
-    tree: dict[int, psutil.Process] = {}
+    deadline = time.monotonic() + SAVE_WAIT_S
+    tree: dict[int, psutil.Process] = {}  # only this launcher's own process tree is inspected and killed
     try:  # SIGKILL the launcher (its agents run in sessions of their own) while the ranks save their shards
-        while time.monotonic() < deadline and not list(out.glob("torch_dist.tmp-*/iter_*")):
-            assert proc.poll() is None, "the conversion ended before it could be interrupted"
+        while not list(out.glob("torch_dist.tmp-*/iter_*")):
+            if proc.poll() is not None:
+                pytest.fail(f"the conversion exited ({proc.returncode}) before it could be interrupted:\n{_tail(log_path)}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"no rank began saving (torch_dist.tmp-*/iter_*) within {SAVE_WAIT_S} s:\n{_tail(log_path)}")
             tree.update((c.pid, c) for c in _descendants(proc.pid))
             time.sleep(0.05)
         tree.update((c.pid, c) for c in _descendants(proc.pid))  # agents, ranks, megatron's writers
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher's own session
         proc.wait()
-    assert list(out.glob("torch_dist.tmp-*/iter_*")), "never reached the save"
+    assert tree, "no process of the conversion was seen"
     _, alive = psutil.wait_procs(list(tree.values()), timeout=20)
     alive = [p for p in alive if _running(p)]
     assert not alive, f"outlived the killed launcher: {[(p.pid, p.cmdline()[-3:]) for p in alive]}"
@@ -401,7 +514,7 @@ def test_interrupted_conversion_is_never_taken_as_complete(tiny_ckpt, tmp_path):
     checkpoint_dir(run_dir).mkdir()
     (checkpoint_dir(run_dir) / "iter_0000000").mkdir()
     r = _two_nodes(verify=False)
-    s = run_convert(r, run_dir, tiny_ckpt)
+    s = run_convert(r, run_dir, tiny_ckpt, timeout=RERUN_TIMEOUT_S)
     assert "reused" not in s and s["verified"] is False and s["verify_skipped"]
     assert (checkpoint_dir(run_dir) / TRACKER).is_file() and not list(out.glob("torch_dist.tmp-*"))
     assert completed(run_dir)["path"] == str(checkpoint_dir(run_dir))
@@ -440,11 +553,63 @@ def test_launcher_relaunches_when_the_rendezvous_port_is_taken(tmp_path, monkeyp
     assert res.nodes == 2 and f"--master-port={picked[1]}" in res.commands[0]
 
 
+def _job_processes(cluster) -> dict[int, tuple[psutil.Process, str]]:
+    """(process, command line) of the NodeAgent actors, torchrun agents and ranks of *this* cluster: LocalCluster
+    marks every process it starts (KIMI_RAY_CLUSTER_ID=<its uuid>, inherited by raylets, workers and what they
+    spawn), so another run's cluster on the same host is never looked at."""
+    out = {}
+    for p in cluster.processes():
+        try:
+            cmd = " ".join(p.cmdline())
+        except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+            continue
+        if "NodeAgent" in cmd or "kimi_pipeline.convert.job" in cmd:
+            out[p.pid] = (p, cmd)
+    return out
+
+
+class _Sampler:
+    """Records this cluster's job processes while a conversion runs (they live for seconds only)."""
+
+    def __init__(self, cluster):
+        self.cluster = cluster
+        self.seen: dict[int, tuple[psutil.Process, str]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.3):
+            self.seen.update(_job_processes(self.cluster))
+
+    def __enter__(self) -> _Sampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+    def saw(self, what: str) -> int:
+        return sum(what in cmd for _, cmd in self.seen.values())
+
+
+def _assert_all_gone(cluster, seen: dict[int, tuple[psutil.Process, str]], wait_s: float = 30.0) -> None:
+    """Every process in `seen`, and every job process of the cluster now, exits within `wait_s`."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        left = [(p.pid, cmd) for p, cmd in {**seen, **_job_processes(cluster)}.values() if _running(p)]
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert not left, f"still running {wait_s:.0f} s after the job: {left}"
+
+
 @pytest.mark.slow
 def test_conversion_runs_one_agent_per_node_of_a_ray_cluster(tiny_ckpt, tmp_path):
     """Issue 15 item 2: with cluster.address the stage starts one torchrun agent per Ray node itself
     (STRICT_SPREAD over a simulated 4-node cluster), streams their logs, names the node and rank of a
-    failure, and leaves no agent actor or placement group behind."""
+    failure, and leaves no agent actor or placement group behind. Only this test's own cluster's
+    processes are inspected (see `_job_processes`)."""
     import ray
 
     from kimi_pipeline.cluster.health import connected
@@ -455,32 +620,24 @@ def test_conversion_runs_one_agent_per_node_of_a_ray_cluster(tiny_ckpt, tmp_path
     cluster = LocalCluster.start(tmp_path / "ray", specs[0], specs[1:])
     try:
         recipe = load_recipe("tiny", [f"cluster.address={cluster.address}"])  # convert: 4 nodes x 1 rank, pp2 x ep2
-        s = run_convert(recipe, tmp_path / "run", tiny_ckpt, source_files={}, verify=False)
+        with _Sampler(cluster) as ok_run:
+            s = run_convert(recipe, tmp_path / "run", tiny_ckpt, source_files={}, verify=False, timeout=180)
         assert s["launcher"] == "ray" and len(set(s["placement"])) == 4  # four distinct Ray nodes
         logs = tmp_path / "run" / "convert" / "work" / "logs"
         assert all((logs / f"convert.node{i}.log").stat().st_size > 0 for i in range(4))  # streamed back
         assert (checkpoint_dir(tmp_path / "run") / TRACKER).is_file()
 
         bad, shard = _with_truncated_shard(tiny_ckpt, tmp_path / "bad")
-        with pytest.raises(ConversionJobPermanentError) as info:
-            run_convert(recipe, tmp_path / "run2", bad, source_files={}, verify=False)
+        with _Sampler(cluster) as failed_run, pytest.raises(ConversionJobPermanentError) as info:
+            run_convert(recipe, tmp_path / "run2", bad, source_files={}, verify=False, timeout=180)
         msg = str(info.value)
         assert re.search(r"rank [23] \(node [23]\) failed: HFCheckpointError", msg) and shard.name in msg
         with connected(cluster.address):
             assert all(pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())
-
-        def left() -> list[str]:
-            out = []
-            for p in psutil.process_iter(["cmdline"]):
-                cmd = " ".join(p.info["cmdline"] or [])
-                if "NodeAgent" in cmd or "kimi_pipeline.convert.job" in cmd:
-                    out.append(cmd)
-            return out
-
-        deadline = time.monotonic() + 20
-        while left() and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not left()  # agent actors, torchrun agents and ranks are gone
+        # the filter does find the job's processes while they run: 4 agent actors, their torchrun agents and ranks
+        assert ok_run.saw("NodeAgent") == 4 and ok_run.saw("kimi_pipeline.convert.job") >= 4, ok_run.seen
+        assert failed_run.saw("NodeAgent") == 4, failed_run.seen
+        _assert_all_gone(cluster, {**ok_run.seen, **failed_run.seen})  # agent actors, torchrun agents and ranks
     finally:
         cluster.stop()
 
@@ -497,20 +654,38 @@ def test_the_printed_per_node_command_really_joins(tiny_ckpt, tmp_path):
         port = s.getsockname()[1]
     recipe = _two_nodes(verify=False, launcher="manual", master_port=port)
     result: dict = {}
-    stage = threading.Thread(target=lambda: result.update(section=run_convert(recipe, tmp_path / "run", tiny_ckpt,
-                                                                               source_files={}, timeout=300)))
+
+    def stage_thread() -> None:
+        try:
+            result["section"] = run_convert(recipe, tmp_path / "run", tiny_ckpt, source_files={}, timeout=300)
+        except BaseException as e:  # noqa: BLE001 - reported by the test below
+            result["error"] = e
+
+    # bounded waits, together inside pytest's per-test --timeout=600: script 120 s, nodes 300 s, stage 120 s
+    stage = threading.Thread(target=stage_thread, daemon=True)
     stage.start()
     script = tmp_path / "run" / "convert" / "work" / "convert.run-on-every-node.sh"
-    deadline = time.monotonic() + 60
-    while not script.is_file() and time.monotonic() < deadline:
+    deadline = time.monotonic() + 120
+    while not script.is_file():
+        assert stage.is_alive(), f"the stage ended without writing {script.name}: {result}"
+        assert time.monotonic() < deadline, f"the stage wrote no {script.name} in 120 s"
         time.sleep(0.1)
     text = script.read_text()
     assert f"--master-port={port}" in text and "--node-rank=$NODE_RANK" in text and "--master-addr=$MASTER_ADDR" in text
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     nodes = [subprocess.Popen(["sh", str(script)], env={**env, "NODE_RANK": str(i)}, cwd=tmp_path,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for i in range(2)]
-    assert [p.wait(timeout=300) for p in nodes] == [0, 0]
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+             for i in range(2)]
+    try:
+        assert [p.wait(timeout=300) for p in nodes] == [0, 0]
+    finally:  # on a failure, what this test started and only that (each "node" in a session of its own)
+        for p in nodes:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
     stage.join(timeout=120)
+    assert not stage.is_alive(), "both nodes finished, but the stage was still waiting 120 s later"
+    assert "error" not in result, result["error"]
     section = result["section"]
     assert section["launcher"] == "manual" and (checkpoint_dir(tmp_path / "run") / TRACKER).is_file()
     assert completed(tmp_path / "run")["path"] == str(checkpoint_dir(tmp_path / "run"))

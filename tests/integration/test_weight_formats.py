@@ -20,6 +20,92 @@ from kimi_pipeline.rl.engine.model import EngineModel, EngineWeightError, iter_s
 
 TINY_MODEL = Path(__file__).resolve().parents[2] / "data" / "tiny" / "model"
 
+# ---------------------------------------------------------------- FP8 block oracle (independent of the product)
+# Kimi-K2-Instruct's / DeepSeek-V3's block FP8 (config `quant_method: fp8, fmt: e4m3, weight_block_size:
+# [128, 128]`), written out block by block from the format's definition rather than taken from
+# kimi_pipeline: each 128×128 block (the last row/column of blocks may be partial) is stored as
+# float8_e4m3fn values q = clamp(w / s, ±448) and one float32 `weight_scale_inv` s = amax(|block|) / 448,
+# so that the dequantized weight is q × s. An all-zero block stores zeros; its s only has to be finite.
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448: the largest finite e4m3 value
+BLOCK = 128
+
+
+def _blocks(rows: int, cols: int) -> list[tuple[int, int, slice, slice]]:
+    return [(i, j, slice(r, min(r + BLOCK, rows)), slice(c, min(c + BLOCK, cols)))
+            for i, r in enumerate(range(0, rows, BLOCK)) for j, c in enumerate(range(0, cols, BLOCK))]
+
+
+def oracle_fp8_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8_e4m3fn weight, float32 weight_scale_inv of shape ceil(rows/128) × ceil(cols/128))."""
+    rows, cols = w.shape
+    q = torch.zeros(rows, cols, dtype=torch.float8_e4m3fn)
+    scale_inv = torch.ones(-(-rows // BLOCK), -(-cols // BLOCK), dtype=torch.float32)
+    for i, j, r, c in _blocks(rows, cols):
+        block = w[r, c].float()
+        amax = block.abs().max()
+        s = amax / FP8_MAX if amax > 0 else torch.tensor(1.0)  # an all-zero block: zeros, scale 1
+        scale_inv[i, j] = s
+        q[r, c] = (block / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale_inv
+
+
+def oracle_fp8_dequantize(q: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    """float32 weight = q × its block's weight_scale_inv."""
+    out = torch.empty(q.shape, dtype=torch.float32)
+    for i, j, r, c in _blocks(*q.shape):
+        out[r, c] = q[r, c].float() * scale_inv[i, j]
+    return out
+
+
+def _fp8_test_weight() -> torch.Tensor:
+    """300×200: 3×2 blocks, the last row of blocks 44 rows high and the last column 72 wide; block
+    magnitudes 1e-3 … 1e2 apart (a per-tensor scale would flush the small blocks to zero) and one all-zero
+    block; block (1, 1)'s largest magnitude is exactly 896, so its scale_inv must be exactly 2."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(300, 200, generator=g)
+    for (i, j), m in {(0, 0): 1e-3, (0, 1): 1.0, (1, 1): 10.0, (2, 0): 0.05, (2, 1): 100.0}.items():
+        w[i * BLOCK:(i + 1) * BLOCK, j * BLOCK:(j + 1) * BLOCK] *= m
+    w[BLOCK:2 * BLOCK, :BLOCK] = 0.0
+    w[130, 140] = -896.0
+    return w
+
+
+def test_oracle_fp8_is_the_block_format():
+    """The oracle itself: known values, and every block within e4m3's rounding of its own magnitude."""
+    w = _fp8_test_weight()
+    q, s = oracle_fp8_quantize(w)
+    assert s.shape == (3, 2) and s[1, 1] == 2.0 and q[130, 140].float() == -FP8_MAX
+    assert s[1, 0] == 1.0 and not q[BLOCK:2 * BLOCK, :BLOCK].float().any()
+    d = oracle_fp8_dequantize(q, s)
+    for i, j, r, c in _blocks(*w.shape):
+        amax = w[r, c].abs().max()
+        # e4m3 keeps 3 mantissa bits: half a step is at most 1/16 of the value, so of the block's max
+        assert (d[r, c] - w[r, c]).abs().max() <= amax / 16, (i, j)
+        if amax > 0:
+            assert (d[r, c] - w[r, c]).abs().max() > 0, (i, j)  # it really was rounded to 8 bits
+
+
+def test_fp8_block_quantization_matches_the_oracle_bit_for_bit():
+    """The product's quantizer (weight sync to an FP8 engine, FP8 checkpoint copies) stores the oracle's
+    bytes and scales, including partial edge blocks and a zero block; its dequantization (conversion of an
+    FP8 source, the engine loading FP8 buckets) reproduces the oracle's from either one's tensors."""
+    w = _fp8_test_weight()
+    q, s = quantize_fp8_block(w, (BLOCK, BLOCK))
+    want_q, want_s = oracle_fp8_quantize(w)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == w.shape
+    assert s.dtype == torch.float32 and s.shape == want_s.shape == (3, 2)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    nonzero = torch.zeros(3, 2, dtype=torch.bool)
+    for i, j, r, c in _blocks(*w.shape):
+        nonzero[i, j] = bool(w[r, c].any())
+    assert nonzero.sum() == 5
+    assert torch.equal(s[nonzero], want_s[nonzero])  # amax / 448, per block, not per tensor, not inverted
+    assert torch.isfinite(s).all() and (s > 0).all()  # the zero block's scale too
+    want = oracle_fp8_dequantize(want_q, want_s)
+    assert torch.equal(dequant_fp8_block(q, s, (BLOCK, BLOCK)), want)
+    assert torch.equal(dequant_fp8_block(want_q, want_s, (BLOCK, BLOCK)), want)  # a checkpoint as shipped
+    assert not want[BLOCK:2 * BLOCK, :BLOCK].any()
+
 
 def _expected(name: str, t: torch.Tensor, fmt: str) -> torch.Tensor:
     """What an engine serving `fmt` holds for trainer tensor `t`."""
@@ -28,7 +114,7 @@ def _expected(name: str, t: torch.Tensor, fmt: str) -> torch.Tensor:
     if fmt == "int4" and is_quantized(name):
         return fake_quant_int4(t, 32)
     if fmt == "fp8" and name.endswith(("_proj.weight", "_proj_with_mqa.weight")):
-        return dequant_fp8_block(*quantize_fp8_block(t, (128, 128)), (128, 128))
+        return oracle_fp8_dequantize(*oracle_fp8_quantize(t))
     return t.to(torch.bfloat16)
 
 
