@@ -2,8 +2,9 @@
 
 Covers: metrics / checkpoints / summary section; engine logprobs after weight sync equal the trainer's
 (the TIS ratio); `kimi eval` of the step-4 checkpoint and of the HF directory; `kimi train --quiet`; kill -9
-of the trainer at a random step, then a retry resumes from the last checkpoint and ends with exactly the
-metrics of an uninterrupted run; EP2 across 2 trainer actors.
+of the trainer at a random step, and kill -9 while megatron writes a checkpoint, then a retry resumes from
+the last complete checkpoint and ends with exactly the metrics and eval rows of an uninterrupted run (routing
+replay on); EP2 across 2 trainer actors. Tests kill and inspect only their own processes and segments.
 """
 
 from __future__ import annotations
@@ -15,25 +16,36 @@ import shutil
 import signal
 from pathlib import Path
 
+import psutil
 import pytest
 
 from support.common import (REPRODUCIBLE, TRAIN_SET, assert_eval_agrees_with_its_problems, assert_same_rows,
                             stable_row, tiny_overrides, train_recipe)
+from support.save_gate import GATE_ENV
 
 pytestmark = pytest.mark.slow
 
 
 
 @pytest.fixture(scope="module")
-def ray_local():
+def save_gate(tmp_path_factory) -> Path:
+    """The directory that arms `support.save_gate` in this module's Ray workers (see `kill_mid_save`)."""
+    return tmp_path_factory.mktemp("save_gate")
+
+
+@pytest.fixture(scope="module")
+def ray_local(save_gate):
     import ray
 
     from kimi_pipeline.cluster.stage import export_driver_env
 
     export_driver_env("token")  # as the cluster stage does; also refreshes Ray's cached config
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    os.environ[GATE_ENV] = str(save_gate)  # the raylet, and so every worker, inherits it
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+             runtime_env={"worker_process_setup_hook": "support.save_gate.install"})
     yield
     ray.shutdown()
+    os.environ.pop(GATE_ENV, None)
 
 
 @pytest.fixture(scope="module")
@@ -155,16 +167,48 @@ def test_kimi_train_quiet_drops_the_progress_lines_not_the_result(prepared, ray_
     assert outputs[True] == ([], []), outputs[True]
 
 
-def test_kill_9_then_retry_resumes_with_identical_metrics(prepared, ray_local, tmp_path):
+# the resume tests' recipe: reproducible, and routing replay on (the rollout's expert ids drive the trainer's routers)
+RESUME_SET = REPRODUCIBLE + ["rollout.routing_replay=true"]
+
+
+def _eval_rows(run: Path) -> list[dict]:
+    """The run's eval rows (summary.json) without their wall-clock `seconds`."""
+    return [{k: v for k, v in e.items() if k != "seconds"} for e in json.loads((run / "summary.json").read_text())["eval"]]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(prepared, ray_local, tmp_path_factory) -> tuple[list[dict], list[dict]]:
+    """The metrics and eval rows of an uninterrupted run of the resume tests' recipe (evals at 0, 2, 4)."""
+    from kimi_pipeline.stages import stage_train
+
+    tiny, base = prepared
+    run = _copy_run(base, tmp_path_factory.mktemp("uninterrupted") / "run")
+    stage_train(train_recipe(tiny, RESUME_SET), run)
+    rows, evals = [stable_row(x) for x in _rows(run)], _eval_rows(run)
+    assert [e["step"] for e in evals] == [0, 2, 4]
+    return rows, evals
+
+
+def _retry_resumes(r, crashed: Path, uninterrupted, caplog, resumed_after: int = 2) -> None:
+    """The stage retry resumes from the step-`resumed_after` checkpoint and ends with the metrics and eval rows
+    of the uninterrupted run (each eval row once, the resumed ones included)."""
+    from kimi_pipeline.stages import stage_train
+
+    assert json.loads((crashed / "summary.json").read_text())["stages"]["train"]["status"] == "failed"
+    with caplog.at_level("INFO", logger="kimi_pipeline.rl.loop"):
+        stage_train(r, crashed)  # the retry
+    assert f"at step {resumed_after}" in " ".join(m for m in caplog.messages if m.startswith("resumed from")), caplog.text
+    expected_rows, expected_evals = uninterrupted
+    assert_same_rows([stable_row(x) for x in _rows(crashed)], expected_rows, resumed_after=resumed_after)
+    assert _eval_rows(crashed) == expected_evals
+
+
+def test_kill_9_then_retry_resumes_with_identical_metrics(prepared, ray_local, uninterrupted, tmp_path, caplog):
     from kimi_pipeline.rl.loop import TrainingError
     from kimi_pipeline.stages import stage_train
 
     tiny, base = prepared
-    r = train_recipe(tiny, REPRODUCIBLE)
-    straight = _copy_run(base, tmp_path / "straight")
-    stage_train(r, straight, evaluate=lambda step, urls: {})
-    expected = [stable_row(x) for x in _rows(straight)]
-
+    r = train_recipe(tiny, RESUME_SET)
     crashed = _copy_run(base, tmp_path / "crashed")
     kill_at = random.Random().choice([3, 4])  # after the step-2 checkpoint; step 4 kills before its save lands
     print(f"killing the trainer after step {kill_at - 1} (during step {kill_at})")
@@ -175,17 +219,68 @@ def test_kill_9_then_retry_resumes_with_identical_metrics(prepared, ray_local, t
                 os.kill(pid, signal.SIGKILL)
 
     with pytest.raises(TrainingError, match="resumes from the latest checkpoint"):
-        stage_train(r, crashed, evaluate=lambda step, urls: {}, on_step=kill_trainer)
-    assert json.loads((crashed / "summary.json").read_text())["stages"]["train"]["status"] == "failed"
-    stage_train(r, crashed, evaluate=lambda step, urls: {})  # the retry
-    assert_same_rows([stable_row(x) for x in _rows(crashed)], expected, resumed_after=2)
+        stage_train(r, crashed, on_step=kill_trainer)
+    _retry_resumes(r, crashed, uninterrupted, caplog)
+
+
+def test_kill_9_during_a_checkpoint_save_resumes_from_the_previous_checkpoint(prepared, ray_local, uninterrupted,
+                                                                              save_gate, tmp_path, caplog):
+    """A real SIGKILL while megatron writes the step-4 checkpoint (a shard file on disk, its metadata, the
+    rename into place and the tracker not): the half-written `iter_0000004.tmp` is never read, the retry resumes
+    from step 2, replaces the leftover and ends as the uninterrupted run did."""
+    import threading
+    import time
+
+    from kimi_pipeline.rl.loop import TrainingError
+    from kimi_pipeline.stages import stage_train
+
+    tiny, base = prepared
+    r = train_recipe(tiny, RESUME_SET)
+    crashed = _copy_run(base, tmp_path / "crashed")
+    ckpts = crashed / "train" / "checkpoints"
+    (save_gate / "arm").write_text("4")
+    held: list[str] = []
+
+    def kill_when_held() -> None:  # waits on the gate's file, not on time; the deadline only ends a hung test
+        deadline = time.monotonic() + 500
+        while not list(save_gate.glob("held-*")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        held.extend(p.read_text() for p in save_gate.glob("held-*"))
+        for pid in _trainer_pids():  # the trainer and any writer process it forked
+            os.kill(pid, signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_when_held, daemon=True)
+    killer.start()
+    try:
+        with pytest.raises(TrainingError, match="resumes from the latest checkpoint"):
+            stage_train(r, crashed)
+    finally:
+        (save_gate / "arm").unlink()
+        killer.join(60)
+        for p in save_gate.glob("held-*"):
+            p.unlink()
+    assert held and all(Path(h).parent == ckpts / "iter_0000004.tmp" for h in held), held
+    tmp = ckpts / "iter_0000004.tmp"
+    assert list(tmp.glob("*.distcp")) and not (tmp / ".metadata").exists()  # killed mid-write
+    assert not (ckpts / "iter_0000004").exists()
+    assert (ckpts / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    _retry_resumes(r, crashed, uninterrupted, caplog)
+    assert (ckpts / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+    assert (ckpts / "iter_0000004" / ".metadata").is_file() and not tmp.exists()
 
 
 def _trainer_pids() -> list[int]:
-    import psutil
+    """This test's trainer actors only: `ray.init` in `ray_local` started the raylet as our child, so the
+    PolicyWorker processes of our cluster are our descendants; a `kimi run` beside the test is never touched."""
+    return [p.pid for p in psutil.Process().children(recursive=True)
+            if any("ray::PolicyWorker" in part for part in _cmdline(p))]
 
-    return [p.pid for p in psutil.process_iter(["cmdline"])
-            if any("ray::PolicyWorker" in part for part in (p.info["cmdline"] or []))]
+
+def _cmdline(p: psutil.Process) -> list[str]:
+    try:
+        return p.cmdline()
+    except psutil.Error:  # exited between the listing and the read
+        return []
 
 
 def test_ep2_across_two_trainer_actors(prepared, ray_local, tmp_path):
@@ -194,13 +289,22 @@ def test_ep2_across_two_trainer_actors(prepared, ray_local, tmp_path):
     tiny, base = prepared
     run = _copy_run(base, tmp_path / "ep2")
     r = train_recipe(tiny, ["parallel.ep=2", "cluster.gpus_per_node=2", "rollout.num_rollout=2", "eval.interval=2"])
-    section = stage_train(r, run, evaluate=lambda step, urls: {})
+    from kimi_pipeline.rl.engine import shm
+
+    trainers: set[int] = set()
+    segments: set[str] = set()
+
+    def note_trainers(row: dict) -> None:  # while the run is live: its trainers and the segments they own
+        trainers.update(_trainer_pids())
+        segments.update(p.name for pid in trainers for p in shm.shm_dir().glob(f"{shm.PREFIX}{pid}-*"))
+
+    section = stage_train(r, run, evaluate=lambda step, urls: {}, on_step=note_trainers)
     rows = _rows(run)
     assert [x["step"] for x in rows] == [1, 2] and section["steps"] == 2
     assert all(x["optimizer_steps"] == -(-(x["samples"] - x["samples_trimmed"]) // x["global_batch_size"]) for x in rows)
-    from kimi_pipeline.rl.engine import shm
-
-    assert not list(shm.shm_dir().glob(shm.PREFIX + "*"))  # the trainers removed their weight-sync segments
+    # the trainers removed their weight-sync segments (ours only: a segment is named after its owner's pid)
+    assert len(trainers) == 2 and len(segments) == 2, (trainers, segments)
+    assert not [p for pid in trainers for p in shm.shm_dir().glob(f"{shm.PREFIX}{pid}-*")]
     for x in rows:
         assert abs(x["tis_min"] - 1) < 1e-3 and abs(x["tis_max"] - 1) < 1e-3, x
         # issue 14 item 9: each of the 2 DP ranks computed logprobs and gradients for its half only

@@ -1,0 +1,40 @@
+"""Holds a trainer in the middle of megatron's checkpoint write, so a test can SIGKILL it exactly there.
+
+Installed in every worker of a test's Ray cluster by Ray's `worker_process_setup_hook` (see test_train.py's
+`ray_local`); it does nothing until armed. Armed by a file `<$KIMI_TEST_SAVE_GATE>/arm` naming a step: the
+process that fsyncs a shard file of that step's checkpoint — megatron's torch_dist writer syncs each
+`*.distcp` it writes (megatron/core/dist_checkpointing/strategies/filesystem_async.py, `write_preloaded_data`)
+— records its pid in `<gate>/held-<pid>` and sleeps. At that point the shard is on disk but megatron's
+metadata, our rename of `iter_N.tmp` into place and the tracker are not: a kill there is a kill mid-save.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+GATE_ENV = "KIMI_TEST_SAVE_GATE"
+
+
+def install() -> None:
+    gate = os.environ.get(GATE_ENV)
+    if not gate:
+        return
+    real_fsync = os.fsync
+
+    def fsync(fd) -> None:
+        real_fsync(fd)
+        arm = Path(gate) / "arm"
+        if not arm.is_file():
+            return
+        try:
+            path = Path(os.readlink(f"/proc/self/fd/{fd if isinstance(fd, int) else fd.fileno()}"))
+        except OSError:
+            return
+        if path.suffix == ".distcp" and path.parent.name == f"iter_{int(arm.read_text()):07d}.tmp":
+            (Path(gate) / f"held-{os.getpid()}").write_text(str(path))
+            while True:  # until the test's SIGKILL
+                time.sleep(1)
+
+    os.fsync = fsync
