@@ -171,7 +171,7 @@ class PolicyWorker:
         if mb:
             return collate([samples[i] for i in mb], mb, pad_id=0, pad_to_multiple=multiple).to(self.device)
         m = self.recipe.model
-        replay = self.recipe.rollout.routing_replay and bool(samples) and samples[0].routed_experts is not None
+        replay = self.recipe.rollout.routing_replay  # a rank with no sample of its own still replays (zero ids)
         return padding_micro_batch(0, (m.num_layers - m.first_k_dense, m.moe_router_topk) if replay else None,
                                    width=multiple).to(self.device)
 
@@ -205,9 +205,15 @@ class PolicyWorker:
 
     def _with_replay(self, mbs: list[MicroBatch], fn):
         """Run `fn` with routing replay: before each micro-batch's forward, its rollout expert ids are
-        installed in megatron's RouterReplay (routing from the rollout, probabilities from the live router)."""
-        if not self.recipe.rollout.routing_replay or any(mb.routed_experts is None for mb in mbs):
+        installed in megatron's RouterReplay (routing from the rollout, probabilities from the live router).
+        With replay on, samples without expert ids are an error, never a silent fall back to live routing."""
+        if not self.recipe.rollout.routing_replay:
             return fn()
+        if any(mb.routed_experts is None for mb in mbs):
+            raise PermanentError(
+                "rollout.routing_replay is on but the rollout's samples carry no routed expert ids: the engine must "
+                "return them (SGLang: --enable-return-routed-experts; requests ask with return_routed_experts); "
+                "fix the engine launch or set rollout.routing_replay=false")
         from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
         queue, layers = list(mbs), self._moe_layer_slice()

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from kimi_pipeline.errors import PermanentError
+
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "data" / "tiny"
 
@@ -166,7 +168,13 @@ def replay_diffs(worker, samples) -> dict[str, float]:
     out["moved"] = max_diff(base, worker._token_logprobs(worker.model, samples))
     for s in samples:
         s.routed_experts = None
-    out["live"] = max_diff(base, worker._token_logprobs(worker.model, samples))
+    with pytest.raises(PermanentError, match="no routed expert ids"):  # never a silent fall back to live routing
+        worker._token_logprobs(worker.model, samples)
+    worker.recipe.rollout.routing_replay = False
+    try:
+        out["live"] = max_diff(base, worker._token_logprobs(worker.model, samples))
+    finally:
+        worker.recipe.rollout.routing_replay = True
     return out
 
 
