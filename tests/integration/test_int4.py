@@ -385,7 +385,7 @@ def test_stage_export_from_a_megatron_checkpoint(megatron_pair, tmp_path):
     assert key == checkpoint_content_hash(ckpt, 20)
 
     run_dir = tmp_path / "run"
-    section = stage_export(recipe, run_dir, ckpt, model_dir=TINY_MODEL, timeout_s=600)
+    section = stage_export(recipe, run_dir, ckpt, model_dir=TINY_MODEL, timeout_s=450)  # < the test limit
     assert section["checkpoint"] == str(ckpt / "iter_0000020")
     # distributed: recipe.convert's 4 ranks (pp 2 x ep 2) each wrote the tensors they own ...
     assert section["ranks"] == 4 and len(section["peak_rss_mb_per_rank"]) == 4

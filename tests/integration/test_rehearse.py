@@ -52,7 +52,7 @@ def test_seed_recipe_launches_on_a_simulated_32x8_cluster(cluster_32x8, name, tm
 
 def test_kimi_rehearse_cli_starts_and_stops_its_own_cluster(tmp_path):
     out = subprocess.run([sys.executable, "-m", "kimi_pipeline.cli", "rehearse", "tiny", "--out", str(tmp_path)],
-                         capture_output=True, text=True, timeout=600)
+                         capture_output=True, text=True, timeout=480)  # < the test limit
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     d = json.loads((tmp_path / "tiny" / "launch-plan.json").read_text())
     assert d["ok"] and d["cluster_nodes"] == 1 and [o["actor"] for o in d["observed"]] == ["rank 0", "engine 0 node 0",

@@ -229,7 +229,6 @@ def test_kill_9_during_a_checkpoint_save_resumes_from_the_previous_checkpoint(pr
     rename into place and the tracker not): the half-written `iter_0000004.tmp` is never read, the retry resumes
     from step 2, replaces the leftover and ends as the uninterrupted run did."""
     import threading
-    import time
 
     from kimi_pipeline.rl.loop import TrainingError
     from kimi_pipeline.stages import stage_train
@@ -240,11 +239,12 @@ def test_kill_9_during_a_checkpoint_save_resumes_from_the_previous_checkpoint(pr
     ckpts = crashed / "train" / "checkpoints"
     (save_gate / "arm").write_text("4")
     held: list[str] = []
+    stop = threading.Event()
 
-    def kill_when_held() -> None:  # waits on the gate's file, not on time; the deadline only ends a hung test
-        deadline = time.monotonic() + 500
-        while not list(save_gate.glob("held-*")) and time.monotonic() < deadline:
-            time.sleep(0.05)
+    def kill_when_held() -> None:  # waits on the gate's file, not on time (the test's timeout bounds a hang)
+        while not list(save_gate.glob("held-*")):
+            if stop.wait(0.05):  # the stage ended without reaching the gate: kill nothing
+                return
         held.extend(p.read_text() for p in save_gate.glob("held-*"))
         for pid in _trainer_pids():  # the trainer and any writer process it forked
             os.kill(pid, signal.SIGKILL)
@@ -256,6 +256,7 @@ def test_kill_9_during_a_checkpoint_save_resumes_from_the_previous_checkpoint(pr
             stage_train(r, crashed)
     finally:
         (save_gate / "arm").unlink()
+        stop.set()
         killer.join(60)
         for p in save_gate.glob("held-*"):
             p.unlink()
