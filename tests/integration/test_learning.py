@@ -2,9 +2,10 @@
 seed, learns its task and shows it live.
 
 Asserts what a new user sees: one progress line per rollout and one per eval on the terminal, training reward
-up by ≥ 0.3 (mean of the last 10 % of rollouts minus the first 10 %) and the held-out eval (≥ 64 problems,
-disjoint from train by problem) better at the end than at step 0. Runs the full recipe, not a shortened one:
-about 5 minutes on 2 cores.
+up by ≥ 0.25 (mean of the last 10 % of rollouts minus the first 10 %) and the held-out eval (≥ 64 problems,
+disjoint from train by problem) up by ≥ 0.12 avg@n from step 0 — bars set with margin below the gains measured
+under three CPU numerics paths (support/learning.py). Runs the full recipe, not a shortened one: about 6 minutes
+on 2 cores.
 """
 
 from __future__ import annotations

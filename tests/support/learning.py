@@ -31,10 +31,18 @@ def run_tiny(tmp_path: Path, overrides: list[str] | None = None) -> tuple[str, P
     return out, run_dir
 
 
+# The learning bars, with margin: three full tiny runs on an AMD EPYC box under different CPU numerics (default
+# AUTO/avx512; MKL_CBWR=AVX2 + ATEN_CPU_CAPABILITY=avx2, Intel's AVX2 path; MKL_CBWR=COMPATIBLE + ATen's default
+# kernels) gained 0.338-0.381 training reward and 0.221-0.245 eval avg@8 (2026-11-25). Each bar sits below the
+# lowest gain by about twice that gain's spread; a run that does not learn gains ~0.
+REWARD_GAIN = 0.25
+EVAL_GAIN = 0.12
+
+
 def assert_learned_live(out: str, summary: dict, recipe) -> None:
-    """One progress line per rollout and per eval on the terminal, training reward up by >= 0.3 (mean of the
-    last 10 % of rollouts minus the first 10 %), the held-out eval better at the end than at step 0, and the
-    terminal showing the numbers the summary records."""
+    """One progress line per rollout and per eval on the terminal, training reward up by >= REWARD_GAIN (mean of
+    the last 10 % of rollouts minus the first 10 %), the held-out eval avg@n up by >= EVAL_GAIN from step 0, and
+    the terminal showing the numbers the summary records."""
     total = recipe.rollout.num_rollout
     steps = re.findall(rf"step +(\d+)/{total}  reward (\d\.\d+)  solved groups \d\.\d+  response [\d.]+ tok  "
                        rf"[\d.]+ s/step  ETA \S+", out)
@@ -44,8 +52,8 @@ def assert_learned_live(out: str, summary: dict, recipe) -> None:
     assert [int(s) for s, _, _ in evals] == expected_evals
     train, ev = summary["train"], summary["eval"]
     assert len(ev) == len(expected_evals)
-    assert train["reward_last"] - train["reward_first"] >= 0.3, train
-    assert ev[-1]["avg_at_n"] > ev[0]["avg_at_n"], ev
+    assert train["reward_last"] - train["reward_first"] >= REWARD_GAIN, train
+    assert ev[-1]["avg_at_n"] - ev[0]["avg_at_n"] >= EVAL_GAIN, ev
     assert float(evals[-1][2]) == pytest.approx(ev[-1]["avg_at_n"], abs=5e-4)
 
 
