@@ -14,6 +14,7 @@ import os
 import random
 import shutil
 import signal
+import sys
 from pathlib import Path
 
 import psutil
@@ -41,8 +42,11 @@ def ray_local(save_gate):
 
     export_driver_env("token")  # as the cluster stage does; also refreshes Ray's cached config
     os.environ[GATE_ENV] = str(save_gate)  # the raylet, and so every worker, inherits it
+    # every worker runs the gate's hook, so every worker (plain tasks too, not only the stage's actors, whose
+    # env carries our sys.path) needs tests/ on its path to import it
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
-             runtime_env={"worker_process_setup_hook": "support.save_gate.install"})
+             runtime_env={"worker_process_setup_hook": "support.save_gate.install",
+                          "env_vars": {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}})
     yield
     ray.shutdown()
     os.environ.pop(GATE_ENV, None)
@@ -110,7 +114,6 @@ def test_train_records_metrics_checkpoints_and_evals(trained):
 def test_kimi_eval_checkpoint_reproduces_the_in_training_eval(trained, tmp_path):
     """`kimi eval --checkpoint iter_0000004` (torch_dist) gives the numbers the run recorded at step 4."""
     import subprocess
-    import sys
 
     tiny, run, _ = trained
     recorded = {e["step"]: e for e in json.loads((run / "summary.json").read_text())["eval"]}
@@ -141,7 +144,6 @@ def test_kimi_train_quiet_drops_the_progress_lines_not_the_result(prepared, ray_
     stage still trains, evaluates and prints its section (one rollout on this module's Ray cluster)."""
     import re
     import subprocess
-    import sys
 
     import ray
 
