@@ -39,3 +39,29 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     from prefect.server.api.server import SubprocessASGIServer
 
     SubprocessASGIServer().stop()  # the default (port None) server; a no-op when none was started
+
+
+GPU_TESTS = Path(__file__).resolve().parent / "gpu"  # skipped without CUDA, by tests/gpu/conftest.py
+
+
+def _skip_reason(report: pytest.TestReport | pytest.CollectReport) -> str:
+    """A skip's reason as pytest records it (longrepr: path, line, "Skipped: reason")."""
+    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    return reason.removeprefix("Skipped: ")
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)  # outermost: the line comes after `-ra`'s short summary
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config):
+    """One line at the end of every run: how many tests were skipped, tests/gpu's (no CUDA here) counted, every
+    other one named with its reason, so a green run cannot hide a skipped headline test."""
+    result = yield
+    gpu: dict[str, str] = {}
+    others: dict[str, str] = {}
+    for report in terminalreporter.stats.get("skipped", []):
+        path = Path(config.rootpath, report.nodeid.split("::")[0]).resolve()
+        (gpu if path.is_relative_to(GPU_TESTS) else others)[report.nodeid] = _skip_reason(report)
+    gpu_part = f"tests/gpu: {len(gpu)}" + (" — " + "; ".join(sorted(set(gpu.values()))) if gpu else "")
+    others_part = f"{len(others)} — " + "; ".join(f"{nodeid} ({why})" for nodeid, why in others.items()) \
+        if others else "none"
+    terminalreporter.write_line(f"skipped: {len(gpu) + len(others)} ({gpu_part}); others: {others_part}")
+    return result

@@ -11,6 +11,9 @@ shell" on the shortened tiny DAG:
 - SIGTERM stops `kimi serve` (and its server) cleanly;
 - the multi-host variant: infra/prefect/setup.sh deploys prefect.yaml to a work pool, a worker started
   as a background job runs a flow and stops on SIGTERM.
+
+The served runs are module fixtures (`run_a`, `killed_run`), made once by the first test that asks for them: each
+test names the runs it reads, so any selection (`-k kill_9`, `--lf`) runs it for real instead of skipping.
 """
 
 from __future__ import annotations
@@ -39,7 +42,9 @@ from prefect.client.schemas.filters import (  # noqa: E402
 )
 from prefect.settings import PREFECT_API_URL, temporary_settings  # noqa: E402
 
-from flows.serve import start_server  # noqa: E402
+from flows.serve import full_deployment, start_server  # noqa: E402
+from kimi_pipeline.cluster import LocalCluster  # noqa: E402
+from kimi_pipeline.report.metrics import read_jsonl  # noqa: E402
 from kimi_pipeline.util.net import free_port  # noqa: E402
 from support.webhook_server import wait_for, webhook_receiver  # noqa: E402
 
@@ -57,7 +62,16 @@ CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic
                   "--disable-background-networking", "--disable-component-update", "--disable-sync",
                   "--window-size=1400,1000", "--virtual-time-budget=10000"]
 STABLE_COPY = ROOT / "runs" / "test-artifacts" / "prefect-ui.png"
-RUNS: dict[str, dict] = {}  # what the served runs left for later tests of this module
+
+# Time limits, seconds. The served runs are module fixtures, made by the first test that needs them, and
+# pytest-timeout counts fixture set-up in that test's time: each test's limit covers every fixture it may have
+# to make (so `-k kill_9` or `--lf` alone has room for run a too), and every inner wait sits below it.
+SERVE_S = 240  # `kimi serve` up, its deployment readable
+RUN_S = 600  # one shortened tiny run through the deployment, from `prefect deployment run` to a final state
+CHROMIUM_S = 180  # one headless Chromium page load
+CHECKS_S = 120  # a test's own API reads and file checks
+RUN_A_S = 2 * RUN_S  # run a, then the second run queued behind it
+KILLED_S = 2 * RUN_S  # run c up to its step-2 checkpoint, then its retry to the end
 
 
 def _background_job() -> None:
@@ -94,6 +108,18 @@ def flow_run_id(output: str) -> str:
     m = re.search(r"UUID: ([0-9a-f-]{36})", output)
     assert m, output[-3000:]
     return m.group(1)
+
+
+def left(deadline: float) -> float:
+    """Seconds until `deadline` (time.monotonic()), at least 1: the timeout of the next wait."""
+    return max(deadline - time.monotonic(), 1.0)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """Kill a `prefect deployment run` a fixture started, if a failed wait left it running."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(timeout=30)
 
 
 def wait_for_id(proc: subprocess.Popen, timeout: float = 60) -> tuple[str, list[str]]:
@@ -146,13 +172,10 @@ def all_logs(api_url: str, run_ids: list[str]) -> list:
 
 
 def train_rows(run_dir: Path) -> list[dict]:
-
-    from kimi_pipeline.report.metrics import read_jsonl
-
     return [stable_row(r) for r in read_jsonl(run_dir / "train" / "metrics.jsonl")]
 
 
-# ------------------------------------------------------------------------------------------------ fixture
+# ------------------------------------------------------------------------------------------------ fixtures
 
 
 @pytest.fixture(scope="module")
@@ -196,17 +219,82 @@ def served(tmp_path_factory):
         log.close()
 
 
+@pytest.fixture(scope="module")
+def run_a(served):
+    """Run a, the uninterrupted reference: `prefect deployment run kimi/full --watch` on the shortened tiny DAG,
+    and a second run with the same parameters triggered while it runs (the deployment's concurrency limit queues
+    it; it then finds the caches). Both have finished when this returns, so the deployment is free again."""
+    api, env = served["api_url"], served["env"]
+    run_dir = served["root"] / "run-a"
+    params = {"recipe": "tiny", "overrides": SHORT, "run_dir": str(run_dir)}
+    t0 = time.monotonic()
+    deadline = t0 + RUN_S
+    first = run_deployment(params, env, watch=True)
+    try:
+        first_id, lines = wait_for_id(first, min(60, left(deadline)))
+        wait_state(api, first_id, lambda s: s.is_running(), min(120, left(deadline)), "running")
+        second = prefect("deployment", "run", "kimi/full", "--params", json.dumps(params), env=env,
+                         timeout=min(120, left(deadline)))
+        assert second.returncode == 0, second.stdout + second.stderr
+        second_id = flow_run_id(second.stdout)
+        out, _ = first.communicate(timeout=left(deadline))
+    finally:
+        stop(first)
+    first_s = time.monotonic() - t0
+    assert first.returncode == 0, "".join(lines) + out[-4000:]
+    second_run = wait_state(api, second_id, lambda s: s.is_final(), RUN_S, "finished")
+    with client(api) as c:
+        first_run = c.read_flow_run(first_id)
+    return {"id": first_id, "flow_run": first_run, "output": out, "run_dir": run_dir, "seconds": round(first_s, 1),
+            "second_id": second_id, "second_run": second_run}
+
+
+@pytest.fixture(scope="module")
+def killed_run(served, run_a):
+    """Run c: the shortened run until train, its trainer SIGKILLed after the step-2 checkpoint, before step 4's.
+    After run a (its reference), so that the deployment runs nothing else meanwhile. What the run showed before
+    the kill (trainer processes, their HF_TOKEN, the cluster slot) is recorded for the tests to assert."""
+    api, env = served["api_url"], served["env"]
+    run_dir = served["root"] / "run-c"
+    deadline = time.monotonic() + RUN_S
+    proc = run_deployment({"recipe": "tiny", "overrides": SHORT, "run_dir": str(run_dir), "until": "train"}, env,
+                          watch=True)
+    try:
+        run_id, _ = wait_for_id(proc, min(60, left(deadline)))
+        tracker = run_dir / "train" / "checkpoints" / "latest_checkpointed_iteration.txt"
+        while not (tracker.is_file() and tracker.read_text().strip() == "2"):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                stop(proc)
+                raise AssertionError(f"run c ended or ran {RUN_S} s without its step-2 checkpoint:\n"
+                                     + proc.stdout.read()[-3000:])
+            time.sleep(0.2)
+        cluster = LocalCluster.load(run_dir)
+        trainers = [p for p in cluster.processes() if "ray::PolicyWorker" in " ".join(p.cmdline())]
+        assert trainers, "no PolicyWorker process in the run's Ray cluster"
+        trainer_hf_token = trainers[0].environ().get("HF_TOKEN")
+        with client(api) as c:
+            slots = c.read_global_concurrency_limit_by_name("kimi-cluster-local").active_slots
+        for p in trainers:
+            p.kill()  # SIGKILL, after the step-2 checkpoint, before step 4's
+        killed_at = time.monotonic()
+        out, _ = proc.communicate(timeout=RUN_S)
+    finally:
+        stop(proc)
+    return {"id": run_id, "run_dir": run_dir, "returncode": proc.returncode, "output": out, "trainers": len(trainers),
+            "trainer_hf_token": trainer_hf_token, "slots": slots,
+            "retry_to_done_s": round(time.monotonic() - killed_at, 1)}
+
+
 # ------------------------------------------------------------------------------------------------ tests
 
 
+@pytest.mark.timeout(SERVE_S + CHECKS_S)
 def test_served_deployment_is_the_prefect_yaml_one(served):
     d = served["deployment"]
     assert d.parameters == {"recipe": "tiny", "overrides": [], "run_dir": None, "until": None}
     assert [(s.schedule.cron, s.schedule.timezone, s.active) for s in d.schedules] == [("0 2 * * *", "UTC", False)]
     assert d.global_concurrency_limit.limit == 1 and d.concurrency_options.collision_strategy.value == "ENQUEUE"
     assert d.entrypoint == "flows.kimi.kimi" and "kimi" in d.tags
-    from flows.serve import full_deployment
-
     assert [s.active for s in full_deployment(schedule=True).schedules] == [True]  # `kimi serve` default
     with client(served["api_url"]) as c:
         assert c.read_global_concurrency_limit_by_name("kimi-cluster-local").limit == 1
@@ -214,33 +302,20 @@ def test_served_deployment_is_the_prefect_yaml_one(served):
     assert f"Prefect UI:  http://127.0.0.1:{served['port']}" in log
 
 
-def test_deployment_run_watch_completes_and_a_queued_second_run_hits_the_caches(served):
-    api, env = served["api_url"], served["env"]
-    run_dir = served["root"] / "run-a"
-    params = {"recipe": "tiny", "overrides": SHORT, "run_dir": str(run_dir)}
-    t0 = time.monotonic()
-    first = run_deployment(params, env, watch=True)
-    first_id, lines = wait_for_id(first)
-    wait_state(api, first_id, lambda s: s.is_running(), 120, "running")
-    second = prefect("deployment", "run", "kimi/full", "--params", json.dumps(params), env=env)
-    assert second.returncode == 0, second.stdout + second.stderr
-    second_id = flow_run_id(second.stdout)
-    out, _ = first.communicate(timeout=900)
-    first_s = time.monotonic() - t0
-    assert first.returncode == 0, "".join(lines) + out[-4000:]
-    assert "Flow run finished successfully in 'Completed'" in out
-    states = task_states(api, first_id)
+@pytest.mark.timeout(SERVE_S + RUN_A_S + CHECKS_S)
+def test_deployment_run_watch_completes_and_a_queued_second_run_hits_the_caches(served, run_a):
+    api, run_dir = served["api_url"], run_a["run_dir"]
+    assert "Flow run finished successfully in 'Completed'" in run_a["output"], run_a["output"][-4000:]
+    states = task_states(api, run_a["id"])
     for stage in (*STAGES, "eval-step"):
         assert states.get(stage) == "Completed", states
 
-    fr2 = wait_state(api, second_id, lambda s: s.is_final(), 600, "finished")
+    fr1, fr2 = run_a["flow_run"], run_a["second_run"]
     assert fr2.state.is_completed(), fr2.state
-    history = state_names(api, second_id)
+    history = state_names(api, run_a["second_id"])
     assert "AwaitingConcurrencySlot" in history, history  # queued behind the first by concurrency_limit 1
-    with client(api) as c:
-        fr1 = c.read_flow_run(first_id)
     assert fr2.start_time >= fr1.end_time, (fr1.end_time, fr2.start_time)
-    states2 = task_states(api, second_id)
+    states2 = task_states(api, run_a["second_id"])
     assert {s: states2[s] for s in CACHED} == {s: "Cached" for s in CACHED}, states2
     assert states2["cluster"] == "Completed" and states2["train"] == "Completed"  # live state: never cached
 
@@ -249,9 +324,8 @@ def test_deployment_run_watch_completes_and_a_queued_second_run_hits_the_caches(
     assert summary["train"]["steps"] == 4 and len(train_rows(run_dir)) == 4
     assert not (run_dir / "FAILED.md").exists()
     check_summary_contract(run_dir, summary)
-    RUNS["a"] = {"id": first_id, "name": fr1.name, "run_dir": run_dir, "second_id": second_id,
-                 "seconds": round(first_s, 1), "second_seconds": round(fr2.total_run_time.total_seconds(), 1)}
-    print(f"first run {first_s:.0f} s wall; queued second run {RUNS['a']['second_seconds']} s of run time")
+    print(f"first run {run_a['seconds']:.0f} s wall; queued second run {fr2.total_run_time.total_seconds():.1f} s "
+          "of run time")
 
 
 def check_summary_contract(run_dir: Path, s: dict) -> None:
@@ -272,58 +346,37 @@ def _chromium() -> str | None:
     return shutil.which("chromium") or shutil.which("chromium-browser")
 
 
-def test_prefect_ui_shows_the_flow_run_in_headless_chromium(served, tmp_path):
+# decided at collection, before the served runs are made for it
+@pytest.mark.skipif(_chromium() is None, reason="no headless Chromium to load the Prefect UI with: `make browser` "
+                    "(part of `make test`) installs Debian's chromium with apt")
+@pytest.mark.timeout(SERVE_S + RUN_A_S + 2 * CHROMIUM_S + CHECKS_S)
+def test_prefect_ui_shows_the_flow_run_in_headless_chromium(served, run_a, tmp_path):
     exe = _chromium()
-    if exe is None:
-        pytest.skip("headless Chromium not installed (`make browser` installs Debian's chromium with apt)")
-    if "a" not in RUNS:
-        pytest.skip("needs the served run of the previous test")
-    url = f"{served['ui_url']}/runs/flow-run/{RUNS['a']['id']}"
+    url = f"{served['ui_url']}/runs/flow-run/{run_a['id']}"
     png = tmp_path / "prefect-ui.png"
     common = [exe, *CHROMIUM_FLAGS]
     shot = subprocess.run([*common, f"--user-data-dir={tmp_path / 'profile-1'}", f"--screenshot={png}", url],
-                          capture_output=True, text=True, timeout=180)
+                          capture_output=True, text=True, timeout=CHROMIUM_S)
     assert png.is_file() and png.stat().st_size > 20_000, shot.stderr[-2000:]
     dom = subprocess.run([*common, f"--user-data-dir={tmp_path / 'profile-2'}", "--dump-dom", url],
-                         capture_output=True, text=True, timeout=180).stdout
+                         capture_output=True, text=True, timeout=CHROMIUM_S).stdout
     text = re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", dom))
     STABLE_COPY.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(png, STABLE_COPY)
     assert "Can't connect to Server API" not in text, text[:2000]
-    assert f"Flow Run: {RUNS['a']['name']}" in text, text[:2000]
+    assert f"Flow Run: {run_a['flow_run'].name}" in text, text[:2000]
     assert "Completed" in text and "Deployment full" in text, text[:2000]
     logged_tasks = set(re.findall(r"\b(download|validate|convert|cluster|train|export)-[0-9a-f]{3}\b", text))
     assert logged_tasks == set(STAGES), (logged_tasks, text[:3000])
     print(f"screenshot {png.stat().st_size} bytes -> {STABLE_COPY}")
 
 
-def test_kill_9_of_the_trainer_in_a_served_run_retries_and_resumes_with_identical_metrics(served):
-    from kimi_pipeline.cluster import LocalCluster
-
-    if "a" not in RUNS:
-        pytest.skip("needs the uninterrupted served run of test 2 as the reference")
-    api, env = served["api_url"], served["env"]
-    run_dir = served["root"] / "run-c"
-    proc = run_deployment({"recipe": "tiny", "overrides": SHORT, "run_dir": str(run_dir), "until": "train"}, env,
-                          watch=True)
-    run_id, _ = wait_for_id(proc)
-    tracker = run_dir / "train" / "checkpoints" / "latest_checkpointed_iteration.txt"
-    deadline = time.monotonic() + 600
-    while not (tracker.is_file() and tracker.read_text().strip() == "2"):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()[-3000:]
-        time.sleep(0.2)
-    cluster = LocalCluster.load(run_dir)
-    trainers = [p for p in cluster.processes() if "ray::PolicyWorker" in " ".join(p.cmdline())]
-    assert trainers, "no PolicyWorker process in the run's Ray cluster"
-    assert HF_SENTINEL == trainers[0].environ().get("HF_TOKEN")  # the secrets did reach the run's processes
-    with client(api) as c:
-        slots = c.read_global_concurrency_limit_by_name("kimi-cluster-local").active_slots
-    for p in trainers:
-        p.kill()  # SIGKILL, after the step-2 checkpoint, before step 4's
-    killed_at = time.monotonic()
-    out, _ = proc.communicate(timeout=900)
-    assert proc.returncode == 0, out[-4000:]
-    assert slots == 1  # the run held the cluster's slot while training
+@pytest.mark.timeout(SERVE_S + RUN_A_S + KILLED_S + CHECKS_S)
+def test_kill_9_of_the_trainer_in_a_served_run_retries_and_resumes_with_identical_metrics(served, run_a, killed_run):
+    api, run_id, run_dir = served["api_url"], killed_run["id"], killed_run["run_dir"]
+    assert killed_run["trainer_hf_token"] == HF_SENTINEL  # the secrets did reach the run's processes
+    assert killed_run["returncode"] == 0, killed_run["output"][-4000:]
+    assert killed_run["slots"] == 1  # the run held the cluster's slot while training
     train = [tr for tr in task_runs(api, run_id) if tr.name.startswith("train-")]
     assert len(train) == 1 and train[0].state.is_completed()
     history = state_names(api, run_id, train[0].id)
@@ -333,18 +386,17 @@ def test_kill_9_of_the_trainer_in_a_served_run_retries_and_resumes_with_identica
     assert any("a retry resumes from the latest checkpoint" in lg.message for lg in logs)
     rows = train_rows(run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
-    assert_same_rows(rows, train_rows(RUNS["a"]["run_dir"]), resumed_after=2)  # the retry == the uninterrupted run
+    assert_same_rows(rows, train_rows(run_a["run_dir"]), resumed_after=2)  # the retry == the uninterrupted run
     s = json.loads((run_dir / "summary.json").read_text())
     assert s["stages"]["train"]["status"] == "completed" and s["train"]["checkpoint"].endswith("iter_0000004")
-    RUNS["c"] = {"id": run_id, "run_dir": run_dir, "retry_to_done_s": round(time.monotonic() - killed_at, 1)}
-    print(f"killed {len(trainers)} trainer process(es); retry finished {RUNS['c']['retry_to_done_s']} s later")
+    print(f"killed {killed_run['trainers']} trainer process(es); retry finished {killed_run['retry_to_done_s']} s "
+          "later")
 
 
-def test_secrets_never_reach_logs_artifacts_parameters_or_the_run_dir(served):
-    runs = [r for r in (RUNS.get("a"), RUNS.get("c")) if r]
-    if not runs:
-        pytest.skip("needs the served runs")
-    ids = [r["id"] for r in runs] + ([RUNS["a"]["second_id"]] if "a" in RUNS else [])
+@pytest.mark.timeout(SERVE_S + RUN_A_S + KILLED_S + CHECKS_S)
+def test_secrets_never_reach_logs_artifacts_parameters_or_the_run_dir(served, run_a, killed_run):
+    runs = [run_a, killed_run]
+    ids = [run_a["id"], killed_run["id"], run_a["second_id"]]
     logs = all_logs(served["api_url"], ids)
     with client(served["api_url"]) as c:
         artifacts = c.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=ids)))
@@ -367,6 +419,7 @@ def test_secrets_never_reach_logs_artifacts_parameters_or_the_run_dir(served):
     print(f"searched {len(texts)} places ({len(logs)} log lines, {len(artifacts)} artifacts): no secret")
 
 
+@pytest.mark.timeout(SERVE_S + 90 + 30 + CHECKS_S)
 def test_kimi_serve_stops_cleanly_on_sigterm(served):
     proc = served["proc"]
     assert proc.poll() is None
