@@ -27,10 +27,9 @@ from support.save_gate import GATE_ENV
 pytestmark = pytest.mark.slow
 
 
-
 @pytest.fixture(scope="module")
 def save_gate(tmp_path_factory) -> Path:
-    """The directory that arms `support.save_gate` in this module's Ray workers (see `kill_mid_save`)."""
+    """The directory that arms `support.save_gate` in this module's Ray workers (see the mid-save kill test)."""
     return tmp_path_factory.mktemp("save_gate")
 
 
@@ -262,8 +261,8 @@ def test_kill_9_during_a_checkpoint_save_resumes_from_the_previous_checkpoint(pr
         killer.join(60)
         for p in save_gate.glob("held-*"):
             p.unlink()
-    assert held and all(Path(h).parent == ckpts / "iter_0000004.tmp" for h in held), held
     tmp = ckpts / "iter_0000004.tmp"
+    assert held and all(Path(h).parent == tmp for h in held), held
     assert list(tmp.glob("*.distcp")) and not (tmp / ".metadata").exists()  # killed mid-write
     assert not (ckpts / "iter_0000004").exists()
     assert (ckpts / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
