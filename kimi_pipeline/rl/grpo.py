@@ -104,11 +104,12 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "low_var_
     raise ValueError(f"unknown kl_loss_type {kind!r}: choose low_var_kl, k1 or k2 (recipe field grpo.kl_loss_type)")
 
 
-def _masked_stats(x: torch.Tensor, mask: torch.Tensor) -> tuple[float, float, float]:
+def _masked_extremes(x: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]:
+    """(min, max) of `x` where `mask` is set; (0, 0) for an all-padding micro-batch."""
     sel = x[mask.bool()]
     if sel.numel() == 0:
-        return 0.0, 0.0, 0.0
-    return sel.mean().item(), sel.min().item(), sel.max().item()
+        return 0.0, 0.0
+    return sel.min().item(), sel.max().item()
 
 
 def grpo_loss(
@@ -143,7 +144,7 @@ def grpo_loss(
             raise ValueError("grpo.use_tis is on but no rollout logprobs were given (the rollout must return logprobs)")
         w, raw = tis_weights(old_logp, rollout_logp, cfg.tis_clip, cfg.tis_clip_low)
         pg = pg * w
-        _, tis_min, tis_max = _masked_stats(raw, mask)
+        tis_min, tis_max = _masked_extremes(raw, mask)
         metrics.update(
             # a per-sample token mean like every other mean here: weighted by rows over micro-batches it is the
             # rollout's mean whatever the micro-batching (a plain token mean changed with DP and max_tokens_per_gpu)
