@@ -22,6 +22,7 @@ import pytest
 
 from support.common import (REPRODUCIBLE, TRAIN_SET, assert_eval_agrees_with_its_problems, assert_same_rows,
                             stable_row, tiny_overrides, train_recipe)
+from support.learning import read_summary
 from support.save_gate import GATE_ENV
 
 pytestmark = pytest.mark.slow
@@ -174,7 +175,7 @@ RESUME_SET = REPRODUCIBLE + ["rollout.routing_replay=true"]
 
 def _eval_rows(run: Path) -> list[dict]:
     """The run's eval rows (summary.json) without their wall-clock `seconds`."""
-    return [{k: v for k, v in e.items() if k != "seconds"} for e in json.loads((run / "summary.json").read_text())["eval"]]
+    return [{k: v for k, v in e.items() if k != "seconds"} for e in read_summary(run)["eval"]]
 
 
 @pytest.fixture(scope="module")
