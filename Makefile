@@ -8,8 +8,13 @@ EXTRAS ?= dev
 WHEELS := $(wildcard /opt/wheels)
 PIP_FLAGS := --disable-pip-version-check $(if $(WHEELS),--find-links $(WHEELS))
 ARGS ?=
+# SGLang's own environment (GPU machines): its exact pins (transformers, compressed-tensors, torch) cannot share
+# one environment with the trainer's; sglang.python / $$KIMI_SGLANG_PYTHON default to it.
+SGLANG_VENV ?= .venv-sglang
+# SGLang's launch-argument parser on CPU, for the tests only: sglang + what its parser imports, --no-deps.
+SGLANG_PARSER := .cache/sglang-parser
 
-.PHONY: install run test clean browser gpu-check
+.PHONY: install run test clean browser gpu-check sglang-env sglang-parser
 
 $(BIN)/.installed: pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -18,7 +23,23 @@ $(BIN)/.installed: pyproject.toml Makefile
 	$(BIN)/python -m pip install -q $(PIP_FLAGS) -e ".[$(EXTRAS)]" "$(TORCH_SPEC)"
 	touch $@
 
-install: $(BIN)/.installed
+install: $(BIN)/.installed $(if $(findstring gpu,$(EXTRAS)),sglang-env)
+
+$(SGLANG_VENV)/.installed: requirements-sglang.txt
+	test -x $(SGLANG_VENV)/bin/python || $(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/python -m pip install -q $(PIP_FLAGS) --upgrade pip
+	$(SGLANG_VENV)/bin/python -m pip install -q $(PIP_FLAGS) -r requirements-sglang.txt
+	touch $@
+
+sglang-env: $(SGLANG_VENV)/.installed
+
+$(SGLANG_PARSER)/.installed: requirements-sglang.txt tests/sglang-parser.txt $(BIN)/.installed
+	rm -rf $(SGLANG_PARSER)
+	$(BIN)/python -m pip install -q $(PIP_FLAGS) --no-deps --target $(SGLANG_PARSER) \
+	  -r requirements-sglang.txt -r tests/sglang-parser.txt
+	touch $@
+
+sglang-parser: $(SGLANG_PARSER)/.installed
 
 run: install
 	$(BIN)/kimi run $(ARGS)
@@ -34,8 +55,8 @@ browser:
 	    || ( $$SUDO apt-get update -q >/dev/null 2>&1 && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null 2>&1 ) ) \
 	  || echo "note: could not install chromium with apt: the browser test will skip"; fi
 
-test: install browser
-	$(BIN)/python -m pytest $(ARGS)
+test: install browser sglang-parser
+	KIMI_SGLANG_PARSER_PATH=$(CURDIR)/$(SGLANG_PARSER) $(BIN)/python -m pytest $(ARGS)
 
 # GPU machines only: preflight (CUDA + megatron-core, else exit 1 naming what is missing), `pytest -m gpu tests/gpu`,
 # the GPU benchmarks, then gpu-check.json / gpu-check.md in the repo root (bench/gpu_check.py). Installs nothing:
@@ -45,4 +66,4 @@ gpu-check:
 	$(BIN)/python bench/gpu_check.py $(ARGS)
 
 clean:
-	rm -rf $(VENV) .prefect runs
+	rm -rf $(VENV) $(SGLANG_VENV) .cache .prefect runs

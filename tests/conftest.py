@@ -20,6 +20,8 @@ os.environ["DO_NOT_TRACK"] = "1"
 os.environ.pop("PREFECT_API_URL", None)
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 configure_prefect_env()  # the same Prefect settings `kimi run` uses (ephemeral server start-up timeout among them)
+# SGLang's parser on CPU (`make sglang-parser`; `make test` sets this too): tests/integration/test_sglang.py
+os.environ.setdefault("KIMI_SGLANG_PARSER_PATH", str(Path(__file__).resolve().parents[1] / ".cache" / "sglang-parser"))
 for var in ("OPEN_TRAINING_INT4_FAKE_QAT_FLAG", "OPEN_TRAINING_INT4_GROUP_SIZE"):
     os.environ.pop(var, None)
 

@@ -216,7 +216,10 @@ class SGLangSpec(Section):
     disable_radix_cache: bool = False
     server_concurrency: int = Field(512, gt=0)
     cuda_graph_bs: list[int] | None = None
-    host: str = Field("127.0.0.1", description="bind address; loopback unless you mean it")
+    host: str = Field("127.0.0.1", description="bind address on a one-node layout (loopback unless you mean it); "
+                      "a layout over several nodes binds each engine to its node's address")
+    python: str | None = Field(None, description="interpreter of SGLang's own environment (`make sglang-env`); "
+                               "None: $KIMI_SGLANG_PYTHON, else .venv-sglang beside this environment")
 
 
 class GRPOSpec(Section):

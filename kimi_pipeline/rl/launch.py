@@ -198,7 +198,8 @@ def _engines(recipe: Recipe, placement: PlacementPlan, model_path: str, add) -> 
                 cmd = sglang_command(model_path, recipe.sglang, port=0, gpus_per_node=per, node_rank=j,
                                      dist_init_addr=addr, base_gpu_id=local[0],
                                      routing_replay=recipe.rollout.routing_replay, seed=recipe.rollout.seed,
-                                     trust_remote_code=recipe.hub.trust_remote_code, python="python")
+                                     trust_remote_code=recipe.hub.trust_remote_code,
+                                     memory_saver=placement.colocate, python="python")
             except Exception as exc:  # noqa: BLE001 - a recipe SGLang cannot run: report it, with its field
                 add("sglang", str(exc))
                 cmd = []

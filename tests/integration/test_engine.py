@@ -709,11 +709,11 @@ def test_sglang_command_follows_the_recipe():
     line = " ".join(cmd)
     assert cmd[1:3] == ["-m", "sglang.launch_server"]
     assert f"--tp-size {r.sglang.gpus_per_engine}" in line and f"--ep-size {r.sglang.ep_size}" in line
-    assert f"--dp-size {r.sglang.dp_size}" in line and "--host 127.0.0.1" in line
+    assert "--host 127.0.0.1" in line and "--enable-memory-saver" not in cmd
     assert "--nnodes 2 --node-rank 1 --dist-init-addr 10.0.0.1:5000" in line
     assert "--enable-return-routed-experts" in cmd and "--trust-remote-code" not in cmd
-    if r.sglang.enable_dp_attention:
-        assert "--enable-dp-attention" in cmd
+    assert r.sglang.enable_dp_attention and f"--attn-dp-size {r.sglang.dp_size}" in line  # 0.5.23's name
+    assert "--dp-size" not in cmd and "--enable-dp-attention" not in cmd
     with pytest.raises(PermanentError, match="dist_init_addr"):
         sglang_command("/ckpt", r.sglang, port=1, gpus_per_node=8)
 

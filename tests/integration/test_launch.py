@@ -64,8 +64,8 @@ def test_ranks_groups_and_engines_land_where_megatron_and_sglang_expect(name):
         for j, n in enumerate(e.nodes):
             cmd = " ".join(n.command)
             assert f"--tp-size {g}" in cmd and f"--ep-size {recipe.sglang.ep_size}" in cmd
-            assert f"--dp-size {recipe.sglang.dp_size}" in cmd and f"--base-gpu-id {n.base_gpu_id}" in cmd
-            assert ("--enable-dp-attention" in cmd) == recipe.sglang.enable_dp_attention
+            assert f"--base-gpu-id {n.base_gpu_id}" in cmd and "--enable-memory-saver" in cmd  # colocated
+            assert (f"--attn-dp-size {recipe.sglang.dp_size}" in cmd) == recipe.sglang.enable_dp_attention
             assert ("--enable-return-routed-experts" in cmd) == recipe.rollout.routing_replay
             if g > per:  # an engine across nodes: SGLang's multi-node flags, node 0 hosts the rendezvous
                 assert f"--nnodes {g // per} --node-rank {j} --dist-init-addr" in cmd

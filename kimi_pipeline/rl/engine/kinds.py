@@ -48,7 +48,7 @@ def _sglang_args(recipe: Recipe, model_dir: Path, node_rank: int, base_gpu_id: i
     return (str(model_dir), recipe.sglang), {
         "gpus_per_node": recipe.cluster.gpus_per_node, "node_rank": node_rank, "dist_init_addr": addr,
         "base_gpu_id": base_gpu_id, "routing_replay": recipe.rollout.routing_replay, "seed": recipe.rollout.seed,
-        "trust_remote_code": recipe.hub.trust_remote_code}
+        "trust_remote_code": recipe.hub.trust_remote_code, "memory_saver": recipe.cluster.colocate}
 
 
 ENGINE_KINDS: dict[str, EngineKind] = {

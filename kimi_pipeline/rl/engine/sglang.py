@@ -1,41 +1,77 @@
-"""SGLang rollout engines on GPU: one `python -m sglang.launch_server` per engine, inside a Ray actor.
+"""SGLang rollout engines on GPU: one `python -m sglang.launch_server` per engine node, inside a Ray actor.
 
-GPU-only and an optional extra (sglang pins its own CUDA torch): nothing here imports sglang; the
-server is a subprocess, and the pipeline drives it over HTTP with the same EngineClient / Router as
-the embedded engine. Weight sync to SGLang goes through `update_weights_from_disk` (an HF checkpoint
-on shared storage): SGLang's /update_weights_from_tensor unpickles its payload, and we never send pickles.
+SGLang runs from its own interpreter (`sglang.python`; `make sglang-env` builds `.venv-sglang` from
+`requirements-sglang.txt`), as one runs a database server: sglang 0.5.23 pins transformers==5.19.0,
+compressed-tensors==0.18.0, tokenizers and torch exactly, while the trainer needs megatron-core, prefect and
+newer transformers / compressed-tensors, so one environment cannot hold both. Nothing here imports sglang;
+the server is a subprocess, driven over HTTP by the same EngineClient / Router as the embedded engine.
 
-Flags come from the recipe's SGLangSpec the way the upstream recipes set them: tp = GPUs per engine,
-ep / dp / dp-attention / moe-dense-tp / dp-lm-head, static memory fraction, CUDA-graph batch sizes;
-`--enable-return-routed-experts` when routing replay is on; an engine wider than a node spans
-`nnodes` nodes (node_rank / dist_init_addr, as SGLang's multi-node launch expects).
+Flags come from the recipe's SGLangSpec under SGLang 0.5.23's names (`sglang/srt/arg_groups/fields/*.py`):
+tp = GPUs per engine, ep, attention-DP width (`--attn-dp-size`; `--enable-dp-attention` is its deprecated
+spelling, `arg_groups/parallel_hook.py:39-60`), moe-dense-tp / dp-lm-head, static memory fraction, decode
+CUDA-graph batch sizes (`--cuda-graph-bs-decode`, `fields/exec_.py:640`), `--enable-memory-saver` when
+colocated (release / resume memory around each train phase), `--enable-return-routed-experts` when routing
+replay is on; an engine wider than a node spans `nnodes` nodes (node_rank / dist_init_addr).
+`sglang_argcheck.py` parses these commands with SGLang's own `ServerArgs` parser.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+
+import httpx
 
 from kimi_pipeline.errors import PermanentError
 from kimi_pipeline.recipes.models import SGLangSpec
 from kimi_pipeline.util.lifetime import die_with_parent
 from kimi_pipeline.util.net import free_port
 
+SGLANG_ENV_VAR = "KIMI_SGLANG_PYTHON"
+ARGCHECK_SCRIPT = Path(__file__).with_name("sglang_argcheck.py")
+
+
+def sglang_python(spec: SGLangSpec) -> str:
+    """The interpreter SGLang runs from: `sglang.python`, else $KIMI_SGLANG_PYTHON, else the `.venv-sglang`
+    beside this environment (`make sglang-env`), else this interpreter (SGLang installed here by hand)."""
+    if spec.python:
+        return spec.python
+    if os.environ.get(SGLANG_ENV_VAR):
+        return os.environ[SGLANG_ENV_VAR]
+    beside = Path(sys.prefix).parent / ".venv-sglang" / "bin" / "python"
+    return str(beside) if beside.exists() else sys.executable
+
 
 class SGLangLaunchError(RuntimeError):
     pass
 
 
+def require_sglang(python: str) -> None:
+    """Fail early, naming the fix, when `python` cannot import sglang (not minutes later inside the server)."""
+    try:
+        ok = subprocess.run([python, "-c", "import sglang"], capture_output=True, timeout=300).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        ok = False
+    if not ok:
+        raise PermanentError(
+            f"rollout.engine=sglang: {python} cannot import sglang. Build SGLang's environment with "
+            f"`make sglang-env` (requirements-sglang.txt), or point sglang.python / ${SGLANG_ENV_VAR} at an "
+            "interpreter that has it")
+
+
 def sglang_command(model_path: str | Path, spec: SGLangSpec, *, port: int, host: str | None = None,
                    gpus_per_node: int = 8, node_rank: int = 0, dist_init_addr: str | None = None,
                    base_gpu_id: int = 0, routing_replay: bool = False, seed: int = 0,
-                   trust_remote_code: bool = False, python: str = sys.executable,
+                   trust_remote_code: bool = False, memory_saver: bool = False, python: str | None = None,
                    extra_args: tuple[str, ...] = ()) -> list[str]:
-    """The launch_server command line for one engine (node `node_rank` of it, when it spans nodes)."""
+    """The launch_server command line for one engine (node `node_rank` of it, when it spans nodes).
+    `memory_saver`: colocated with the trainer, so the engine releases and resumes its GPU memory."""
     nnodes = max(1, -(-spec.gpus_per_engine // gpus_per_node))
     if nnodes > 1 and not dist_init_addr:
         raise PermanentError(
@@ -44,21 +80,22 @@ def sglang_command(model_path: str | Path, spec: SGLangSpec, *, port: int, host:
         )
     if spec.gpus_per_engine % spec.dp_size:
         raise PermanentError(f"sglang.dp_size={spec.dp_size} must divide sglang.gpus_per_engine={spec.gpus_per_engine}")
-    cmd = [python, "-m", "sglang.launch_server",
+    cmd = [python or sglang_python(spec), "-m", "sglang.launch_server",
            "--model-path", str(model_path),
            "--host", host or spec.host,
            "--port", str(port),
            "--tp-size", str(spec.gpus_per_engine),
            "--ep-size", str(spec.ep_size),
-           "--dp-size", str(spec.dp_size),
            "--mem-fraction-static", str(spec.mem_fraction_static),
            "--random-seed", str(seed),
            "--base-gpu-id", str(base_gpu_id),
            "--skip-server-warmup"]
     if nnodes > 1:
         cmd += ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--dist-init-addr", dist_init_addr]
-    if spec.enable_dp_attention:
-        cmd.append("--enable-dp-attention")
+    if spec.enable_dp_attention:  # the recipe's dp_size is the attention-DP width (the seeds' spelling)
+        cmd += ["--attn-dp-size", str(spec.dp_size)]
+    elif spec.dp_size > 1:  # data-parallel replicas inside one server
+        cmd += ["--dp-size", str(spec.dp_size)]
     if spec.moe_dense_tp_size is not None:
         cmd += ["--moe-dense-tp-size", str(spec.moe_dense_tp_size)]
     if spec.enable_dp_lm_head:
@@ -66,7 +103,9 @@ def sglang_command(model_path: str | Path, spec: SGLangSpec, *, port: int, host:
     if spec.disable_radix_cache:
         cmd.append("--disable-radix-cache")
     if spec.cuda_graph_bs:
-        cmd += ["--cuda-graph-bs", *map(str, spec.cuda_graph_bs)]
+        cmd += ["--cuda-graph-bs-decode", *map(str, spec.cuda_graph_bs)]
+    if memory_saver:
+        cmd.append("--enable-memory-saver")
     if routing_replay:
         cmd.append("--enable-return-routed-experts")
     if trust_remote_code:  # only when the recipe opts in (hub.trust_remote_code)
@@ -96,13 +135,7 @@ class SGLangEngine:
 
     def start(self, timeout_s: float = 1800.0) -> str:
         """Launch and wait until /health_generate answers 200 (node 0); returns the server URL."""
-        import httpx
-
-        try:
-            import sglang  # noqa: F401  (fail early with a useful message, not inside the subprocess)
-        except ImportError:
-            raise PermanentError(
-                "rollout.engine=sglang needs the GPU extra: pip install 'kimi-pipeline[sglang]'") from None
+        require_sglang(self.command[0])
         out = None
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -136,3 +169,45 @@ class SGLangEngine:
         except subprocess.TimeoutExpired:
             os.killpg(self.process.pid, 9)
             self.process.wait()
+
+
+PARSER_PATH_VAR = "KIMI_SGLANG_PARSER_PATH"  # a directory holding sglang (installed without its dependencies)
+
+
+@dataclass(frozen=True)
+class ParsedCommands:
+    """SGLang's parser's verdict on launch commands: `errors[i]` is "" when command i parses. `version` is the
+    sglang that parsed them; when no interpreter could import sglang, `version` is "" and `reason` says why."""
+
+    version: str
+    errors: tuple[str, ...] = ()
+    reason: str = ""
+
+    @property
+    def checked(self) -> bool:
+        return bool(self.version)
+
+
+def parse_with_sglang(commands: list[list[str]], spec: SGLangSpec, timeout_s: float = 300.0) -> ParsedCommands:
+    """Parse `commands` with the SGLang parser of `sglang.python`'s environment, or of the sglang found in
+    $KIMI_SGLANG_PARSER_PATH (run by this interpreter: the CPU test set-up); one subprocess for all."""
+    tries = [(sglang_python(spec), dict(os.environ))]
+    if os.environ.get(PARSER_PATH_VAR):
+        path = os.pathsep.join(p for p in (os.environ[PARSER_PATH_VAR], os.environ.get("PYTHONPATH")) if p)
+        tries.append((sys.executable, {**os.environ, "PYTHONPATH": path}))
+    reasons = []
+    for python, env in tries:
+        try:
+            # -P: the script's own directory (this package's `sglang.py`) must not shadow sglang
+            done = subprocess.run([python, "-P", str(ARGCHECK_SCRIPT)], input=json.dumps(commands), capture_output=True,
+                                  text=True, env=env, timeout=timeout_s)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            reasons.append(f"{python}: {e}")
+            continue
+        if done.returncode == 0:
+            out = json.loads(done.stdout)
+            return ParsedCommands(out["version"], tuple(r["error"] for r in out["results"]))
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        reasons.append(f"{python}: {last}")
+    return ParsedCommands("", reason="; ".join(reasons) + f" (make sglang-env, or set sglang.python / "
+                                                           f"${PARSER_PATH_VAR})")
