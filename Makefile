@@ -3,6 +3,8 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 # CPU torch: the local 2.13.0 wheel (an unpinned torch pulls a multi-GB CUDA build). GPU: TORCH_SPEC=torch==2.14.1 EXTRAS=dev,gpu
+# Packages built from source (transformer_engine_torch: sdist only) build against the same torch: pip 26.3 applies
+# no install constraints inside build environments, --build-constraint does.
 TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= dev
 WHEELS := $(wildcard /opt/wheels)
@@ -20,7 +22,9 @@ $(BIN)/.installed: pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q $(PIP_FLAGS) --upgrade pip
 	$(BIN)/python -m pip install -q $(PIP_FLAGS) "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -q $(PIP_FLAGS) -e ".[$(EXTRAS)]" "$(TORCH_SPEC)"
+	mkdir -p .cache && echo "$(TORCH_SPEC)" > .cache/build-constraints.txt
+	$(BIN)/python -m pip install -q $(PIP_FLAGS) --build-constraint .cache/build-constraints.txt \
+	  -e ".[$(EXTRAS)]" "$(TORCH_SPEC)"
 	touch $@
 
 install: $(BIN)/.installed $(if $(findstring gpu,$(EXTRAS)),sglang-env)

@@ -211,6 +211,8 @@ def rehearse(
                       f"{d.get('gpus_available', '?')} available; {len(d.get('ranks', []))} trainer ranks, "
                       f"{len(d.get('engines', []))} engines; rank 0 / MASTER_ADDR on node {d.get('master_addr_node')}"
                       f"; {len(d.get('observed', []))} stand-in actors started", highlight=False)
+        if d.get("sglang_parser"):
+            console.print(f"  SGLang commands: {d['sglang_parser']}", highlight=False, markup=False)
         for p in d.get("problems", []):
             console.print(f"  - {p['field']}: {p['message']}", highlight=False, markup=False)
         console.print(f"wrote {out / 'launch-plan.json'} and {out / 'launch-plan.md'}", highlight=False)

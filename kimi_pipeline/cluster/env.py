@@ -7,6 +7,8 @@ machine's history. We always set it: `token` unless the user exported RAY_AUTH_M
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import os
 import secrets
 import socket
@@ -39,6 +41,24 @@ def token_source() -> str:
     if os.environ.get("RAY_AUTH_TOKEN_PATH"):
         return os.environ["RAY_AUTH_TOKEN_PATH"]
     return str(DEFAULT_TOKEN_PATH)
+
+
+def engine_api_key() -> str | None:
+    """The bearer key of rollout engines bound beyond loopback (a layout over several nodes), derived from the Ray
+    cluster's token: every process of the cluster holds that token (token auth needs it on every node), so drivers,
+    trainers and engines agree on the key without a second secret to hand out, and nobody outside the cluster can
+    reach an engine's weight-update endpoints. None when the cluster runs without token auth."""
+    if auth_mode() != "token":
+        return None
+    source = token_source()
+    if source == "RAY_AUTH_TOKEN":
+        token = os.environ["RAY_AUTH_TOKEN"]
+    else:
+        path = Path(source)
+        token = path.read_text() if path.is_file() else ""
+    if not token.strip():
+        return None
+    return hmac.new(token.strip().encode(), b"kimi-pipeline rollout engine", hashlib.sha256).hexdigest()
 
 
 def ensure_token() -> str:

@@ -139,6 +139,29 @@ def optimizer_placement(opt: OptimizerSpec, device: torch.device, *, te: bool) -
     }
 
 
+def state_tensors(model_chunks: Sequence[torch.nn.Module], optimizer,
+                  frozen: Sequence[torch.nn.Module] = ()) -> dict[str, list[torch.Tensor]]:
+    """A trainer's state by part (`model.offload.PARTS`), for putting it to sleep while colocated engines run:
+    weights = parameters and buffers of the model chunks (and of `frozen` models, e.g. the KL reference) plus DDP's
+    contiguous param buffers; grads = DDP's grad buffers (`main_grad` views them); optimizer = every tensor of
+    the optimizer state and the optimizer's own (fp32 main) parameters, through megatron's ChainedOptimizer
+    (`chained_optimizers`) and each wrapper's torch optimizer (`.optimizer`)."""
+    weights, grads, optim = [], [], []
+    for chunk in [*model_chunks, *frozen]:
+        weights += [*chunk.parameters(), *torch.nn.Module.buffers(chunk)]  # DDP's `buffers` is its list of buffers
+        if hasattr(chunk, "expert_parallel_buffers"):  # megatron DDP: its contiguous param / grad buffers
+            for buf in chunk.buffers + chunk.expert_parallel_buffers:
+                weights += [buf.param_data] if buf.param_data is not None else []
+                grads += [buf.grad_data] if buf.grad_data is not None else []
+    for opt in getattr(optimizer, "chained_optimizers", None) or ([optimizer] if optimizer is not None else []):
+        inner = getattr(opt, "optimizer", None)
+        if inner is None:  # megatron's stub optimizer of a rank with nothing to optimize
+            continue
+        optim += [p for group in inner.param_groups for p in group["params"]]
+        optim += [v for state in inner.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    return {"weights": weights, "grads": grads, "optimizer": optim}
+
+
 def lr_scheduler(optimizer, opt: OptimizerSpec, total_steps: int):
     """megatron's OptimizerParamScheduler for the recipe's schedule (step it after each optimizer step)."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler

@@ -33,16 +33,18 @@ from kimi_pipeline.plan.timing import TimeAssumptions, step_time, workload
 from kimi_pipeline.recipes.checks import PipelineSplitError, check_recipe, pipeline_layers
 from kimi_pipeline.recipes.load import RecipeError
 from kimi_pipeline.recipes.recipe import Recipe
+from kimi_pipeline.rl.engine.sampler import MEMORY_TAGS
+from kimi_pipeline.rl.handoff import RESIDENT
 
 # Recipe problems that decide whether the layout can run at all (the rest are reported as warnings).
 BLOCKING_PREFIXES = ("parallel.", "cluster.", "sglang.", "model.", "rollout.engine")
 
 PEAK_ASSUMPTION = (
-    "colocated, in slime/miles order: SGLang releases weights, KV cache and CUDA graphs "
-    "(release_memory_occupation) while the actor trains; the actor sleeps (GPU state backed up to host) "
-    "while SGLang generates; for the weight sync SGLang resumes its weights only and the actor streams its "
-    "host weight copy through the sync buffer. Peak = max(train, rollout, weight_sync) + a residual "
-    "(CUDA contexts, NCCL buffers, fragmentation) resident in every phase."
+    "colocated, in the order the train loop runs it (rl/handoff.py, slime/miles order): SGLang releases weights, "
+    "KV cache and CUDA graphs (release_memory_occupation) while the actor trains; the actor sleeps (GPU state "
+    "copied to host) while SGLang generates; for the weight sync SGLang resumes its weights only and the actor "
+    "keeps only its weights on the GPU, gathering buckets through the sync buffer. Peak = max(train, rollout, "
+    "weight_sync) + a residual (CUDA contexts, NCCL buffers, fragmentation) resident in every phase."
 )
 
 
@@ -134,22 +136,31 @@ def _gb(x: float) -> float:
 
 
 def _phases(r: Recipe, st: PPStageMemory, eng: EngineMemory, ma: MemoryAssumptions) -> dict[str, dict[str, float]]:
-    """Bytes per component in each phase of an RL step, on one GPU of the given stage."""
+    """Bytes per component in each phase of an RL step, on one GPU of the given stage. Colocated, each phase holds
+    what `rl.handoff.RESIDENT` says the train loop keeps on the GPU then (engine memory tags, trainer parts)."""
     residual = {"residual": ma.residual_gb * GIB}
-    train = {"weights": st.weights, "grads": st.grads, "optimizer": st.optimizer_gpu, "activations": st.activations}
+    trainer = {"weights": {"weights": st.weights}, "grads": {"grads": st.grads},
+               "optimizer": {"optimizer": st.optimizer_gpu}}
     buffer = float(r.rollout.update_weight_buffer_size)
     if r.rollout.engine != "sglang":  # the embedded engine generates with the actor's own weights
-        rollout = {"weights": st.weights, "grads": st.grads, "optimizer": st.optimizer_gpu}
-        sync = {"weights": st.weights, "grads": st.grads, "optimizer": st.optimizer_gpu}
+        state = {k: v for part in trainer.values() for k, v in part.items()}
+        phases = {"train": {**state, "activations": st.activations}, "rollout": state, "weight_sync": dict(state)}
     else:
-        rollout = {"sglang_weights": eng.weights, "sglang_kv_cache": eng.kv_cache, "cuda_graphs": eng.cuda_graphs,
-                   "sglang_workspace": ma.sglang_workspace_gb * GIB}
-        if r.cluster.colocate:  # actor asleep; SGLang weights resumed
-            sync = {"sglang_weights": eng.weights, "weight_sync_buffer": buffer}
-        else:  # the actor's own GPUs: it stays awake and gathers buckets
-            sync = {**train, "weight_sync_buffer": buffer}
-            sync.pop("activations")
-    return {name: {**ph, **residual} for name, ph in (("train", train), ("rollout", rollout), ("weight_sync", sync))}
+        engine = {"weights": {"sglang_weights": eng.weights},
+                  "kv_cache": {"sglang_kv_cache": eng.kv_cache, "sglang_workspace": ma.sglang_workspace_gb * GIB},
+                  "cuda_graph": {"cuda_graphs": eng.cuda_graphs}}
+        if r.cluster.colocate:
+            phases = {}
+            for phase, (tags, parts) in RESIDENT.items():
+                phases[phase] = {k: v for t in tags for k, v in engine[t].items()}
+                phases[phase].update({k: v for p in parts for k, v in trainer[p].items()})
+        else:  # each side on its own GPUs; the actor stays awake and gathers buckets
+            awake = {k: v for part in trainer.values() for k, v in part.items()}
+            phases = {"rollout": {k: v for t in MEMORY_TAGS for k, v in engine[t].items()}, "train": dict(awake),
+                      "weight_sync": dict(awake)}
+        phases["train"]["activations"] = st.activations
+        phases["weight_sync"]["weight_sync_buffer"] = buffer
+    return {name: {**phases[name], **residual} for name in ("train", "rollout", "weight_sync")}
 
 
 # KV cache is elastic (sized to fill mem_fraction_static), so it is never named the largest consumer.

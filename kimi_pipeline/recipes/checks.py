@@ -268,6 +268,11 @@ def _check_engines(r: Recipe, add: Add) -> None:
             add("sglang.ep_size", f"{sg.ep_size} does not divide the {m.num_experts} routed experts")
         if sg.enable_dp_attention and sg.gpus_per_engine % sg.dp_size:
             add("sglang.dp_size", f"must divide gpus_per_engine={sg.gpus_per_engine}")
+        if sg.dp_size > 1 and not sg.enable_dp_attention:  # --dp-size replicas (sglang 0.5.23
+            # tokenizer_control_mixin.py:451, 509, 569: weight-update groups and tensor updates assert dp_size == 1)
+            add("sglang.dp_size", f"{sg.dp_size} data-parallel replicas in one SGLang server cannot take weight "
+                                  "updates; set sglang.enable_dp_attention=true (attention DP, --attn-dp-size) or use "
+                                  "more engines (sglang.gpus_per_engine)")
 
 
 def _check_quant(r: Recipe, add: Add) -> None:

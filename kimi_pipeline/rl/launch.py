@@ -177,7 +177,7 @@ def plan_launch(recipe: Recipe, model_path: str = MODEL_PLACEHOLDER) -> LaunchPl
 
 
 def _engines(recipe: Recipe, placement: PlacementPlan, model_path: str, add) -> list[EnginePlacement]:
-    from kimi_pipeline.rl.engine.kinds import engine_kind
+    from kimi_pipeline.rl.engine.kinds import engine_host, engine_kind
     from kimi_pipeline.rl.engine.sglang import sglang_command
 
     c = recipe.cluster
@@ -199,7 +199,7 @@ def _engines(recipe: Recipe, placement: PlacementPlan, model_path: str, add) -> 
                                      dist_init_addr=addr, base_gpu_id=local[0],
                                      routing_replay=recipe.rollout.routing_replay, seed=recipe.rollout.seed,
                                      trust_remote_code=recipe.hub.trust_remote_code,
-                                     memory_saver=placement.colocate, python="python")
+                                     memory_saver=placement.colocate, python="python", host=engine_host(recipe))
             except Exception as exc:  # noqa: BLE001 - a recipe SGLang cannot run: report it, with its field
                 add("sglang", str(exc))
                 cmd = []
@@ -273,6 +273,7 @@ def plan_markdown(plan: LaunchPlan, extra: dict[str, Any] | None = None) -> str:
              f"- GPUs requested: {d['gpus_requested']}" + (f" of {d['gpus_available']} available"
                                                            if "gpus_available" in d else ""),
              f"- MASTER_ADDR: node {plan.master_addr_node} (rank 0)",
+             *([f"- SGLang commands: {d['sglang_parser']}"] if d.get("sglang_parser") else []),
              "- env: " + ", ".join(f"`{k}={v}`" for k, v in sorted(plan.env.items()) if k != "PYTHONPATH")]
     if plan.problems:
         lines += ["", "## Problems", ""] + [f"- `{p.field}`: {p.message}" for p in plan.problems]

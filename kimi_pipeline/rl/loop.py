@@ -26,6 +26,7 @@ from kimi_pipeline.report.metrics import MetricsLog, first_last_mean, open_wandb
 from kimi_pipeline.report.progress import TrainProgress
 from kimi_pipeline.rl.engine.kinds import engine_kind
 from kimi_pipeline.rl.evaluator import EvalFn, PeriodicEval
+from kimi_pipeline.rl.handoff import Handoff
 from kimi_pipeline.rl.launch import LaunchPlan, check_launch, plan_launch
 from kimi_pipeline.rl.metrics import plain
 from kimi_pipeline.rl.rollout_manager import start_rollout_manager, stop_rollout_manager
@@ -164,11 +165,21 @@ def run_training(
     trainers: TrainerGroup | None = None
     pgs: dict = {}
     urls: list[str] = []  # the engines'
+
+    def engines_memory(action: str, tags: tuple[str, ...]) -> None:
+        method = rollouts.release_memory if action == "release" else rollouts.resume_memory
+        ray.get(method.remote(tags))
+
+    def trainer_memory(action: str, parts: tuple[str, ...]) -> None:
+        (trainers.sleep if action == "sleep" else trainers.wake)(parts)
+
+    handoff = Handoff(recipe.cluster.colocate, engines_memory, trainer_memory)
     try:
         check_launch(plan)
         pgs = create_placement_groups(plan.placement)
         rollouts, urls = start_rollout_manager(recipe, Path(run_dir) / "validate" / "train.jsonl", model_dir, plan,
                                                pgs, _cpu_threads(recipe, 1))
+        handoff.to("train")  # colocated: the engines give their GPUs to the trainer while it builds and loads
         trainers = TrainerGroup(recipe, plan, pgs["trainer"], _cpu_threads(recipe, recipe.cluster.gpus_per_node))
         extra = trainers.load(paths.checkpoints, init_checkpoint)
         start = int(extra.get("step", 0))
@@ -176,10 +187,14 @@ def run_training(
             ray.get(rollouts.restore.remote(extra["data"]))
             metrics_log.truncate_after(start)
             log.info("resumed from %s at step %d", paths.checkpoints, start)
-        trainers.sync_weights(urls, str(start))
+        handoff.to("weight_sync")
+        sync = plain(trainers.sync_weights(urls, str(start)))
+        handoff.to("rollout")
+        if extra.get("row") and _last_logged_step(paths) < start:  # saved, then stopped before its row was written
+            metrics_log.log({**extra["row"], **sync})
         ray.get(rollouts.connect.remote())
         end = total if stop_after is None else min(total, stop_after)
-        _loop(recipe, rollouts, urls, trainers, evaluator, metrics_log, paths, start, end, on_step)
+        _loop(recipe, rollouts, urls, trainers, handoff, evaluator, metrics_log, paths, start, end, on_step)
     except (ray.exceptions.RayError, EngineRequestError) as e:
         actor = engine_kind(recipe).actor_class().__name__ if urls else ""
         err = stage_error(e, {url: f"rollout engine {i} ({actor} actor)" for i, url in enumerate(urls)})
@@ -196,11 +211,13 @@ def run_training(
     return _train_section(paths)
 
 
-def _loop(recipe: Recipe, rollouts, urls: list[str], trainers: TrainerGroup, evaluator: PeriodicEval | None,
-          metrics_log: MetricsLog, paths: TrainPaths, start: int, end: int,
+def _loop(recipe: Recipe, rollouts, urls: list[str], trainers: TrainerGroup, handoff: Handoff,
+          evaluator: PeriodicEval | None, metrics_log: MetricsLog, paths: TrainPaths, start: int, end: int,
           on_step: Callable[[dict[str, Any]], None] | None) -> None:
-    """rollout (split over DP ranks) → train → weight sync → metrics → checkpoint → eval, `start` to `end`.
-    `rollouts` is the `RolloutManager` actor; `urls` its engines'."""
+    """rollout (split over DP ranks) → train → checkpoint → weight sync → metrics → eval, `start` to `end`.
+    `rollouts` is the `RolloutManager` actor; `urls` its engines'. Colocated, `handoff` moves the GPUs between
+    engines and trainer around each phase (`rl/handoff.py`); the checkpoint is written while the trainer holds
+    them, with the step's row so far in its state, so a run stopped before the row is written still logs it."""
     import ray
 
     from kimi_pipeline.model.checkpoint_dirs import prune_checkpoints
@@ -210,22 +227,35 @@ def _loop(recipe: Recipe, rollouts, urls: list[str], trainers: TrainerGroup, eva
     if evaluator and start == 0:  # the base policy, on a fresh run only
         progress.log_eval(0, evaluator.evaluate(0, urls))
     progress.start_clock()
+    handoff.take_seconds()  # start-up moves are not a step's
     for step in range(start, end):
         t0 = time.perf_counter()
         shares, row = ray.get(rollouts.generate.remote(step))  # one object-store reference per DP rank
-        train = plain(trainers.train(shares, step))
-        sync = plain(trainers.sync_weights(urls, str(step + 1)))
-        row = {"step": step + 1, **row, **train, **sync, "step_seconds": time.perf_counter() - t0}
+        handoff.to("train")
+        done = step + 1
+        row = {"step": done, **row, **plain(trainers.train(shares, step))}
+        if done % recipe.checkpoint.save_interval == 0 or done == total:
+            row["step_seconds"] = time.perf_counter() - t0  # until the save, should the run stop before the row
+            trainers.save(paths.checkpoints, done, {"step": done, "data": ray.get(rollouts.state.remote()),
+                                                    "row": row})
+            prune_checkpoints(paths.checkpoints, recipe.checkpoint.keep_last)
+        handoff.to("weight_sync")
+        sync = plain(trainers.sync_weights(urls, str(done)))
+        handoff.to("rollout")
+        row = {**row, **sync, "step_seconds": time.perf_counter() - t0}
+        if handoff.colocated:  # what the memory handoff cost this step (GPU memory to host and back, at scale)
+            row["handoff_seconds"] = handoff.take_seconds()
         metrics_log.log(row)
         progress.log_step(row)
-        done = step + 1
-        if done % recipe.checkpoint.save_interval == 0 or done == total:
-            trainers.save(paths.checkpoints, done, {"step": done, "data": ray.get(rollouts.state.remote())})
-            prune_checkpoints(paths.checkpoints, recipe.checkpoint.keep_last)
         if on_step:
             on_step(row)
         if evaluator and evaluator.should_evaluate(done):
             progress.log_eval(done, evaluator.evaluate(done, urls))
+
+
+def _last_logged_step(paths: TrainPaths) -> int:
+    rows = read_jsonl(paths.metrics)
+    return int(rows[-1]["step"]) if rows else 0
 
 
 def _train_section(paths: TrainPaths) -> dict[str, Any]:

@@ -20,6 +20,7 @@ import torch
 from kimi_pipeline.recipes import Recipe
 from kimi_pipeline.errors import PermanentError
 from kimi_pipeline.model.device import actor_gpu_index, resolve_device
+from kimi_pipeline.model.offload import PARTS, Offloaded
 from kimi_pipeline.rl.metrics import Metric, reduce_metrics
 from kimi_pipeline.rl.samples import MicroBatch, RankShare, Sample, collate, padding_micro_batch
 
@@ -111,6 +112,31 @@ class PolicyWorker:
                 self.qat += enable_int4_qat(m, recipe.quant.group_size)
         self.ref_model = None  # built on load() only when the KL term is on
         self._sync = None  # this rank's weight updater (its engine client and shared-memory segment), kept across syncs
+        # colocated: the state that sleeps on the host while the engines use the GPU (pinned where the device is an
+        # accelerator: asynchronous copies need page-locked memory, which torch refuses without one)
+        self._offload = Offloaded(self.device, self._state, pin_memory=self.device.type != "cpu")
+
+    def _state(self) -> dict[str, list[torch.Tensor]]:
+        from kimi_pipeline.model.megatron_train import state_tensors  # megatron loads in the worker, as above
+
+        return state_tensors(self.model, self.optimizer, [self.ref_model] if self.ref_model is not None else [])
+
+    # ------------------------------------------------------------------ colocated memory handoff
+    def sleep(self, parts: list[str]) -> dict[str, float]:
+        """Hand these parts of the device state (`model.offload.PARTS`) to the colocated engines."""
+        return {"offloaded_gb": self._offload.offload(parts) / 2**30}
+
+    def wake(self, parts: list[str]) -> None:
+        self._offload.reload(parts)
+
+    def asleep(self) -> tuple[str, ...]:
+        return self._offload.asleep
+
+    def _require_awake(self, what: str, parts: tuple[str, ...] = PARTS) -> None:
+        """A phase that reads state the handoff put to sleep is a bug in the step's order: fail, never read it."""
+        if asleep := [p for p in parts if p in self._offload.asleep]:
+            raise RuntimeError(f"trainer rank {self.rank}: {what} needs its {', '.join(asleep)} on {self.device}, "
+                               "but they are asleep (colocated handoff out of order)")
 
     # ------------------------------------------------------------------ weights in
     def load(self, train_ckpt_dir: str, init_ckpt_dir: str) -> dict[str, Any] | None:
@@ -262,6 +288,7 @@ class PolicyWorker:
         if share.dp_rank != self._dp_rank():
             raise PermanentError(f"trainer rank {self.rank} is data-parallel rank {self._dp_rank()} but was handed "
                                  f"DP rank {share.dp_rank}'s samples: the launch plan and megatron disagree on rank order")
+        self._require_awake("training")
         t0 = time.perf_counter()
         r = self.recipe
         temperature = r.rollout.temperature or 1.0
@@ -317,6 +344,7 @@ class PolicyWorker:
         from kimi_pipeline.rl.engine.client import Router
         from kimi_pipeline.rl.weight_sync import choose_weight_sync
 
+        self._require_awake("the weight sync", ("weights",))
         urls = [u.rstrip("/") for u in engine_urls]
         if self._sync is None or self._sync.router.urls != urls:
             self.release()
@@ -336,6 +364,7 @@ class PolicyWorker:
     def save(self, ckpt_dir: str, step: int, extra: dict[str, Any]) -> str:
         from kimi_pipeline.model.megatron_train import save_checkpoint
 
+        self._require_awake("a checkpoint save")
         extra = {**extra, "scheduler": self.scheduler.state_dict()}
         return str(save_checkpoint(ckpt_dir, step, self.model, self.optimizer, extra))
 

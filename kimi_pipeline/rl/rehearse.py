@@ -84,6 +84,8 @@ def run_rehearsal(recipe: Recipe, out_dir: Path, *, address: str | None = None,
     plan = plan_launch(recipe)
     extra: dict[str, Any] = {"simulated": True}
     if plan.ok:
+        extra["sglang_parser"] = check_engine_commands(plan, recipe)
+    if plan.ok:
         cluster = None
         try:
             if address is None:
@@ -97,6 +99,26 @@ def run_rehearsal(recipe: Recipe, out_dir: Path, *, address: str | None = None,
                 cluster.stop()
     extra["seconds"] = round(time.monotonic() - t0, 1)
     return write_plan(plan, out_dir, extra)
+
+
+def check_engine_commands(plan, recipe: Recipe) -> str:
+    """Parse every engine command the plan holds with SGLang's own parser (when an interpreter at hand imports
+    sglang); a command it refuses is a problem naming the engine and node. Returns what was checked, in words."""
+    from kimi_pipeline.rl.engine.sglang import parse_with_sglang
+
+    nodes = [(e.id, n) for e in plan.engines for n in e.nodes if n.command]
+    if not nodes:
+        return "no SGLang commands (embedded engine)"
+    unique = list(dict.fromkeys(tuple(n.command) for _, n in nodes))  # engines differ only by --base-gpu-id
+    parsed = parse_with_sglang([list(c) for c in unique], recipe.sglang)
+    if not parsed.checked:
+        return f"not checked: no interpreter at hand imports sglang ({parsed.reason})"
+    refused = dict(zip(unique, parsed.errors))
+    for engine, n in nodes:
+        if err := refused[tuple(n.command)]:
+            plan.problems.append(Problem("sglang", f"engine {engine} node {n.node_rank}: sglang {parsed.version} "
+                                                   f"refuses its command: {err}"))
+    return f"{len(unique)} distinct command(s) parsed by sglang {parsed.version}'s ServerArgs parser"
 
 
 def write_plan(plan, out_dir: Path, extra: dict[str, Any] | None = None) -> dict[str, Any]:

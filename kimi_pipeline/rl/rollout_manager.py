@@ -52,12 +52,28 @@ class RolloutManager:
 
     def connect(self) -> None:
         """The router the rollouts go through (after the first weight sync: the engines serve the policy)."""
+        self._control()
+
+    def release_memory(self, tags: tuple[str, ...]) -> None:
+        """Colocated: the engines free these kinds of GPU memory for the trainer (they must be idle)."""
+        self._control().release_memory_occupation(tags)
+
+    def resume_memory(self, tags: tuple[str, ...]) -> None:
+        self._control().resume_memory_occupation(tags)
+
+    def _control(self):
+        """The router for control calls: the rollout router once connected, else one made for the engines (the
+        first handoff comes before the first weight sync)."""
         from kimi_pipeline.rl.engine.client import Router
 
+        if self.router is None:
+            self.router = Router(self.engines.urls, server_concurrency=self.recipe.sglang.server_concurrency,
+                                 **self._shape())
+        return self.router
+
+    def _shape(self) -> dict[str, int]:
         m = self.recipe.model
-        self.router = Router(self.engines.urls if self.engines else [], num_layers=m.num_layers,
-                             topk=m.moe_router_topk, first_k_dense=m.first_k_dense,
-                             server_concurrency=self.recipe.sglang.server_concurrency)
+        return {"num_layers": m.num_layers, "topk": m.moe_router_topk, "first_k_dense": m.first_k_dense}
 
     def generate(self, step: int) -> tuple[list, dict[str, float]]:
         """Rollout `step`: one object-store reference per data-parallel rank (its `RankShare`) and the

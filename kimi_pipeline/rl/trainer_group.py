@@ -50,6 +50,17 @@ class TrainerGroup:
         return reduce_metrics(ray.get([w.sync_weights.remote(urls, version) for w in self.workers]),
                               equal_weights=True)
 
+    def sleep(self, parts: tuple[str, ...]) -> dict[str, float]:
+        """Colocated: every rank hands these parts of its device state to the engines (`model.offload`)."""
+        import ray
+
+        return reduce_metrics(ray.get([w.sleep.remote(list(parts)) for w in self.workers]), equal_weights=True)
+
+    def wake(self, parts: tuple[str, ...]) -> None:
+        import ray
+
+        ray.get([w.wake.remote(list(parts)) for w in self.workers])
+
     def save(self, ckpt_dir: Path, step: int, state: dict[str, Any]) -> None:
         import ray
 

@@ -7,8 +7,10 @@ blocks + scales, or bf16) → every engine, in `rollout.update_weight_buffer_siz
   sends the buckets it holds itself, never broadcast to the other ranks.
 - `GatheredPush`: rank 0 receives each tensor from its holder and sends it (shared memory, the weight-update
   process group — gloo / NCCL — or safetensors bodies; the engine client picks per engine).
+- `CudaIpcBuckets`: SGLang colocated: each trainer rank hands each bucket to the engine rank on its own GPU as a
+  CUDA-IPC handle (`/update_weights_from_tensor`, SGLang's serializer format, `engine/cuda_ipc.py`).
 - `DiskCheckpoint`: an HF checkpoint in the engine's format on shared storage, loaded by every engine
-  (`rollout.weight_sync=disk`, and SGLang colocated until its CUDA-IPC path is proven on a GPU).
+  (`rollout.weight_sync=disk`: the explicit fallback).
 
 Every trainer rank runs the same updater (the updates are collectives).
 """
@@ -35,6 +37,7 @@ class TrainerRank(Protocol):
     rank: int
     world_size: int
     qat: list[str]
+    device: torch.device
 
     def sync_dir(self) -> Path: ...
 
@@ -78,28 +81,28 @@ class WeightSync(ABC):
 
 
 class OwnedBuckets(WeightSync):
-    """Rank 0 pauses the engines; every rank pushes the tensors it holds (TP-gathered) through its own
-    shared-memory segment; once all are done rank 0 commits the version (an empty last bucket: the engines
-    check that no quantized weight is incomplete) and resumes them."""
+    """Rank 0 pauses the engines and opens their weight-update session; every rank pushes the tensors it holds
+    (TP-gathered) through its own shared-memory segment; once all are done rank 0 commits the version (an empty
+    last bucket: the engines check that no quantized weight is incomplete), ends the session and resumes them."""
 
     name = "owned"
 
     def update(self, version: str) -> dict[str, float]:
         import torch.distributed as dist
 
-        from kimi_pipeline.rl.engine.client import paused
+        from kimi_pipeline.rl.engine.client import paused, weight_update_session
 
         t0 = time.perf_counter()
         buffer = self.recipe.rollout.update_weight_buffer_size
         barrier = dist.barrier if self.trainer.world_size > 1 else (lambda: None)
         lead = self.trainer.rank == 0
-        with paused(self.router, lead):
+        with paused(self.router, lead), weight_update_session(self.router, lead):
             barrier()
             chunks = self.router.update_weights(self._engine_tensors(self._policy_tensors(owned_only=True)), buffer,
-                                                pause=False)
+                                                pause=False, session=False)
             barrier()
             if lead:
-                self.router.update_weights([], buffer, weight_version=version, pause=False)
+                self.router.update_weights([], buffer, weight_version=version, pause=False, session=False)
         return {"sync_seconds": time.perf_counter() - t0, "sync_chunks": float(chunks)}
 
 
@@ -114,6 +117,80 @@ class GatheredPush(WeightSync):
             chunks = self.router.update_weights(named, self.recipe.rollout.update_weight_buffer_size,
                                                 weight_version=version)
         return {"sync_seconds": time.perf_counter() - t0, "sync_chunks": float(chunks or 0)}
+
+
+class CudaIpcBuckets(WeightSync):
+    """SGLang colocated, as the seeds' framework syncs it: every trainer rank holds each bucket on its own GPU and
+    hands it, as a CUDA-IPC handle (`engine/cuda_ipc.py`, SGLang's "flattened_bucket" format), to the engine rank
+    on that GPU; the trainer rank on each engine's TP-rank-0 GPU gathers its engine's entries (one per TP rank, in
+    TP order) and posts one `/update_weights_from_tensor`, inside the weight-update session rank 0 opened.
+
+    Rank 0 gathers each tensor from its holder (`_gathered_on_rank0`) and broadcasts the bucket to every rank over
+    the trainer's own group (NCCL): the bytes never leave the GPUs. Colocated engine e's TP rank i is trainer rank
+    e x gpus_per_engine + i (`cluster.placement`: engines take the trainers' GPUs in order). GPU only: CUDA-IPC
+    handles need CUDA tensors; on CPU the embedded engine reads shared memory (`OwnedBuckets`) instead, and
+    `rollout.weight_sync=disk` stays the explicit fallback. Written from SGLang 0.5.23's source; see README's GPU
+    status table for what has run on a GPU."""
+
+    name = "cuda_ipc"
+
+    def __init__(self, trainer: TrainerRank, router) -> None:
+        import torch.distributed as dist
+
+        super().__init__(trainer, router)
+        g = self.recipe.sglang.gpus_per_engine
+        self.engine_index, self.tp_rank = divmod(trainer.rank, g)
+        # one gloo group per engine for the entries (strings), made by every rank in the same order
+        groups = [dist.new_group(list(range(e * g, (e + 1) * g)), backend="gloo")
+                  for e in range(trainer.world_size // g)]
+        self.group, self.lead = groups[self.engine_index], self.engine_index * g
+        self.client = router.clients[self.engine_index] if self.tp_rank == 0 else None
+
+    def update(self, version: str) -> dict[str, float]:
+        import torch.distributed as dist
+
+        from kimi_pipeline.rl.engine.client import chunk_named_tensors, paused, weight_update_session
+        from kimi_pipeline.rl.engine.cuda_ipc import build_update_request, serialize_bucket
+
+        t0 = time.perf_counter()
+        lead = self.trainer.rank == 0
+        named = self._gathered_on_rank0()
+        chunks = iter(chunk_named_tensors(named, self.recipe.rollout.update_weight_buffer_size)) if lead else None
+        count = 0
+        with paused(self.router, lead), weight_update_session(self.router, lead):
+            while (bucket := self._next_bucket(chunks)) is not None:
+                entries = [None] * self.recipe.sglang.gpus_per_engine if self.client is not None else None
+                dist.gather_object(serialize_bucket(list(bucket.items())), entries, dst=self.lead, group=self.group)
+                if self.client is not None:
+                    self.client.post_tensor_request(build_update_request(entries))
+                dist.barrier()  # every engine has loaded the bucket: its IPC buffers may go
+                del bucket
+                torch.cuda.ipc_collect()
+                count += 1
+            if lead:  # one cache flush and the version after the last bucket
+                self.router.flush_cache()
+                self.router.update_weight_version(version)
+        return {"sync_seconds": time.perf_counter() - t0, "sync_chunks": float(count)}
+
+    def _next_bucket(self, chunks) -> dict[str, torch.Tensor] | None:
+        """The next bucket on every rank (rank 0's, broadcast over the trainers' group); None after the last."""
+        import torch.distributed as dist
+
+        from kimi_pipeline.rl.engine.dist_update import dtype_from_name
+
+        chunk = next(chunks, None) if chunks is not None else None
+        header = [[(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in chunk.items()]
+                  if chunk is not None else None]
+        dist.broadcast_object_list(header, src=0)
+        if header[0] is None:
+            return None
+        out = {}
+        for name, dtype, shape in header[0]:
+            t = (chunk[name].to(self.trainer.device).contiguous() if chunk is not None
+                 else torch.empty(shape, dtype=dtype_from_name(dtype), device=self.trainer.device))
+            dist.broadcast(t, src=0)
+            out[name] = t
+        return out
 
 
 class DiskCheckpoint(WeightSync):
@@ -170,8 +247,10 @@ def choose_weight_sync(trainer: TrainerRank, router) -> WeightSync:
     from kimi_pipeline.rl.engine.kinds import engine_kind
 
     r, kind = trainer.recipe, engine_kind(trainer.recipe)
-    if r.rollout.weight_sync == "disk" or (r.cluster.colocate and kind.colocated_updates_from_disk):
+    if r.rollout.weight_sync == "disk":
         return DiskCheckpoint(trainer, router)
+    if r.cluster.colocate and kind.colocated_updates_by_cuda_ipc:
+        return CudaIpcBuckets(trainer, router)
     if kind.owned_bucket_updates and _all_engines_local(trainer, router):
         return OwnedBuckets(trainer, router)
     return GatheredPush(trainer, router)

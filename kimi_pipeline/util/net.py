@@ -13,3 +13,24 @@ def free_port(host: str = LOOPBACK) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+NODE_ADDRESS = "<node-ip>"  # a bind host meaning "this node's cluster address", resolved where the server starts
+
+
+def is_loopback(host: str) -> bool:
+    return host in ("127.0.0.1", "localhost", "::1") or host.startswith("127.")
+
+
+def node_address() -> str:
+    """The address other nodes reach this one at: Ray's node IP inside a cluster, else the host name's address."""
+    import ray  # a core dependency; imported here because util must not load Ray for the helpers above
+
+    if ray.is_initialized():
+        return ray.util.get_node_ip_address()
+    return socket.gethostbyname(socket.gethostname())
+
+
+def bind_host(host: str) -> str:
+    """`host` as a server binds it: NODE_ADDRESS resolved to this node's address."""
+    return node_address() if host == NODE_ADDRESS else host

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import json
 import threading
 import time
@@ -433,12 +435,23 @@ def test_http_rejects_what_it_cannot_do(servers):
     r = httpx.post(url + "/generate", json={"input_ids": [1, 2], "sampling_params": {"frequency_penalty": 0.5}},
                    timeout=60)
     assert r.status_code == 400 and "frequency_penalty" in r.text
-    r = httpx.post(url + "/update_weights_from_tensor",
-                   json={"serialized_named_tensors": ["AAAA"], "load_format": "direct"}, timeout=60)
-    assert r.status_code == 400 and "pickled payloads are refused" in r.json()["message"]
-    r = httpx.post(url + "/update_weights_from_tensor", json={"serialized_named_tensors": ["bm90IHNhZmV0ZW5zb3Jz"]},
-                   timeout=60)
-    assert r.status_code == 400 and r.json()["success"] is False
+    with _session(url):
+        r = httpx.post(url + "/update_weights_from_tensor",
+                       json={"serialized_named_tensors": ["AAAA"], "load_format": "direct"}, timeout=60)
+        assert r.status_code == 400 and "pickled payloads are refused" in r.json()["message"]
+        r = httpx.post(url + "/update_weights_from_tensor",
+                       json={"serialized_named_tensors": ["bm90IHNhZmV0ZW5zb3Jz"]}, timeout=60)
+        assert r.status_code == 400 and r.json()["success"] is False
+
+
+@contextlib.contextmanager
+def _session(url: str):
+    """SGLang's weight-update session around hand-made update requests."""
+    assert httpx.post(url + "/begin_weight_update", json={}, timeout=60).status_code == 200
+    try:
+        yield
+    finally:
+        assert httpx.post(url + "/end_weight_update", json={}, timeout=60).status_code == 200
 
 
 def test_weight_update_by_safetensors_chunks_switches_the_model(servers, hf_a, hf_b, tmp_path):
@@ -613,8 +626,9 @@ def test_colocated_weight_sync_goes_through_shared_memory_not_http_bodies(server
 def _post_shm(url: str, descriptor: dict) -> httpx.Response:
     from kimi_pipeline.rl.engine import shm
 
-    return httpx.post(f"{url}/update_weights_from_tensor",
-                      json={"serialized_named_tensors": [json.dumps(descriptor)], "load_format": shm.LOAD_FORMAT})
+    with _session(url):
+        return httpx.post(f"{url}/update_weights_from_tensor",
+                          json={"serialized_named_tensors": [json.dumps(descriptor)], "load_format": shm.LOAD_FORMAT})
 
 
 # a trainer rank that stages one bucket (norm weights of 7.0) and is then SIGKILLed: its segment stays behind

@@ -5,6 +5,7 @@ and stand-in actors with the real options land on the nodes the plan names (issu
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -46,8 +47,9 @@ def test_seed_recipe_launches_on_a_simulated_32x8_cluster(cluster_32x8, name, tm
             continue
         assert o["env"]["NCCL_TIMEOUT"] == "3600" and o["env"]["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
         assert "CUDA_VISIBLE_DEVICES" not in o["env"]  # colocated actors choose their own GPU
+    assert re.fullmatch(r"\d+ distinct command\(s\) parsed by sglang 0\.5\.23's ServerArgs parser", d["sglang_parser"])
     md = (tmp_path / "launch-plan.md").read_text()
-    assert "ok: **True**" in md and "## Engines" in md
+    assert "ok: **True**" in md and "## Engines" in md and "SGLang commands: " in md
 
 
 def test_kimi_rehearse_cli_starts_and_stops_its_own_cluster(tmp_path):
@@ -57,5 +59,6 @@ def test_kimi_rehearse_cli_starts_and_stops_its_own_cluster(tmp_path):
     d = json.loads((tmp_path / "tiny" / "launch-plan.json").read_text())
     assert d["ok"] and d["cluster_nodes"] == 1 and [o["actor"] for o in d["observed"]] == ["rank 0", "engine 0 node 0",
                                                                                 "rollout manager"]
+    assert d["sglang_parser"] == "no SGLang commands (embedded engine)"
     state = json.loads((tmp_path / "tiny" / "rehearsal-cluster" / "cluster" / "state.json").read_text())
     assert state["stopped_at"] is not None  # nothing left running

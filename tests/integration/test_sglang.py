@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ import pytest
 from kimi_pipeline.recipes import load_recipe, preset_names
 from kimi_pipeline.rl.engine.sglang import PARSER_PATH_VAR, parse_with_sglang, sglang_command
 from kimi_pipeline.rl.launch import plan_launch
+from kimi_pipeline.rl.rehearse import check_engine_commands
 
 ROOT = Path(__file__).resolve().parents[2]
 PINNED = (ROOT / "requirements-sglang.txt").read_text().split("==")[1].strip()
@@ -58,3 +60,107 @@ def test_without_an_importable_sglang_the_check_says_why(monkeypatch):
     spec = load_recipe("kimi-k2.5", ["sglang.python=/nonexistent/python"]).sglang
     parsed = parse_with_sglang([["--model-path", "/ckpt"]], spec)
     assert not parsed.checked and "/nonexistent/python" in parsed.reason and "make sglang-env" in parsed.reason
+
+
+def test_rehearse_reports_a_command_sglang_refuses_naming_engine_and_node(parser_dir, monkeypatch):
+    recipe = load_recipe("kimi-k2-instruct")
+    plan = plan_launch(recipe, "/ckpt")
+    bad = replace(plan.engines[3].nodes[1], command=plan.engines[3].nodes[1].command + ("--cuda-graph-bs", "8"))
+    plan.engines[3] = replace(plan.engines[3], nodes=(plan.engines[3].nodes[0], bad))
+    distinct = len({n.command for e in plan_launch(recipe, "/ckpt").engines for n in e.nodes})
+    said = check_engine_commands(plan, recipe)
+    assert said.startswith(f"{distinct} distinct command(s) parsed by sglang 0.5.23")  # one of them the planted
+    assert [(p.field, p.message.split(":")[0]) for p in plan.problems] == [("sglang", "engine 3 node 1")]
+    assert "ambiguous option: --cuda-graph-bs" in plan.problems[0].message
+
+    monkeypatch.delenv(PARSER_PATH_VAR)
+    monkeypatch.setenv("KIMI_SGLANG_PYTHON", "/nonexistent/python")
+    assert check_engine_commands(plan_launch(recipe, "/ckpt"), recipe).startswith("not checked: no interpreter")
+
+
+_SGLANG_MEMBER = """
+import sys, torch, torch.distributed as dist
+from sglang.srt.utils.common import init_custom_process_group
+port, rank, name = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+pg = init_custom_process_group(backend="gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=3, rank=rank,
+                               group_name=name)
+t = torch.empty(2, 3, dtype=torch.bfloat16)
+dist.broadcast(t, src=0, group=pg)  # as SGLang's receive_weights_from_distributed does
+print(t.float().flatten().tolist(), flush=True)
+dist.destroy_process_group(pg)
+"""
+
+
+def test_the_weight_update_group_meets_sglangs_own_init_custom_process_group(parser_dir):
+    """Two engine ranks join with the pinned SGLang's `init_custom_process_group` (gloo, in their own processes,
+    as SGLang's weight updater calls it); the trainer side is `dist_update.make_group`. They meet on the same
+    store keys and the broadcast arrives: the layout the trainer forms is SGLang's."""
+    import subprocess
+    import sys
+
+    import torch
+
+    from kimi_pipeline.rl.engine.dist_update import broadcast, leave_group, make_group
+    from kimi_pipeline.util.net import free_port
+
+    port, name = free_port(), "kimi-weight-sync-test"
+    env = {**os.environ, "PYTHONPATH": str(parser_dir)}
+    members = [subprocess.Popen([sys.executable, "-P", "-c", _SGLANG_MEMBER, str(port), str(r), name], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (1, 2)]
+    try:
+        pg = make_group("127.0.0.1", port, 0, 3, "gloo", name)
+        sent = torch.arange(6, dtype=torch.bfloat16).reshape(2, 3)
+        broadcast(pg, sent)
+        outs = [m.communicate(timeout=240) for m in members]
+        leave_group(pg)
+    finally:
+        for m in members:
+            m.kill()
+    for (out, err), m in zip(outs, members):
+        assert m.returncode == 0, err[-2000:]
+        assert out.strip().splitlines()[-1] == str(sent.float().flatten().tolist())
+
+
+_MERGE = """
+import argparse, json, sys
+from sglang.srt.server_args import ServerArgs
+from sglang.srt.utils.server_args_config_parser import ConfigArgumentMerger
+parser = argparse.ArgumentParser()
+ServerArgs.add_cli_args(parser)
+argv = json.loads(sys.argv[1])
+print(parser.parse_args(ConfigArgumentMerger(parser).merge_config_with_args(argv)).api_key)
+"""
+
+
+def test_an_engine_beyond_loopback_gets_the_clusters_key_through_a_private_config_file(parser_dir, monkeypatch):
+    """SGLang reads the key from the 0600 `--config` file the engine writes (through SGLang's own merger), so the
+    key is on no command line; the planned command of a multi-node layout binds to the node's address."""
+    import json
+    import stat
+    import subprocess
+    import sys
+
+    from kimi_pipeline.cluster.env import engine_api_key
+    from kimi_pipeline.rl.engine.sglang import SGLangEngine
+
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "a-cluster-token")
+    recipe = load_recipe("kimi-k2-instruct")
+    assert recipe.cluster.nodes > 1
+    planned = [n.command for e in plan_launch(recipe, "/ckpt").engines for n in e.nodes]
+    assert all(c[c.index("--host") + 1] == "<node-ip>" for c in planned)
+    assert not any(engine_api_key() in " ".join(c) for c in planned)
+    engine = SGLangEngine("/ckpt", recipe.sglang, port=30000, host="10.1.2.3", gpus_per_node=8,
+                          dist_init_addr="10.1.2.3:5000", python=sys.executable)
+    argv = engine.launch_command()[3:]  # what start() runs, without `python -m sglang.launch_server`
+    path = argv[argv.index("--config") + 1]
+    try:
+        assert engine_api_key() not in " ".join(argv)
+        assert stat.S_IMODE(Path(path).stat().st_mode) == 0o600
+        done = subprocess.run([sys.executable, "-P", "-c", _MERGE, json.dumps(argv)], capture_output=True, text=True,
+                              env={**os.environ, "PYTHONPATH": str(parser_dir)}, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert done.stdout.strip().splitlines()[-1] == engine_api_key()
+    finally:
+        engine.stop()
+    assert not Path(path).exists()

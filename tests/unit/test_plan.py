@@ -275,3 +275,26 @@ def test_weight_sync_estimate_follows_the_engine_format(recipes, name):
     assert 5 < ws["colocated_s"] < 60 < ws["disk_fallback_s"]
     res = _cli(name, "--gpu", "h200")
     assert f"weight sync: {ws['colocated_s']:.1f} s colocated" in res.output.replace("\n", " ")
+
+
+# what each engine memory tag and trainer part holds, in the plan's component names
+_ENGINE_PARTS = {"weights": ("sglang_weights",), "kv_cache": ("sglang_kv_cache", "sglang_workspace"),
+                 "cuda_graph": ("cuda_graphs",)}
+
+
+@pytest.mark.parametrize("name", ["kimi-k2-thinking", "kimi-k2-instruct", "kimi-k2.5"])
+def test_the_colocated_peak_counts_what_the_handoff_keeps_on_the_gpu(name):
+    """Colocated, each phase's total is exactly what `rl.handoff.RESIDENT` (the table the train loop's handoff
+    runs, tests/integration/test_engine_protocol.py) keeps on the GPU then, plus activations while training, the
+    sync buffer while syncing and the residual: the plan's peak is the sequence the code runs."""
+    from kimi_pipeline.rl.handoff import RESIDENT
+
+    r = load_recipe(name)
+    assert r.cluster.colocate and r.rollout.engine == "sglang"
+    plan = make_plan(r, get_gpu("h200"))
+    extra = {"train": ("activations",), "weight_sync": ("weight_sync_buffer",), "rollout": ()}
+    for phase, (tags, parts) in RESIDENT.items():
+        names = [n for t in tags for n in _ENGINE_PARTS[t]] + list(parts) + list(extra[phase]) + ["residual"]
+        assert sorted(plan["phases_gb"][phase]) == sorted(names), phase
+        assert plan["gpu_mem_gb"][f"total_{phase}"] == pytest.approx(sum(plan["phases_gb"][phase].values()), abs=0.05)
+    assert plan["peak_phase"] == max(RESIDENT, key=lambda p: plan["gpu_mem_gb"][f"total_{p}"])

@@ -3,10 +3,12 @@
 `EngineClient` talks to one server; `Router` spreads generation over several (least outstanding sampled
 rows first, like the recipes' router) and broadcasts control calls, with the same interface.
 
-Weight sync by tensors sends safetensors (never pickle), in chunks of at most `buffer_bytes` of raw
-tensor data (base64 in JSON adds a third on the wire); a tensor larger than the buffer goes alone.
-SGLang's /update_weights_from_tensor only takes pickled payloads, so for SGLang servers write an HF
-checkpoint to shared storage and call `update_weights_from_disk` instead.
+Weight sync to the embedded engine sends shared-memory descriptors or safetensors (never pickle), in chunks of
+at most `buffer_bytes` of raw tensor data; a tensor larger than the buffer goes alone. SGLang's
+/update_weights_from_tensor takes pickled payloads: to SGLang we send only CUDA-IPC handles of our own tensors
+to our own colocated engine (`cuda_ipc.py`, posted by `rl.weight_sync.CudaIpcBuckets`), or sync through a
+weight-update group, or from disk. Tensor and distributed updates run inside SGLang's weight-update session
+(`weight_update_session`).
 """
 
 from __future__ import annotations
@@ -24,9 +26,10 @@ import httpx
 import numpy as np
 import torch
 
+from kimi_pipeline.cluster.env import engine_api_key
 from kimi_pipeline.errors import PermanentError
 from kimi_pipeline.rl.engine import shm
-from kimi_pipeline.rl.engine.sampler import ENGINE_NAME, Completion, SamplingParams
+from kimi_pipeline.rl.engine.sampler import ENGINE_NAME, MEMORY_TAGS, Completion, SamplingParams
 
 # how tensors reach engines: auto = shared memory on this host, a process group to other hosts; distributed =
 # the process group for every engine (non-colocated, GPU: NCCL); http = safetensors bodies (explicit fallback)
@@ -126,6 +129,24 @@ def push_weights(clients: list[EngineClient], named_tensors, buffer_bytes: int, 
 
 
 @contextlib.contextmanager
+def weight_update_session(engines: EngineClient | Router, enabled: bool = True) -> Iterator[None]:
+    """SGLang's weight-update session around tensor and distributed updates (sglang 0.5.23
+    `scheduler_components/weight_updater.py:192-197, 234-239` answer 400 outside one; `http_server.py:1458-1486`).
+    Ended however the update ends, so a failed sync leaves no session open for the next one."""
+    if not enabled:
+        yield
+        return
+    engines.begin_weight_update()
+    try:
+        yield
+    except BaseException:
+        with contextlib.suppress(EngineRequestError):
+            engines.end_weight_update()
+        raise
+    engines.end_weight_update()
+
+
+@contextlib.contextmanager
 def paused(engines: EngineClient | Router, enabled: bool = True) -> Iterator[None]:
     """Generation paused in place around a weight update (one engine or all of a router's), resumed however
     the update ends."""
@@ -142,7 +163,7 @@ class EngineClient:
     """HTTP client for one engine server (embedded or SGLang).
 
     num_layers / topk / first_k_dense describe the model for decoding routed experts; when omitted they
-    are read from the server's /get_server_info (the embedded engine reports them; pass them for SGLang).
+    are read from the server's /server_info (the embedded engine reports them; pass them for SGLang).
     """
 
     def __init__(self, url: str, *, timeout_s: float = 3600.0, num_layers: int | None = None, topk: int | None = None,
@@ -151,7 +172,9 @@ class EngineClient:
         # TCP_NODELAY: h11 writes headers and body separately; with Nagle + the server's delayed ACK every POST
         # waited ~40 ms (measured: pause + resume 80 ms -> see README's weight-sync row)
         transport = httpx.HTTPTransport(socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
-        self._http = httpx.Client(base_url=self.url, timeout=httpx.Timeout(timeout_s, connect=10.0), transport=transport)
+        key = engine_api_key()  # engines bound beyond loopback want the cluster's key; loopback ones ignore it
+        self._http = httpx.Client(base_url=self.url, timeout=httpx.Timeout(timeout_s, connect=10.0), transport=transport,
+                                  headers={"Authorization": f"Bearer {key}"} if key else None)
         self._layout = (num_layers, topk, first_k_dense) if None not in (num_layers, topk, first_k_dense) else None
         self._info: dict[str, Any] | None = None
 
@@ -179,9 +202,14 @@ class EngineClient:
         return body
 
     def server_info(self, refresh: bool = False) -> dict[str, Any]:
+        """The start-up configuration (SGLang 0.5.23: /server_info; /get_server_info is its deprecated name)."""
         if self._info is None or refresh:
-            self._info = self._call("GET", "/get_server_info")
+            self._info = self._call("GET", "/server_info")
         return self._info
+
+    def model_info(self) -> dict[str, Any]:
+        """What a weight update changes, live: weight_version, model_path (`http_server.py:812-826`)."""
+        return self._call("GET", "/model_info")
 
     def _expert_layout(self) -> tuple[int, int, int]:
         if self._layout is None:
@@ -241,13 +269,26 @@ class EngineClient:
         Generation is paused in place meanwhile (unless pause=False); the weight version moves only
         with the last chunk, so no sample reports a version whose weights were half-applied."""
         self._require_embedded()
-        with paused(self, pause):
+        with paused(self, pause), weight_update_session(self):
             return push_weights([self], named_tensors, buffer_bytes, weight_version)
 
     def post_weight_chunk(self, serialized: str, weight_version: str | None, load_format: str = "safetensors") -> None:
         self._call("POST", "/update_weights_from_tensor", {
             "serialized_named_tensors": [serialized], "load_format": load_format,
             "flush_cache": weight_version is not None, "weight_version": weight_version})
+
+    def begin_weight_update(self) -> None:
+        self._call("POST", "/begin_weight_update", {})
+
+    def post_tensor_request(self, body: dict[str, Any]) -> None:
+        """One `/update_weights_from_tensor` body built elsewhere (`cuda_ipc.build_update_request`)."""
+        self._call("POST", "/update_weights_from_tensor", body)
+
+    def update_weight_version(self, version: str) -> None:
+        self._call("POST", "/update_weight_version", {"new_version": version})
+
+    def end_weight_update(self) -> None:
+        self._call("POST", "/end_weight_update", {})
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
                                   group_name: str, backend: str) -> None:
@@ -314,7 +355,16 @@ class EngineClient:
             return False
 
     def weight_version(self) -> str:
-        return str(self.server_info(refresh=True).get("weight_version", ""))
+        """The live weight version (/server_info reports the start-up one)."""
+        return str(self.model_info().get("weight_version", ""))
+
+    def release_memory_occupation(self, tags: Iterable[str] = MEMORY_TAGS) -> None:
+        """Free the engine's GPU memory of these kinds (`--enable-memory-saver`); the engine must be idle."""
+        self._call("POST", "/release_memory_occupation", {"tags": list(tags)})
+
+    def resume_memory_occupation(self, tags: Iterable[str] = MEMORY_TAGS) -> None:
+        """Take it back. Resumed weights hold no values until the next weight sync fills them."""
+        self._call("POST", "/resume_memory_occupation", {"tags": list(tags)})
 
 
 class Router:
@@ -397,13 +447,15 @@ class Router:
         return out  # type: ignore[return-value]
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
-                       buffer_bytes: int, weight_version: str | None = None, pause: bool = True) -> int:
+                       buffer_bytes: int, weight_version: str | None = None, pause: bool = True,
+                       session: bool = True) -> int:
         """Each bucket staged once (shared memory for engines on this host, one safetensors body for the
-        others) and posted to every engine concurrently."""
+        others) and posted to every engine concurrently, inside a weight-update session (`session=False`: the
+        caller holds one open, e.g. around several ranks' buckets)."""
         if self.weight_transport != "distributed":  # SGLang joins a weight-update group; tensor bodies are ours
             for c in self.clients:
                 c._require_embedded()
-        with paused(self, pause):
+        with paused(self, pause), weight_update_session(self, session):
             group = self._weight_group()
             if self._segment is None and any(c.shares_memory() for c in self.clients if group is None
                                              or c not in group.clients):
@@ -429,6 +481,23 @@ class Router:
 
     def update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> None:
         self._broadcast(lambda c: c.update_weights_from_disk(model_path, weight_version))
+
+    def begin_weight_update(self) -> None:
+        self._broadcast(lambda c: c.begin_weight_update())
+
+    def end_weight_update(self) -> None:
+        self._broadcast(lambda c: c.end_weight_update())
+
+    def update_weight_version(self, version: str) -> None:
+        self._broadcast(lambda c: c.update_weight_version(version))
+
+    def release_memory_occupation(self, tags: Iterable[str] = MEMORY_TAGS) -> None:
+        tags = tuple(tags)
+        self._broadcast(lambda c: c.release_memory_occupation(tags))
+
+    def resume_memory_occupation(self, tags: Iterable[str] = MEMORY_TAGS) -> None:
+        tags = tuple(tags)
+        self._broadcast(lambda c: c.resume_memory_occupation(tags))
 
     def pause(self, mode: str = "in_place") -> None:
         self._broadcast(lambda c: c.pause(mode))

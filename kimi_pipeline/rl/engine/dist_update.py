@@ -2,42 +2,76 @@
 
 SGLang's protocol, which the embedded engine implements too: `POST /init_weights_update_group`
 {master_address, master_port, rank_offset, world_size, group_name, backend} makes each engine join a
-group whose rank 0 is the trainer; then per bucket `POST /update_weights_from_distributed` {names, dtypes,
-shapes, group_name, flush_cache, weight_version} tells the engines what is coming, the trainer broadcasts
-the tensors in that order, and the engines load them; `POST /destroy_weights_update_group` ends it.
-NCCL when the trainer's tensors live on a GPU, gloo on CPU. The group is made once and kept for the run.
+group whose rank 0 is the trainer; then, inside a weight-update session (`/begin_weight_update` …
+`/end_weight_update`, `client.weight_update_session`), per bucket `POST /update_weights_from_distributed`
+{names, dtypes, shapes, group_name, flush_cache, weight_version} tells the engines what is coming, the
+trainer broadcasts the tensors in that order, and the engines load them; `POST /destroy_weights_update_group`
+ends it. NCCL when the trainer's tensors live on a GPU, gloo on CPU. The group is made once per set of engines
+and kept for the run, under a name of its own (a later group, e.g. after an engine restart, gets a new one).
 
-The group is a bare `ProcessGroupGloo` / `ProcessGroupNCCL` over a TCPStore, not `init_process_group`:
-both sides already have (or must not disturb) their own default group.
+The group is formed as SGLang forms its side (`init_custom_process_group`, sglang 0.5.23
+`python/sglang/srt/utils/common.py:2859-2918`, called from `model_runner_components/weight_updater.py:133`): a
+`tcp://` rendezvous store (rank 0 hosts it), `PrefixStore(group_name)`, then torch's `_new_process_group_helper`
+adds `"{group_name}/"` and `"{device}/"` (torch/distributed/distributed_c10d.py, `_new_process_group_helper`:
+`PrefixStore(f"{group_name}/", store)`, then per device of the backend `PrefixStore(f"{device}/", …)`; "cpu" for
+gloo, "cuda" for nccl). Both sides must meet on exactly those keys, or each waits out the timeout. We build the
+same store chain and the backend directly instead of calling torch's private helper: the helper registers the
+group process-wide by name, which the trainer's megatron world does not need and which would forbid two
+members of one group in one process (the CPU tests run several engines in one process).
+`tests/integration/test_sglang.py` joins a group made by SGLang's own function (gloo) to prove the layout.
 """
 
 from __future__ import annotations
 
 import datetime
 import socket
+import uuid
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import BackendConfig, rendezvous
+
+from kimi_pipeline.util.net import free_port
 
 GROUP_NAME = "kimi-weight-sync"
 TIMEOUT = datetime.timedelta(minutes=30)
 
 
+def tcp_url(address: str, port: int) -> str:
+    """The rendezvous URL SGLang builds (`NetworkAddress.to_tcp`): IPv6 addresses in brackets."""
+    host = f"[{address}]" if ":" in address and not address.startswith("[") else address
+    return f"tcp://{host}:{port}"
+
+
+def group_store(master_address: str, master_port: int, rank: int, world_size: int, backend: str, group_name: str,
+                timeout: datetime.timedelta = TIMEOUT) -> dist.Store:
+    """The store a member's backend talks through, keys prefixed exactly as SGLang's side prefixes them."""
+    store, _, _ = next(rendezvous(tcp_url(master_address, master_port), rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    device = next(iter(BackendConfig(dist.Backend(backend)).get_device_backend_map()))  # the helper's first device
+    return dist.PrefixStore(f"{device}/", dist.PrefixStore(f"{group_name}/", dist.PrefixStore(group_name, store)))
+
+
 def make_group(master_address: str, master_port: int, rank: int, world_size: int, backend: str,
                group_name: str = GROUP_NAME, timeout: datetime.timedelta = TIMEOUT):
-    """Join (rank 0: host) a process group of `world_size` over a TCPStore; blocks until all have joined."""
-    store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout,
-                          wait_for_workers=False)
-    store = dist.PrefixStore(group_name, store)
+    """Join (rank 0: host) the weight-update group `group_name` of `world_size`; blocks until all have joined."""
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"weight-update group backend {backend!r}: gloo or nccl")
+    store = group_store(master_address, master_port, rank, world_size, backend, group_name, timeout)
     if backend == "gloo":
         return dist.ProcessGroupGloo(store, rank, world_size, timeout)
-    if backend == "nccl":
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
-        return dist.ProcessGroupNCCL(store, rank, world_size, opts)
-    raise ValueError(f"weight-update group backend {backend!r}: gloo or nccl")
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = timeout
+    return dist.ProcessGroupNCCL(store, rank, world_size, opts)
+
+
+def leave_group(pg) -> None:
+    """Shut a group's backend down (a gloo backend left to the interpreter's exit aborts the process)."""
+    shutdown = getattr(pg, "shutdown", None) or getattr(pg, "abort", None)
+    if shutdown is not None:
+        shutdown()
 
 
 def broadcast(pg, tensor: torch.Tensor, root: int = 0) -> None:
@@ -80,18 +114,17 @@ class WeightGroup:
 
     def __init__(self, clients, pool: ThreadPoolExecutor, backend: str = "gloo", ranks_per_engine: list[int] | None = None,
                  master_address: str | None = None):
-        from kimi_pipeline.util.net import free_port
-
         self.clients, self.pool, self.backend = clients, pool, backend
         sizes = ranks_per_engine or [1] * len(clients)
         self.world_size = 1 + sum(sizes)
         self.master_address = master_address or _reachable_address([c.url for c in clients])
         self.master_port = free_port()
+        self.group_name = f"{GROUP_NAME}-{uuid.uuid4().hex[:8]}"  # SGLang keeps groups by name: one per group made
         offsets = [1 + sum(sizes[:i]) for i in range(len(clients))]
         joins = [pool.submit(c.init_weights_update_group, self.master_address, self.master_port, off, self.world_size,
-                             GROUP_NAME, backend) for c, off in zip(clients, offsets)]
+                             self.group_name, backend) for c, off in zip(clients, offsets)]
         try:
-            self.pg = make_group(self.master_address, self.master_port, 0, self.world_size, backend)
+            self.pg = make_group(self.master_address, self.master_port, 0, self.world_size, backend, self.group_name)
         finally:
             for j in joins:
                 j.result()
@@ -103,7 +136,7 @@ class WeightGroup:
         tensors = [bucket[n].detach().to(device).contiguous() for n in names]
         meta = {"names": names, "dtypes": [str(t.dtype).replace("torch.", "") for t in tensors],
                 "shapes": [list(t.shape) for t in tensors]}
-        posted = [self.pool.submit(c.update_weights_from_distributed, meta, GROUP_NAME, weight_version)
+        posted = [self.pool.submit(c.update_weights_from_distributed, meta, self.group_name, weight_version)
                   for c in self.clients]
         try:
             for t in tensors:
@@ -113,9 +146,11 @@ class WeightGroup:
                 p.result()
 
     def close(self) -> None:
-        for f in [self.pool.submit(c.destroy_weights_update_group, GROUP_NAME) for c in self.clients]:
+        for f in [self.pool.submit(c.destroy_weights_update_group, self.group_name) for c in self.clients]:
             try:
                 f.result()
             except Exception:  # noqa: BLE001 - an engine that is gone has no group left to destroy
                 pass
+        if self.pg is not None:
+            leave_group(self.pg)
         self.pg = None

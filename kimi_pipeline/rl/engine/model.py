@@ -229,6 +229,9 @@ class EngineModel:
         from kimi_pipeline.convert.dequant import QuantizedParts
 
         self._parts = QuantizedParts()  # INT4 / FP8 weights (a sync in the engine's format) arrive as parts
+        self._released: list[tuple[torch.UntypedStorage, int]] = []  # storages freed by release_weights, sizes
+        self._static: dict[str, torch.Tensor] = {}
+        self.unloaded: set[str] = set()  # weights not loaded since a resume (generation waits for all)
 
     # ------------------------------------------------------------------ construction / weights
     @classmethod
@@ -346,33 +349,87 @@ class EngineModel:
             raise EngineWeightError(str(e)) from None
         if strict:
             self.finish_update()
-            covered = set()
-            for _, _, name in plan:
-                m = self._FUSED.match(name)
-                if m:
-                    stem = f"model.layers.{m.group(1)}.mlp.experts."
-                    parts = ("gate_proj", "up_proj") if m.group(2) == "gate_up_proj" else ("down_proj",)
-                    covered.update(stem + f"{e}.{p}.weight" for e in range(self.config.num_experts) for p in parts)
-                else:
-                    covered.add(name)
-            missing = [n for n in self._params if n not in covered]
+            missing = [n for n in self._params if n not in self._covered(plan)]
             if missing:
                 raise EngineWeightError(f"checkpoint is missing {len(missing)} engine weights, e.g. {missing[:3]}")
+        if self._released:
+            raise EngineWeightError("the engine's weights are released: resume_memory_occupation(weights) first")
         for dst, src, _ in plan:
             dst.copy_(src.to(device=dst.device, dtype=dst.dtype))
         for layer in self.layers:
             layer.refresh(self.config)
+        self._note_storage()
+        self.unloaded -= self._covered(plan)
+        return [n for _, _, n in plan]
+
+    def _covered(self, plan) -> set[str]:
+        """The registry names a load plan fills (a fused expert tensor fills every expert's parts)."""
+        covered = set()
+        for _, _, name in plan:
+            m = self._FUSED.match(name)
+            if m:
+                stem = f"model.layers.{m.group(1)}.mlp.experts."
+                parts = ("gate_proj", "up_proj") if m.group(2) == "gate_up_proj" else ("down_proj",)
+                covered.update(stem + f"{e}.{p}.weight" for e in range(self.config.num_experts) for p in parts)
+            else:
+                covered.add(name)
+        return covered
+
+    def _note_storage(self) -> None:
         storage = self._storage_signature()
         if storage != self._storage:
             self._storage, self.storage_epoch = storage, self.storage_epoch + 1
-        return [n for _, _, n in plan]
 
-    def _storage_signature(self) -> tuple[int, ...]:
-        """The addresses of every tensor the forward reads (weights, derived weights, rope tables)."""
+    # ------------------------------------------------------------------ memory handoff (colocated)
+    def _tensors(self) -> list[torch.Tensor]:
         tensors = [self.embed, self.lm_head, self.final_norm, self.cos, self.sin, self._expert_ids]
         for layer in self.layers:
             tensors += [t for t in vars(layer).values() if isinstance(t, torch.Tensor)]
-        return tuple(t.data_ptr() for t in tensors)
+        return tensors
+
+    @torch.no_grad()
+    def release_weights(self) -> None:
+        """Free the device memory of every tensor the forward reads, as SGLang's memory saver pauses its weights
+        region (`scheduler_components/weight_updater.py:361-367`): the values are gone. What no weight sync
+        brings back (rope tables, expert ids: SGLang's "static state", stashed at :364) is kept on the host.
+        Generation is refused until `resume_weights` and a sync that fills every weight."""
+        if self._released:
+            return
+        self._static = {k: getattr(self, k).to("cpu", copy=True) for k in ("cos", "sin", "_expert_ids")}
+        seen = {}
+        for t in self._tensors():
+            st = t.untyped_storage()
+            seen.setdefault(st.data_ptr(), (st, st.nbytes()))
+        self._released = list(seen.values())
+        for st, _ in self._released:
+            st.resize_(0)
+        self.unloaded = set(self._params)
+
+    @torch.no_grad()
+    def resume_weights(self) -> None:
+        """Take the memory back (values undefined until the next sync) and restore the static state."""
+        if not self._released:
+            return
+        for st, nbytes in self._released:
+            st.resize_(nbytes)
+        self._released = []
+        for k, v in self._static.items():
+            getattr(self, k).copy_(v)
+        self._static = {}
+        self._note_storage()  # new addresses: captured graphs are dropped
+
+    def unready_reason(self) -> str | None:
+        """Why the model cannot generate now (weights released, or resumed and not all synced), else None."""
+        if self._released:
+            return "its weights are released (release_memory_occupation): resume_memory_occupation first"
+        if self.unloaded:
+            return (f"{len(self.unloaded)} of {len(self._params)} weights have not been loaded since its memory was "
+                    f"resumed, e.g. {sorted(self.unloaded)[:2]}: sync the weights first")
+        return None
+
+    def _storage_signature(self) -> tuple[int, ...]:
+        """The addresses of every tensor the forward reads (weights, derived weights, rope tables)."""
+        return tuple(t.data_ptr() for t in self._tensors())
 
     def finish_update(self) -> None:
         """After the last bucket of a sync: no quantized weight may be left waiting for its other parts."""

@@ -33,8 +33,14 @@ from kimi_pipeline.errors import PermanentError
 from kimi_pipeline.rl.engine.model import EngineModel
 from kimi_pipeline.rl.engine.static_decode import StaticDecoder, resolve_decode_mode
 
+# what an engine releases and resumes around a colocated train phase (sglang 0.5.23 `srt/constants.py:2-6`)
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 ENGINE_NAME = "kimi-embedded"  # what the embedded engine's /server_info reports; clients tell it from SGLang by it
 FINISH_LENGTH, FINISH_STOP, FINISH_ABORT = "length", "stop", "abort"
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine cannot serve now (memory released, weights not yet synced): a state, not a bad request."""
 
 
 class EngineInputError(PermanentError, ValueError):
@@ -99,6 +105,14 @@ def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float, top_k:
     return tok, logp.gather(1, tok[:, None]).squeeze(1)
 
 
+def memory_tags(tags) -> set[str]:
+    """SGLang's memory tags, checked; none given means all of them (as SGLang reads an empty list)."""
+    tags = set(tags or MEMORY_TAGS)
+    if unknown := tags - set(MEMORY_TAGS):
+        raise EngineInputError(f"memory tags {sorted(unknown)}: known tags are {list(MEMORY_TAGS)}")
+    return tags
+
+
 class RolloutEngine:
     """Thread-safe batched generation; `model_lock` also guards weight updates between decode steps.
 
@@ -117,10 +131,42 @@ class RolloutEngine:
         self.decode_mode = resolve_decode_mode(model, decode_mode)
         self.static = None if self.decode_mode == "dynamic" else StaticDecoder(model, self.decode_mode == "graphs")
         self._static_lock = threading.Lock()
+        self.released: set[str] = set()  # memory tags released (release_memory) and not resumed
 
     @property
     def config(self):
         return self.model.config
+
+    # ------------------------------------------------------------------ memory handoff (colocated)
+    def release_memory(self, tags) -> None:
+        """Free the memory of these kinds while the colocated trainer trains (SGLang's tags: weights, kv_cache,
+        cuda_graph). kv_cache: the static modes' persistent KV cache and decode buffers (the dynamic loop holds a
+        cache only while a batch runs); cuda_graph: the captured graphs; weights: `EngineModel.release_weights`.
+        The caller makes sure no batch runs (the server refuses unless idle)."""
+        tags = memory_tags(tags)
+        with self.model_lock, self._static_lock:
+            if self.static is not None and "kv_cache" in tags:
+                self.static.free()
+            if self.static is not None and "cuda_graph" in tags:
+                self.static.drop_graphs()
+            if "weights" in tags:
+                self.model.release_weights()
+            self.released |= set(tags)
+
+    def resume_memory(self, tags) -> None:
+        """Take the memory back: weights resume empty (the next sync fills them), the KV cache and graphs are
+        rebuilt by the next batch."""
+        tags = memory_tags(tags)
+        with self.model_lock:
+            if "weights" in tags:
+                self.model.resume_weights()
+            self.released -= set(tags)
+
+    def unready_reason(self) -> str | None:
+        if self.released:
+            return (f"its memory is released ({', '.join(sorted(self.released))}): "
+                    "resume_memory_occupation first")
+        return self.model.unready_reason()
 
     def generate(self, prompts: list[list[int]], n: int = 1, params: SamplingParams | None = None,
                  return_routed_experts: bool = True,
@@ -131,6 +177,8 @@ class RolloutEngine:
         (unfinished rows end with finish_reason "abort"). The server uses it for pause/abort.
         """
         params = params or SamplingParams()
+        if why := self.unready_reason():
+            raise EngineUnavailable(f"the engine cannot generate: {why}")
         if n < 1:
             raise EngineInputError(f"n={n}: must be >= 1")
         self._validate(prompts, params)

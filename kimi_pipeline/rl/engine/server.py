@@ -16,10 +16,16 @@ Endpoints and JSON shapes follow SGLang's server where practical:
 - POST /init_weights_update_group {master_address, master_port, rank_offset, world_size, group_name, backend},
   POST /update_weights_from_distributed {names, dtypes, shapes, group_name, weight_version}, POST
   /destroy_weights_update_group {group_name}: non-colocated sync, tensors broadcast by the trainer over a
-  gloo (CPU) / NCCL (GPU) group (`dist_update.py`).
+  gloo (CPU) / NCCL (GPU) group formed as SGLang forms it (`dist_update.py`).
+- POST /begin_weight_update, POST /end_weight_update: SGLang 0.5.23's weight-update session; tensor and
+  distributed updates outside one are refused with SGLang's 400, so the CPU suite makes the calls a GPU run makes.
+- POST /release_memory_occupation {tags}, POST /resume_memory_occupation {tags} (weights, kv_cache, cuda_graph):
+  the colocated memory handoff; released memory refuses generation (503) until resumed, resumed weights until
+  a sync has filled every one of them.
 - POST /update_weights_from_disk {model_path, weight_version}; POST /pause_generation {mode: in_place |
   abort}; POST /continue_generation; POST /flush_cache; POST /abort_request {rid | abort_all};
-  GET /health; GET /health_generate; GET /get_server_info; GET /get_model_info.
+  GET /health; GET /health_generate; GET /server_info (start-up configuration); GET /model_info (live
+  weight_version; SGLang's /get_server_info and /get_model_info are their deprecated names, served too).
 
 Requests are queued and batched: whatever arrived while the engine was busy runs as one batch (grouped
 by sampling settings), so many small concurrent requests cost about what one big request costs.
@@ -32,6 +38,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import hmac
 import json
 import logging
 import socket
@@ -51,7 +58,8 @@ from pydantic import BaseModel, ConfigDict
 from kimi_pipeline.model.device import resolve_device
 from kimi_pipeline.rl.engine import shm
 from kimi_pipeline.rl.engine.model import EngineModel, EngineWeightError, config_summary, iter_safetensors
-from kimi_pipeline.rl.engine.sampler import ENGINE_NAME, FINISH_ABORT, Completion, EngineInputError, RolloutEngine, SamplingParams
+from kimi_pipeline.rl.engine.sampler import (ENGINE_NAME, FINISH_ABORT, Completion, EngineInputError, EngineUnavailable,
+                                             RolloutEngine, SamplingParams, memory_tags)
 from kimi_pipeline.rl.engine.static_decode import DECODE_MODES
 from kimi_pipeline.util.threads import one_intraop_thread_for_helpers
 
@@ -107,11 +115,25 @@ class GroupDestroy(BaseModel):
     group_name: str = "weight_update_group"
 
 
+class VersionUpdate(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    new_version: str
+
+
 class DiskUpdate(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model_path: str
     load_format: str | None = None
     weight_version: str | None = None
+
+
+class SessionRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # SGLang's `selector` (target / draft runners): one runner here
+
+
+class MemoryRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    tags: list[str] | None = None  # None or empty: every tag, as SGLang reads it
 
 
 class PauseRequest(BaseModel):
@@ -297,10 +319,14 @@ class EngineServer:
     """An HTTP server (uvicorn in a background thread) around a RolloutEngine. Bound to loopback by default."""
 
     def __init__(self, engine: RolloutEngine, host: str = "127.0.0.1", port: int = 0, tokenizer=None,
-                 model_path: str | None = None):
+                 model_path: str | None = None, api_key: str | None = None):
+        """`api_key`: required as `Authorization: Bearer` on every endpoint but /health* (SGLang's `--api-key`
+        rule, sglang/srt/utils/auth.py); set when the server binds beyond loopback."""
         self.engine, self.host, self.port, self.tokenizer = engine, host, port, tokenizer
-        self.model_path = model_path
+        self.model_path, self.api_key = model_path, api_key
         self.weight_groups: dict[str, Any] = {}  # group name -> process group with a trainer (dist_update.py)
+        self.update_session = False  # between /begin_weight_update and /end_weight_update (SGLang's protocol)
+        self.memory_events: list[tuple[str, tuple[str, ...]]] = []  # (release|resume, tags), in order
         self.scheduler: BatchScheduler | None = None
         self._server = None
         self._thread: threading.Thread | None = None
@@ -358,9 +384,21 @@ class EngineServer:
         """SGLang's HTTP API, in three groups: generation, weight updates, control and info."""
         app = FastAPI(title="kimi-pipeline embedded rollout engine")
 
+        @app.middleware("http")
+        async def _auth(request, call_next):
+            if self.api_key and not request.url.path.startswith("/health"):
+                given = request.headers.get("authorization", "")
+                if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+                    return JSONResponse(status_code=401, content={"error": {"message": "missing or wrong API key"}})
+            return await call_next(request)
+
         @app.exception_handler(EngineInputError)
         async def _bad_input(_, exc: EngineInputError):
             return JSONResponse(status_code=400, content={"error": {"message": str(exc)}})
+
+        @app.exception_handler(EngineUnavailable)
+        async def _unavailable(_, exc: EngineUnavailable):
+            return JSONResponse(status_code=503, content={"error": {"message": str(exc)}})
 
         self._add_generation_routes(app)
         self._add_weight_routes(app)
@@ -374,6 +412,8 @@ class EngineServer:
         async def generate(req: GenerateRequest):
             if req.stream:
                 raise EngineInputError("stream=true is not supported by the embedded engine")
+            if why := self.engine.unready_reason():  # memory released, or resumed and not yet synced: 503
+                raise EngineUnavailable(f"the engine cannot generate: {why}")
             single, prompts = self._prompts(req)
             params, n = sampling_params_from_json(req.sampling_params, cfg.eos_token_ids)
             count = len(prompts) * n
@@ -411,8 +451,37 @@ class EngineServer:
             return {"success": True, "message": f"updated {len(names)} tensors", "num_tensors": len(names),
                     "weight_version": engine.weight_version}
 
+        def outside_session(endpoint: str) -> JSONResponse | None:
+            """SGLang answers tensor and distributed updates outside a session with a 400 (weight_updater.py:192-197,
+            234-239); so does this engine, so the CPU suite drives the calls a GPU run must make."""
+            if self.update_session:
+                return None
+            return _fail(f"{endpoint} must run between begin_weight_update() and end_weight_update()")
+
+        @app.post("/begin_weight_update")
+        def begin_weight_update(req: SessionRequest | None = None):
+            with engine.model_lock:
+                if self.update_session:
+                    return _fail("a weight-update session is already open; call end_weight_update() first")
+                self.update_session = True
+            return {"success": True, "message": "Success"}
+
+        @app.post("/end_weight_update")
+        def end_weight_update(req: SessionRequest | None = None):
+            with engine.model_lock:
+                if not self.update_session:
+                    return _fail("no weight-update session is open; call begin_weight_update() first")
+                self.update_session = False
+                try:
+                    engine.model.finish_update()  # no quantized weight may be left waiting for its other parts
+                except EngineWeightError as exc:
+                    return _fail(str(exc))
+            return {"success": True, "message": "Success"}
+
         @app.post("/update_weights_from_tensor")
         def update_weights_from_tensor(req: TensorUpdate):
+            if refused := outside_session("update_weights_from_tensor"):
+                return refused
             if req.load_format == shm.LOAD_FORMAT:  # colocated: JSON descriptors of shared-memory buckets
                 def mapped():
                     for text in req.serialized_named_tensors:
@@ -457,6 +526,8 @@ class EngineServer:
         def update_weights_from_distributed(req: DistributedUpdate):
             from kimi_pipeline.rl.engine.dist_update import broadcast, dtype_from_name
 
+            if refused := outside_session("update_weights_from_distributed"):
+                return refused
             pg = self.weight_groups.get(req.group_name)
             if pg is None:
                 return _fail(f"no weight-update group {req.group_name!r}: call /init_weights_update_group first")
@@ -479,9 +550,20 @@ class EngineServer:
 
         @app.post("/destroy_weights_update_group")
         def destroy_weights_update_group(req: GroupDestroy):
-            if self.weight_groups.pop(req.group_name, None) is None:
+            from kimi_pipeline.rl.engine.dist_update import leave_group
+
+            pg = self.weight_groups.pop(req.group_name, None)
+            if pg is None:
                 return _fail(f"no weight-update group {req.group_name!r}")
+            leave_group(pg)
             return {"success": True, "message": f"left {req.group_name}"}
+
+        @app.post("/update_weight_version")
+        def update_weight_version(req: VersionUpdate):
+            with engine.model_lock:
+                engine.weight_version = req.new_version
+            return {"success": True, "message": f"Weight version updated to {req.new_version}",
+                    "new_version": req.new_version}
 
         @app.post("/update_weights_from_disk")
         def update_weights_from_disk(req: DiskUpdate):
@@ -541,8 +623,27 @@ class EngineServer:
                 raise HTTPException(status_code=503, detail="engine did not generate within 60 s (paused?)")
             return {"status": "ok"}
 
-        @app.get("/get_server_info")
-        def get_server_info():
+        @app.api_route("/release_memory_occupation", methods=["GET", "POST"])
+        def release_memory_occupation(req: MemoryRequest | None = None):
+            tags = memory_tags((req or MemoryRequest()).tags)
+            state = self.scheduler.state()
+            # SGLang asserts the same (weight_updater.py:339-341): nothing running, nothing queued unless paused
+            if state["running_requests"] or (state["queued_requests"] and not state["paused"]):
+                return _fail("release_memory_occupation should be called only when server is idle")
+            engine.release_memory(tags)
+            self.memory_events.append(("release", tuple(sorted(tags))))
+            return {"success": True, "message": f"released {sorted(tags)}"}
+
+        @app.api_route("/resume_memory_occupation", methods=["GET", "POST"])
+        def resume_memory_occupation(req: MemoryRequest | None = None):
+            tags = memory_tags((req or MemoryRequest()).tags)
+            engine.resume_memory(tags)
+            self.memory_events.append(("resume", tuple(sorted(tags))))
+            return {"success": True, "message": f"resumed {sorted(tags)}"}
+
+        @app.get("/server_info")
+        @app.get("/get_server_info")  # SGLang's deprecated name
+        def server_info():
             return {"engine": ENGINE_NAME, "weight_version": engine.weight_version, "model_path": self.model_path,
                     "hostname": socket.gethostname(), "weight_update_formats": ["safetensors", shm.LOAD_FORMAT, "distributed"],
                     "device": str(engine.model.device), "dtype": str(engine.model.dtype).replace("torch.", ""),
@@ -553,9 +654,12 @@ class EngineServer:
         def get_weight_version():
             return {"weight_version": engine.weight_version}
 
-        @app.get("/get_model_info")
-        def get_model_info():
-            return {"model_path": self.model_path, "is_generation": True, "weight_version": engine.weight_version}
+        @app.get("/model_info")
+        @app.get("/get_model_info")  # SGLang's deprecated name
+        def model_info():
+            """The live state a weight update changes (SGLang: `http_server.py:812-826`)."""
+            return {"model_path": self.model_path, "is_generation": True, "weight_version": engine.weight_version,
+                    "memory_released": sorted(engine.released)}
 
     def _prompts(self, req: GenerateRequest) -> tuple[bool, list[list[int]]]:
         if req.input_ids is not None:

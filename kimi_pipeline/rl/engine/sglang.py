@@ -22,6 +22,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +32,8 @@ import httpx
 from kimi_pipeline.errors import PermanentError
 from kimi_pipeline.recipes.models import SGLangSpec
 from kimi_pipeline.util.lifetime import die_with_parent
-from kimi_pipeline.util.net import free_port
+from kimi_pipeline.cluster.env import engine_api_key
+from kimi_pipeline.util.net import bind_host, free_port, is_loopback
 
 SGLANG_ENV_VAR = "KIMI_SGLANG_PYTHON"
 ARGCHECK_SCRIPT = Path(__file__).with_name("sglang_argcheck.py")
@@ -119,12 +121,13 @@ class SGLangEngine:
 
     def __init__(self, model_path: str | Path, spec: SGLangSpec, *, port: int | None = None,
                  log_dir: str | Path | None = None, **command_kwargs):
-        self.host = command_kwargs.pop("host", None) or spec.host
+        self.host = bind_host(command_kwargs.pop("host", None) or spec.host)
         self.port = port or free_port(self.host)
         self.node_rank = command_kwargs.get("node_rank", 0)
         self.command = sglang_command(model_path, spec, port=self.port, host=self.host, **command_kwargs)
         self.log_dir = Path(log_dir) if log_dir else None
         self.process: subprocess.Popen | None = None
+        self._config_file: str | None = None
 
     @property
     def url(self) -> str:
@@ -136,11 +139,12 @@ class SGLangEngine:
     def start(self, timeout_s: float = 1800.0) -> str:
         """Launch and wait until /health_generate answers 200 (node 0); returns the server URL."""
         require_sglang(self.command[0])
+        command = self.launch_command()
         out = None
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             out = open(self.log_dir / f"sglang-{self.port}-node{self.node_rank}.log", "ab")
-        self.process = subprocess.Popen(self.command, stdout=out, stderr=subprocess.STDOUT if out else None,
+        self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT if out else None,
                                         env={**os.environ}, start_new_session=True,
                                         # SIGTERM when the trainer dies: sglang then stops its own schedulers
                                         preexec_fn=lambda: die_with_parent(signal.SIGTERM))
@@ -160,7 +164,26 @@ class SGLangEngine:
         self.stop()
         raise SGLangLaunchError(f"sglang server at {self.url} not healthy after {timeout_s:.0f} s")
 
+    def launch_command(self) -> list[str]:
+        """The planned command, plus (bound beyond loopback) the cluster's key: SGLang then checks
+        `Authorization: Bearer` on every endpoint but /health* (sglang/srt/utils/auth.py)."""
+        key = None if is_loopback(self.host) else engine_api_key()
+        if not key:
+            return list(self.command)
+        return [*self.command, "--config", self._private_config({"api-key": key})]  # not on a command line (`ps`)
+
+    def _private_config(self, values: dict[str, str]) -> str:
+        """A 0600 YAML file of launch options for SGLang's `--config` (server_args.py:683-689 merges it before
+        parsing), for options that must not show in the process table; removed when the server stops."""
+        fd, path = tempfile.mkstemp(prefix="sglang-", suffix=".yaml")  # mkstemp: 0600, owned by us
+        with os.fdopen(fd, "w") as f:
+            json.dump(values, f)  # JSON is YAML
+        self._config_file = path
+        return path
+
     def stop(self, timeout_s: float = 30.0) -> None:
+        if self._config_file:
+            Path(self._config_file).unlink(missing_ok=True)
         if self.process is None or self.process.poll() is not None:
             return
         os.killpg(self.process.pid, 15)  # its own session: the server and its scheduler children

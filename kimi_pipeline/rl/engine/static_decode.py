@@ -135,6 +135,13 @@ class StaticDecoder:
         self.graphs.clear()
         self._pool = None
 
+    def free(self) -> None:
+        """Drop the KV cache and every decode buffer (and the graphs that hold their addresses); the next batch
+        allocates them again. The engine's `kv_cache` release."""
+        self.drop_graphs()
+        self.cache = self.ids = self.pos = self.logits = self.experts = None
+        self.rows_cap = self.len_cap = 0
+
     # ------------------------------------------------------------------ one batch
     @torch.inference_mode()
     def start(self, prefix: torch.Tensor, length: int) -> None:

@@ -1,0 +1,159 @@
+"""SGLang 0.5.23's control protocol as the embedded engine serves it, so the CPU suite makes the calls a GPU run
+makes: the weight-update session, the live weight version in /model_info, the colocated memory handoff
+(release / resume of weights, KV cache and CUDA graphs) in the order the train loop runs it, and the API key of
+engines bound beyond loopback."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+
+from kimi_pipeline.cluster.env import engine_api_key
+from kimi_pipeline.rl.engine.client import EngineClient, EngineRequestError, Router, weight_update_session
+from kimi_pipeline.rl.engine.model import EngineModel
+from kimi_pipeline.rl.engine.sampler import MEMORY_TAGS, RolloutEngine, SamplingParams
+from kimi_pipeline.rl.engine.server import EngineServer
+from kimi_pipeline.rl.handoff import RESIDENT, Handoff
+from support.common import random_tiny_hf
+
+PROMPTS = [[3, 5, 7, 9], [4, 6, 8]]
+PARAMS = SamplingParams(max_new_tokens=6, temperature=1.0, seed=123)
+
+
+@pytest.fixture(scope="module")
+def hf():
+    torch.manual_seed(0)
+    return random_tiny_hf()
+
+
+@pytest.fixture
+def server(hf):
+    with EngineServer(RolloutEngine(EngineModel.from_hf_model(hf), seed=0, decode_mode="static")) as s:
+        yield s
+
+
+def _samples(client) -> list[tuple[list[int], list[float]]]:
+    return [(c.output_ids, c.logprobs) for c in client.generate(PROMPTS, 2, PARAMS, return_routed_experts=True)]
+
+
+def test_updates_outside_a_session_are_refused_as_sglang_refuses_them(server, hf):
+    url = server.url
+    body = {"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[8]], "group_name": "g"}
+    for path, payload in (("/update_weights_from_tensor", {"serialized_named_tensors": []}),
+                          ("/update_weights_from_distributed", body)):
+        r = httpx.post(url + path, json=payload, timeout=60)
+        assert r.status_code == 400
+        assert r.json()["message"] == f"{path[1:]} must run between begin_weight_update() and end_weight_update()"
+    assert httpx.post(url + "/end_weight_update", json={}).json()["message"].startswith("no weight-update session")
+    assert httpx.post(url + "/begin_weight_update", json={}).status_code == 200
+    assert "already open" in httpx.post(url + "/begin_weight_update", json={}).json()["message"]
+    assert httpx.post(url + "/end_weight_update", json={}).status_code == 200
+    # the client opens and ends the session itself, and the live version is /model_info's
+    with EngineClient(url) as client:
+        assert client.update_weights(hf.state_dict().items(), 1 << 20, weight_version="v7") > 1
+        assert client.weight_version() == "v7" == client.model_info()["weight_version"]
+        assert client.server_info()["weight_version"] == "0"  # the start-up configuration, cached
+        assert not server.update_session
+        # a failed update still ends the session: the next one can open its own
+        with pytest.raises(EngineRequestError, match="shape"):
+            client.update_weights([("model.norm.weight", torch.zeros(3))], 1 << 20, weight_version="bad")
+        assert not server.update_session
+        with weight_update_session(client):
+            assert server.update_session
+
+
+def test_release_and_resume_around_a_sync_give_back_the_same_generation(server, hf):
+    """The colocated handoff on the engine: release everything (KV cache, graphs, weights) → generation refused
+    (503) → resume weights → still refused until a sync filled every weight → sync the same weights → resume the
+    KV cache and graphs → the same samples, logprobs and routed experts as before the release."""
+    with EngineClient(server.url) as client:
+        before = _samples(client)
+        assert server.engine.static.cache is not None  # the static decoder's KV cache exists
+        model = server.engine.model
+        weight_bytes = sum(t.untyped_storage().nbytes() for t in model._tensors())
+        client.release_memory_occupation(MEMORY_TAGS)
+        assert server.engine.static.cache is None and not server.engine.static.graphs
+        assert sum(t.untyped_storage().nbytes() for t in model._tensors()) == 0 < weight_bytes  # really freed
+        with pytest.raises(EngineRequestError, match="HTTP 503.*memory is released"):
+            client.generate(PROMPTS, 1, PARAMS)
+        assert client.model_info()["memory_released"] == sorted(MEMORY_TAGS)
+        client.resume_memory_occupation(["weights"])
+        assert sum(t.untyped_storage().nbytes() for t in model._tensors()) == weight_bytes
+        client.resume_memory_occupation(["kv_cache", "cuda_graph"])
+        with pytest.raises(EngineRequestError, match="HTTP 503.*have not been loaded since its memory was resumed"):
+            client.generate(PROMPTS, 1, PARAMS)
+        half = list(hf.state_dict().items())
+        client.update_weights(half[: len(half) // 2], 1 << 20)
+        with pytest.raises(EngineRequestError, match="have not been loaded"):  # half a sync is not a policy
+            client.generate(PROMPTS, 1, PARAMS)
+        client.update_weights(half[len(half) // 2:], 1 << 20, weight_version="1")
+        after = _samples(client)
+    assert after == before
+    assert server.memory_events == [("release", tuple(sorted(MEMORY_TAGS))), ("resume", ("weights",)),
+                                    ("resume", ("cuda_graph", "kv_cache"))]
+
+
+def test_unknown_memory_tags_are_refused(server):
+    r = httpx.post(server.url + "/release_memory_occupation", json={"tags": ["activations"]}, timeout=60)
+    assert r.status_code == 400 and "known tags are ['weights', 'kv_cache', 'cuda_graph']" in r.text
+    assert not server.engine.released
+
+
+def test_the_handoff_runs_the_resident_table_in_order(hf):
+    """The train loop's handoff (`rl/handoff.py`) with two real engines and a recording trainer: start-up, then
+    two steps; at every phase the engines hold exactly the memory `RESIDENT` names (what `kimi plan` counts), each
+    move frees before it takes, and the engines generate after the step what they generated before it."""
+    servers = [EngineServer(RolloutEngine(EngineModel.from_hf_model(hf), seed=i)) for i in range(2)]
+    for s in servers:
+        s.start()
+    trainer: list[tuple[str, tuple[str, ...]]] = []
+    try:
+        with Router([s.url for s in servers]) as router:
+            def engines(action, tags):
+                (router.release_memory_occupation if action == "release" else router.resume_memory_occupation)(tags)
+
+            handoff = Handoff(True, engines, lambda action, parts: trainer.append((action, parts)))
+            before = None
+            for phase in ("train", "weight_sync", "rollout", "train", "weight_sync", "rollout"):
+                handoff.to(phase)
+                tags, parts = RESIDENT[phase]
+                assert all(set(s.engine.released) == set(MEMORY_TAGS) - set(tags) for s in servers), phase
+                assert handoff.trainer_held == parts
+                if phase == "weight_sync":
+                    router.update_weights(hf.state_dict().items(), 1 << 20, weight_version=str(len(trainer)))
+                if phase == "rollout":
+                    out = [(c.output_ids, c.logprobs) for c in router.generate(PROMPTS, 2, PARAMS)]
+                    assert before is None or out == before
+                    before = out
+            # free first, then take: every release / sleep of a move precedes its wake / resume
+            kinds = [(side, action) for side, action, _ in handoff.events]
+            assert kinds == [("engines", "release"),  # start-up: the engines give way to the loading trainer
+                             ("trainer", "sleep"), ("engines", "resume"),  # -> weight_sync
+                             ("trainer", "sleep"), ("engines", "resume"),  # -> rollout
+                             ("engines", "release"), ("trainer", "wake"),  # -> train
+                             ("trainer", "sleep"), ("engines", "resume"),
+                             ("trainer", "sleep"), ("engines", "resume")]
+            assert trainer[:2] == [("sleep", ("grads", "optimizer")), ("sleep", ("weights",))]
+            assert trainer[2] == ("wake", ("weights", "grads", "optimizer"))
+    finally:
+        for s in servers:
+            s.stop()
+
+
+def test_an_engine_bound_beyond_loopback_wants_the_clusters_key(hf, monkeypatch):
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "a-cluster-token")
+    key = engine_api_key()
+    assert key and "a-cluster-token" not in key
+    with EngineServer(RolloutEngine(EngineModel.from_hf_model(hf), seed=0), api_key=key) as s:
+        assert httpx.get(s.url + "/health").status_code == 200  # health stays open, as in SGLang
+        assert httpx.get(s.url + "/model_info").status_code == 401
+        assert httpx.get(s.url + "/model_info", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        with EngineClient(s.url) as client:  # clients derive the same key from the same token
+            assert client.weight_version() == "0"
+        monkeypatch.setenv("RAY_AUTH_TOKEN", "another-cluster")
+        with EngineClient(s.url) as client, pytest.raises(EngineRequestError, match="401"):
+            client.weight_version()
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    assert engine_api_key() is None
