@@ -16,6 +16,7 @@ import tempfile
 from pathlib import Path
 
 from kimi_pipeline.cluster.errors import ClusterConfigError
+from kimi_pipeline.util.net import is_loopback
 
 AUTH_MODES = ("token", "disabled")
 DEFAULT_TOKEN_PATH = Path.home() / ".ray" / "auth_token"
@@ -59,6 +60,11 @@ def engine_api_key() -> str | None:
     if not token.strip():
         return None
     return hmac.new(token.strip().encode(), b"kimi-pipeline rollout engine", hashlib.sha256).hexdigest()
+
+
+def server_api_key(host: str) -> str | None:
+    """The key a rollout engine bound at `host` requires: none on loopback, else the cluster's."""
+    return None if is_loopback(host) else engine_api_key()
 
 
 def ensure_token() -> str:

@@ -24,7 +24,6 @@ members of one group in one process (the CPU tests run several engines in one pr
 from __future__ import annotations
 
 import datetime
-import socket
 import uuid
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -33,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import BackendConfig, rendezvous
 
-from kimi_pipeline.util.net import free_port
+from kimi_pipeline.util.net import LOOPBACK, free_port, is_loopback, node_address
 
 GROUP_NAME = "kimi-weight-sync"
 TIMEOUT = datetime.timedelta(minutes=30)
@@ -97,16 +96,7 @@ def dtype_from_name(name: str) -> torch.dtype:
 def _reachable_address(urls: list[str]) -> str:
     """An address of this host the engines can reach: loopback when they are all local."""
     hosts = {u.split("://", 1)[-1].split("/", 1)[0].rsplit(":", 1)[0].strip("[]") for u in urls}
-    if hosts <= {"127.0.0.1", "localhost", "::1"}:
-        return "127.0.0.1"
-    try:
-        import ray
-
-        if ray.is_initialized():
-            return ray.util.get_node_ip_address()
-    except ImportError:
-        pass
-    return socket.gethostbyname(socket.gethostname())
+    return LOOPBACK if all(is_loopback(h) for h in hosts) else node_address()
 
 
 class WeightGroup:

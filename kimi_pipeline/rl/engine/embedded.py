@@ -7,9 +7,9 @@ import os
 
 import torch
 
-from kimi_pipeline.cluster.env import engine_api_key
+from kimi_pipeline.cluster.env import server_api_key
 from kimi_pipeline.model.device import actor_gpu_index, resolve_device
-from kimi_pipeline.util.net import bind_host, is_loopback
+from kimi_pipeline.util.net import bind_host
 
 
 class EmbeddedEngine:
@@ -34,8 +34,7 @@ class EmbeddedEngine:
         model = EngineModel.from_pretrained(self.model_path, device=device)
         engine = RolloutEngine(model, seed=self.seed, decode_mode=self.decode_mode)
         host = bind_host(self.host)
-        key = None if is_loopback(host) else engine_api_key()  # beyond loopback: the cluster's key
-        self.server = EngineServer(engine, host, 0, None, self.model_path, api_key=key)
+        self.server = EngineServer(engine, host, 0, None, self.model_path, api_key=server_api_key(host))
         return self.server.start()
 
     def get_url(self) -> str:

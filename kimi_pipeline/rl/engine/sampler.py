@@ -151,7 +151,7 @@ class RolloutEngine:
                 self.static.drop_graphs()
             if "weights" in tags:
                 self.model.release_weights()
-            self.released |= set(tags)
+            self.released |= tags
 
     def resume_memory(self, tags) -> None:
         """Take the memory back: weights resume empty (the next sync fills them), the KV cache and graphs are
@@ -160,7 +160,7 @@ class RolloutEngine:
         with self.model_lock:
             if "weights" in tags:
                 self.model.resume_weights()
-            self.released -= set(tags)
+            self.released -= tags
 
     def unready_reason(self) -> str | None:
         if self.released:

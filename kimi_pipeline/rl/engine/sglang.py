@@ -32,8 +32,8 @@ import httpx
 from kimi_pipeline.errors import PermanentError
 from kimi_pipeline.recipes.models import SGLangSpec
 from kimi_pipeline.util.lifetime import die_with_parent
-from kimi_pipeline.cluster.env import engine_api_key
-from kimi_pipeline.util.net import bind_host, free_port, is_loopback
+from kimi_pipeline.cluster.env import server_api_key
+from kimi_pipeline.util.net import bind_host, free_port
 
 SGLANG_ENV_VAR = "KIMI_SGLANG_PYTHON"
 ARGCHECK_SCRIPT = Path(__file__).with_name("sglang_argcheck.py")
@@ -167,7 +167,7 @@ class SGLangEngine:
     def launch_command(self) -> list[str]:
         """The planned command, plus (bound beyond loopback) the cluster's key: SGLang then checks
         `Authorization: Bearer` on every endpoint but /health* (sglang/srt/utils/auth.py)."""
-        key = None if is_loopback(self.host) else engine_api_key()
+        key = server_api_key(self.host)
         if not key:
             return list(self.command)
         return [*self.command, "--config", self._private_config({"api-key": key})]  # not on a command line (`ps`)
