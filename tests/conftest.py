@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -38,9 +39,9 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Stop Prefect's default ephemeral server (one a test's trailing log or event flush started) while pytest's
     captured streams are still open: Prefect's own atexit stop logs to the captured stderr its console handler
     was bound to, after pytest has closed it, and prints a 'Logging error' traceback at the end of a green run."""
-    from prefect.server.api.server import SubprocessASGIServer
-
-    SubprocessASGIServer().stop()  # the default (port None) server; a no-op when none was started
+    server = sys.modules.get("prefect.server.api.server")  # absent: no test started Prefect (the GPU image has none)
+    if server is not None:
+        server.SubprocessASGIServer().stop()  # the default (port None) server; a no-op when none was started
 
 
 GPU_TESTS = Path(__file__).resolve().parent / "gpu"  # skipped without CUDA, by tests/gpu/conftest.py

@@ -4,8 +4,8 @@ megatron-core assumes CUDA tensors, NCCL and Transformer Engine / apex kernels. 
 the module attribute it replaces, why, and the one cause it exists for:
 
 - `TE_ABSENT`  Transformer Engine is not installed (megatron's own `HAVE_TE` is False): MLA's TE isinstance
-  check, the router's `te_general_gemm`, the torch norm under sequence parallelism. A GPU without TE needs
-  these exactly as the CPU does.
+  check, the router's `te_general_gemm`, the torch norm under sequence parallelism, the offloaded optimizer's
+  load over fp32 main params. A GPU without TE needs these exactly as the CPU does.
 - `TORCH_ADAM` neither TE nor apex: megatron falls back to torch's Adam (`optimizer/__init__.py:24-34`), whose
   per-parameter `step` its checkpoint code mishandles, and to its local multi-tensor l2 norm
   (`optimizer/clip_grads.py:17-40`, `utils.py:1200-1208`); torch's Adam is built fused.
@@ -343,6 +343,44 @@ def _unshare_adam_steps(original: Callable) -> Callable:
     return load_state_dict
 
 
+def _master_param_only_with_fp32_copy(original: Callable) -> Callable:
+    """After each step the offloaded (hybrid) optimizer records every state's `master_param`
+    (`cpu_offloading/hybrid_optimizer.py:302-321`). Without TE the precision-aware optimizer is off and its
+    parameters are the distributed optimizer's fp32 main params: for them `master_param` is only the host copy,
+    which the checkpoint does not hold (it saves the main param as "param"), so loading one asks for it
+    (KeyError 'master_param', `distrib_optimizer.py:936-940`, seen on an H200). Keep it where there is an fp32 copy."""
+
+    @functools.wraps(original)
+    def sync(self: Any) -> None:
+        original(self)
+        for param, state in self.state.items():
+            if param not in self.param_to_fp32_param:
+                state.pop("master_param", None)
+
+    return sync
+
+
+def _refresh_host_copies_on_load(original: Callable) -> Callable:
+    """After a load the offloaded (hybrid) optimizer copies each state's `master_param` into the parameter's fp32
+    copy, looked up for EVERY parameter (`cpu_offloading/hybrid_optimizer.py:369-374`): KeyError for fp32 main
+    params (no TE, so no precision-aware optimizer), which have no fp32 copy. Those get their host copy (the tensor
+    the CPU Adam steps and copies back to the GPU, `hybrid_optimizer.py:117-127`) refreshed from the parameter the
+    load wrote; left alone it keeps the values it was cloned with before the checkpoint's arrived
+    (`distrib_optimizer.py:2117`)."""
+
+    @functools.wraps(original)
+    def update(self: Any) -> None:
+        if not self.param_update_in_fp32:
+            return
+        for param, state in self.state.items():
+            if param in self.param_to_fp32_param:
+                self.param_to_fp32_param[param].data.copy_(state["master_param"])
+            elif param in self.gpu_params_map_cpu_copy:
+                self.gpu_params_map_cpu_copy[param].data.copy_(param.data)
+
+    return update
+
+
 def _skip_identity_sort(original: Callable) -> Callable:
     """With EP x TP = 1 the dispatcher's 'sort chunks by local expert' permutation is the identity, yet it
     splits and re-concatenates every token (forward and backward): ~20 % of a CPU training step."""
@@ -473,6 +511,14 @@ PATCHES: list[Patch] = [
     Patch(TE_ABSENT, "megatron.core.transformer.moe.router", "router_gating_linear",
           "its autograd Function reads te_general_gemm, undefined without TE (NameError)",
           lambda orig: _router_gating_linear),
+    Patch(TE_ABSENT, "megatron.core.optimizer.cpu_offloading.hybrid_optimizer",
+          "HybridDeviceOptimizer._sync_sub_optimizers_state_to_hdo",
+          "the offloaded optimizer over fp32 main params (no precision-aware optimizer without TE) records a "
+          "`master_param` its checkpoints do not save; loading asks for it (KeyError)", _master_param_only_with_fp32_copy),
+    Patch(TE_ABSENT, "megatron.core.optimizer.cpu_offloading.hybrid_optimizer",
+          "HybridDeviceOptimizer._update_fp32_params_by_new_state",
+          "the same optimizer looks up an fp32 copy of every parameter after a load (KeyError) and would step "
+          "host copies older than the checkpoint", _refresh_host_copies_on_load),
     Patch(GLOO, "megatron.core.transformer.moe.token_dispatcher", "all_to_all",
           "expert all-to-all passes tensor split sizes; gloo accepts int lists only", _split_sizes_as_lists),
     Patch(CPU, "megatron.core.tensor_parallel.layers", "linear_with_grad_accumulation_and_async_allreduce",

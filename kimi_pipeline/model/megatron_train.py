@@ -557,7 +557,8 @@ def load_checkpoint(
     if optimizer is not None:
         _ensure_optimizer_state(optimizer)
         state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=dict(SHARDED_METADATA))
-    loaded = dist_checkpointing.load(state, str(path))
+    with torch.serialization.safe_globals(_optimizer_classes(optimizer)):
+        loaded = dist_checkpointing.load(state, str(path))
     _load_model_state(model_chunks, loaded)
     if optimizer is not None:
         if "optimizer" not in loaded:
@@ -571,6 +572,17 @@ def load_checkpoint(
         set_rng_state(json.loads(rng_file.read_text()), model_device(unwrap(model_chunks)))
     _barrier()
     return meta.get("extra", {})
+
+
+def _optimizer_classes(optimizer) -> list[type]:
+    """The classes this process's optimizer keeps in its param groups: the offloaded (hybrid) optimizer stores its
+    `cpu_optimizer_cls` / `gpu_optimizer_cls` there (`cpu_offloading/hybrid_optimizer.py:57-68`), megatron saves
+    the groups into common.pt, and its `torch.load` (weights_only, `dist_checkpointing/strategies/common.py:89`)
+    refuses any class not allow-listed (seen on an H200, torch 2.11). Taken from our own optimizer, never from the
+    file, so nothing else becomes loadable."""
+    parts = getattr(optimizer, "chained_optimizers", None) or ([optimizer] if optimizer is not None else [])
+    groups = [g for part in parts for g in getattr(getattr(part, "optimizer", None), "param_groups", [])]
+    return sorted({v for g in groups for v in g.values() if isinstance(v, type)}, key=lambda c: c.__qualname__)
 
 
 def _ensure_optimizer_state(optimizer) -> None:

@@ -203,7 +203,8 @@ def check_model(export_dir: str | Path, trainer_tensors: Iterable[tuple[str, tor
     from kimi_pipeline.quant.qat import fake_quant_hf_tensors
 
     export_dir = Path(export_dir)
-    fq = dict(fake_quant_hf_tensors(trainer_tensors, group_size))
+    # the trainer's tensors (on its device) compared with the reloaded export on the host, as check_export_tensors does
+    fq = {n: t.cpu() for n, t in fake_quant_hf_tensors(trainer_tensors, group_size)}
     model = load_int4_model(export_dir)
     experts_equal = expert_weights_equal(model, {n: t for n, t in fq.items() if is_quantized(n)})
     as_stored = reference_model(export_dir, fq, as_stored=True)

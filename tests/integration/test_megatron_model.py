@@ -57,6 +57,8 @@ TE_LESS = [
     "megatron.core.transformer.multi_latent_attention.HAVE_TE",
     "megatron.core.transformer.torch_norm.WrappedTorchNorm.__new__",
     "megatron.core.transformer.moe.router.router_gating_linear",
+    "megatron.core.optimizer.cpu_offloading.hybrid_optimizer.HybridDeviceOptimizer._sync_sub_optimizers_state_to_hdo",
+    "megatron.core.optimizer.cpu_offloading.hybrid_optimizer.HybridDeviceOptimizer._update_fp32_params_by_new_state",
 ]
 TORCH_ADAM = [
     "megatron.core.optimizer.clip_grads.l2_norm_impl",

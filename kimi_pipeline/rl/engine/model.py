@@ -613,8 +613,9 @@ class EngineModel:
     def _moe(self, L: _Layer, x: torch.Tensor, static: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Routed (+ shared) experts of tokens x [N, H]. static: no host syncs, so a CUDA graph can capture it
         (group ends from the sorted expert ids instead of bincount, which reads its input's max on the host on
-        CUDA: aten/src/ATen/native/cuda/SummaryOps.cu, _bincount_cuda_template), and each token's expert outputs
-        summed in a fixed order instead of by index_add_ (atomic adds on CUDA: rounding that varies run to run)."""
+        CUDA: aten/src/ATen/native/cuda/SummaryOps.cu, _bincount_cuda_template). Either way each token's expert
+        outputs are summed in a fixed order, not by index_add_: its atomic adds on CUDA round differently run to
+        run, so two prefills of one prompt differed in the last bits and a seeded sample drifted (seen on an H200)."""
         c = self.config
         idx, w = self._route(L, x)
         flat = idx.reshape(-1)
@@ -631,10 +632,8 @@ class EngineModel:
         # the routing weight scales the (narrower) activation rather than the output: same product
         act = F.silu(g) * (u * w.reshape(-1)[order].unsqueeze(1).to(u.dtype))
         out = self._grouped(act, L.w2, counts, offs)
-        if static:  # back to (token, slot) order, then the topk slots of each token summed
-            y = out.new_empty(out.shape).index_copy_(0, order, out).view(x.shape[0], c.topk, -1).sum(dim=1)
-        else:
-            y = torch.zeros_like(x).index_add_(0, tok, out)
+        # back to (token, slot) order, then the topk slots of each token summed
+        y = out.new_empty(out.shape).index_copy_(0, order, out).view(x.shape[0], c.topk, -1).sum(dim=1)
         if L.shared_gate_up is not None:
             g, u = F.linear(x, L.shared_gate_up).chunk(2, dim=-1)
             y = y + F.linear(F.silu(g) * u, L.shared_down)
