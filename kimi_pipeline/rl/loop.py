@@ -230,10 +230,10 @@ def _loop(recipe: Recipe, rollouts, urls: list[str], trainers: TrainerGroup, han
     handoff.take_seconds()  # start-up moves are not a step's
     for step in range(start, end):
         t0 = time.perf_counter()
-        shares, row = ray.get(rollouts.generate.remote(step))  # one object-store reference per DP rank
+        shares, row, restarts = _rollout(rollouts, urls, trainers, handoff, step)  # one object-store ref per DP rank
         handoff.to("train")
         done = step + 1
-        row = {"step": done, **row, **plain(trainers.train(shares, step))}
+        row = {"step": done, **row, "engine_restarts": float(restarts), **plain(trainers.train(shares, step))}
         if done % recipe.checkpoint.save_interval == 0 or done == total:
             row["step_seconds"] = time.perf_counter() - t0  # until the save, should the run stop before the row
             trainers.save(paths.checkpoints, done, {"step": done, "data": ray.get(rollouts.state.remote()),
@@ -242,6 +242,7 @@ def _loop(recipe: Recipe, rollouts, urls: list[str], trainers: TrainerGroup, han
         handoff.to("weight_sync")
         sync = plain(trainers.sync_weights(urls, str(done)))
         handoff.to("rollout")
+        ray.get(rollouts.rejoin.remote(str(done)))  # engines restarted during this step serve again
         row = {**row, **sync, "step_seconds": time.perf_counter() - t0}
         if handoff.colocated:  # what the memory handoff cost this step (GPU memory to host and back, at scale)
             row["handoff_seconds"] = handoff.take_seconds()
@@ -251,6 +252,30 @@ def _loop(recipe: Recipe, rollouts, urls: list[str], trainers: TrainerGroup, han
             on_step(row)
         if evaluator and evaluator.should_evaluate(done):
             progress.log_eval(done, evaluator.evaluate(done, urls))
+
+
+def _rollout(rollouts, urls: list[str], trainers: TrainerGroup, handoff: Handoff, step: int) -> tuple[list, dict, int]:
+    """Rollout `step` through engine deaths: engines that stopped answering are restarted first (`heal`); when
+    that leaves none serving the policy, they get its weights through the normal sync path before the rollout;
+    a rollout every engine dropped runs again. The engines taken out during the rollout are restarted after it,
+    so the step's sync brings them back. Updates `urls` in place; returns (shares, metrics, engines restarted)."""
+    import ray
+
+    restarts = 0
+    while True:
+        new_urls, restarted = ray.get(rollouts.heal.remote())
+        urls[:], restarts = new_urls, restarts + restarted
+        if restarted:  # serve the policy of `step` before the rollout of `step`
+            handoff.to("weight_sync")
+            trainers.sync_weights(urls, str(step))
+            handoff.to("rollout")
+            ray.get(rollouts.rejoin.remote(str(step)))
+        result = ray.get(rollouts.generate.remote(step))
+        if result is not None:
+            break
+    new_urls, restarted = ray.get(rollouts.heal.remote())
+    urls[:] = new_urls
+    return result[0], result[1], restarts + restarted
 
 
 def _last_logged_step(paths: TrainPaths) -> int:

@@ -15,10 +15,16 @@ from pathlib import Path
 from typing import Any
 
 from kimi_pipeline.recipes import Recipe
-from kimi_pipeline.rl.engine.kinds import EngineGroup, start_engines
+from kimi_pipeline.rl.engine.client import EngineRequestError, EnginesDown
+from kimi_pipeline.rl.engine.kinds import EngineGroup, restart_engine, start_engines
 from kimi_pipeline.rl.samples import RankShare, Sample, share_rollout
 
 log = logging.getLogger(__name__)
+
+
+class EngineRestartsExhausted(EngineRequestError):
+    """An engine died more often than `rollout.max_engine_restarts` allows (retryable: the stage retry starts
+    every engine afresh)."""
 
 
 class RolloutManager:
@@ -30,6 +36,8 @@ class RolloutManager:
         self.engines: EngineGroup | None = None
         self.router = None
         self.reward = None
+        self.restarts: dict[int, int] = {}  # engine -> times restarted in this stage attempt
+        self.retried_reported = 0  # the router's retried_requests up to the last rollout's metrics
 
     def start(self, plan, pgs: dict, threads: int) -> list[str]:
         """Load the tokenizer and prompts, start the reward pool and the engines where the launch plan puts them;
@@ -45,6 +53,7 @@ class RolloutManager:
                                                      d.apply_chat_template), ro.seed, ro.shuffle)
             self.reward = AnswerGrader(ro.rm_type, ro.thinking, strict=ro.reward_strict)
             self.engines = start_engines(self.recipe, plan, pgs, self.model_dir, threads)
+            self._launch = (plan, pgs, threads)  # where a restarted engine goes
         except BaseException:
             self.close()
             raise
@@ -75,16 +84,62 @@ class RolloutManager:
         m = self.recipe.model
         return {"num_layers": m.num_layers, "topk": m.moe_router_topk, "first_k_dense": m.first_k_dense}
 
-    def generate(self, step: int) -> tuple[list, dict[str, float]]:
+    def generate(self, step: int) -> tuple[list, dict[str, float]] | None:
         """Rollout `step`: one object-store reference per data-parallel rank (its `RankShare`) and the
-        rollout's and the split's metrics."""
+        rollout's and the split's metrics (`retried_requests`: requests sent again because their engine stopped
+        answering). None when every engine stopped answering: the prompt stream is back where the rollout began,
+        so the same rollout runs again once `heal` has restarted them."""
         import ray
 
         from kimi_pipeline.rl.rollout import rollout
 
-        samples, metrics = rollout(self.router, self.tokenizer, self.reward, self.prompts, self.recipe, step)
+        start = self.prompts.state()
+        try:
+            samples, metrics = rollout(self.router, self.tokenizer, self.reward, self.prompts, self.recipe, step)
+        except EnginesDown as e:
+            log.warning("step %d: %s; the rollout runs again after the engines restart", step + 1, e)
+            self.prompts.restore(start)
+            return None
         shares, split = self._split(samples, step)
+        # since the last rollout that completed: a rollout every engine dropped counts in the one that ran again
+        metrics["retried_requests"] = float(self.router.retried_requests - self.retried_reported)
+        self.retried_reported = self.router.retried_requests
         return [ray.put(s) for s in shares], {**metrics, **split}
+
+    def heal(self) -> tuple[list[str], int]:
+        """Restart every engine that stopped answering (taken out mid-rollout, or failing its health check now),
+        in its placement, into the router as pending: it serves generation again after the next weight sync
+        brings it to the policy (`rejoin`). Returns (the engines' URLs, engines restarted now). Past
+        `rollout.max_engine_restarts` restarts of one engine: EngineRestartsExhausted naming it."""
+        router = self._control()
+        for e, client in enumerate(router.clients):
+            if e not in router.down and not client.health():
+                router.down.add(e)
+        dead = sorted(router.down)
+        limit = self.recipe.rollout.max_engine_restarts
+        for e in dead:
+            self.restarts[e] = self.restarts.get(e, 0) + 1
+            if self.restarts[e] > limit:
+                raise EngineRestartsExhausted(
+                    f"rollout engine {e} ({router.clients[e].url}) stopped answering and its restarts are used up "
+                    f"(rollout.max_engine_restarts={limit}); its log is in the Ray session's logs; a retry of the "
+                    f"stage starts every engine afresh")
+            log.warning("restarting rollout engine %d (%s), restart %d of at most %d", e, router.clients[e].url,
+                        self.restarts[e], limit)
+            url = restart_engine(self.engines, e, self.recipe, *self._launch[:2], self.model_dir, self._launch[2])
+            router.replace(e, url)
+        return list(self.engines.urls), len(dead)
+
+    def rejoin(self, version: str) -> None:
+        """Restarted engines that the last weight sync brought to `version` serve generation again."""
+        router = self._control()
+        back = router.rejoin(version)
+        if back:
+            log.info("rollout engine(s) %s back at weight version %s", back, version)
+        if router.pending:
+            late = {e: router.clients[e].weight_version() for e in sorted(router.pending)}
+            raise EngineRequestError(f"restarted rollout engine(s) not at weight version {version} after the "
+                                     f"weight sync: {late}")
 
     def _split(self, samples: list[Sample], step: int) -> tuple[list[RankShare], dict[str, float]]:
         """Each data-parallel rank's share (optimizer steps × micro-batches) and the split's metrics."""

@@ -5,17 +5,23 @@ engines bound beyond loopback."""
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
+import threading
+import time
+
 import httpx
 import pytest
 import torch
 
 from kimi_pipeline.cluster.env import engine_api_key
-from kimi_pipeline.rl.engine.client import EngineClient, EngineRequestError, Router, weight_update_session
+from kimi_pipeline.rl.engine.client import EngineClient, EngineRequestError, EnginesDown, Router, weight_update_session
 from kimi_pipeline.rl.engine.model import EngineModel
 from kimi_pipeline.rl.engine.sampler import MEMORY_TAGS, RolloutEngine, SamplingParams
 from kimi_pipeline.rl.engine.server import EngineServer
 from kimi_pipeline.rl.handoff import RESIDENT, Handoff
-from support.common import random_tiny_hf
+from support.common import TINY, random_tiny_hf
 
 PROMPTS = [[3, 5, 7, 9], [4, 6, 8]]
 PARAMS = SamplingParams(max_new_tokens=6, temperature=1.0, seed=123)
@@ -157,3 +163,55 @@ def test_an_engine_bound_beyond_loopback_wants_the_clusters_key(hf, monkeypatch)
             client.weight_version()
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     assert engine_api_key() is None
+
+
+# --------------------------------------------------------------------------- an engine that dies mid-rollout
+
+
+def _serve(seed: int) -> tuple[subprocess.Popen, str]:
+    """An embedded engine on the shipped tiny checkpoint in its own process (as an engine actor's server is): its
+    URL once it serves."""
+    proc = subprocess.Popen([sys.executable, "-m", "kimi_pipeline.rl.engine.server", "--model-path", str(TINY / "model"),
+                             "--seed", str(seed), "--threads", "1"], stdout=subprocess.PIPE, text=True)
+    return proc, proc.stdout.readline().strip()
+
+
+def test_an_engine_killed_mid_rollout_leaves_its_prompt_groups_to_the_others():
+    """Two engine processes behind the router; one is SIGKILLed while it has rows in flight: every prompt still gets
+    exactly n samples, of its own prompt, the dead engine is out, its unanswered requests were sent again; a
+    replacement serves after `rejoin` finds it at the policy's weight version; with no engine left, EnginesDown."""
+    served = [_serve(i) for i in range(3)]
+    procs, urls = [p for p, _ in served], [u for _, u in served]
+    try:
+        prompts = [[3 + i % 50, 5, 7 + i % 7, 9] for i in range(96)]
+        params = SamplingParams(max_new_tokens=48, temperature=1.0, seed=5, stop_token_ids=())
+        with Router(urls[:2], server_concurrency=64) as router, EngineClient(urls[1]) as watch:
+            out: list = []
+            gen = threading.Thread(target=lambda: out.extend(router.generate(prompts, 4, params)))
+            gen.start()
+            while not watch.server_info(refresh=True)["running_requests"]:  # rows in flight on engine 1
+                time.sleep(0.005)
+            procs[1].send_signal(signal.SIGKILL)
+            gen.join(300)
+            assert len(out) == len(prompts) * 4
+            assert [c.prompt_ids for c in out] == [p for p in prompts for _ in range(4)]  # each group once, in place
+            assert all(len(c.output_ids) == 48 for c in out)
+            assert router.down == {1} and router.serving() == [0] and router.retried_requests >= 1
+
+            router.replace(1, urls[2])  # the restarted engine: control calls yes, generation not yet
+            assert router.serving() == [0] and router.pending == {1}
+            assert router.rejoin("7") == [] and router.pending == {1}  # not at the policy's version yet
+            router.update_weight_version("7")  # stands for the weight sync, which reaches pending engines
+            assert router.rejoin("7") == [1] and router.serving() == [0, 1]
+            assert len(router.generate(prompts[:4], 2, params)) == 8
+
+            for p in (procs[0], procs[2]):
+                p.send_signal(signal.SIGKILL)
+                p.wait(30)
+            with pytest.raises(EnginesDown, match="every rollout engine stopped answering"):
+                router.generate(prompts[:4], 2, params)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(30)
+            p.stdout.close()

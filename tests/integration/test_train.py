@@ -15,6 +15,7 @@ import random
 import shutil
 import signal
 import sys
+import threading
 from pathlib import Path
 
 import psutil
@@ -272,6 +273,89 @@ def test_kill_9_during_a_checkpoint_save_resumes_from_the_previous_checkpoint(pr
     _retry_resumes(r, crashed, uninterrupted, caplog)
     assert (ckpts / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
     assert (ckpts / "iter_0000004" / ".metadata").is_file() and not tmp.exists()
+
+
+RESTART_KEYS = ("engine_restarts", "retried_requests")
+
+
+def _engine_pids() -> list[int]:
+    """This test's embedded engine actors (our descendants, as in `_trainer_pids`)."""
+    return [p.pid for p in psutil.Process().children(recursive=True)
+            if any("ray::EmbeddedEngine" in part for part in _cmdline(p))]
+
+
+def _kill_engine_when_busy(stop: threading.Event, killed: list[int]) -> None:
+    """SIGKILL the engine once it has rows in flight (read from its /server_info), once."""
+    import httpx
+
+    while not stop.is_set():
+        for pid in _engine_pids():
+            ports = [c.laddr.port for c in psutil.Process(pid).net_connections("tcp") if c.status == psutil.CONN_LISTEN]
+            for port in ports:
+                try:
+                    busy = httpx.get(f"http://127.0.0.1:{port}/server_info", timeout=5).json().get("running_requests")
+                except (httpx.HTTPError, ValueError):
+                    continue
+                if busy:
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(pid)
+                    return
+        stop.wait(0.01)
+
+
+def _without(row: dict, keys) -> dict:
+    return {k: v for k, v in row.items() if k not in keys}
+
+
+def test_an_engine_killed_mid_rollout_is_restarted_and_the_run_ends_as_uninterrupted(prepared, ray_local,
+                                                                                      uninterrupted, tmp_path):
+    """The only engine is SIGKILLed while step 2's rollout runs: the rollout manager restarts it in its placement,
+    the trainer syncs it to the policy through the normal weight sync, the rollout runs again from the same prompts
+    and the run ends with the uninterrupted run's metrics and evals; step 2's row counts the restart and the
+    request sent again."""
+    from kimi_pipeline.stages import stage_train
+
+    tiny, base = prepared
+    run = _copy_run(base, tmp_path / "run")
+    stop, killed = threading.Event(), []
+    killer = threading.Thread(target=_kill_engine_when_busy, args=(stop, killed), daemon=True)
+
+    def after(row: dict) -> None:  # step 1 has no eval: the engine's next requests are step 2's rollout
+        if row["step"] == 1:
+            killer.start()
+
+    try:
+        stage_train(train_recipe(tiny, RESUME_SET), run, on_step=after)
+    finally:
+        stop.set()
+        killer.join(60)
+    assert killed
+    rows = _rows(run)
+    assert [(r["engine_restarts"], r["retried_requests"] > 0) for r in rows] == \
+        [(0.0, False), (1.0, True), (0.0, False), (0.0, False)]
+    expected_rows, expected_evals = uninterrupted
+    assert_same_rows([_without(stable_row(x), RESTART_KEYS) for x in rows],
+                     [_without(x, RESTART_KEYS) for x in expected_rows], resumed_after=0)
+    assert _eval_rows(run) == expected_evals
+
+
+def test_an_engine_past_max_engine_restarts_fails_the_stage_retryably_naming_it(prepared, ray_local, tmp_path):
+    from kimi_pipeline.rl.loop import TrainingError
+    from kimi_pipeline.stages import stage_train
+
+    tiny, base = prepared
+    run = _copy_run(base, tmp_path / "run")
+    stop, killed = threading.Event(), []
+    killer = threading.Thread(target=_kill_engine_when_busy, args=(stop, killed), daemon=True)
+    killer.start()  # the first requests after start-up: the step-0 eval's
+    try:
+        with pytest.raises(TrainingError, match=r"rollout engine 0 .*rollout.max_engine_restarts=0"):
+            stage_train(train_recipe(tiny, RESUME_SET + ["rollout.max_engine_restarts=0"]), run,
+                        evaluate=lambda step, urls: {})
+    finally:
+        stop.set()
+        killer.join(60)
+    assert killed
 
 
 def _trainer_pids() -> list[int]:

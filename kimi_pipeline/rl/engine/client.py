@@ -16,6 +16,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
+import logging
 import socket
 import threading
 from collections.abc import Iterable, Iterator, Mapping
@@ -31,6 +32,8 @@ from kimi_pipeline.errors import PermanentError
 from kimi_pipeline.rl.engine import shm
 from kimi_pipeline.rl.engine.sampler import ENGINE_NAME, MEMORY_TAGS, Completion, SamplingParams
 
+log = logging.getLogger(__name__)
+
 # how tensors reach engines: auto = shared memory on this host, a process group to other hosts; distributed =
 # the process group for every engine (non-colocated, GPU: NCCL); http = safetensors bodies (explicit fallback)
 WEIGHT_TRANSPORTS = ("auto", "distributed", "http")
@@ -42,6 +45,15 @@ class EngineRequestError(RuntimeError):
 
 class EngineBadRequest(EngineRequestError, PermanentError):
     """HTTP 400: the request itself is wrong; retrying will not help."""
+
+
+class EngineUnreachable(EngineRequestError):
+    """No answer from the engine (connection refused or reset, the reply cut off, no reply in time): its process
+    is gone or hung. The router takes such an engine out and sends its requests to the others."""
+
+
+class EnginesDown(EngineRequestError):
+    """Every engine of a router is out: nothing can generate until one is restarted."""
 
 
 def sampling_payload(params: SamplingParams) -> dict[str, Any]:
@@ -191,6 +203,8 @@ class EngineClient:
     def _call(self, method: str, path: str, json: Any = None) -> Any:
         try:
             r = self._http.request(method, path, json=json)
+        except httpx.TransportError as exc:
+            raise EngineUnreachable(f"{self.url}{path}: {type(exc).__name__}: {exc}") from exc
         except httpx.HTTPError as exc:
             raise EngineRequestError(f"{self.url}{path}: {type(exc).__name__}: {exc}") from exc
         if r.status_code >= 400:
@@ -375,6 +389,11 @@ class Router:
     Control and weight calls go to every engine. `server_concurrency` (recipe `sglang.server_concurrency`,
     the seeds' --sglang-server-concurrency) caps the rows one engine has in flight: larger shares go out as
     consecutive requests of whole prompt groups.
+
+    An engine that stops answering (`EngineUnreachable`) is taken out: the prompt groups of its unanswered
+    requests go to the engines still serving (a request holds whole groups, so each group still yields its n
+    samples, once), and `retried_requests` counts them. `replace` puts a restarted engine in its place, serving
+    control and weight calls but no generation until `rejoin` finds it at the policy's weight version.
     """
 
     def __init__(self, engines: list[str | EngineClient], *, server_concurrency: int | None = None,
@@ -389,8 +408,12 @@ class Router:
         self.weight_transport = weight_transport
         self.group_backend = group_backend
         self._group = None  # dist_update.WeightGroup, made at the first sync that needs it, kept for the run
+        self._client_kwargs = client_kwargs
         self.clients = [e if isinstance(e, EngineClient) else EngineClient(e, **client_kwargs) for e in engines]
         self._outstanding = [0] * len(self.clients)
+        self.down: set[int] = set()  # stopped answering: no calls at all
+        self.pending: set[int] = set()  # restarted, not yet at the policy's weights: control calls, no generation
+        self.retried_requests = 0  # requests sent again because their engine stopped answering
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=max(4, 2 * len(self.clients)), thread_name_prefix="router")
         self._segment: shm.SharedBucket | None = None
@@ -416,35 +439,75 @@ class Router:
         self.close()
 
     def _broadcast(self, fn) -> list[Any]:
-        return list(self._pool.map(fn, self.clients))
+        return list(self._pool.map(fn, [c for e, c in enumerate(self.clients) if e not in self.down]))
+
+    def serving(self) -> list[int]:
+        """The engines generation goes to."""
+        return [e for e in range(len(self.clients)) if e not in self.down | self.pending]
 
     def generate(self, prompts: list[list[int]], n: int = 1, params: SamplingParams | None = None,
                  return_routed_experts: bool = False) -> list[Completion]:
-        assigned: list[list[int]] = [[] for _ in self.clients]
-        with self._lock:
-            for i in range(len(prompts)):
-                e = min(range(len(self.clients)), key=lambda k: self._outstanding[k])
-                assigned[e].append(i)
-                self._outstanding[e] += n
-
-        def run(e: int) -> list[Completion]:
-            try:
-                if not assigned[e]:
-                    return []
-                sub = [prompts[i] for i in assigned[e]]
-                per = max(1, (self.server_concurrency or len(sub) * n) // n)  # prompts per request
-                return [c for lo in range(0, len(sub), per)
-                        for c in self.clients[e].generate(sub[lo : lo + per], n, params, return_routed_experts)]
-            finally:
-                with self._lock:
-                    self._outstanding[e] -= n * len(assigned[e])
-
-        results = list(self._pool.map(run, range(len(self.clients))))
         out: list[Completion | None] = [None] * (len(prompts) * n)
-        for e, res in enumerate(results):
-            for j, i in enumerate(assigned[e]):
-                out[i * n : (i + 1) * n] = res[j * n : (j + 1) * n]
+        todo = list(range(len(prompts)))
+        while todo:
+            serving = self.serving()
+            if not serving:
+                raise EnginesDown(f"every rollout engine stopped answering ({', '.join(self.urls)}); "
+                                  f"{len(todo)} of {len(prompts)} prompts unanswered")
+            assigned: dict[int, list[int]] = {e: [] for e in serving}
+            with self._lock:
+                for i in todo:
+                    e = min(serving, key=lambda k: self._outstanding[k])
+                    assigned[e].append(i)
+                    self._outstanding[e] += n
+            todo = []
+            for e, (done, lost) in zip(assigned, self._pool.map(
+                    lambda e: self._generate_on(e, assigned[e], prompts, n, params, return_routed_experts), assigned)):
+                for i, completions in done:
+                    out[i * n : (i + 1) * n] = completions
+                todo += lost
         return out  # type: ignore[return-value]
+
+    def _generate_on(self, e: int, idx: list[int], prompts: list[list[int]], n: int, params: SamplingParams | None,
+                     return_routed_experts: bool) -> tuple[list[tuple[int, list[Completion]]], list[int]]:
+        """Engine e's share of prompts (indexes `idx`), in requests of whole prompt groups: the groups answered
+        with their completions, and the indexes left unanswered when the engine stopped answering (taken out)."""
+        done: list[tuple[int, list[Completion]]] = []
+        per = max(1, (self.server_concurrency or len(idx) * n) // n)  # prompts per request
+        try:
+            for lo in range(0, len(idx), per):
+                chunk = idx[lo : lo + per]
+                got = self.clients[e].generate([prompts[i] for i in chunk], n, params, return_routed_experts)
+                done += [(i, got[j * n : (j + 1) * n]) for j, i in enumerate(chunk)]
+        except EngineUnreachable as exc:
+            lost = idx[len(done):]
+            with self._lock:
+                self.down.add(e)
+                self.retried_requests += -(-len(lost) // per)
+            log.warning("rollout engine %d stopped answering (%s): %d prompt groups go to the other engines",
+                        e, exc, len(lost))
+            return done, lost
+        finally:
+            with self._lock:
+                self._outstanding[e] -= n * len(idx)
+        return done, []
+
+    def replace(self, e: int, url: str) -> None:
+        """A restarted engine in engine e's place: control and weight calls reach it, generation waits for
+        `rejoin`."""
+        old, self.clients[e] = self.clients[e], EngineClient(url, **self._client_kwargs)
+        old.close()
+        with self._lock:
+            self.down.discard(e)
+            self.pending.add(e)
+
+    def rejoin(self, version: str) -> list[int]:
+        """Restarted engines at weight version `version` serve again; returns them. One at another version
+        stays out (a sync did not reach it)."""
+        back = [e for e in sorted(self.pending) if self.clients[e].weight_version() == version]
+        with self._lock:
+            self.pending -= set(back)
+        return back
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
                        buffer_bytes: int, weight_version: str | None = None, pause: bool = True,

@@ -76,14 +76,19 @@ def engine_kind(recipe: Recipe) -> EngineKind:
 
 @dataclass
 class EngineGroup:
-    """A run's engine processes (Ray actors) and the URL of each engine's node 0."""
+    """A run's engine processes (Ray actors), by engine (a node-spanning engine has one per node), and the URL of
+    each engine's node 0."""
 
-    actors: list
+    by_engine: list[list]
     urls: list[str]
 
+    @property
+    def actors(self) -> list:
+        return [a for actors in self.by_engine for a in actors]
 
-def start_engines(recipe: Recipe, plan, pgs: dict, model_dir: Path, threads: int) -> EngineGroup:
-    """One actor per engine process, where the launch plan puts it (`rl.launch`); waits until each serves."""
+
+def _launch(recipe: Recipe, plan, pgs: dict, model_dir: Path, threads: int, e: int) -> tuple[list, Any]:
+    """Engine e's processes, where the launch plan puts it (started, not yet serving): (actors, its node-0 actor)."""
     import ray
 
     from kimi_pipeline.cluster.placement import free_port_on
@@ -91,18 +96,43 @@ def start_engines(recipe: Recipe, plan, pgs: dict, model_dir: Path, threads: int
 
     kind = engine_kind(recipe)
     cls = ray.remote(kind.actor_class())
-    actors, heads = [], []
-    for e in plan.engines:
-        slot = plan.placement.engines[e.id]
-        addr = None
-        if len(e.nodes) > 1:  # a multi-node engine's rendezvous on its node 0
-            ip, port = free_port_on(pgs[slot.group], slot.bundles[0])
-            addr = f"{ip}:{port}"
-        for n in e.nodes:
-            args, kwargs = kind.actor_args(recipe, model_dir, n.node_rank, n.base_gpu_id, addr)
-            actor = cls.options(**engine_options(plan, recipe, pgs, e.id, n.node_rank, threads)).remote(*args, **kwargs)
-            actors.append(actor)
-            if n.node_rank == 0:
-                heads.append(actor)
+    engine = plan.engines[e]
+    slot = plan.placement.engines[engine.id]
+    addr = None
+    if len(engine.nodes) > 1:  # a multi-node engine's rendezvous on its node 0
+        ip, port = free_port_on(pgs[slot.group], slot.bundles[0])
+        addr = f"{ip}:{port}"
+    actors, head = [], None
+    for n in engine.nodes:
+        args, kwargs = kind.actor_args(recipe, model_dir, n.node_rank, n.base_gpu_id, addr)
+        actor = cls.options(**engine_options(plan, recipe, pgs, engine.id, n.node_rank, threads)).remote(*args, **kwargs)
+        actors.append(actor)
+        head = actor if n.node_rank == 0 else head
+    return actors, head
+
+
+def start_engines(recipe: Recipe, plan, pgs: dict, model_dir: Path, threads: int) -> EngineGroup:
+    """One actor per engine process, where the launch plan puts it (`rl.launch`); waits until each serves."""
+    import ray
+
+    launched = [_launch(recipe, plan, pgs, model_dir, threads, e) for e in range(len(plan.engines))]
+    ray.get([a.start.remote() for actors, _ in launched for a in actors])
+    return EngineGroup([actors for actors, _ in launched], ray.get([head.get_url.remote() for _, head in launched]))
+
+
+def restart_engine(group: EngineGroup, e: int, recipe: Recipe, plan, pgs: dict, model_dir: Path,
+                   threads: int) -> str:
+    """Engine e again, in its placement (its old processes killed first, which frees their bundle share);
+    serving the model it started with. Returns its URL."""
+    import ray
+
+    for actor in group.by_engine[e]:
+        try:
+            ray.kill(actor)
+        except Exception:  # noqa: BLE001 - the dead process's actor may already be gone
+            pass
+    actors, head = _launch(recipe, plan, pgs, model_dir, threads, e)
+    group.by_engine[e] = actors
     ray.get([a.start.remote() for a in actors])
-    return EngineGroup(actors, ray.get([a.get_url.remote() for a in heads]))
+    group.urls[e] = ray.get(head.get_url.remote())
+    return group.urls[e]
