@@ -157,6 +157,13 @@ def train(
     run_dir: Path = typer.Option(..., "--run-dir"),
     ray_address: Optional[str] = typer.Option(None, "--ray-address", help="Default: the run's cluster stage."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help=QUIET_HELP),
+    replay_rollouts: Optional[Path] = typer.Option(
+        None, "--replay-rollouts", help="Train on the rollouts saved in DIR (a run's train/rollouts, recorded with "
+        "--set rollout.save_data=true) instead of generating: no engines; same gradients and metrics as the run that "
+        "recorded them. Writes DIR/replay of the run dir."),
+    rollout_only: bool = typer.Option(
+        False, "--rollout-only", help="Generate and score rollouts with the starting policy, no training (rows in "
+        "the run dir's rollout-only/metrics.jsonl; with rollout.save_data=true, rollouts to replay)."),
 ) -> None:
     """Stage `train` alone (after convert + cluster in the same run dir); resumes from its checkpoints."""
     from kimi_pipeline.stages import prepare_run, stage_train
@@ -164,7 +171,8 @@ def train(
     r = recipe_or_exit(recipe, set_)
     set_quiet(quiet)
     echo_to_stderr()
-    section = _run_stage(lambda: stage_train(r, prepare_run(r, run_dir), ray_address=ray_address))
+    section = _run_stage(lambda: stage_train(r, prepare_run(r, run_dir), ray_address=ray_address,
+                                             replay=replay_rollouts, rollout_only=rollout_only))
     console.print_json(json.dumps(section, default=str))
 
 

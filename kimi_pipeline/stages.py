@@ -90,22 +90,27 @@ def stage_train(
     on_step: Callable[[dict[str, Any]], None] | None = None,
     on_plan: Callable[[LaunchPlan], None] | None = None,
     stop_after: int | None = None,
+    replay: Path | None = None,
+    rollout_only: bool = False,
 ) -> dict[str, Any]:
     """Stage `train`: GRPO from the converted checkpoint on the run's Ray cluster, resuming when re-run; records
     `train` in summary.json. `evaluate` defaults to the in-process eval at each interval. It lives here, above
-    `rl` and `eval`, because it wires the two (eval scores the trainer's engines; eval itself uses rl's parts)."""
+    `rl` and `eval`, because it wires the two (eval scores the trainer's engines; eval itself uses rl's parts).
+    The debugging modes keep their own records beside training's: `replay` (train on the rollouts saved in that
+    directory, no engines) as `replay`, `rollout_only` (generate and score, no trainer) as `rollout_only`."""
     from kimi_pipeline.eval.stage import run_eval_step
     from kimi_pipeline.rl.loop import run_training
 
     summary = RunSummary(run_dir, recipe.name)
-    with summary.stage("train"):
+    name = "replay" if replay is not None else "rollout_only" if rollout_only else "train"
+    with summary.stage(name):
         hf_dir = model_root(run_dir)
         if evaluate is None:
             evaluate = lambda step, urls: run_eval_step(recipe, run_dir, step, urls, hf_dir)  # noqa: E731
         section = run_training(
             recipe, Path(run_dir), init_checkpoint=initial_weights(recipe, run_dir), model_dir=hf_dir,
             ray_address=ray_address or cluster_address(run_dir), evaluate=evaluate, on_step=on_step,
-            on_plan=on_plan, stop_after=stop_after,
+            on_plan=on_plan, stop_after=stop_after, replay=replay, rollout_only=rollout_only,
         )
-        summary.set_section("train", section)
+        summary.set_section(name, section)
     return section

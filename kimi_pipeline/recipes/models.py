@@ -198,6 +198,9 @@ class RolloutSpec(Section):
         "auto", description="what weight sync sends: the engine's own format (auto: SGLang serves INT4 when the "
         "policy exports to INT4, FP8 for an FP8 hub checkpoint, else bf16; the embedded engine: the trainer's dtype)")
     routing_replay: bool = False
+    save_data: bool = Field(
+        False, description="save each rollout (tokens, log-probs, rewards, advantages, routed experts, metrics) under "
+        "DIR/train/rollouts, to train on again with `kimi train --replay-rollouts`")
     max_engine_restarts: int = Field(
         3, ge=0, description="restarts of one rollout engine that stopped answering (its requests go to the "
         "others, it comes back at the policy's weights after the next sync); one more death fails the stage, "

@@ -29,6 +29,7 @@ from kimi_pipeline.rl.evaluator import EvalFn, PeriodicEval
 from kimi_pipeline.rl.handoff import Handoff
 from kimi_pipeline.rl.launch import LaunchPlan, check_launch, plan_launch
 from kimi_pipeline.rl.metrics import plain
+from kimi_pipeline.rl.rollout_data import SavedRollouts
 from kimi_pipeline.rl.rollout_manager import start_rollout_manager, stop_rollout_manager
 from kimi_pipeline.rl.trainer_group import TrainerGroup
 
@@ -54,6 +55,11 @@ class TrainPaths:
     @property
     def tensorboard(self) -> Path:
         return self.root / "tensorboard"
+
+    @property
+    def rollouts(self) -> Path:
+        """Saved rollouts (`rollout.save_data`), one safetensors/JSON pair per step (`rl/rollout_data.py`)."""
+        return self.root / "rollouts"
 
 
 def _cpu_threads(recipe: Recipe, ranks_per_node: int) -> int:
@@ -135,18 +141,27 @@ def run_training(
     on_step: Callable[[dict[str, Any]], None] | None = None,
     on_plan: Callable[[LaunchPlan], None] | None = None,
     stop_after: int | None = None,
+    replay: Path | None = None,
+    rollout_only: bool = False,
 ) -> dict[str, Any]:
     """Train `recipe.rollout.num_rollout` rollouts (resuming from DIR/train/checkpoints); return the summary section.
 
     `evaluate(step, engine_urls)` is called at step 0 of a fresh run, every `eval.interval` steps and at
     the end (the task layer makes each one a retried Prefect task). `on_plan(plan)` sees the launch plan
     before it is checked (the task shows it, problems and all). `stop_after` ends early (tests).
+    `replay`: train on the rollouts saved there (`rollout.save_data`) instead of generating: no engines, no weight
+    sync, no eval. `rollout_only`: generate and score with the starting policy, no trainer (rows of rollout
+    metrics; with `rollout.save_data` a recording to replay).
     """
+    if replay is not None and rollout_only:
+        raise PermanentError("--replay-rollouts trains on saved rollouts and --rollout-only only generates them: "
+                             "pick one")
     import ray
 
     from kimi_pipeline.rl.engine.client import EngineRequestError
 
-    paths = TrainPaths(Path(run_dir) / "train")
+    # replay and rollout-only runs keep their own metrics and checkpoints beside the run's training, never over it
+    paths = TrainPaths(Path(run_dir) / ("replay" if replay is not None else "rollout-only" if rollout_only else "train"))
     paths.root.mkdir(parents=True, exist_ok=True)
     plan = plan_launch(recipe, str(model_dir))  # pure: no Ray yet
     if on_plan:
@@ -157,7 +172,9 @@ def run_training(
         ray.init(address=ray_address, log_to_driver=False)
     _require_healthy_cluster(recipe, ray_address)
     total = recipe.rollout.num_rollout
-    evaluator = PeriodicEval(evaluate, recipe.eval.interval, total) if evaluate else None
+    engines = replay is None  # replaying saved rollouts starts no engine, so nothing evaluates or takes weights
+    evaluator = PeriodicEval(evaluate, recipe.eval.interval, total) if evaluate and engines and not rollout_only \
+        else None
     wandb_run = open_wandb(None, f"{recipe.name}-{Path(run_dir).name}", recipe.model_dump(mode="json",
                                                                                           exclude={"hub": {"token"}}))
     metrics_log = MetricsLog(paths.metrics, tensorboard_dir=paths.tensorboard, wandb_run=wandb_run)
@@ -173,28 +190,39 @@ def run_training(
     def trainer_memory(action: str, parts: tuple[str, ...]) -> None:
         (trainers.sleep if action == "sleep" else trainers.wake)(parts)
 
-    handoff = Handoff(recipe.cluster.colocate, engines_memory, trainer_memory)
+    # colocated engines and trainer take turns on the GPUs; with one side missing there is nothing to hand over
+    handoff = Handoff(recipe.cluster.colocate and engines and not rollout_only, engines_memory, trainer_memory)
+    end = total if stop_after is None else min(total, stop_after)
     try:
         check_launch(plan)
         pgs = create_placement_groups(plan.placement)
-        rollouts, urls = start_rollout_manager(recipe, Path(run_dir) / "validate" / "train.jsonl", model_dir, plan,
-                                               pgs, _cpu_threads(recipe, 1))
+        if engines:
+            rollouts, urls = start_rollout_manager(recipe, Path(run_dir), model_dir, plan, pgs, _cpu_threads(recipe, 1),
+                                                   paths.rollouts if recipe.rollout.save_data else None)
+        if rollout_only:
+            version = ray.get(rollouts.connect.remote())
+            _rollout_only(recipe, LiveRollouts(rollouts, urls, None, handoff, version), metrics_log, end, on_step)
+            return _train_section(paths)
         handoff.to("train")  # colocated: the engines give their GPUs to the trainer while it builds and loads
         trainers = TrainerGroup(recipe, plan, pgs["trainer"], _cpu_threads(recipe, recipe.cluster.gpus_per_node))
         extra = trainers.load(paths.checkpoints, init_checkpoint)
         start = int(extra.get("step", 0))
         if extra:
-            ray.get(rollouts.restore.remote(extra["data"]))
+            if engines:
+                ray.get(rollouts.restore.remote(extra["data"]))
             metrics_log.truncate_after(start)
             log.info("resumed from %s at step %d", paths.checkpoints, start)
         handoff.to("weight_sync")
-        sync = plain(trainers.sync_weights(urls, str(start)))
+        sync = plain(trainers.sync_weights(urls, str(start))) if urls else {}
         handoff.to("rollout")
         if extra.get("row") and _last_logged_step(paths) < start:  # saved, then stopped before its row was written
             metrics_log.log({**extra["row"], **sync})
-        ray.get(rollouts.connect.remote())
-        end = total if stop_after is None else min(total, stop_after)
-        _loop(recipe, rollouts, urls, trainers, handoff, evaluator, metrics_log, paths, start, end, on_step)
+        if engines:
+            source = LiveRollouts(rollouts, urls, trainers, handoff, ray.get(rollouts.connect.remote()))
+        else:
+            source = SavedRollouts(replay, recipe)
+            log.info("training on the rollouts saved in %s (no engines)", replay)
+        _loop(recipe, source, trainers, handoff, evaluator, metrics_log, paths, start, end, on_step)
     except (ray.exceptions.RayError, EngineRequestError) as e:
         actor = engine_kind(recipe).actor_class().__name__ if urls else ""
         err = stage_error(e, {url: f"rollout engine {i} ({actor} actor)" for i, url in enumerate(urls)})
@@ -211,38 +239,38 @@ def run_training(
     return _train_section(paths)
 
 
-def _loop(recipe: Recipe, rollouts, urls: list[str], trainers: TrainerGroup, handoff: Handoff,
+def _loop(recipe: Recipe, source: LiveRollouts | SavedRollouts, trainers: TrainerGroup, handoff: Handoff,
           evaluator: PeriodicEval | None, metrics_log: MetricsLog, paths: TrainPaths, start: int, end: int,
           on_step: Callable[[dict[str, Any]], None] | None) -> None:
     """rollout (split over DP ranks) → train → checkpoint → weight sync → metrics → eval, `start` to `end`.
-    `rollouts` is the `RolloutManager` actor; `urls` its engines'. Colocated, `handoff` moves the GPUs between
-    engines and trainer around each phase (`rl/handoff.py`); the checkpoint is written while the trainer holds
-    them, with the step's row so far in its state, so a run stopped before the row is written still logs it."""
-    import ray
-
+    `source` gives each step's rollout: the engines' (`LiveRollouts`) or saved ones (`SavedRollouts`, no weight
+    sync). Colocated, `handoff` moves the GPUs between engines and trainer around each phase (`rl/handoff.py`);
+    the checkpoint is written while the trainer holds them, with the step's row so far in its state, so a run
+    stopped before the row is written still logs it."""
     from kimi_pipeline.model.checkpoint_dirs import prune_checkpoints
 
     total = recipe.rollout.num_rollout
     progress = TrainProgress(total, start)
     if evaluator and start == 0:  # the base policy, on a fresh run only
-        progress.log_eval(0, evaluator.evaluate(0, urls))
+        progress.log_eval(0, evaluator.evaluate(0, source.urls))
     progress.start_clock()
     handoff.take_seconds()  # start-up moves are not a step's
     for step in range(start, end):
         t0 = time.perf_counter()
-        shares, row, restarts = _rollout(rollouts, urls, trainers, handoff, step)  # one object-store ref per DP rank
+        shares, row, restarts = source.take(step)  # one object-store reference per DP rank
         handoff.to("train")
         done = step + 1
         row = {"step": done, **row, "engine_restarts": float(restarts), **plain(trainers.train(shares, step))}
         if done % recipe.checkpoint.save_interval == 0 or done == total:
             row["step_seconds"] = time.perf_counter() - t0  # until the save, should the run stop before the row
-            trainers.save(paths.checkpoints, done, {"step": done, "data": ray.get(rollouts.state.remote()),
-                                                    "row": row})
+            trainers.save(paths.checkpoints, done, {"step": done, "data": source.state(), "row": row})
             prune_checkpoints(paths.checkpoints, recipe.checkpoint.keep_last)
-        handoff.to("weight_sync")
-        sync = plain(trainers.sync_weights(urls, str(done)))
-        handoff.to("rollout")
-        ray.get(rollouts.rejoin.remote(str(done)))  # engines restarted during this step serve again
+        sync: dict[str, float] = {}
+        if source.urls:
+            handoff.to("weight_sync")
+            sync = plain(trainers.sync_weights(source.urls, str(done)))
+            handoff.to("rollout")
+            source.settle(str(done))  # engines restarted during this step serve again
         row = {**row, **sync, "step_seconds": time.perf_counter() - t0}
         if handoff.colocated:  # what the memory handoff cost this step (GPU memory to host and back, at scale)
             row["handoff_seconds"] = handoff.take_seconds()
@@ -251,31 +279,76 @@ def _loop(recipe: Recipe, rollouts, urls: list[str], trainers: TrainerGroup, han
         if on_step:
             on_step(row)
         if evaluator and evaluator.should_evaluate(done):
-            progress.log_eval(done, evaluator.evaluate(done, urls))
+            progress.log_eval(done, evaluator.evaluate(done, source.urls))
 
 
-def _rollout(rollouts, urls: list[str], trainers: TrainerGroup, handoff: Handoff, step: int) -> tuple[list, dict, int]:
-    """Rollout `step` through engine deaths: engines that stopped answering are restarted first (`heal`); when
-    that leaves none serving the policy, they get its weights through the normal sync path before the rollout;
-    a rollout every engine dropped runs again. The engines taken out during the rollout are restarted after it,
-    so the step's sync brings them back. Updates `urls` in place; returns (shares, metrics, engines restarted)."""
-    import ray
+def _rollout_only(recipe: Recipe, source: LiveRollouts, metrics_log: MetricsLog, end: int,
+                  on_step: Callable[[dict[str, Any]], None] | None) -> None:
+    """Generate and score `end` rollouts with the starting policy, no trainer: one row of rollout metrics each (the
+    recipes' framework's rollout-only debug mode; with `rollout.save_data` it records rollouts to replay)."""
+    metrics_log.truncate_after(0)  # nothing to resume: every rollout-only run starts at step 1
+    progress = TrainProgress(recipe.rollout.num_rollout, 0)
+    progress.start_clock()
+    for step in range(end):
+        t0 = time.perf_counter()
+        _shares, row, restarts = source.take(step)
+        row = {"step": step + 1, **row, "engine_restarts": float(restarts), "step_seconds": time.perf_counter() - t0}
+        metrics_log.log(row)
+        progress.log_step(row)
+        if on_step:
+            on_step(row)
 
-    restarts = 0
-    while True:
-        new_urls, restarted = ray.get(rollouts.heal.remote())
-        urls[:], restarts = new_urls, restarts + restarted
-        if restarted:  # serve the policy of `step` before the rollout of `step`
-            handoff.to("weight_sync")
-            trainers.sync_weights(urls, str(step))
-            handoff.to("rollout")
-            ray.get(rollouts.rejoin.remote(str(step)))
-        result = ray.get(rollouts.generate.remote(step))
-        if result is not None:
-            break
-    new_urls, restarted = ray.get(rollouts.heal.remote())
-    urls[:] = new_urls
-    return result[0], result[1], restarts + restarted
+
+class LiveRollouts:
+    """Each step's rollout from the engines (the `RolloutManager` actor), through engine deaths: engines that
+    stopped answering are restarted first (`heal`); when that leaves none serving the policy, they get its weights
+    through the normal sync path before the rollout (without a trainer, rollout-only, they serve the weights they
+    started with); a rollout every engine dropped runs again. The engines taken out during the rollout are restarted
+    after it, so the step's sync brings them back. `urls` (the engines', kept current) is the list the caller
+    passed."""
+
+    def __init__(self, manager, urls: list[str], trainers: TrainerGroup | None, handoff: Handoff,
+                 start_version: str) -> None:
+        self.manager, self.urls, self.trainers, self.handoff = manager, urls, trainers, handoff
+        self.start_version = start_version  # what restarted engines serve without a trainer to sync them
+
+    def take(self, step: int) -> tuple[list, dict[str, Any], int]:
+        """(one object-store reference per data-parallel rank, the rollout's metrics, engines restarted)."""
+        import ray
+
+        restarts = 0
+        while True:
+            restarts += self._heal()
+            if restarts and self.trainers is not None:  # serve the policy of `step` before the rollout of `step`
+                self.handoff.to("weight_sync")
+                self.trainers.sync_weights(self.urls, str(step))
+                self.handoff.to("rollout")
+                self.settle(str(step))
+            elif restarts:
+                self.settle(self.start_version)
+            result = ray.get(self.manager.generate.remote(step))
+            if result is not None:
+                break
+        return result[0], result[1], restarts + self._heal()
+
+    def _heal(self) -> int:
+        import ray
+
+        urls, restarted = ray.get(self.manager.heal.remote())
+        self.urls[:] = urls
+        return restarted
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the rollout side (the prompt stream's position)."""
+        import ray
+
+        return ray.get(self.manager.state.remote())
+
+    def settle(self, version: str) -> None:
+        """Restarted engines at weight version `version` serve again."""
+        import ray
+
+        ray.get(self.manager.rejoin.remote(version))
 
 
 def _last_logged_step(paths: TrainPaths) -> int:

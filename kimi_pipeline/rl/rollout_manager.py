@@ -17,6 +17,7 @@ from typing import Any
 from kimi_pipeline.recipes import Recipe
 from kimi_pipeline.rl.engine.client import EngineRequestError, EnginesDown
 from kimi_pipeline.rl.engine.kinds import EngineGroup, restart_engine, start_engines
+from kimi_pipeline.rl.rollout_data import save_rollout
 from kimi_pipeline.rl.samples import RankShare, Sample, share_rollout
 
 log = logging.getLogger(__name__)
@@ -30,9 +31,11 @@ class EngineRestartsExhausted(EngineRequestError):
 class RolloutManager:
     """Constructed by `start_rollout_manager`; every method is called through Ray (`.remote`)."""
 
-    def __init__(self, recipe_data: dict[str, Any], train_file: str, model_dir: str) -> None:
+    def __init__(self, recipe_data: dict[str, Any], train_file: str, model_dir: str, save_dir: str | None = None) -> None:
+        """`save_dir`: where each rollout is saved (`rollout_data`), None: not saved."""
         self.recipe = Recipe.model_validate(recipe_data)  # sent without the hub token
         self.train_file, self.model_dir = Path(train_file), Path(model_dir)
+        self.save_dir = Path(save_dir) if save_dir else None
         self.engines: EngineGroup | None = None
         self.router = None
         self.reward = None
@@ -59,9 +62,10 @@ class RolloutManager:
             raise
         return self.engines.urls
 
-    def connect(self) -> None:
-        """The router the rollouts go through (after the first weight sync: the engines serve the policy)."""
-        self._control()
+    def connect(self) -> str:
+        """The router the rollouts go through (after the first weight sync: the engines serve the policy); returns
+        the engines' weight version."""
+        return self._control().weight_version()
 
     def release_memory(self, tags: tuple[str, ...]) -> None:
         """Colocated: the engines free these kinds of GPU memory for the trainer (they must be idle)."""
@@ -104,7 +108,10 @@ class RolloutManager:
         # since the last rollout that completed: a rollout every engine dropped counts in the one that ran again
         metrics["retried_requests"] = float(self.router.retried_requests - self.retried_reported)
         self.retried_reported = self.router.retried_requests
-        return [ray.put(s) for s in shares], {**metrics, **split}
+        metrics = {**metrics, **split}
+        if self.save_dir is not None:
+            save_rollout(self.save_dir, step + 1, samples, metrics)
+        return [ray.put(s) for s in shares], metrics
 
     def heal(self) -> tuple[list[str], int]:
         """Restart every engine that stopped answering (taken out mid-rollout, or failing its health check now),
@@ -173,15 +180,17 @@ class RolloutManager:
         self.router = self.reward = self.engines = None
 
 
-def start_rollout_manager(recipe: Recipe, train_file: Path, model_dir: Path, plan, pgs: dict, threads: int):
-    """The run's `RolloutManager` actor, started (engines serving) on the driver's node; its engines' URLs."""
+def start_rollout_manager(recipe: Recipe, run_dir: Path, model_dir: Path, plan, pgs: dict, threads: int,
+                          save_dir: Path | None = None):
+    """The run's `RolloutManager` actor, started (engines serving) on the driver's node; its engines' URLs. It reads
+    the validated prompts of `run_dir` and saves each rollout under `save_dir` (None: not saved)."""
     import ray
 
     from kimi_pipeline.rl.launch import rollout_manager_options
 
     data = recipe.model_dump(mode="json", exclude={"hub": {"token"}})
     manager = ray.remote(RolloutManager).options(**rollout_manager_options(recipe)).remote(
-        data, str(train_file), str(model_dir))
+        data, str(run_dir / "validate" / "train.jsonl"), str(model_dir), str(save_dir) if save_dir else None)
     try:
         urls = ray.get(manager.start.remote(plan, pgs, threads))
     except BaseException:

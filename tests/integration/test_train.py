@@ -21,7 +21,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from support.common import (REPRODUCIBLE, TRAIN_SET, assert_eval_agrees_with_its_problems, assert_same_rows,
+from support.common import (REPRODUCIBLE, TIMING, TRAIN_SET, assert_eval_agrees_with_its_problems, assert_same_rows,
                             stable_row, tiny_overrides, train_recipe)
 from support.learning import read_summary
 from support.save_gate import GATE_ENV
@@ -181,15 +181,24 @@ def _eval_rows(run: Path) -> list[dict]:
     return [{k: v for k, v in e.items() if k != "seconds"} for e in read_summary(run)["eval"]]
 
 
+SAVE_ROLLOUTS = ["rollout.save_data=true"]
+
+
 @pytest.fixture(scope="module")
-def uninterrupted(prepared, ray_local, tmp_path_factory) -> tuple[list[dict], list[dict]]:
-    """The metrics and eval rows of an uninterrupted run of the resume tests' recipe (evals at 0, 2, 4)."""
+def uninterrupted_run(prepared, ray_local, tmp_path_factory) -> Path:
+    """An uninterrupted run of the resume tests' recipe (evals at 0, 2, 4), its rollouts saved (train/rollouts)."""
     from kimi_pipeline.stages import stage_train
 
     tiny, base = prepared
     run = _copy_run(base, tmp_path_factory.mktemp("uninterrupted") / "run")
-    stage_train(train_recipe(tiny, RESUME_SET), run)
-    rows, evals = [stable_row(x) for x in _rows(run)], _eval_rows(run)
+    stage_train(train_recipe(tiny, RESUME_SET + SAVE_ROLLOUTS), run)
+    return run
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(uninterrupted_run) -> tuple[list[dict], list[dict]]:
+    """The metrics and eval rows of the uninterrupted run."""
+    rows, evals = [stable_row(x) for x in _rows(uninterrupted_run)], _eval_rows(uninterrupted_run)
     assert [e["step"] for e in evals] == [0, 2, 4]
     return rows, evals
 
@@ -356,6 +365,51 @@ def test_an_engine_past_max_engine_restarts_fails_the_stage_retryably_naming_it(
         stop.set()
         killer.join(60)
     assert killed
+
+
+def test_saved_rollouts_replayed_without_engines_give_the_recorded_metrics(prepared, ray_local, uninterrupted_run):
+    """`rollout.save_data` wrote one safetensors/JSON pair per step; `--replay-rollouts` trains on them with no engine
+    and gives the recording run's metrics (loss, grad norm, KL, TIS ... every key both rows have, timings aside),
+    recorded in the run dir's replay/ and as summary.json's `replay` stage, beside training's."""
+    from kimi_pipeline.report.metrics import read_jsonl
+    from kimi_pipeline.stages import stage_train
+
+    tiny, _ = prepared
+    saved = uninterrupted_run / "train" / "rollouts"
+    assert sorted(p.name for p in saved.iterdir()) == sorted(f"step_{i:07d}.{ext}" for i in range(1, 5)
+                                                             for ext in ("json", "safetensors"))
+    section = stage_train(train_recipe(tiny, RESUME_SET), uninterrupted_run, replay=saved)
+    recorded, replayed = _rows(uninterrupted_run), read_jsonl(uninterrupted_run / "replay" / "metrics.jsonl")
+    assert [r["step"] for r in replayed] == [1, 2, 3, 4]
+    for got, want in zip(replayed, recorded):
+        common = (set(got) & set(want)) - TIMING
+        assert {"loss", "grad_norm", "tis_mean", "reward_mean", "global_batch_size"} <= common
+        assert {k: got[k] for k in common} == {k: want[k] for k in common}, got["step"]
+        assert not {k for k in got if k.startswith("sync")}  # no engine took weights
+    summary = read_summary(uninterrupted_run)
+    assert summary["stages"]["replay"]["status"] == summary["stages"]["train"]["status"] == "completed"
+    assert section["checkpoint_step"] == 4 and (uninterrupted_run / "replay" / "checkpoints").is_dir()
+
+
+def test_rollout_only_generates_and_scores_without_training(prepared, ray_local, uninterrupted_run, tmp_path):
+    """`--rollout-only`: engines, no trainer; rows of rollout metrics, no checkpoint; its first rollout draws the
+    training run's first prompts (same stream, same seed). The samples are not the training run's: its engines
+    serve the weights the trainer synced to them (fake-INT4 experts under QAT, as here), these the checkpoint as
+    loaded (measured: log-probs of equal responses up to 0.027 apart)."""
+    from kimi_pipeline.report.metrics import read_jsonl
+    from kimi_pipeline.rl.rollout_data import load_rollout
+    from kimi_pipeline.stages import stage_train
+
+    tiny, base = prepared
+    run = _copy_run(base, tmp_path / "run")
+    stage_train(train_recipe(tiny, RESUME_SET + SAVE_ROLLOUTS + ["rollout.num_rollout=2"]), run, rollout_only=True)
+    rows = read_jsonl(run / "rollout-only" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2] and all("reward_mean" in r and "loss" not in r for r in rows)
+    assert not (run / "rollout-only" / "checkpoints").exists() and not (run / "train" / "metrics.jsonl").exists()
+    (mine, metrics), (theirs, _) = (load_rollout(d, 1) for d in (run / "rollout-only" / "rollouts",
+                                                                 uninterrupted_run / "train" / "rollouts"))
+    assert [s.prompt_ids for s in mine] == [s.prompt_ids for s in theirs]
+    assert metrics["reward_mean"] == rows[0]["reward_mean"] and metrics["samples"] == len(mine)
 
 
 def _trainer_pids() -> list[int]:
