@@ -160,7 +160,7 @@ def train(
     replay_rollouts: Optional[Path] = typer.Option(
         None, "--replay-rollouts", help="Train on the rollouts saved in DIR (a run's train/rollouts, recorded with "
         "--set rollout.save_data=true) instead of generating: no engines; same gradients and metrics as the run that "
-        "recorded them. Writes DIR/replay of the run dir."),
+        "recorded them; its metrics and checkpoints go to the run dir's replay/."),
     rollout_only: bool = typer.Option(
         False, "--rollout-only", help="Generate and score rollouts with the starting policy, no training (rows in "
         "the run dir's rollout-only/metrics.jsonl; with rollout.save_data=true, rollouts to replay)."),
@@ -225,6 +225,55 @@ def rehearse(
             console.print(f"  - {p['field']}: {p['message']}", highlight=False, markup=False)
         console.print(f"wrote {out / 'launch-plan.json'} and {out / 'launch-plan.md'}", highlight=False)
     if not d["ok"]:
+        raise typer.Exit(1)
+
+
+@app.command()
+def preflight(
+    recipe: str = typer.Argument(..., help=RECIPE_HELP),
+    set_: list[str] = typer.Option([], "--set", help=SET_HELP),
+    ray_address: Optional[str] = typer.Option(None, "--ray-address", help="Default: the recipe's cluster.address."),
+    json_out: bool = typer.Option(False, "--json", help="print the report as JSON instead of the table"),
+    out: Optional[Path] = typer.Option(None, "--out", help="also write preflight.json / preflight.md here"),
+    timeout_s: float = typer.Option(120.0, "--timeout", help="seconds each probe call may take (a node that does not "
+                                    "answer is named)"),
+    join_timeout_s: float = typer.Option(120.0, "--join-timeout", help="seconds every rank has to join the collective "
+                                         "(the nodes whose ranks did not are named)"),
+    fast: bool = typer.Option(False, "--fast", help="no collective, a small shared-file check (what the cluster stage runs)"),
+) -> None:
+    """Check the recipe's real cluster before a run holds it: one probe per node (GPUs, software versions, shared
+    base_dir, free space, RAM and /dev/shm, ports between nodes) and a collective over every rank of the layout.
+    Exit 1 naming each failed check, the nodes it failed on and the fix."""
+    from kimi_pipeline.cluster.errors import ClusterConfigError
+    from kimi_pipeline.cluster.preflight import report_markdown, run_preflight
+    from kimi_pipeline.cluster.stage import attach_driver
+
+    r = recipe_or_exit(recipe, set_)
+    address = ray_address or r.cluster.address
+    if not address:
+        err.print(f"error: {r.name} names no cluster (cluster.address is unset): pass --ray-address HEAD:6379, or let "
+                  "the cluster stage bring up the embedded one (it runs the fast preflight itself)", highlight=False,
+                  markup=False)
+        raise typer.Exit(1)
+    try:
+        address = attach_driver(address)
+    except ClusterConfigError as e:
+        err.print(f"error: {e}", highlight=False, markup=False)
+        raise typer.Exit(1) from None
+    report = _run_stage(lambda: run_preflight(r, address, fast=fast, timeout_s=timeout_s, join_timeout_s=join_timeout_s,
+                                              progress=lambda m: err.print(m, highlight=False, markup=False)))
+    if out is not None:
+        from kimi_pipeline.util.files import atomic_write_json, atomic_write_text
+
+        atomic_write_json(out / "preflight.json", report)
+        atomic_write_text(out / "preflight.md", report_markdown(report))
+    if json_out:
+        typer.echo(json.dumps(report, indent=1, default=str))
+    else:
+        typer.echo(report_markdown(report))
+    for line in report["failed"]:
+        err.print(f"FAILED {line}", highlight=False, markup=False)
+    if not report["ok"]:
         raise typer.Exit(1)
 
 

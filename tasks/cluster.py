@@ -16,6 +16,7 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
 from kimi_pipeline.cluster import stage_cluster
+from kimi_pipeline.cluster.stage import PREFLIGHT_MD
 from kimi_pipeline.recipes import Recipe
 from kimi_pipeline.report.stage_reports import cluster_report
 from tasks.common import RETRY_DELAYS, retry_unless_permanent
@@ -32,7 +33,13 @@ from tasks.common import RETRY_DELAYS, retry_unless_permanent
 )
 def cluster_task(recipe: Recipe, run_dir: str, timeout_s: float | None = None) -> dict[str, Any]:
     # The owner is the flow process (tasks run in its threads): if it dies, the watchdog cleans up.
-    section = stage_cluster(recipe, Path(run_dir), timeout_s=timeout_s, owner_pid=os.getpid())
+    try:
+        section = stage_cluster(recipe, Path(run_dir), timeout_s=timeout_s, owner_pid=os.getpid())
+    finally:  # the preflight's table, also (above all) when a check failed
+        report = Path(run_dir) / "cluster" / PREFLIGHT_MD
+        if report.is_file():
+            create_markdown_artifact(report.read_text(), key="cluster-preflight",
+                                     description=f"preflight of the Ray cluster of {recipe.name}")
     create_markdown_artifact(
         cluster_report(section), key="cluster-facts", description=f"Ray cluster of {recipe.name} ({section['mode']})"
     )

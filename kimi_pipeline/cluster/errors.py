@@ -28,3 +28,8 @@ class PlacementError(PermanentError):
 
 class LocalClusterTooSmall(ClusterHealthError, PermanentError):
     """This machine cannot host what the recipe asks of an embedded cluster: retrying cannot help."""
+
+
+class PreflightError(ClusterConfigError):
+    """A preflight check failed on the cluster (the message names each check, its nodes and the fix): a retry on the
+    same cluster fails the same way."""

@@ -137,14 +137,18 @@ class LocalCluster:
             raise
         return cluster
 
-    def _ray_start(self, args: list[str], log_name: str, timeout_s: float) -> str:
+    def _ray_start(self, args: list[str], log_name: str, timeout_s: float, env_extra: dict[str, str] | None = None,
+                   prefix: list[str] | None = None) -> str:
+        """`ray start ARGS` with this cluster's environment (plus `env_extra`), run through `prefix` when given (a
+        command that execs the rest, e.g. into another mount namespace)."""
         env = dict(os.environ)
         env.update(self.env)
+        env.update(env_extra or {})
         env[MARKER_VAR] = self.state["marker"]
         log_path = self.run_dir / "cluster" / f"{log_name}.log"
         with open(log_path, "w") as out:
             proc = subprocess.Popen(
-                [*RAY_CLI, "start", *args, "--temp-dir", self.state["temp_dir"], "--disable-usage-stats"],
+                [*(prefix or []), *RAY_CLI, "start", *args, "--temp-dir", self.state["temp_dir"], "--disable-usage-stats"],
                 env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
             )
             self.state["sids"].append(proc.pid)  # start_new_session: sid == pid of the `ray start` process
@@ -183,10 +187,12 @@ class LocalCluster:
         self.save()
         log.info("Ray head up at %s in %.1f s (temp dir %s)", address, time.monotonic() - t0, self.state["temp_dir"])
 
-    def _start_worker(self, spec: NodeSpec, index: int, timeout_s: float) -> None:
+    def _start_worker(self, spec: NodeSpec, index: int, timeout_s: float, env_extra: dict[str, str] | None = None,
+                      prefix: list[str] | None = None) -> None:
+        """A simulated node; `env_extra` / `prefix` make it differ from the others (a node's own environment)."""
         t0 = time.monotonic()
         args = ["--address", self.address, "--dashboard-agent-listen-port", str(free_port()), *spec.args()]
-        self._ray_start(args, f"ray-start-node-{index}", timeout_s)
+        self._ray_start(args, f"ray-start-node-{index}", timeout_s, env_extra, prefix)
         self.state["nodes_started"] += 1
         self.save()
         log.info("simulated Ray node %d joined in %.1f s", index, time.monotonic() - t0)

@@ -25,7 +25,7 @@ from typing import Any
 import psutil
 
 from kimi_pipeline.cluster.env import auth_mode, ensure_token, token_source
-from kimi_pipeline.cluster.errors import ClusterConfigError, ClusterHealthError, LocalClusterTooSmall
+from kimi_pipeline.cluster.errors import ClusterConfigError, ClusterHealthError, LocalClusterTooSmall, PreflightError
 from kimi_pipeline.cluster.health import ClusterFacts, Requirements, wait_until_healthy
 from kimi_pipeline.cluster.local import LocalCluster, NodeSpec
 from kimi_pipeline.report.stage_reports import cluster_report
@@ -191,9 +191,31 @@ def bring_up(recipe, run_dir: Path, timeout_s: float | None = None, owner_pid: i
         cluster.state["keep"] = c.keep
         cluster.save()
     section = _section(facts, req, mode, auth, time.monotonic() - t0, cluster, c.keep)
+    report = fast_preflight(recipe, facts.address, cdir)
+    section["preflight"] = {"ok": report["ok"], "seconds": report["seconds"], "failed": report["failed"]}
     atomic_write_json(cdir / "facts.json", section)
     atomic_write_text(cdir / "facts.md", cluster_report(section))
+    if not report["ok"]:
+        raise PreflightError(f"preflight of the cluster at {facts.address} failed ({cdir / PREFLIGHT_MD}): "
+                             + "; ".join(report["failed"]))
     return section
+
+
+PREFLIGHT_MD = "preflight.md"
+
+
+def fast_preflight(recipe, address: str, cdir: Path) -> dict[str, Any]:
+    """`kimi preflight --fast` on the cluster just brought up (software, shared base_dir, free space, RAM and
+    /dev/shm, ports; no collective), its report in DIR/cluster/preflight.json and .md. A driver connects only for
+    it, unless this process already had one."""
+    # imported here: the watchdog and `kimi cluster` import this module and must stay light (0.13 s and 23 MB to
+    # import; with the preflight's plan, torch and ray 3 s and 280 MB)
+    from kimi_pipeline.cluster.preflight import report_markdown, run_preflight
+
+    report = run_preflight(recipe, address, fast=True, progress=log.info)
+    atomic_write_json(cdir / "preflight.json", report)
+    atomic_write_text(cdir / PREFLIGHT_MD, report_markdown(report))
+    return report
 
 
 def stage_cluster(recipe, run_dir: Path, timeout_s: float | None = None, owner_pid: int | None = None) -> dict[str, Any]:

@@ -92,6 +92,10 @@ def cluster_report(section: dict[str, Any]) -> str:
         lines.append(f"- dashboard: {section['dashboard']}")
     if section.get("temp_dir"):
         lines.append(f"- temp dir: `{section['temp_dir']}`" + (f" — {section['temp_dir_note']}" if section.get("temp_dir_note") else ""))
+    if section.get("preflight"):
+        p = section["preflight"]
+        lines.append(f"- preflight (fast, {p['seconds']} s): " + ("passed" if p["ok"] else "FAILED: " + "; ".join(p["failed"]))
+                     + " — `preflight.md` beside this file")
     lines += ["", "| node | head | CPU | GPU | memory GB | other resources |", "|---|---|---|---|---|---|"]
     for n in section.get("node_list", []):
         other = ", ".join(f"{k}={v:g}" for k, v in sorted(n["resources"].items())) or "—"

@@ -294,6 +294,13 @@ def test_stage_reports_the_cluster(embedded):
     assert {k: summary["cluster"][k] for k in ("address", "nodes", "cpus", "gpus")} == {k: s[k] for k in ("address", "nodes", "cpus", "gpus")}
     assert json.loads((run_dir / "cluster" / "facts.json").read_text())["address"] == s["address"]
     assert "| node | head |" in (run_dir / "cluster" / "facts.md").read_text()
+    # the fast preflight ran on the cluster just brought up: passed, its table beside the facts
+    assert s["preflight"]["ok"] and s["preflight"]["failed"] == [] and "preflight (fast" in (run_dir / "cluster" / "facts.md").read_text()
+    report = json.loads((run_dir / "cluster" / "preflight.json").read_text())
+    assert report["fast"] and {c["name"] for c in report["checks"]} >= {"software: kimi-pipeline", "base_dir: shared",
+                                                                        "ports between nodes"}
+    assert "collective" not in {c["name"] for c in report["checks"]}
+    assert "| base_dir: shared | yes |" in (run_dir / "cluster" / "preflight.md").read_text()
     assert s["temp_dir_note"] and "too long" in s["temp_dir_note"] and (run_dir / "ray").is_symlink()
 
 
@@ -600,3 +607,5 @@ def test_prefect_task_and_flow_finally_leave_no_ray_process():
     (facts,) = [a for a in artifacts if a.key == "cluster-facts"]
     assert f"- address: `{seen['section']['address']}`" in facts.data, facts.data
     assert all(n["node_id"][:8] in facts.data for n in seen["section"]["node_list"]), facts.data
+    (preflight,) = [a for a in artifacts if a.key == "cluster-preflight"]
+    assert preflight.data.startswith("# Preflight of tiny: passed") and "| ports between nodes | yes |" in preflight.data
