@@ -148,7 +148,8 @@ class LocalCluster:
         log_path = self.run_dir / "cluster" / f"{log_name}.log"
         with open(log_path, "w") as out:
             proc = subprocess.Popen(
-                [*(prefix or []), *RAY_CLI, "start", *args, "--temp-dir", self.state["temp_dir"], "--disable-usage-stats"],
+                [*(prefix or []), *RAY_CLI, "start", *args, "--temp-dir", self.state["temp_dir"],
+                 "--disable-usage-stats"],
                 env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
             )
             self.state["sids"].append(proc.pid)  # start_new_session: sid == pid of the `ray start` process

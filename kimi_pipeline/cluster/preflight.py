@@ -1,4 +1,4 @@
-"""`kimi preflight`: check the real cluster before a run holds it, in the first minute instead of after a 30-minute hang.
+"""`kimi preflight`: check the real cluster before a run holds it, in its first minute, not after a 30-minute hang.
 
 What users of the recipes' framework report most once the recipe is right: a launch that hangs in NCCL or Ray
 rendezvous, a node whose environment or shared filesystem differs. One `NodeProbe` actor per node (pinned to it,
@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -103,8 +104,8 @@ def _probes() -> list[Node]:
              for n in ray.nodes() if n.get("Alive")]
     probe_cls = ray.remote(NodeProbe)
     for n in nodes:
-        n.probe = probe_cls.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(n.node_id, soft=False),
-                                    max_concurrency=4).remote()
+        pinned = NodeAffinitySchedulingStrategy(n.node_id, soft=False)
+        n.probe = probe_cls.options(num_cpus=0, scheduling_strategy=pinned, max_concurrency=4).remote()
     return nodes
 
 
@@ -128,32 +129,36 @@ def _call(nodes: list[Node], method: str, args_of: Callable[[Node], tuple], time
 
 def _differences(values: dict[str, str]) -> tuple[str, list[str]]:
     """The value most nodes have, and the nodes that differ from it."""
-    counts: dict[str, int] = {}
-    for v in values.values():
-        counts[v] = counts.get(v, 0) + 1
-    common = max(counts, key=lambda v: counts[v])
+    common = Counter(values.values()).most_common(1)[0][0]
     return common, sorted(label for label, v in values.items() if v != common)
 
 
-def check_nodes(recipe: Recipe, nodes: list[Node], unanswered: list[str]) -> list[Check]:
-    """The per-node facts against the recipe, the plan and each other."""
+def gpu_model(nodes: list[Node]) -> str | None:
+    """The GPU model the first node that has GPUs reports (the plan is made for it)."""
+    return next((g["name"] for n in nodes if n.facts for g in n.facts["gpus"]), None)
+
+
+def check_nodes(recipe: Recipe, nodes: list[Node], unanswered: list[str], needs: dict[str, Any] | None = None
+                ) -> list[Check]:
+    """The per-node facts against the recipe, the plan (`needs`, default: made here) and each other."""
     c = recipe.cluster
-    gpu_name = next((g["name"] for n in nodes if n.facts for g in n.facts["gpus"]), None)
-    needs = _needs(recipe, gpu_name)
+    gpu_name = gpu_model(nodes)
+    needs = needs or _needs(recipe, gpu_name)
     checks = [Check("nodes", len(nodes) >= c.nodes and not unanswered,
-                    f"{len(nodes)} alive node(s), the recipe needs {c.nodes}" + (f"; {'; '.join(unanswered)}" if unanswered else ""),
+                    f"{len(nodes)} alive node(s), the recipe needs {c.nodes}"
+                    + (f"; {'; '.join(unanswered)}" if unanswered else ""),
                     "start the missing nodes (infra/ray/worker.sh) or lower cluster.nodes",
                     [u.split(":")[0] for u in unanswered])]
     answered = [n for n in nodes if n.facts]
     if not answered:
         return checks
     for name in SOFTWARE:
-        common, odd = _differences({n.label: n.facts["software"][name] for n in answered})
-        checks.append(Check(f"software: {name}", not odd, f"{common} on every node" if not odd else
-                            f"{common} on most nodes; " + ", ".join(f"{label}: {next(n.facts['software'][name] for n in answered if n.label == label)}"
-                                                                     for label in odd),
-                            "install the same versions on every node (same path on the shared filesystem: "
-                            "`make install` once, or one container image)", odd))
+        versions = {n.label: n.facts["software"][name] for n in answered}
+        common, odd = _differences(versions)
+        detail = f"{common} on every node" if not odd else \
+            f"{common} on most nodes; " + ", ".join(f"{label}: {versions[label]}" for label in odd)
+        checks.append(Check(f"software: {name}", not odd, detail, "install the same versions on every node (same path "
+                            "on the shared filesystem: `make install` once, or one container image)", odd))
     if c.device == "cuda":
         few = [n.label for n in answered if len(n.facts["gpus"]) < c.gpus_per_node]
         checks.append(Check("gpus: count", not few, f"cluster.gpus_per_node={c.gpus_per_node}; " + ", ".join(
@@ -176,13 +181,15 @@ def check_nodes(recipe: Recipe, nodes: list[Node], unanswered: list[str]) -> lis
             f"{n.label}: {n.facts['ram_gib']}" for n in answered), "nodes with more RAM, or optimizer_cpu_offload off",
             short))
     low = [n.label for n in answered if n.facts["shm_gib"] < needs["shm_gib"]]
-    checks.append(Check("/dev/shm", not low, f"need {needs['shm_gib']:.2f} GiB (a weight-sync segment per trainer rank); "
+    checks.append(Check("/dev/shm", not low, f"need {needs['shm_gib']:.2f} GiB (a weight-sync segment per trainer "
+                        "rank); "
                         + ", ".join(f"{n.label}: {n.facts['shm_gib']}" for n in answered),
                         "give /dev/shm more room (docker --shm-size, a Memory emptyDir in Kubernetes)", low))
     return checks
 
 
-def check_storage(recipe: Recipe, nodes: list[Node], base_dir: Path, nbytes: int, timeout_s: float) -> list[Check]:
+def check_storage(recipe: Recipe, nodes: list[Node], base_dir: Path, nbytes: int, timeout_s: float,
+                  need_gib: float) -> list[Check]:
     """base_dir shared (written on the first node, read byte-exact on every other), free space, read throughput."""
     path = base_dir / ".kimi-preflight" / uuid.uuid4().hex
     first = nodes[0]
@@ -200,13 +207,14 @@ def check_storage(recipe: Recipe, nodes: list[Node], base_dir: Path, nbytes: int
             path.parent.rmdir()  # when no other preflight is using it
     local = [label for label, r in reads.items() if r.get("sha256") != digest] + [m.split(":")[0] for m in missing]
     detail = f"{path.parent} written on {first.label}; " + ", ".join(
-        f"{label}: {'same bytes' if r.get('sha256') == digest else r.get('error', 'different bytes')}" for label, r in reads.items())
+        f"{label}: {'same bytes' if r.get('sha256') == digest else r.get('error', 'different bytes')}"
+        for label, r in reads.items())
     checks = [Check("base_dir: shared", not local, detail, f"paths.base_dir={recipe.paths.base_dir} must be one shared "
                     "filesystem mounted at the same path on every node (not a node-local disk)", sorted(local))]
-    need = _needs(recipe)["disk_gib"]
-    full = [label for label, f in free.items() if f.get("free_gib", 0) < need]
-    checks.append(Check("base_dir: free space", not full, f"need {need:.1f} GiB (checkpoints × checkpoint.keep_last + "
-                        f"the export); " + ", ".join(f"{label}: {f.get('free_gib', f.get('error'))}" for label, f in free.items()),
+    full = [label for label, f in free.items() if f.get("free_gib", 0) < need_gib]
+    space = ", ".join(f"{label}: {f.get('free_gib', f.get('error'))}" for label, f in free.items())
+    checks.append(Check("base_dir: free space", not full, f"need {need_gib:.1f} GiB (checkpoints × "
+                        f"checkpoint.keep_last + the export); {space}",
                         "free space on the shared filesystem or set checkpoint.keep_last", full))
     rates = ", ".join(f"{label}: {r['mb_s']} MB/s" for label, r in reads.items() if "mb_s" in r)
     checks.append(Check("base_dir: read throughput", True, f"{nbytes / 1e6:.0f} MB read back: {rates}"))
@@ -279,15 +287,17 @@ def _preflight(recipe: Recipe, fast: bool, timeout_s: float, join_timeout_s: flo
         facts, unanswered = _call(nodes, "facts", lambda n: (sglang_python(recipe.sglang),), timeout_s)
         for n in nodes:
             n.facts = facts.get(n.label, {})
-        checks = check_nodes(recipe, nodes, unanswered)
+        needs = _needs(recipe, gpu_model(nodes))
+        checks = check_nodes(recipe, nodes, unanswered, needs)
         live = [n for n in nodes if n.facts]
         progress("preflight: shared storage and ports")
         base_dir = resolve_path(recipe.paths.base_dir)
-        checks += check_storage(recipe, live, base_dir, (1 if fast else 64) * 1024**2, timeout_s)
+        checks += check_storage(recipe, live, base_dir, (1 if fast else 64) * 1024**2, timeout_s, needs["disk_gib"])
         checks += check_ports(live, timeout_s)
         if not fast:
             nbytes = BUCKET_BYTES[recipe.cluster.device]
-            progress(f"preflight: all-reduce of {nbytes / 1e6:.0f} MB over {len(live) * recipe.cluster.gpus_per_node} ranks")
+            ranks = len(live) * recipe.cluster.gpus_per_node
+            progress(f"preflight: all-reduce of {nbytes / 1e6:.0f} MB over {ranks} ranks")
             checks.append(check_collective(recipe, live, join_timeout_s, nbytes))
     finally:
         for n in nodes:
@@ -304,5 +314,6 @@ def report_markdown(report: dict[str, Any]) -> str:
              f"{len(report['nodes'])} node(s), {report['seconds']} s{' (fast)' if report['fast'] else ''}.", "",
              "| check | ok | detail | fix |", "|---|---|---|---|"]
     for c in report["checks"]:
-        lines.append(f"| {c['name']} | {'yes' if c['ok'] else '**no**'} | {c['detail']} | {'' if c['ok'] else c['fix']} |")
+        verdict, fix = ("yes", "") if c["ok"] else ("**no**", c["fix"])
+        lines.append(f"| {c['name']} | {verdict} | {c['detail']} | {fix} |")
     return "\n".join(lines) + "\n"

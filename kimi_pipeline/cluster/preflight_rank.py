@@ -44,12 +44,13 @@ def main() -> int:
         if bucket[0].item() != world * world:  # two all-reduces of ones: world, then world * world
             raise RuntimeError(f"all-reduce gave {bucket[0].item()}, expected {world * world}")
         # bus bandwidth as nccl-tests reports it for all-reduce: 2 (n - 1) / n of the bytes, per second
-        out.update(ok=True, seconds=round(seconds, 6), bus_gbps=round(2 * (world - 1) / world * nbytes / seconds / 1e9, 3))
+        bus_gbps = 2 * (world - 1) / world * nbytes / seconds / 1e9
+        out.update(ok=True, seconds=round(seconds, 6), bus_gbps=round(bus_gbps, 3))
         dist.barrier()
         dist.destroy_process_group()
     except Exception as e:  # noqa: BLE001 - reported to the parent, which names this rank's node
-        out.update(ok=False, error=f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}",
-                   seconds_waited=round(time.perf_counter() - t0, 1))
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        out.update(ok=False, error=f"{type(e).__name__}: {first}", seconds_waited=round(time.perf_counter() - t0, 1))
     print(json.dumps(out), flush=True)
     return 0 if out.get("ok") else 1
 

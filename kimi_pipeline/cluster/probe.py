@@ -88,7 +88,8 @@ class NodeProbe:
         self._server: socket.socket | None = None
 
     def facts(self, sglang_python: str | None) -> dict[str, Any]:
-        ram, shm = psutil.virtual_memory().total, shutil.disk_usage("/dev/shm").total if Path("/dev/shm").is_dir() else 0
+        ram = psutil.virtual_memory().total
+        shm = shutil.disk_usage("/dev/shm").total if Path("/dev/shm").is_dir() else 0
         software = {"python": platform.python_version(), "torch": _version("torch"),
                     "megatron-core": _version("megatron-core"), "transformer-engine": _version("transformer-engine"),
                     "sglang": _sglang_version(sglang_python),

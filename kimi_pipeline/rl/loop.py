@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import ray
+
 from kimi_pipeline.cluster.placement import create_placement_groups, remove_placement_groups
 from kimi_pipeline.errors import PermanentError
 from kimi_pipeline.recipes import Recipe
@@ -124,8 +126,6 @@ def _require_healthy_cluster(recipe: Recipe, address: str | None, timeout_s: flo
     (a transient error: the task retry waits again, e.g. for the node to come back)."""
     from kimi_pipeline.cluster.health import Requirements, wait_until_healthy
 
-    import ray
-
     wait_until_healthy(address or ray.get_runtime_context().gcs_address, Requirements.from_recipe(recipe),
                        timeout_s=timeout_s, progress=log.info)
 
@@ -156,8 +156,6 @@ def run_training(
     if replay is not None and rollout_only:
         raise PermanentError("--replay-rollouts trains on saved rollouts and --rollout-only only generates them: "
                              "pick one")
-    import ray
-
     from kimi_pipeline.rl.engine.client import EngineRequestError
 
     # replay and rollout-only runs keep their own metrics and checkpoints beside the run's training, never over it
@@ -314,17 +312,16 @@ class LiveRollouts:
 
     def take(self, step: int) -> tuple[list, dict[str, Any], int]:
         """(one object-store reference per data-parallel rank, the rollout's metrics, engines restarted)."""
-        import ray
-
         restarts = 0
         while True:
-            restarts += self._heal()
-            if restarts and self.trainers is not None:  # serve the policy of `step` before the rollout of `step`
+            restarted = self._heal()
+            restarts += restarted
+            if restarted and self.trainers is not None:  # serve the policy of `step` before the rollout of `step`
                 self.handoff.to("weight_sync")
                 self.trainers.sync_weights(self.urls, str(step))
                 self.handoff.to("rollout")
                 self.settle(str(step))
-            elif restarts:
+            elif restarted:
                 self.settle(self.start_version)
             result = ray.get(self.manager.generate.remote(step))
             if result is not None:
@@ -332,22 +329,16 @@ class LiveRollouts:
         return result[0], result[1], restarts + self._heal()
 
     def _heal(self) -> int:
-        import ray
-
         urls, restarted = ray.get(self.manager.heal.remote())
         self.urls[:] = urls
         return restarted
 
     def state(self) -> dict[str, Any]:
         """What a checkpoint keeps of the rollout side (the prompt stream's position)."""
-        import ray
-
         return ray.get(self.manager.state.remote())
 
     def settle(self, version: str) -> None:
         """Restarted engines at weight version `version` serve again."""
-        import ray
-
         ray.get(self.manager.rejoin.remote(version))
 
 

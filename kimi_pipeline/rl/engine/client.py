@@ -200,9 +200,10 @@ class EngineClient:
         self.close()
 
     # --- plumbing
-    def _call(self, method: str, path: str, json: Any = None) -> Any:
+    def _call(self, method: str, path: str, json: Any = None, timeout_s: float | None = None) -> Any:
         try:
-            r = self._http.request(method, path, json=json)
+            r = self._http.request(method, path, json=json,
+                                   **({"timeout": httpx.Timeout(timeout_s, connect=min(10.0, timeout_s))} if timeout_s else {}))
         except httpx.TransportError as exc:
             raise EngineUnreachable(f"{self.url}{path}: {type(exc).__name__}: {exc}") from exc
         except httpx.HTTPError as exc:
@@ -354,9 +355,10 @@ class EngineClient:
         """Abort everything queued or running (their samples come back with finish_reason "abort")."""
         self._call("POST", "/abort_request", {"abort_all": True, "rid": ""})
 
-    def health(self) -> bool:
+    def health(self, timeout_s: float = 30.0) -> bool:
+        """The server answers /health within `timeout_s` (a hung engine is as good as a dead one)."""
         try:
-            self._call("GET", "/health")
+            self._call("GET", "/health", timeout_s=timeout_s)
             return True
         except EngineRequestError:
             return False
