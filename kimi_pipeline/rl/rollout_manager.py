@@ -121,7 +121,7 @@ class RolloutManager:
         router = self._control()
         for e, client in enumerate(router.clients):
             if e not in router.down and not client.health():
-                router.down.add(e)
+                router.down[e] = f"{client.url}/health: no answer"
         dead = sorted(router.down)
         limit = self.recipe.rollout.max_engine_restarts
         for e in dead:

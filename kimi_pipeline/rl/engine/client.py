@@ -413,7 +413,7 @@ class Router:
         self._client_kwargs = client_kwargs
         self.clients = [e if isinstance(e, EngineClient) else EngineClient(e, **client_kwargs) for e in engines]
         self._outstanding = [0] * len(self.clients)
-        self.down: set[int] = set()  # stopped answering: no calls at all
+        self.down: dict[int, str] = {}  # stopped answering (why): no calls at all
         self.pending: set[int] = set()  # restarted, not yet at the policy's weights: control calls, no generation
         self.retried_requests = 0  # requests sent again because their engine stopped answering
         self._lock = threading.Lock()
@@ -445,7 +445,7 @@ class Router:
 
     def serving(self) -> list[int]:
         """The engines generation goes to."""
-        return [e for e in range(len(self.clients)) if e not in self.down | self.pending]
+        return [e for e in range(len(self.clients)) if e not in self.down and e not in self.pending]
 
     def generate(self, prompts: list[list[int]], n: int = 1, params: SamplingParams | None = None,
                  return_routed_experts: bool = False) -> list[Completion]:
@@ -454,7 +454,7 @@ class Router:
         while todo:
             serving = self.serving()
             if not serving:
-                raise EnginesDown(f"every rollout engine stopped answering ({', '.join(self.urls)}); "
+                raise EnginesDown(f"every rollout engine stopped answering ({'; '.join(self.down.values())}); "
                                   f"{len(todo)} of {len(prompts)} prompts unanswered")
             assigned: dict[int, list[int]] = {e: [] for e in serving}
             with self._lock:
@@ -484,7 +484,7 @@ class Router:
         except EngineUnreachable as exc:
             lost = idx[len(done):]
             with self._lock:
-                self.down.add(e)
+                self.down[e] = str(exc)
                 self.retried_requests += -(-len(lost) // per)
             log.warning("rollout engine %d stopped answering (%s): %d prompt groups go to the other engines",
                         e, exc, len(lost))
@@ -500,7 +500,7 @@ class Router:
         old, self.clients[e] = self.clients[e], EngineClient(url, **self._client_kwargs)
         old.close()
         with self._lock:
-            self.down.discard(e)
+            self.down.pop(e, None)
             self.pending.add(e)
 
     def rejoin(self, version: str) -> list[int]:
