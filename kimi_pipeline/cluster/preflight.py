@@ -201,10 +201,8 @@ def check_storage(recipe: Recipe, nodes: list[Node], base_dir: Path, nbytes: int
     try:
         reads, missing = _call(nodes, "read_file", lambda n: (str(path),), timeout_s)
         free, _ = _call(nodes, "disk_free", lambda n: (str(base_dir),), timeout_s)
-    finally:
-        path.unlink(missing_ok=True)
-        with contextlib.suppress(OSError):
-            path.parent.rmdir()  # when no other preflight is using it
+    finally:  # by the node that wrote it: the driver may not see that filesystem
+        ray.get(first.probe.remove_file.remote(str(path)), timeout=timeout_s)
     local = [label for label, r in reads.items() if r.get("sha256") != digest] + [m.split(":")[0] for m in missing]
     detail = f"{path.parent} written on {first.label}; " + ", ".join(
         f"{label}: {'same bytes' if r.get('sha256') == digest else r.get('error', 'different bytes')}"
@@ -244,8 +242,7 @@ def check_collective(recipe: Recipe, nodes: list[Node], timeout_s: float, nbytes
     """All-reduce over every rank of the layout's world; the nodes whose ranks did not join are named."""
     c = recipe.cluster
     master = nodes[0]
-    port = ray.get(master.probe.listen.remote())  # a free port on the master's node, for the rendezvous
-    ray.get(master.probe.close.remote())
+    port = ray.get(master.probe.free_port.remote())  # on the master's node, for the rendezvous
     world = len(nodes) * c.gpus_per_node
     results, missing = _call(nodes, "collective", lambda n: ({
         "master_addr": master.ip, "master_port": port, "node_rank": nodes.index(n), "ranks_per_node": c.gpus_per_node,

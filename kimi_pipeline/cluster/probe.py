@@ -5,6 +5,7 @@ worker for it, at the same time.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -23,6 +24,8 @@ from typing import Any
 
 import psutil
 import ray
+
+from kimi_pipeline.util.net import free_port
 
 GIB = 1024**3
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]
@@ -107,6 +110,12 @@ class NodeProbe:
             os.fsync(f.fileno())
         return hashlib.sha256(data).hexdigest()
 
+    def remove_file(self, path: str) -> None:
+        """Remove `path` and its folder when no other preflight is using it."""
+        Path(path).unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            Path(path).parent.rmdir()
+
     def read_file(self, path: str) -> dict[str, Any]:
         """The sha256 of `path` as this node reads it and how fast; or why it cannot."""
         t0 = time.perf_counter()
@@ -125,6 +134,10 @@ class NodeProbe:
             return {"free_gib": round(shutil.disk_usage(p).free / GIB, 1)}
         except OSError as e:
             return {"error": f"{type(e).__name__}: {e}"}
+
+    def free_port(self) -> int:
+        """A port free on every interface of this node (the collective's rendezvous binds it)."""
+        return free_port("")
 
     def listen(self) -> int:
         """Open a port on this node (all interfaces, as a rendezvous does) and accept connections; the port."""
