@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kimi_pipeline.convert.hf_reader import HFCheckpoint, reference_mismatch
 from kimi_pipeline.data.validate import DataValidationError, run_validate
 from kimi_pipeline.errors import PermanentError
 from kimi_pipeline.hub.download import dataset_path, model_root, read_manifest, run_download
@@ -76,6 +77,35 @@ def initial_weights(recipe: Recipe, run_dir: Path) -> Path:
     return checkpoint_dir(run_dir)
 
 
+class ReferenceMismatchError(PermanentError):
+    """The KL reference checkpoint (`hub.ref_model`) is not the actor's model."""
+
+
+def reference_weights(recipe: Recipe, run_dir: Path) -> Path | None:
+    """The KL reference's weights when the recipe names its own (`hub.ref_model`: the K2.5 recipe's BF16 copy of
+    its INT4 actor), checked now, before any trainer starts, to hold the actor's tensors under the actor's logical
+    names and shapes; None: the reference starts from the actor's weights."""
+    if recipe.hub.ref_model is None or not (recipe.grpo.use_kl_loss and recipe.grpo.kl_loss_coef > 0):
+        return None
+    fetched = read_manifest(run_dir).get("ref_model")
+    if fetched is None:
+        raise ReferenceMismatchError(f"{run_dir}/download/manifest.json has no ref_model: the recipe's hub.ref_model "
+                                     "was set after the download stage ran; run the download stage again")
+    ref = Path(fetched["root"])
+    reference = HFCheckpoint(ref, text_config_key=recipe.hub.text_config_key)
+    actor = HFCheckpoint(model_root(run_dir), text_config_key=recipe.hub.text_config_key)
+    try:
+        mismatch = reference_mismatch(reference, actor)
+    finally:
+        reference.close()
+        actor.close()
+    if mismatch:
+        raise ReferenceMismatchError(
+            f"hub.ref_model {ref} is not a copy of the actor {actor.root}: {mismatch}; point hub.ref_model at the "
+            "BF16 copy of this checkpoint (same revision)")
+    return ref
+
+
 def cluster_address(run_dir: Path) -> str | None:
     data = RunSummary(run_dir).read()
     return (data.get("cluster") or {}).get("address")
@@ -109,6 +139,7 @@ def stage_train(
             evaluate = lambda step, urls: run_eval_step(recipe, run_dir, step, urls, hf_dir)  # noqa: E731
         section = run_training(
             recipe, Path(run_dir), init_checkpoint=initial_weights(recipe, run_dir), model_dir=hf_dir,
+            ref_checkpoint=reference_weights(recipe, run_dir),
             ray_address=ray_address or cluster_address(run_dir), evaluate=evaluate, on_step=on_step,
             on_plan=on_plan, stop_after=stop_after, replay=replay, rollout_only=rollout_only,
         )

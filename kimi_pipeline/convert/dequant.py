@@ -24,8 +24,9 @@ from typing import Any
 
 import torch
 
+from kimi_pipeline.convert.names import HFLayout
 from kimi_pipeline.errors import PermanentError
-from kimi_pipeline.model.hf_config import text_config
+from kimi_pipeline.model.hf_config import quantization_config, text_config, with_quantization_config
 from kimi_pipeline.util.files import atomic_write_json
 
 FP8_SCALE_SUFFIX = "_scale_inv"  # X.weight -> X.weight_scale_inv
@@ -52,7 +53,7 @@ class SourceFormat:
 def detect_format(config: dict[str, Any], text_config_key: str | None = None) -> SourceFormat:
     """The weight format a config.json declares (K2.5 may nest `quantization_config` under text_config)."""
     tcfg = text_config(config, text_config_key)
-    qc = tcfg.get("quantization_config") or config.get("quantization_config")
+    qc = quantization_config(config, text_config_key)
     dtype = str(tcfg.get("torch_dtype") or tcfg.get("dtype") or "bfloat16")
     if not qc:
         return SourceFormat("bf16", {"dtype": dtype})
@@ -206,6 +207,25 @@ def quantize_int4_packed(w: torch.Tensor, group_size: int = 32, scale_dtype: tor
     return {k: v.contiguous() for k, v in out.items()}
 
 
+# Kimi-K2-Thinking's INT4 ignore list, verbatim.
+KIMI_IGNORE = [
+    "lm_head",
+    "re:.*self_attn.*",
+    "re:.*shared_experts.*",
+    "re:.*mlp\\.(gate|up|gate_up|down)_proj.*",
+]
+# Kimi-K2.5's, as its config.json ships it (in text_config): the same modules under the `language_model.` prefix,
+# plus the vision tower and the projector.
+KIMI_K25_IGNORE = [
+    "re:.*self_attn.*",
+    "re:.*shared_experts.*",
+    "re:.*mlp\\.(gate|up|gate_up|down)_proj.*",
+    "re:.*lm_head.*",
+    "re:.*vision_tower.*",
+    "re:.*mm_projector.*",
+]
+
+
 # Kimi-K2-Thinking's quantization_config: routed experts only (everything else stays bf16).
 def kimi_int4_quant_config(group_size: int = 32) -> dict[str, Any]:
     return {
@@ -214,7 +234,7 @@ def kimi_int4_quant_config(group_size: int = 32) -> dict[str, Any]:
         "quantization_status": "compressed",
         "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "output_activations": None,
                                       "weights": int4_args(group_size).model_dump(mode="json")}},
-        "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"],
+        "ignore": list(KIMI_IGNORE),
         "kv_cache_scheme": None,
     }
 
@@ -288,7 +308,9 @@ INT4_TARGET = re.compile(r"\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
 
 def write_quantized_checkpoint(src: str | Path, dst: str | Path, kind: str, *, group_size: int = 32,
                                block: tuple[int, int] = (128, 128)) -> Path:
-    """Copy an HF checkpoint with its Linear weights stored as Kimi ships them (fp8 or int4)."""
+    """Copy an HF checkpoint with its language model's Linear weights stored as Kimi ships them (fp8 or int4); a
+    multimodal checkpoint's other parts (K2.5's vision tower and projector) are copied as stored, and its INT4
+    `quantization_config` is K2.5's (in text_config, its ignore list naming the vision parts)."""
     from kimi_pipeline.convert.hf_reader import iter_stored_files  # imported here: hf_reader imports this module
     from kimi_pipeline.util.shards import ShardWriter, finish_shards
 
@@ -296,10 +318,14 @@ def write_quantized_checkpoint(src: str | Path, dst: str | Path, kind: str, *, g
         raise ValueError(f"kind must be fp8 or int4, not {kind!r}")
     src, dst = Path(src), Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
+    config = json.loads((src / "config.json").read_text())
+    layout = HFLayout.of_config(config)
     writer = ShardWriter(dst, max_shard_bytes=1 << 62)  # one output shard per source shard
     for tensors in iter_stored_files(src):
         for name, t in tensors:
-            if kind == "fp8" and FP8_TARGET.search(name):
+            if layout.logical(name) is None:  # not the language model: as stored
+                writer.add(name, t)
+            elif kind == "fp8" and FP8_TARGET.search(name):
                 q, scale_inv = quantize_fp8_block(t, block)
                 writer.add(name, q)
                 writer.add(name + FP8_SCALE_SUFFIX, scale_inv)
@@ -312,9 +338,9 @@ def write_quantized_checkpoint(src: str | Path, dst: str | Path, kind: str, *, g
     for p in src.iterdir():
         if p.is_file() and not p.name.endswith(".safetensors") and p.name not in ("config.json", "model.safetensors.index.json"):
             shutil.copy2(p, dst / p.name)
-    config = json.loads((src / "config.json").read_text())
-    config["torch_dtype"] = "bfloat16"
-    config["quantization_config"] = fp8_quant_config(block) if kind == "fp8" else kimi_int4_quant_config(group_size)
-    atomic_write_json(dst / "config.json", config)
+    qc = fp8_quant_config(block) if kind == "fp8" else kimi_int4_quant_config(group_size)
+    if kind == "int4" and layout.prefix:
+        qc["ignore"] = list(KIMI_K25_IGNORE)
+    atomic_write_json(dst / "config.json", with_quantization_config(config, qc, "bfloat16"))
     finish_shards(dst, writer.close())  # index last
     return dst

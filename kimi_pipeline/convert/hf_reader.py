@@ -31,6 +31,7 @@ from kimi_pipeline.convert.dequant import (
     dequant_fp8_block,
     detect_format,
 )
+from kimi_pipeline.convert.names import HFLayout
 from kimi_pipeline.errors import PermanentError
 from kimi_pipeline.util.shards import INDEX_NAME
 
@@ -145,13 +146,26 @@ class StoredTensors:
     def files_opened(self) -> set[str]:
         return set(self._handles)
 
-    def get(self, stored: str) -> torch.Tensor:
+    def _handle(self, stored: str):
         fname = self.weight_map.get(stored)
         if fname is None:
             raise HFCheckpointError(f"{self.root}: tensor {stored!r} is not in the checkpoint index (wrong model?)")
         h = self._handles.get(fname)
         if h is None:
             h = self._handles[fname] = _open_file(self.root / fname)
+        return fname, h
+
+    def shape(self, stored: str) -> tuple[int, ...]:
+        """A stored tensor's shape, from its file's header (no data read)."""
+        fname, h = self._handle(stored)
+        try:
+            return tuple(h.get_slice(stored).get_shape())
+        except Exception as e:  # as in get()
+            raise HFCheckpointError(f"{self.root / fname}: cannot read tensor {stored!r} listed in the index ({e}); "
+                                    "the file is corrupt or from another revision — re-run the download stage") from None
+
+    def get(self, stored: str) -> torch.Tensor:
+        fname, h = self._handle(stored)
         try:
             t = h.get_tensor(stored)
         except Exception as e:  # safetensors raises its own error type for a name missing from the header
@@ -164,6 +178,21 @@ class StoredTensors:
 
     def close(self) -> None:
         self._handles.clear()
+
+
+def reference_mismatch(reference: HFCheckpoint, actor: HFCheckpoint) -> str | None:
+    """The first language-model tensor (in name order) whose name or shape differs between a KL reference checkpoint
+    and the actor's, described; None when they hold the same tensors. Each is read under its own names (prefix,
+    format), so a BF16 reference of an INT4 actor compares by logical shapes."""
+    ref, act = set(reference.names()), set(actor.names())
+    for name in sorted(ref | act):
+        if name not in act:
+            return f"{reference.prefix}{name} is in the reference but not in the actor ({actor.root})"
+        if name not in ref:
+            return f"{actor.prefix}{name} of the actor is missing from the reference"
+        if (a := reference.shape(name)) != (b := actor.shape(name)):
+            return f"{reference.prefix}{name}: shape {list(a)} in the reference, {list(b)} in the actor"
+    return None
 
 
 class HFCheckpoint:
@@ -187,28 +216,34 @@ class HFCheckpoint:
         self.dtype = dtype
         self._tensors = StoredTensors(self.root)
         self._stored: dict[str, str] = self._tensors.weight_map  # stored name -> file name
-        self.prefix = self._detect_prefix() if prefix is None else prefix
+        self.layout = HFLayout.of_config(self.config) if prefix is None else HFLayout(prefix)
+        self.prefix = self.layout.prefix
+        self._check_prefix()
         self._int4 = Int4Dequantizer(self.format.quant_config) if self.format.kind == "int4" else None
         self._lock = threading.Lock()
         self._tensors_read = 0
 
     # ------------------------------------------------------------ index
-    def _detect_prefix(self) -> str:
-        """'' for causal-LM checkpoints; the language-model prefix for multimodal ones (K2.5)."""
-        if "model.embed_tokens.weight" in self._stored:
-            return ""
-        hits = [k[: -len("model.embed_tokens.weight")] for k in self._stored if k.endswith(".model.embed_tokens.weight")]
-        if len(hits) == 1:
-            return hits[0]
+    def _check_prefix(self) -> None:
+        """The language model must be where the config's model_type says (`convert.names.HFLayout`): a checkpoint
+        whose index disagrees (a text-only copy under a multimodal config, or the reverse) is refused, naming
+        where its embeddings really are."""
+        want = self.prefix + "model.embed_tokens.weight"
+        if want in self._stored:
+            return
+        found = sorted(k.removesuffix("model.embed_tokens.weight") for k in self._stored
+                       if k.endswith("model.embed_tokens.weight"))
         raise HFCheckpointError(
-            f"{self.root}: cannot find the language model's embed_tokens in the index "
-            f"({'several candidates: ' + ', '.join(hits) if hits else 'none'}); pass the weight prefix explicitly"
+            f"{self.root}: config.json (model_type {self.config.get('model_type')!r}) puts the language model under "
+            f"{self.prefix or 'no prefix'!r}, but the index has no {want}"
+            + (f" (it has the embeddings under {', '.join(repr(f) for f in found)})" if found else "")
+            + "; the config and the weights are from different checkpoints: re-download the model"
         )
 
     def _logical(self, stored: str) -> str | None:
-        if not stored.startswith(self.prefix):
+        name = self.layout.logical(stored)
+        if name is None:
             return None
-        name = stored[len(self.prefix):]
         if self.format.kind == "fp8" and name.endswith(".weight" + FP8_SCALE_SUFFIX):
             return None
         if self.format.kind == "int4":
@@ -257,6 +292,13 @@ class HFCheckpoint:
                 out_dtype = dtype or t.dtype
             self._tensors_read += 1
         return t if t.dtype == out_dtype else t.to(out_dtype)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The logical tensor's shape (an INT4 weight's from its stored `weight_shape`), without dequantizing."""
+        s = self.prefix + name
+        if self._int4 is not None and s not in self._stored and s + "_packed" in self._stored:
+            return tuple(int(x) for x in self._raw(s + "_shape").tolist())
+        return self._tensors.shape(s)
 
     def stats(self) -> dict[str, Any]:
         return {"tensors_read": self._tensors_read, "bytes_read": self._tensors.bytes_read,

@@ -23,13 +23,21 @@ names (megatron_model adds the key map to the local spec), so a CPU-converted ch
 `load_hf_tensors_into_model` fills a model from a `get(name) -> Tensor` reader, asking only for the
 tensors this rank owns; `export_hf_tensors` is the reverse (collective: TP/EP/PP shards -> full
 HF-named tensors), reused by weight sync and the INT4 export.
+
+The table's HF names are the language model's (`model.layers.*`, `lm_head.weight`). Where a checkpoint
+stores them behind a prefix (Kimi-K2.5: `language_model.`) is `HFLayout`, read from the checkpoint's own
+config.json: the reader of the conversion and of bridge loading, the engines' loader, weight sync and the
+export all go through it, so no other module knows a prefix.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 
@@ -41,6 +49,57 @@ from kimi_pipeline.recipes.models import ModelSpec
 
 class NameMappingError(PermanentError):
     """A checkpoint tensor is missing, has the wrong shape, or a model tensor has no HF source."""
+
+
+# The language model's tensor prefix, by config.json model_type. Kimi-K2.5 (KimiK25ForConditionalGeneration)
+# stores `language_model.model.*` and `language_model.lm_head.weight` beside its MoonViT `vision_tower.*` and
+# `mm_projector.*` (the layout SGLang's, vLLM's and TensorRT-LLM's K2.5 loaders read); K2 and K2-Thinking
+# (DeepseekV3ForCausalLM) store the language model at the top level.
+LM_PREFIX_BY_MODEL_TYPE = {"kimi_k25": "language_model."}
+_T = TypeVar("_T")
+
+
+@dataclass(frozen=True)
+class HFLayout:
+    """Where a checkpoint keeps the language model RL trains: the table's names behind `prefix`. Every stored
+    tensor outside it (K2.5's vision tower and projector) belongs to the model's other parts, which RL never
+    trains and carries through to the export untouched."""
+
+    prefix: str = ""
+
+    @classmethod
+    def of_config(cls, config: dict[str, Any]) -> HFLayout:
+        return cls(LM_PREFIX_BY_MODEL_TYPE.get(config.get("model_type"), ""))
+
+    @classmethod
+    def of_dir(cls, model_dir: str | Path) -> HFLayout:
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise NameMappingError(f"{path}: not found; the checkpoint's config.json says how it names its tensors")
+        return cls.of_config(json.loads(path.read_text()))
+
+    def stored(self, name: str) -> str:
+        """The stored name of a language-model tensor of the table."""
+        return self.prefix + name
+
+    def logical(self, stored: str) -> str | None:
+        """The table's name of a stored tensor; None for a tensor outside the language model."""
+        return stored[len(self.prefix):] if stored.startswith(self.prefix) else None
+
+    def misplaced(self, stored: str) -> bool:
+        """A language-model name of the table stored without the prefix this checkpoint keeps it under."""
+        return bool(self.prefix) and stored.startswith(("model.", "lm_head."))
+
+    def stored_items(self, named: Iterable[tuple[str, _T]]) -> Iterator[tuple[str, _T]]:
+        """(stored name, value) for the table's (name, value) pairs, streamed."""
+        for name, value in named:
+            yield self.prefix + name, value
+
+    def logical_items(self, stored: Iterable[tuple[str, _T]]) -> Iterator[tuple[str, _T]]:
+        """(table name, value) of the language model's stored pairs; the other parts' pairs are left out."""
+        for name, value in stored:
+            if name.startswith(self.prefix):
+                yield name[len(self.prefix):], value
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,8 @@ from kimi_pipeline.hub.manifest import (
     read_sha256sums,
     verify_files,
 )
-from kimi_pipeline.model.hf_config import KIMI_MODEL_TYPES, shape_mismatches, text_config
+from kimi_pipeline.convert.names import HFLayout
+from kimi_pipeline.model.hf_config import KIMI_MODEL_TYPES, shape_mismatches, text_config, vision_mismatches
 from kimi_pipeline.recipes import Recipe
 from kimi_pipeline.recipes.models import Source
 from kimi_pipeline.util.files import atomic_write_json
@@ -244,7 +245,7 @@ def inspect_model(fetched: Fetched, recipe: Recipe) -> dict[str, Any]:
     except json.JSONDecodeError as e:
         raise LocalSourceError(f"model: {cfg_path} is not valid JSON ({e})") from None
     tcfg = text_config(config, recipe.hub.text_config_key)
-    problems = shape_mismatches(recipe.model, tcfg)
+    problems = shape_mismatches(recipe.model, tcfg) + vision_mismatches(recipe.model, config)
     if problems:
         raise LocalSourceError(
             f"model: {cfg_path} does not match the recipe's model shape (wrong repo or revision?):\n"
@@ -271,6 +272,8 @@ def inspect_model(fetched: Fetched, recipe: Recipe) -> dict[str, Any]:
         "treated_as": "deepseek_v3" if model_type in KIMI_MODEL_TYPES else model_type,
         "format": fmt,
         "safetensors_files": n_weights,
+        "language_model_prefix": HFLayout.of_config(config).prefix,
+        "vision_params": recipe.model.vision.num_params(recipe.model.hidden_size) if recipe.model.vision else 0,
     }
 
 

@@ -6,11 +6,15 @@ Kimi's config says `model_type: kimi_k2` (K2.5: `kimi_k25` with the text model u
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from kimi_pipeline.recipes.models import ModelSpec
 
 KIMI_MODEL_TYPES = {"kimi_k2", "kimi_k25", "deepseek_v3"}
+# Multimodal checkpoints nest the language model's config: Kimi-K2.5 (`kimi_k25`,
+# KimiK25ForConditionalGeneration) keeps it under `text_config`, beside `vision_config`.
+TEXT_CONFIG_KEY_BY_MODEL_TYPE = {"kimi_k25": "text_config"}
 
 
 def hf_config_dict(spec: ModelSpec) -> dict[str, Any]:
@@ -87,11 +91,39 @@ SHAPE_KEYS = [
 ]
 
 
-def text_config(config: dict[str, Any], key: str | None) -> dict[str, Any]:
+def text_config_key(config: dict[str, Any], key: str | None = None) -> str | None:
+    """The key of the language model's nested config: `key` when given (the recipe's hub.text_config_key), else
+    the one the config's model_type nests it under (K2.5: text_config), else None (a causal-LM config)."""
+    key = key or TEXT_CONFIG_KEY_BY_MODEL_TYPE.get(config.get("model_type"))
+    return key if key and isinstance(config.get(key), dict) else None
+
+
+def text_config(config: dict[str, Any], key: str | None = None) -> dict[str, Any]:
     """The language-model part of a config (K2.5 nests it under `text_config`)."""
-    if key and isinstance(config.get(key), dict):
-        return config[key]
-    return config
+    nested = text_config_key(config, key)
+    return config[nested] if nested else config
+
+
+def quantization_config(config: dict[str, Any], key: str | None = None) -> dict[str, Any] | None:
+    """A checkpoint's `quantization_config`: the language model's own (K2.5 nests it in text_config), else the
+    top-level one."""
+    return text_config(config, key).get("quantization_config") or config.get("quantization_config")
+
+
+def with_quantization_config(config: dict[str, Any], qc: dict[str, Any] | None, dtype: str) -> dict[str, Any]:
+    """A copy of `config` declaring `qc` (None: unquantized) and `dtype`, `qc` where the checkpoint keeps it: where
+    `config` had one (K2.5 ships it in text_config), else in the language model's config; never two copies."""
+    out = copy.deepcopy(config)
+    nested = text_config_key(out)
+    text = out[nested] if nested else out
+    target = out if nested and "quantization_config" in out and "quantization_config" not in text else text
+    for part in (out, text):
+        part.pop("quantization_config", None)
+        if "torch_dtype" in part or part is text:
+            part["torch_dtype"] = dtype
+    if qc is not None:
+        target["quantization_config"] = qc
+    return out
 
 
 def shape_mismatches(spec: ModelSpec, config: dict[str, Any]) -> list[str]:
@@ -111,4 +143,36 @@ def shape_mismatches(spec: ModelSpec, config: dict[str, Any]) -> list[str]:
     mt = config.get("model_type")
     if mt is not None and mt not in KIMI_MODEL_TYPES:
         out.append(f"model_type: {mt!r} is not a Kimi/DeepSeek-V3 architecture ({', '.join(sorted(KIMI_MODEL_TYPES))})")
+    return out
+
+
+# (vision_config key, VisionSpec attribute): K2.5's remote code names the tower's sizes vt_*.
+VISION_KEYS = [
+    ("vt_num_hidden_layers", "num_layers"),
+    ("vt_hidden_size", "hidden_size"),
+    ("vt_intermediate_size", "ffn_hidden_size"),
+    ("vt_num_attention_heads", "num_attention_heads"),
+    ("patch_size", "patch_size"),
+    ("init_pos_emb_height", "pos_emb_height"),
+    ("init_pos_emb_width", "pos_emb_width"),
+]
+
+
+def vision_mismatches(spec: ModelSpec, config: dict[str, Any]) -> list[str]:
+    """Differences between the recipe's `model.vision` and a multimodal checkpoint's `vision_config` (both absent:
+    a text-only model, none)."""
+    vc, v = config.get("vision_config"), spec.vision
+    if vc is None and v is None:
+        return []
+    if vc is None:
+        return ["vision_config: missing from config.json, but the recipe has model.vision (a K2.5 recipe on a "
+                "text-only checkpoint?)"]
+    if v is None:
+        return ["vision_config: the checkpoint ships a vision tower, but the recipe has no model.vision; set it "
+                "(the kimi-k2.5 preset does) so that `kimi plan` counts the weights the engines hold"]
+    out = [f"vision_config.{key}: checkpoint has {vc.get(key)!r}, recipe model.vision.{attr}={getattr(v, attr)!r}"
+           for key, attr in VISION_KEYS if vc.get(key) != getattr(v, attr)]
+    if list(vc.get("merge_kernel_size", [])) != list(v.merge_kernel_size):
+        out.append(f"vision_config.merge_kernel_size: checkpoint has {vc.get('merge_kernel_size')!r}, recipe "
+                   f"model.vision.merge_kernel_size={list(v.merge_kernel_size)!r}")
     return out

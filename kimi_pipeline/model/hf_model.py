@@ -11,12 +11,14 @@ so converters read the safetensors files, never `state_dict()`.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from kimi_pipeline.convert.names import HFLayout
 from kimi_pipeline.errors import PermanentError
 from kimi_pipeline.model.hf_config import hf_config_dict, text_config
 from kimi_pipeline.recipes.models import ModelSpec
@@ -35,16 +37,22 @@ def _torch_dtype(name: str) -> torch.dtype:
     return {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[name]
 
 
+def read_config(model_dir: str | Path) -> dict[str, Any]:
+    """A checkpoint's config.json (directory or the file itself)."""
+    path = Path(model_dir)
+    path = path / "config.json" if path.is_dir() else path
+    if not path.is_file():
+        raise HFModelError(f"{path}: config.json not found; point hub.model at a checkpoint directory")
+    return json.loads(path.read_text())
+
+
 def deepseek_config(config: dict[str, Any] | str | Path, text_config_key: str | None = None):
-    """A transformers DeepseekV3Config from a Kimi/DeepSeek-V3 config.json (dict or directory)."""
+    """A transformers DeepseekV3Config from a Kimi/DeepSeek-V3 config.json (dict or directory); a multimodal
+    config (K2.5) gives its language model's."""
     from transformers import DeepseekV3Config
 
     if not isinstance(config, dict):
-        path = Path(config)
-        path = path / "config.json" if path.is_dir() else path
-        if not path.is_file():
-            raise HFModelError(f"{path}: config.json not found; point hub.model at a checkpoint directory")
-        config = json.loads(path.read_text())
+        config = read_config(config)
     cfg = text_config(config, text_config_key)
     kwargs = {k: v for k, v in cfg.items() if k not in _STORAGE_KEYS}
     kwargs.setdefault("dtype", cfg.get("torch_dtype", "bfloat16"))
@@ -71,23 +79,36 @@ def load_hf_model(
     attn_implementation: str = "eager",
 ):
     """Load a checkpoint directory with transformers, refusing partial loads (missing/unexpected keys)."""
+    cfg = deepseek_config(model_dir, text_config_key)
+    return load_strict(model_dir, cfg, dtype or cfg.dtype, attn_implementation)
+
+
+def load_strict(model_dir: str | Path, cfg, dtype: torch.dtype, attn_implementation: str = "eager",
+                what: str = "checkpoint"):
+    """DeepseekV3ForCausalLM of the language model in `model_dir`, loaded strictly: any missing, unexpected or
+    misshapen language-model key is an error. A multimodal checkpoint (K2.5) loads with its prefix mapped away
+    (transformers' `key_mapping`); its other parts (vision tower, projector) are the only keys left unused."""
     from transformers import DeepseekV3ForCausalLM
 
     model_dir = Path(model_dir)
-    cfg = deepseek_config(model_dir, text_config_key)
+    layout = HFLayout.of_dir(model_dir)
+    mapping = {f"^{re.escape(layout.prefix)}": ""} if layout.prefix else None
     model, info = DeepseekV3ForCausalLM.from_pretrained(
         model_dir,
         config=cfg,
-        dtype=dtype or cfg.dtype,
+        dtype=dtype,
         attn_implementation=attn_implementation,
         output_loading_info=True,
         trust_remote_code=False,
         use_safetensors=True,  # never fall back to unpickling pytorch_model.bin
+        key_mapping=mapping,
     )
+    other_parts = lambda k: bool(layout.prefix) and not layout.misplaced(k) and layout.logical(k) is None  # noqa: E731
+    info["unexpected_keys"] = [k for k in info.get("unexpected_keys") or [] if not other_parts(k)]
     bad = {k: sorted(v)[:5] for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
     if bad:
         raise HFModelError(
-            f"{model_dir}: checkpoint does not match its config ({bad}); the directory is incomplete, "
+            f"{model_dir}: {what} does not match its config ({bad}); the directory is incomplete, "
             "from another model, or quantized — convert or re-download it"
         )
     return model.eval()

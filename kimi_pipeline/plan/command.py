@@ -244,7 +244,7 @@ def make_plan(r: Recipe, gpu: GPU, nodes: int | None = None, ta: TimeAssumptions
     gpu_mem = {
         "weights": st.weights, "grads": st.grads, "optimizer": st.optimizer_gpu, "activations": st.activations,
         "weight_sync_buffer": float(r_eff.rollout.update_weight_buffer_size), "sglang_weights": eng.weights,
-        "sglang_kv_cache": eng.kv_cache, "cuda_graphs": eng.cuda_graphs,
+        "sglang_vision_weights": eng.vision_weights, "sglang_kv_cache": eng.kv_cache, "cuda_graphs": eng.cuda_graphs,
         "sglang_workspace": phases["rollout"].get("sglang_workspace", 0.0), "residual": ma.residual_gb * GIB,
         "total_train": totals["train"], "total_rollout": totals["rollout"],
         "total_weight_sync": totals["weight_sync"], "peak": peak, "capacity": cap,
@@ -272,6 +272,8 @@ def make_plan(r: Recipe, gpu: GPU, nodes: int | None = None, ta: TimeAssumptions
         "params": {
             "total": pc.total, "active": pc.active, "active_matmul": pc.active_matmul,
             "routed_experts": pc.routed_experts, "per_gpu_train": round(st.params_per_gpu),
+            # the vision tower + projector of a multimodal model (K2.5): held by the engines, never trained
+            "vision": r_eff.model.vision.num_params(r_eff.model.hidden_size) if r_eff.model.vision else 0,
         },
         "fits": fits,
         "reason": reason,
@@ -328,7 +330,10 @@ def _render(plan: dict[str, Any]) -> None:
         for n in lay["notes"]:
             con.print(f"  adjusted: {n}")
     if plan["params_total"] is not None:
-        con.print(f"params: {plan['params_total'] / 1e9:,.2f} B total, {plan['params_active'] / 1e9:,.2f} B active")
+        vision = plan["params"]["vision"]
+        con.print(f"params: {plan['params_total'] / 1e9:,.2f} B total, {plan['params_active'] / 1e9:,.2f} B active"
+                  + (f"; vision tower + projector {vision / 1e9:,.2f} B (held by the engines: "
+                     f"{plan['gpu_mem_gb']['sglang_vision_weights']} GB of sglang_weights; not trained)" if vision else ""))
         t = Table(title="GPU memory per GPU (GB = GiB), most-loaded PP stage")
         t.add_column("component")
         for ph in plan["phases_gb"]:

@@ -247,7 +247,8 @@ def default_cuda_graph_bs() -> list[int]:
 class EngineMemory:
     """Per-GPU SGLang memory (bytes) and the KV capacity it leaves."""
 
-    weights: float = 0.0
+    weights: float = 0.0  # the language model's and, for a multimodal model, the vision parts' (`vision_weights`)
+    vision_weights: float = 0.0
     static_budget: float = 0.0
     kv_cache: float = 0.0
     cuda_graphs: float = 0.0
@@ -278,13 +279,17 @@ def engine_memory(r: Recipe, pc: ParamCounts, gpu: GPU, a: MemoryAssumptions) ->
     w += (pc.first_k_dense * pc.dense_mlp + nm * pc.shared) * lb / dense_tp + nm * pc.router * 2
     w += pc.embedding * 2 / (1 if sg.enable_dp_attention else g)  # DP attention keeps the embedding whole
     w += pc.lm_head * 2 / (attn_tp if sg.enable_dp_lm_head else g) + pc.final_norm * 2
+    # K2.5's vision tower and projector ride along, bf16, whole on every GPU (SGLang does not shard the ViT by
+    # the language model's TP/EP): text rollouts never run them, but the engine loads the checkpoint's model
+    vision = m.vision.num_params(m.hidden_size) * 2.0 if m.vision is not None else 0.0
+    w += vision
     static = sg.mem_fraction_static * gpu.mem_gb * GIB
     kv = max(0.0, static - w)
     per_tok = (m.kv_lora_rank + m.qk_pos_emb_head_dim) * 2 * m.num_layers
     bs = sg.cuda_graph_bs or default_cuda_graph_bs()
     graphs = (a.graph_base_gb + a.graph_per_graph_gb * len(bs) + a.graph_per_bs_gb * max(bs)) * GIB
     tokens = int(kv // per_tok)
-    return EngineMemory(w, static, kv, graphs, per_tok, tokens, attn_tp, (ex_fmt, lin_fmt), list(bs))
+    return EngineMemory(w, vision, static, kv, graphs, per_tok, tokens, attn_tp, (ex_fmt, lin_fmt), list(bs))
 
 
 # --------------------------------------------------------------------------------------------------

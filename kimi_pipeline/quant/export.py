@@ -1,17 +1,23 @@
 """Write the trained policy as the INT4 checkpoint inference engines load: a HF directory in
-compressed-tensors `pack-quantized` format with Kimi-K2-Thinking's `quantization_config`.
+compressed-tensors `pack-quantized` format with Kimi's `quantization_config`.
 
-Which Linear layers get packed is decided by that config's own `ignore` list (matched with
-compressed-tensors' matcher), not by a second hand-kept rule, so the file and the config cannot
-disagree: on a Kimi/DeepSeek-V3 model exactly the routed experts remain. Everything else is stored
-bf16, except the router's `e_score_correction_bias`, which stays fp32 as in DeepSeek-V3/Kimi
-checkpoints (it only shifts the top-k choice, and rounding it can flip near-ties).
+Which Linear layers get packed is decided by Kimi-K2-Thinking's `ignore` list (matched with
+compressed-tensors' matcher) on the language model's names: on a Kimi/DeepSeek-V3 model exactly the routed
+experts remain. Everything else is stored bf16, except the router's `e_score_correction_bias`, which stays
+fp32 as in DeepSeek-V3/Kimi checkpoints (it only shifts the top-k choice, and rounding it can flip near-ties).
+
+The export is the base checkpoint with its language model replaced: tensors are stored under the base's own
+names (`convert.names.HFLayout`: K2.5's `language_model.` prefix), and what RL does not train (K2.5's MoonViT
+vision tower and projector) is copied from the base as stored, bit for bit, with every file the base ships
+beside its weights (processor and preprocessor configs, chat template, tokenizer, remote code). The config
+is the base's, with its own `ignore` list kept where it ships one (K2.5's also names the vision parts);
+before the index is written every stored weight is checked against that list, so the file and the config
+the engines read cannot disagree.
 Tensors stream through: one shard is held in memory at a time (`util.shards`).
 """
 
 from __future__ import annotations
 
-import copy
 import os
 import re
 import shutil
@@ -22,20 +28,18 @@ from typing import Any
 
 import torch
 
+from kimi_pipeline.convert.dequant import KIMI_IGNORE
+from kimi_pipeline.convert.hf_reader import StoredTensors
+from kimi_pipeline.convert.names import HFLayout
 from kimi_pipeline.errors import PermanentError
-from kimi_pipeline.model.hf_model import copy_tokenizer_files
+from kimi_pipeline.model.hf_config import quantization_config, with_quantization_config
 from kimi_pipeline.quant.int4 import SCALE_DTYPE, Int4ShapeError, pack_int4, quantize_int4
 from kimi_pipeline.util.files import atomic_write_json
-from kimi_pipeline.util.shards import Shard, ShardWriter, finish_shards
+from kimi_pipeline.util.shards import INDEX_NAME, Shard, ShardWriter, finish_shards
 
 KEEP_FP32 = ("e_score_correction_bias",)
-# Kimi-K2-Thinking's ignore list, verbatim.
-KIMI_IGNORE = [
-    "lm_head",
-    "re:.*self_attn.*",
-    "re:.*shared_experts.*",
-    "re:.*mlp\\.(gate|up|gate_up|down)_proj.*",
-]
+# Files of a checkpoint directory that the export writes itself (or that are this pipeline's own records).
+_NOT_CARRIED = {"config.json", INDEX_NAME, "MANIFEST.sha256", ".kimi-manifest.json"}
 # Modules with a 2-D `.weight` that are not nn.Linear in the HF model (targets are ["Linear"]).
 _NOT_LINEAR = re.compile(r"(^|\.)(embed_tokens|[a-z_]*norm|mlp\.gate)$")
 
@@ -72,6 +76,16 @@ def kimi_quantization_config(group_size: int = 32) -> dict[str, Any]:
         "quant_method": "compressed-tensors",
         "quantization_status": "compressed",
     }
+
+
+def export_quantization_config(base_config: dict[str, Any], group_size: int) -> dict[str, Any]:
+    """Kimi's INT4 `quantization_config` for an export of `base_config`'s model, with the base's own `ignore` list
+    when it ships one in compressed-tensors form (K2.5's names its vision tower and projector)."""
+    qc = kimi_quantization_config(group_size)
+    base = quantization_config(base_config)
+    if base and base.get("quant_method") == "compressed-tensors" and base.get("ignore"):
+        qc["ignore"] = list(base["ignore"])
+    return qc
 
 
 def is_quantized(tensor_name: str, ignore: Iterable[str] = KIMI_IGNORE) -> bool:
@@ -115,8 +129,11 @@ class ExportInfo:
     bf16_bytes: int  # tensor payload of the same model stored all-bf16
     disk_bytes: int  # safetensors files on disk (payload + headers)
     num_quantized: int
-    num_tensors: int
+    num_tensors: int  # the language model's tensors (as trained)
     shards: int
+    carried_tensors: int = 0  # the base's other parts (K2.5's vision tower and projector), copied as stored
+    carried_bytes: int = 0
+    carried_files: list[str] = field(default_factory=list)  # the base's files beside its weights, copied
     quantized_names: list[str] = field(default_factory=list, repr=False)
 
     def as_dict(self) -> dict[str, Any]:
@@ -159,8 +176,9 @@ def int4_storage(hf_tensors: Iterable[tuple[str, torch.Tensor]], group_size: int
 
 
 def write_int4_shards(hf_tensors: Iterable[tuple[str, torch.Tensor]], out: str | Path, group_size: int, *,
-                      max_shard_bytes: int, prefix: str = ".shard") -> Int4Part:
-    """Quantize and write `hf_tensors` as temp-named shards in `out` (`finish_int4_dir` names them)."""
+                      max_shard_bytes: int, prefix: str = ".shard", layout: HFLayout = HFLayout()) -> Int4Part:
+    """Quantize and write the language model's `hf_tensors` (the names table's names) as temp-named shards in
+    `out`, stored under `layout`'s names (`finish_int4_dir` names the files)."""
     writer = ShardWriter(Path(out), max_shard_bytes, prefix)
     part = Int4Part(shards=writer.shards)
     for name, t, parts in int4_storage(hf_tensors, group_size):
@@ -168,36 +186,95 @@ def write_int4_shards(hf_tensors: Iterable[tuple[str, torch.Tensor]], out: str |
         part.bf16_bytes += t.numel() * (2 if t.is_floating_point() else t.element_size())
         if name not in parts:
             part.quantized_names.append(name)
-        for n, p in parts.items():
+        for n, p in layout.stored_items(parts.items()):
             part.int4_bytes += p.numel() * p.element_size()
             writer.add(n, p)
     writer.close()
     return part
 
 
+def carry_other_parts(base_dir: str | Path, out: Path, layout: HFLayout, max_shard_bytes: int) -> list[Shard]:
+    """The base checkpoint's tensors outside the language model (K2.5's vision tower and projector) written into
+    `out` exactly as stored (names, dtypes, bytes), one tensor in memory at a time. RL never trained them."""
+    base = StoredTensors(base_dir)
+    try:
+        names = sorted(n for n in base.weight_map if layout.logical(n) is None)
+        writer = ShardWriter(out, max_shard_bytes, ".carried")
+        for name in names:
+            writer.add(name, base.get(name))
+        return writer.close()
+    finally:
+        base.close()
+
+
+def copy_model_files(base_dir: str | Path, out: Path) -> list[str]:
+    """Every file the base ships beside its weights (tokenizer, chat template, processor and preprocessor configs,
+    generation config, remote code), copied as is; config.json and the index are the export's own."""
+    copied = []
+    for src in sorted(Path(base_dir).iterdir()):
+        if src.is_file() and not src.name.startswith(".") and src.suffix != ".safetensors" \
+                and src.name not in _NOT_CARRIED:
+            shutil.copy2(src, out / src.name)
+            copied.append(src.name)
+    return copied
+
+
+def _stem(stored: str) -> tuple[str, bool]:
+    """(the Linear's `.weight` name, whether it is stored packed) of a stored tensor name."""
+    for suffix in ("_packed", "_scale", "_shape"):
+        if stored.endswith(".weight" + suffix):
+            return stored.removesuffix(suffix), True
+    return stored, False
+
+
+def ignore_covering(ignore: list[str], other_parts: Iterable[str]) -> list[str]:
+    """`ignore`, plus one pattern per top-level module of the base's other parts that it would quantize (a base
+    whose list leaves them out): they are stored unquantized, and an engine must read them so."""
+    out = list(ignore)
+    for root in sorted({n.split(".", 1)[0] for n in other_parts if is_quantized(n, out)}):
+        out.append(f"re:^{re.escape(root)}\\..*")
+    return out
+
+
+def check_config_agrees(weight_map: Iterable[str], ignore: list[str]) -> None:
+    """Every stored weight is packed exactly when the config's ignore list says an engine will read it packed."""
+    for stored in weight_map:
+        name, packed = _stem(stored)
+        if name.endswith(".weight") and is_quantized(name, ignore) != packed:
+            raise ExportError(
+                f"{stored}: stored {'packed' if packed else 'unquantized'}, but the export's quantization_config "
+                f"ignore list {ignore} says {'not ' if packed else ''}quantized; an engine would misread it "
+                "(the base's ignore list does not match Kimi's)")
+
+
 def finish_int4_dir(tmp: str | Path, out_dir: str | Path, parts: list[Int4Part], config: dict[str, Any],
-                    tokenizer_dir: str | Path | None, group_size: int) -> ExportInfo:
-    """Name the parts' shards (in order), write index, config and tokenizer, then swap `tmp` into `out_dir`."""
+                    base_dir: str | Path | None, group_size: int, *, max_shard_bytes: int = 5 << 30) -> ExportInfo:
+    """Carry the base's other parts and files over, name the shards (parts' first, in order), write the index and
+    the config, then swap `tmp` into `out_dir`. `config` is the base's config.json; `base_dir` None carries
+    nothing (the config alone describes the model)."""
     tmp, out_dir = Path(tmp), Path(out_dir)
-    shards = [s for p in parts for s in p.shards]
     if not any(p.num_tensors for p in parts):
         raise ExportError("no tensors to export: the HF tensor source was empty")
+    layout = HFLayout.of_config(config)
+    carried = carry_other_parts(base_dir, tmp, layout, max_shard_bytes) if base_dir is not None else []
+    shards = [s for p in parts for s in p.shards] + carried
+    other = [n for s in carried for n in s.names]
+    qc = export_quantization_config(config, group_size)
+    qc["ignore"] = ignore_covering(qc["ignore"], other)
     try:
         weight_map = finish_shards(tmp, shards)
     except ValueError as e:
         raise ExportError(f"{tmp}: {e}") from None
-    cfg = copy.deepcopy(config)
-    cfg["quantization_config"] = kimi_quantization_config(group_size)
-    cfg["torch_dtype"] = "bfloat16"
-    atomic_write_json(tmp / "config.json", cfg)
-    if tokenizer_dir is not None:
-        copy_tokenizer_files(tokenizer_dir, tmp)
+    check_config_agrees(weight_map, qc["ignore"])
+    atomic_write_json(tmp / "config.json", with_quantization_config(config, qc, "bfloat16"))
+    files = copy_model_files(base_dir, tmp) if base_dir is not None else []
     disk = sum((tmp / f).stat().st_size for f in set(weight_map.values()))
     _replace_dir(tmp, out_dir)
     return ExportInfo(
         path=str(out_dir), int4_bytes=sum(p.int4_bytes for p in parts), bf16_bytes=sum(p.bf16_bytes for p in parts),
         disk_bytes=disk, num_quantized=sum(len(p.quantized_names) for p in parts),
-        num_tensors=sum(p.num_tensors for p in parts), shards=len(shards),
+        num_tensors=sum(p.num_tensors for p in parts), shards=len(shards), carried_tensors=len(other),
+        carried_bytes=sum(s.nbytes for s in carried), carried_files=files,
         quantized_names=[n for p in parts for n in p.quantized_names],
     )
 
@@ -211,7 +288,7 @@ def export_temp_dir(out_dir: str | Path, tag: str | int | None = None) -> Path:
 def export_int4(
     hf_tensors: Iterable[tuple[str, torch.Tensor]],
     config: dict[str, Any],
-    tokenizer_dir: str | Path | None,
+    base_dir: str | Path | None,
     out_dir: str | Path,
     group_size: int = 32,
     *,
@@ -220,16 +297,18 @@ def export_int4(
     """Write `out_dir` (atomically: temp dir + rename) as a compressed-tensors INT4 HF checkpoint, in
     this process. (The export stage runs the same two steps distributed: each rank writes its share.)
 
-    `hf_tensors` are HF-named tensors as Kimi stores them on disk (per-expert
-    `mlp.experts.{e}.{gate,up,down}_proj.weight`); `config` is the Kimi config.json dict (its
-    model_type is kept; `quantization_config` and `torch_dtype` are set here).
+    `hf_tensors` are the language model's tensors under the names table's names, per expert as Kimi stores them
+    (`mlp.experts.{e}.{gate,up,down}_proj.weight`); `config` is the base's config.json dict (its model_type and
+    layout are kept; `quantization_config` and `torch_dtype` are set here); `base_dir` the base checkpoint whose
+    other parts and files are carried over.
     """
     tmp = export_temp_dir(out_dir)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        part = write_int4_shards(hf_tensors, tmp, group_size, max_shard_bytes=max_shard_bytes)
-        return finish_int4_dir(tmp, out_dir, [part], config, tokenizer_dir, group_size)
+        part = write_int4_shards(hf_tensors, tmp, group_size, max_shard_bytes=max_shard_bytes,
+                                 layout=HFLayout.of_config(config))
+        return finish_int4_dir(tmp, out_dir, [part], config, base_dir, group_size, max_shard_bytes=max_shard_bytes)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

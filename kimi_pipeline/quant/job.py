@@ -34,6 +34,7 @@ def shard_prefix(rank: int) -> str:
 def export_rank(job: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
 
+    from kimi_pipeline.convert.names import HFLayout
     from kimi_pipeline.quant.policy_weights import checkpoint_model, policy_tensors
     from kimi_pipeline.model.device import job_device
     from kimi_pipeline.model.parallel import Layout
@@ -44,16 +45,18 @@ def export_rank(job: dict[str, Any]) -> dict[str, Any]:
     t0 = time.monotonic()
     spec = ModelSpec.model_validate(job["model"])
     group = int(job["group_size"])
+    layout = HFLayout(job.get("hf_prefix", ""))  # the base checkpoint's names (K2.5: language_model.)
     out = Path(job["out_dir"])
     with checkpoint_model(spec, job["checkpoint_dir"], job.get("step"), Layout(**job["layout"]),
-                          device=job_device(job["device"])) as (model, layout, _):
+                          device=job_device(job["device"])) as (model, parallel, _):
         rank = dist.get_rank() if dist.is_initialized() else 0
         t_load = time.monotonic()
-        part = write_int4_shards(policy_tensors(model, spec, layout, owned_only=True), out, group,
-                                 max_shard_bytes=int(job["max_shard_bytes"]), prefix=shard_prefix(rank))
+        part = write_int4_shards(policy_tensors(model, spec, parallel, owned_only=True), out, group,
+                                 max_shard_bytes=int(job["max_shard_bytes"]), prefix=shard_prefix(rank), layout=layout)
         t_write = time.monotonic()
         where = {n: s.file for s in part.shards for n in s.names}
-        check = check_tensors(out, policy_tensors(model, spec, layout, owned_only=True), group, weight_map=where)
+        check = check_tensors(out, policy_tensors(model, spec, parallel, owned_only=True), group, weight_map=where,
+                              layout=layout)
         t_check = time.monotonic()
     report = {
         "rank": rank,

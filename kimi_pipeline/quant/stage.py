@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from kimi_pipeline.convert.names import HFLayout
 from kimi_pipeline.errors import PermanentError
 from kimi_pipeline.hub.download import model_root
 from kimi_pipeline.model.device import resolve_device
@@ -95,8 +96,9 @@ def run_export(
 ) -> dict[str, Any]:
     """Export + verify in this process; returns the `export` section (raises ExportVerificationError with it).
 
-    hf_tensors_source: zero-argument callable returning the trained policy's HF-named tensors
-      (called once to write and once per check); model_dir: config.json + tokenizer of the base model;
+    hf_tensors_source: zero-argument callable returning the trained policy's HF-named tensors (the names table's:
+      no checkpoint prefix; called once to write and once per check); model_dir: the base checkpoint (its config,
+      files and the parts RL does not train are carried over);
     reference_logits: the trainer's fake-quant forward (ids [1, T] -> logits [1, T, V]), if available;
     checkpoint: what was exported (recorded).
     """
@@ -108,7 +110,8 @@ def run_export(
     out = export_dir(run_dir) / name
     (export_dir(run_dir) / SECTION_FILE).unlink(missing_ok=True)
     info = export_int4(hf_tensors_source(), config, model_dir, out, q.group_size, max_shard_bytes=shard_bytes(recipe))
-    log.info("export: wrote %s (%d packed experts, %d bytes)", out, info.num_quantized, info.disk_bytes)
+    log.info("export: wrote %s (%d packed experts, %d bytes, %d tensors carried as stored)", out, info.num_quantized,
+             info.disk_bytes, info.carried_tensors)
     section = _section(recipe, info, check_tensors(out, hf_tensors_source(), q.group_size), checkpoint)
     if verify_model is None:
         verify_model = model_check_fits(recipe)[0]
@@ -222,13 +225,14 @@ def export_distributed(recipe: Recipe, run_dir: Path, checkpoint_dir: str | Path
     job = write_job_file(work / "job.json", model=recipe.model, layout=layout, device=recipe.cluster.device,
                          model_dir=model_dir.resolve(),
                          out_dir=tmp.resolve(), report_dir=reports.resolve(), checkpoint_dir=str(Path(checkpoint_dir).resolve()),
-                         step=step, group_size=q.group_size, max_shard_bytes=shard_bytes(recipe))
+                         step=step, group_size=q.group_size, max_shard_bytes=shard_bytes(recipe),
+                         hf_prefix=HFLayout.of_config(config).prefix)
     t0 = time.monotonic()
     try:
         job_result, ranks, command = run_weight_job(recipe, "kimi_pipeline.quant.job", job, reports, "export",
                                                     REPORT_PREFIX, timeout_s)
         info = finish_int4_dir(tmp, final, [Int4Part.from_json(r["part"]) for r in ranks], config, model_dir,
-                               q.group_size)
+                               q.group_size, max_shard_bytes=shard_bytes(recipe))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -26,8 +26,10 @@ import torch
 from safetensors.torch import save_file
 
 from kimi_pipeline.convert.hf_reader import StoredTensors
+from kimi_pipeline.convert.names import HFLayout
 from kimi_pipeline.errors import PermanentError
-from kimi_pipeline.model.hf_model import deepseek_config, load_hf_model
+from kimi_pipeline.model.hf_config import quantization_config, text_config, with_quantization_config
+from kimi_pipeline.model.hf_model import deepseek_config, load_hf_model, load_strict
 from kimi_pipeline.quant.export import KEEP_FP32, is_quantized, kimi_quantization_config
 from kimi_pipeline.quant.int4 import fake_quant_int4
 
@@ -63,23 +65,27 @@ def _scheme(quantization_config: dict[str, Any]):
 
 
 def check_tensors(export_dir: str | Path, trainer_tensors: Iterable[tuple[str, torch.Tensor]],
-                  group_size: int, *, weight_map: dict[str, str] | None = None) -> TensorCheck:
+                  group_size: int, *, weight_map: dict[str, str] | None = None,
+                  layout: HFLayout | None = None) -> TensorCheck:
     """Stage 1: decompress each packed expert with compressed-tensors and compare with fake-quant exactly.
 
-    weight_map: where each stored tensor is (default: the export's index) — a rank of the distributed
-    export checks its own shards before the index exists, against the config the export will carry.
+    trainer_tensors: the language model's, under the names table's names; they are looked up under the export's
+    stored names (`layout`, default: the export config's). weight_map: where each stored tensor is (default: the
+    export's index) — a rank of the distributed export checks its own shards before the index and config exist.
     """
     from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
 
     export_dir = Path(export_dir)
     if weight_map is None:
-        qconfig = json.loads((export_dir / "config.json").read_text())["quantization_config"]
+        config = json.loads((export_dir / "config.json").read_text())
+        qconfig, layout = quantization_config(config), layout or HFLayout.of_config(config)
     else:
-        qconfig = kimi_quantization_config(group_size)
+        qconfig, layout = kimi_quantization_config(group_size), layout or HFLayout()
     scheme = _scheme(qconfig)
     reader = StoredTensors(export_dir, weight_map)
 
     def stored(name: str) -> torch.Tensor:
+        name = layout.stored(name)
         if name not in reader:
             raise ExportVerificationError(f"{export_dir}: tensor {name} missing from the export")
         return reader.get(name)
@@ -115,24 +121,11 @@ def load_int4_model(export_dir: str | Path, dtype: torch.dtype = torch.float32):
 
     Every stored value (bf16 / fp32 / dequantized bf16) is exact in fp32, so `.to(fp32)` adds no error.
     """
-    from transformers import DeepseekV3ForCausalLM
-
-    from kimi_pipeline.model.hf_model import HFModelError
-
     export_dir = Path(export_dir)
     config = json.loads((export_dir / "config.json").read_text())
     cfg = deepseek_config(config)
-    cfg.quantization_config = config["quantization_config"]
-    model, info = DeepseekV3ForCausalLM.from_pretrained(
-        export_dir, config=cfg, dtype=dtype, attn_implementation="eager", output_loading_info=True,
-        trust_remote_code=False,
-        use_safetensors=True,  # never fall back to unpickling pytorch_model.bin
-    )
-    strict = ("missing_keys", "unexpected_keys", "mismatched_keys")
-    bad = {k: sorted(v)[:5] for k, v in info.items() if v and k in strict}
-    if bad:
-        raise HFModelError(f"{export_dir}: INT4 export does not load cleanly with compressed-tensors ({bad})")
-    return model.to(dtype).eval()
+    cfg.quantization_config = quantization_config(config)
+    return load_strict(export_dir, cfg, dtype, what="INT4 export (loaded with compressed-tensors)").to(dtype)
 
 
 def expert_weights_equal(model, fq_tensors: dict[str, torch.Tensor]) -> bool:
@@ -167,10 +160,8 @@ def reference_model(export_dir: Path, fq_tensors: dict[str, torch.Tensor], *, as
     tmp = Path(tempfile.mkdtemp(prefix="kimi-int4-ref-"))
     try:
         save_file({n: value(n, t) for n, t in fq_tensors.items()}, str(tmp / "model.safetensors"))
-        config = json.loads((export_dir / "config.json").read_text())
-        config.pop("quantization_config", None)
-        config["torch_dtype"] = "float32"
-        (tmp / "config.json").write_text(json.dumps(config))
+        config = text_config(json.loads((export_dir / "config.json").read_text()))  # the language model alone
+        (tmp / "config.json").write_text(json.dumps(with_quantization_config(config, None, "float32")))
         return load_hf_model(tmp, dtype=torch.float32)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -8,6 +8,7 @@ that users can map a launcher script onto a recipe line by line.
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
@@ -17,6 +18,50 @@ class Section(BaseModel):
     """Base for every section: unknown keys are errors (a typo must not be silently ignored)."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class VisionSpec(Section):
+    """The MoonViT vision tower and patch-merger projector a multimodal Kimi (K2.5) ships beside its language model,
+    as its config.json's `vision_config` gives them (`vt_*` keys). RL trains the language model only; these weights
+    ride along: the engines hold them (`kimi plan` counts them) and the INT4 export carries them as stored. Tensors:
+    `vision_tower.patch_embed.{proj,pos_emb}`, `vision_tower.encoder.blocks.{i}.{norm0,norm1,wqkv,wo,mlp.fc0,mlp.fc1}`,
+    `vision_tower.encoder.final_layernorm`, `mm_projector.{pre_norm,proj.0,proj.2}`."""
+
+    num_layers: int = Field(27, gt=0, description="vt_num_hidden_layers")
+    hidden_size: int = Field(1152, gt=0, description="vt_hidden_size")
+    ffn_hidden_size: int = Field(4304, gt=0, description="vt_intermediate_size")
+    num_attention_heads: int = Field(16, gt=0, description="vt_num_attention_heads")
+    patch_size: int = Field(14, gt=0)
+    pos_emb_height: int = Field(64, gt=0, description="init_pos_emb_height")
+    pos_emb_width: int = Field(64, gt=0, description="init_pos_emb_width")
+    merge_kernel_size: tuple[int, int] = Field((2, 2), description="patches merged into one projector input")
+
+    def shapes(self, text_hidden_size: int) -> dict[str, tuple[int, ...]]:
+        """Every tensor of the tower and the projector (into a language model of `text_hidden_size`), by its
+        stored name, as K2.5 ships them."""
+        h, f, p = self.hidden_size, self.ffn_hidden_size, self.patch_size
+        merged = h * self.merge_kernel_size[0] * self.merge_kernel_size[1]  # the projector's input: merged patches
+        out: dict[str, tuple[int, ...]] = {
+            "vision_tower.patch_embed.proj.weight": (h, 3, p, p), "vision_tower.patch_embed.proj.bias": (h,),
+            "vision_tower.patch_embed.pos_emb.weight": (self.pos_emb_height, self.pos_emb_width, h),
+        }
+        for i in range(self.num_layers):
+            b = f"vision_tower.encoder.blocks.{i}."
+            out.update({b + "norm0.weight": (h,), b + "norm0.bias": (h,), b + "norm1.weight": (h,),
+                        b + "norm1.bias": (h,), b + "wqkv.weight": (3 * h, h), b + "wqkv.bias": (3 * h,),
+                        b + "wo.weight": (h, h), b + "wo.bias": (h,), b + "mlp.fc0.weight": (f, h),
+                        b + "mlp.fc0.bias": (f,), b + "mlp.fc1.weight": (h, f), b + "mlp.fc1.bias": (h,)})
+        out.update({"vision_tower.encoder.final_layernorm.weight": (h,),
+                    "vision_tower.encoder.final_layernorm.bias": (h,),
+                    "mm_projector.pre_norm.weight": (h,), "mm_projector.pre_norm.bias": (h,),
+                    "mm_projector.proj.0.weight": (merged, merged), "mm_projector.proj.0.bias": (merged,),
+                    "mm_projector.proj.2.weight": (text_hidden_size, merged),
+                    "mm_projector.proj.2.bias": (text_hidden_size,)})
+        return out
+
+    def num_params(self, text_hidden_size: int) -> int:
+        """Parameters of the tower and the projector."""
+        return sum(math.prod(s) for s in self.shapes(text_hidden_size).values())
 
 
 class ModelSpec(Section):
@@ -55,6 +100,8 @@ class ModelSpec(Section):
     beta_slow: float = 1.0
     tie_word_embeddings: bool = False
     params_dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
+    vision: VisionSpec | None = Field(
+        None, description="the vision tower + projector of a multimodal checkpoint (K2.5); not trained by RL")
 
     @property
     def num_moe_layers(self) -> int:

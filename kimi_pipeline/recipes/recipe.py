@@ -60,4 +60,7 @@ class Recipe(Section):
         hub = dumped.get("hub")
         if isinstance(hub, dict):
             hub.pop("token", None)
+        model = dumped.get("model")
+        if isinstance(model, dict) and model.get("vision", 0) is None:
+            del model["vision"]  # a text-only model keeps the keys it had before model.vision existed (cached stages)
         return dumped

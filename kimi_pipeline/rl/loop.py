@@ -22,6 +22,7 @@ from typing import Any
 import ray
 
 from kimi_pipeline.cluster.placement import create_placement_groups, remove_placement_groups
+from kimi_pipeline.convert.names import HFLayout
 from kimi_pipeline.errors import PermanentError
 from kimi_pipeline.recipes import Recipe
 from kimi_pipeline.report.metrics import MetricsLog, first_last_mean, open_wandb, read_jsonl
@@ -136,6 +137,7 @@ def run_training(
     *,
     init_checkpoint: Path,
     model_dir: Path,
+    ref_checkpoint: Path | None = None,
     ray_address: str | None = None,
     evaluate: EvalFn | None = None,
     on_step: Callable[[dict[str, Any]], None] | None = None,
@@ -146,6 +148,8 @@ def run_training(
 ) -> dict[str, Any]:
     """Train `recipe.rollout.num_rollout` rollouts (resuming from DIR/train/checkpoints); return the summary section.
 
+    `model_dir` is the base HF checkpoint the engines serve (its names are the ones weight sync sends);
+    `ref_checkpoint` the KL reference's own weights (default: `init_checkpoint`).
     `evaluate(step, engine_urls)` is called at step 0 of a fresh run, every `eval.interval` steps and at
     the end (the task layer makes each one a retried Prefect task). `on_plan(plan)` sees the launch plan
     before it is checked (the task shows it, problems and all). `stop_after` ends early (tests).
@@ -203,7 +207,8 @@ def run_training(
             return _train_section(paths)
         handoff.to("train")  # colocated: the engines give their GPUs to the trainer while it builds and loads
         trainers = TrainerGroup(recipe, plan, pgs["trainer"], _cpu_threads(recipe, recipe.cluster.gpus_per_node))
-        extra = trainers.load(paths.checkpoints, init_checkpoint)
+        extra = trainers.load(paths.checkpoints, init_checkpoint, ref_checkpoint or init_checkpoint,
+                              HFLayout.of_dir(model_dir))
         start = int(extra.get("step", 0))
         if extra:
             if engines:

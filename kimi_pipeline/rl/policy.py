@@ -17,10 +17,11 @@ from typing import Any
 
 import torch
 
-from kimi_pipeline.recipes import Recipe
+from kimi_pipeline.convert.names import HFLayout
 from kimi_pipeline.errors import PermanentError
 from kimi_pipeline.model.device import actor_gpu_index, resolve_device
 from kimi_pipeline.model.offload import PARTS, Offloaded
+from kimi_pipeline.recipes import Recipe
 from kimi_pipeline.rl.metrics import Metric, reduce_metrics
 from kimi_pipeline.rl.samples import MicroBatch, RankShare, Sample, collate, padding_micro_batch
 
@@ -111,6 +112,7 @@ class PolicyWorker:
             for m in self.model:
                 self.qat += enable_int4_qat(m, recipe.quant.group_size)
         self.ref_model = None  # built on load() only when the KL term is on
+        self.hf_layout = HFLayout()  # how the engines' checkpoint names the language model (set by load())
         self._sync = None  # this rank's weight updater (its engine client and shared-memory segment), kept across syncs
         # colocated: the state that sleeps on the host while the engines use the GPU (pinned where the device is an
         # accelerator: asynchronous copies need page-locked memory, which torch refuses without one)
@@ -139,15 +141,20 @@ class PolicyWorker:
                                "but they are asleep (colocated handoff out of order)")
 
     # ------------------------------------------------------------------ weights in
-    def load(self, train_ckpt_dir: str, init_ckpt_dir: str) -> dict[str, Any] | None:
+    def load(self, train_ckpt_dir: str, init_ckpt_dir: str, ref_ckpt_dir: str | None = None,
+             hf_prefix: str = "") -> dict[str, Any] | None:
         """Resume from the latest training checkpoint, else start from the converted weights.
 
+        `ref_ckpt_dir`: the KL reference's weights (the K2.5 recipe's BF16 copy, `hub.ref_model`; default: the
+        starting weights). `hf_prefix`: where the base checkpoint, which the engines serve, keeps its language model
+        (`convert.names.HFLayout`): weight sync sends the engines its names.
         Returns the checkpoint's extra state (data position, rollout step) or None for a fresh start.
         """
         from kimi_pipeline.model.megatron_train import latest_step, load_checkpoint
 
         extra = None
         self._ckpt_dir = train_ckpt_dir
+        self.hf_layout = HFLayout(hf_prefix)
         if latest_step(train_ckpt_dir) is not None:
             extra = load_checkpoint(train_ckpt_dir, self.model, self.optimizer)
             sched = extra.get("scheduler")
@@ -159,14 +166,15 @@ class PolicyWorker:
             from kimi_pipeline.model.megatron_model import build_model
 
             self.ref_model = build_model(self.recipe.model, self.layout, device=self.device)
-            self._load_initial(self.ref_model, Path(init_ckpt_dir))
+            self._load_initial(self.ref_model, Path(ref_ckpt_dir or init_ckpt_dir))
             for p in self.ref_model.parameters():
                 p.requires_grad_(False)
         return extra
 
     def _load_initial(self, model, init: Path) -> None:
         """The starting weights: a converted torch_dist checkpoint, or (bridge mode) the HF checkpoint itself,
-        each rank reading only the tensors it owns (FP8/INT4 sources dequantized on the fly)."""
+        each rank reading only the tensors it owns (FP8/INT4 sources dequantized on the fly) under the names that
+        checkpoint stores them by (its own config.json says which: K2.5's `language_model.` prefix)."""
         if not (init / "config.json").is_file():
             from kimi_pipeline.model.megatron_train import load_model_only
 

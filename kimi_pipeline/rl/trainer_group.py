@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from kimi_pipeline.convert.names import HFLayout
 from kimi_pipeline.recipes import Recipe
 from kimi_pipeline.rl.metrics import reduce_metrics
 
@@ -28,11 +29,13 @@ class TrainerGroup:
                             data, rank, world, addr, port, local_gpu=next(iter(plan.ranks[rank].gpus), 0))
                         for rank in range(world)]
 
-    def load(self, ckpt_dir: Path, init_checkpoint: Path) -> dict[str, Any]:
-        """Resume from `ckpt_dir`'s latest checkpoint, else the initial weights; the checkpoint's extra state."""
+    def load(self, ckpt_dir: Path, init_checkpoint: Path, ref_checkpoint: Path, hf_layout: HFLayout) -> dict[str, Any]:
+        """Resume from `ckpt_dir`'s latest checkpoint, else the initial weights; the KL reference from
+        `ref_checkpoint`; weight sync under `hf_layout`'s names. Returns the checkpoint's extra state."""
         import ray
 
-        extras = ray.get([w.load.remote(str(ckpt_dir), str(init_checkpoint)) for w in self.workers])
+        extras = ray.get([w.load.remote(str(ckpt_dir), str(init_checkpoint), str(ref_checkpoint), hf_layout.prefix)
+                          for w in self.workers])
         return extras[0] or {}
 
     def train(self, shares: list, step: int) -> dict[str, float]:

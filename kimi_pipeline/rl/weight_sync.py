@@ -25,6 +25,7 @@ from typing import Any, Protocol
 
 import torch
 
+from kimi_pipeline.convert.names import HFLayout
 from kimi_pipeline.recipes import Recipe
 
 
@@ -38,6 +39,7 @@ class TrainerRank(Protocol):
     world_size: int
     qat: list[str]
     device: torch.device
+    hf_layout: HFLayout  # how the engines' checkpoint names the language model
 
     def sync_dir(self) -> Path: ...
 
@@ -58,9 +60,11 @@ class WeightSync(ABC):
         """Make the engines serve this rank's current weights as `version`; returns sync metrics."""
 
     def _engine_tensors(self, named):
+        """The trainer's tensors as the engines' checkpoint stores them: its format, under its names (K2.5's
+        `language_model.` prefix, which SGLang's K2.5 model loads)."""
         from kimi_pipeline.quant.engine_format import to_engine_format
 
-        return to_engine_format(named, self.format, self.recipe.quant.group_size)
+        return self.trainer.hf_layout.stored_items(to_engine_format(named, self.format, self.recipe.quant.group_size))
 
     def _policy_tensors(self, **kw):
         from kimi_pipeline.quant.policy_weights import policy_tensors

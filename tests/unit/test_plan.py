@@ -205,6 +205,23 @@ def test_fewer_nodes_shrink_dp_then_pp(recipes):
     assert (more["dp"], more["pp"]) == (2, 8)
 
 
+def test_k25_engines_hold_the_vision_tower(recipes):
+    """K2.5's MoonViT + projector ride along on every engine GPU (bf16, whole): counted in sglang_weights, by hand."""
+    r = recipes["kimi-k2.5"]
+    h, f, layers, merged = 1152, 4304, 27, 1152 * 4
+    block = 4 * h + 3 * h * h + 3 * h + h * h + h + f * h + f + h * f + h
+    tower = 3 * 14 * 14 * h + h + 64 * 64 * h + layers * block + 2 * h
+    projector = 2 * h + merged * merged + merged + 7168 * merged + 7168
+    assert r.model.vision.num_params(r.model.hidden_size) == tower + projector == 471_143_920
+    with_vision = make_plan(r, get_gpu("h200"))
+    without = make_plan(r.model_copy(update={"model": r.model.model_copy(update={"vision": None})}), get_gpu("h200"))
+    assert with_vision["params"]["vision"] == tower + projector and without["params"]["vision"] == 0
+    assert with_vision["gpu_mem_gb"]["sglang_vision_weights"] == round((tower + projector) * 2 / 2**30, 2)
+    assert with_vision["gpu_mem_gb"]["sglang_weights"] - without["gpu_mem_gb"]["sglang_weights"] == \
+        pytest.approx((tower + projector) * 2 / 2**30, abs=0.011)
+    assert with_vision["params_total"] == without["params_total"]  # the language model's count, as published
+
+
 def test_sglang_weights_too_big_for_h100(recipes):
     plan = make_plan(recipes["kimi-k2.5"], get_gpu("h100"))
     assert plan["fits"] is False and "no room for a KV cache" in plan["reason"]

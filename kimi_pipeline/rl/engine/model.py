@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from kimi_pipeline.convert.names import HFLayout
 from kimi_pipeline.errors import PermanentError
 from kimi_pipeline.model.grouped_experts import grouped_mm_supported
 
@@ -209,8 +210,10 @@ class EngineModel:
     """DeepSeek-V3 forward with a preallocated latent KV cache; see the module docstring."""
 
     def __init__(self, config: EngineConfig, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                 hf_config=None):
-        self.config, self.device, self.dtype = config, torch.device(device), dtype
+                 hf_config=None, layout: HFLayout = HFLayout()):
+        """`layout`: how the served checkpoint names its language model (K2.5: `language_model.` before the names
+        below); weights load under those stored names, as SGLang's K2.5 model loads them."""
+        self.config, self.device, self.dtype, self.layout = config, torch.device(device), dtype, layout
         c = config
         e = dict(device=self.device, dtype=dtype)
         self.embed = torch.zeros(c.vocab_size, c.hidden_size, **e)
@@ -248,13 +251,14 @@ class EngineModel:
     def from_pretrained(cls, model_dir: str | Path, device: str | torch.device = "cpu",
                         dtype: torch.dtype | None = None, text_config_key: str | None = None) -> EngineModel:
         """Load a safetensors checkpoint directory (Kimi `kimi_k2` configs included) without transformers' loader."""
-        from kimi_pipeline.model.hf_model import deepseek_config
+        from kimi_pipeline.model.hf_model import deepseek_config, read_config
 
-        cfg = deepseek_config(model_dir, text_config_key)
+        raw = read_config(model_dir)
+        cfg = deepseek_config(raw, text_config_key)
         if dtype is None:
             name = str(cfg.dtype).replace("torch.", "")
             dtype = cfg.dtype if isinstance(cfg.dtype, torch.dtype) else getattr(torch, name)
-        engine = cls(EngineConfig.from_hf(cfg), device, dtype, hf_config=cfg)
+        engine = cls(EngineConfig.from_hf(cfg), device, dtype, hf_config=cfg, layout=HFLayout.of_config(raw))
         engine.load_weights(iter_safetensors(model_dir), strict=True)
         return engine
 
@@ -344,7 +348,7 @@ class EngineModel:
 
         items = named.items() if isinstance(named, Mapping) else named
         try:
-            plan = self.check_weights(self._parts.feed(items))
+            plan = self.check_weights(self._parts.feed(self._language_model(items)))
         except QuantFormatError as e:
             raise EngineWeightError(str(e)) from None
         if strict:
@@ -361,6 +365,16 @@ class EngineModel:
         self._note_storage()
         self.unloaded -= self._covered(plan)
         return [n for _, _, n in plan]
+
+    def _language_model(self, items: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The language model's weights under the registry's names: the served checkpoint's prefix taken off, its
+        other parts (K2.5's vision tower and projector, which a text rollout never runs) left out."""
+        for name, t in items:
+            if self.layout.misplaced(name):
+                raise EngineWeightError(
+                    f"weight {name!r}: this engine serves a checkpoint that stores its language model under "
+                    f"{self.layout.prefix!r}; send {self.layout.stored(name)!r} (convert.names.HFLayout)")
+            yield from self.layout.logical_items([(name, t)])
 
     def _covered(self, plan) -> set[str]:
         """The registry names a load plan fills (a fused expert tensor fills every expert's parts)."""
