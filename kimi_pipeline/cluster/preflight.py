@@ -232,10 +232,27 @@ def check_ports(nodes: list[Node], timeout_s: float) -> list[Check]:
                   "ephemeral ports)", sorted({b.split(" ")[0].rstrip(":") for b in bad}))]
 
 
+# What a rank sees when another rank's failure ends the rendezvous under it: the store's or the rendezvous' timeout,
+# or (when the failed rank held the store, or gloo's mesh was half built) its connection cut. Measured in the suite:
+# a rank on a node with GLOO_SOCKET_IFNAME=kimi-missing0 failed at once ("Unable to find address"), the ranks of the
+# three healthy nodes with "DistNetworkError: Failed to recv, got 0 bytes. Connection was likely closed".
+# A refused connection is not among them: that is a node that cannot reach the store, its own fault.
+_WAITED = ("still waiting", "timeout", "timed out", "connection was likely closed", "failed to recv",
+           "connection reset", "broken pipe")
+
+
 def _waited(error: str) -> bool:
-    """A rank that gave up waiting for the others (the rendezvous' or the store's timeout), not one that failed."""
+    """A rank that gave up waiting for the others, or lost them, not one that failed on its own."""
     text = error.lower()
-    return "still waiting" in text or "timeout" in text or "timed out" in text
+    return any(w in text for w in _WAITED)
+
+
+def collective_cause(failed: dict[str, list[dict]]) -> list[str]:
+    """The nodes whose own ranks failed (their rank results, by node label); the others merely waited for them.
+    When every failed rank only waited, all of them are named: nothing tells which one the others waited for."""
+    waited = {label for label, rs in failed.items() if rs and all(_waited(r.get("error", "")) for r in rs)}
+    cause = sorted({label for label, rs in failed.items() if rs} - waited)
+    return cause or sorted(waited)
 
 
 def check_collective(recipe: Recipe, nodes: list[Node], timeout_s: float, nbytes: int) -> Check:
@@ -248,11 +265,7 @@ def check_collective(recipe: Recipe, nodes: list[Node], timeout_s: float, nbytes
         "master_addr": master.ip, "master_port": port, "node_rank": nodes.index(n), "ranks_per_node": c.gpus_per_node,
         "world": world, "bytes": nbytes, "device": c.device, "timeout_s": timeout_s},), timeout_s + 60)
     failed = {label: [r for r in ranks if not r.get("ok")] for label, ranks in results.items()}
-    # the nodes whose own ranks failed fast are the cause; the others merely waited for them
-    waited = {label for label, rs in failed.items() if rs and all(_waited(r.get("error", "")) for r in rs)}
-    cause = sorted({label for label, rs in failed.items() if rs} - waited) + [m.split(":")[0] for m in missing]
-    if not cause and waited:
-        cause = sorted(waited)
+    cause = collective_cause(failed) + [m.split(":")[0] for m in missing]
     if cause:
         why = "; ".join([f"{label}: {failed[label][0].get('error')}" for label in cause if failed.get(label)] + missing)
         return Check("collective", False, f"{world} ranks ({'nccl' if c.device == 'cuda' else 'gloo'}); did not join "

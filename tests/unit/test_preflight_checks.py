@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import copy
 
-from kimi_pipeline.cluster.preflight import Node, check_nodes, plan_gpu
+from kimi_pipeline.cluster.preflight import Node, check_nodes, collective_cause, plan_gpu
 from kimi_pipeline.recipes import load_recipe
 
 SOFTWARE = {"python": "3.12.3", "torch": "2.14.1+cu130", "megatron-core": "0.16.1", "transformer-engine": "2.20.2",
@@ -54,3 +54,18 @@ def test_a_layout_that_does_not_fit_the_nodes_gpu_fails_on_every_node():
     memory = next(c for c in check_nodes(r, nodes, []) if c.name == "gpus: memory")
     assert plan_gpu("NVIDIA H100 80GB HBM3") == "h100" and not memory.ok and len(memory.nodes) == r.cluster.nodes
     assert "kimi plan on h100" in memory.detail and "no room for a KV cache" in memory.detail, memory.detail
+
+
+def test_the_collective_blames_the_node_whose_rank_failed_not_the_ranks_that_lost_it():
+    """The errors measured on the simulated cluster: one node's rank cannot bind its interface; the other nodes' ranks
+    see their connections cut (when the failed rank held the store) or time out: only the first node is named."""
+    lost = {"ok": False, "error": "DistNetworkError: Failed to recv, got 0 bytes. Connection was likely closed. Did "
+                                  "the remote server shutdown or crash?"}
+    timed_out = {"ok": False, "error": "DistStoreError: Timed out after 21 seconds waiting for clients. 3/4 clients"}
+    bad = {"ok": False, "error": "RuntimeError: [enforce fail at device.cc:84] ifa != nullptr. Unable to find address "
+                                 "for: kimi-missing0"}
+    assert collective_cause({"head": [lost], "n1": [bad], "n2": [timed_out], "n3": [lost], "n4": []}) == ["n1"]
+    refused = {"ok": False, "error": "DistNetworkError: The client socket has failed to connect: Connection refused"}
+    assert collective_cause({"head": [timed_out], "n1": [refused]}) == ["n1"]  # cannot reach the store: its own fault
+    assert collective_cause({"head": [timed_out], "n1": [lost]}) == ["head", "n1"]  # nothing tells which: both
+    assert collective_cause({"head": [], "n1": []}) == []
