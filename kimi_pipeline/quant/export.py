@@ -227,12 +227,15 @@ def _stem(stored: str) -> tuple[str, bool]:
     return stored, False
 
 
-def ignore_covering(ignore: list[str], other_parts: Iterable[str]) -> list[str]:
-    """`ignore`, plus one pattern per top-level module of the base's other parts that it would quantize (a base
-    whose list leaves them out): they are stored unquantized, and an engine must read them so."""
+def ignore_covering(ignore: list[str], weight_map: Iterable[str], layout: HFLayout) -> list[str]:
+    """`ignore`, plus what it leaves out of the weights stored unquantized (a base whose list does not name them):
+    one pattern per top-level module of the base's other parts (K2.5's vision tower, projector), the exact module
+    name of a language-model Linear (a bare `lm_head` in front of K2.5's prefix). An engine must read them so."""
     out = list(ignore)
-    for root in sorted({n.split(".", 1)[0] for n in other_parts if is_quantized(n, out)}):
-        out.append(f"re:^{re.escape(root)}\\..*")
+    uncovered = [n for n in weight_map if n.endswith(".weight") and not _stem(n)[1] and is_quantized(n, out)]
+    roots = sorted({n.split(".", 1)[0] for n in uncovered if layout.logical(n) is None})
+    out += [f"re:^{re.escape(root)}\\..*" for root in roots]
+    out += sorted(n.removesuffix(".weight") for n in uncovered if layout.logical(n) is not None)
     return out
 
 
@@ -244,7 +247,7 @@ def check_config_agrees(weight_map: Iterable[str], ignore: list[str]) -> None:
             raise ExportError(
                 f"{stored}: stored {'packed' if packed else 'unquantized'}, but the export's quantization_config "
                 f"ignore list {ignore} says {'not ' if packed else ''}quantized; an engine would misread it "
-                "(the base's ignore list does not match Kimi's)")
+                "(the base's ignore list ignores a Linear Kimi quantizes)")
 
 
 def finish_int4_dir(tmp: str | Path, out_dir: str | Path, parts: list[Int4Part], config: dict[str, Any],
@@ -259,12 +262,12 @@ def finish_int4_dir(tmp: str | Path, out_dir: str | Path, parts: list[Int4Part],
     carried = carry_other_parts(base_dir, tmp, layout, max_shard_bytes) if base_dir is not None else []
     shards = [s for p in parts for s in p.shards] + carried
     other = [n for s in carried for n in s.names]
-    qc = export_quantization_config(config, group_size)
-    qc["ignore"] = ignore_covering(qc["ignore"], other)
     try:
         weight_map = finish_shards(tmp, shards)
     except ValueError as e:
         raise ExportError(f"{tmp}: {e}") from None
+    qc = export_quantization_config(config, group_size)
+    qc["ignore"] = ignore_covering(qc["ignore"], weight_map, layout)
     check_config_agrees(weight_map, qc["ignore"])
     atomic_write_json(tmp / "config.json", with_quantization_config(config, qc, "bfloat16"))
     files = copy_model_files(base_dir, tmp) if base_dir is not None else []

@@ -242,3 +242,24 @@ def test_the_export_is_the_source_checkpoint_with_its_language_model_trained(pip
     for f in ("preprocessor_config.json", "processor_config.json", "tokenizer.json", "chat_template.jinja"):
         assert (out / f).read_bytes() == (pair.actor / f).read_bytes(), f
         assert f in e["carried_files"]
+
+
+def test_the_exports_ignore_list_covers_what_is_stored_unquantized_and_never_contradicts_the_files():
+    """A base whose ignore list misses its vision parts or names `lm_head` bare (in front of K2.5's prefix) gets the
+    missing modules added; a Linear stored packed that the list ignores is refused (an engine would misread it)."""
+    from kimi_pipeline.convert.names import HFLayout
+    from kimi_pipeline.quant.export import ExportError, check_config_agrees, ignore_covering, is_quantized
+
+    layout = HFLayout("language_model.")
+    stored = ["language_model.lm_head.weight", "language_model.model.layers.1.mlp.experts.0.up_proj.weight_packed",
+              "language_model.model.layers.1.mlp.experts.0.up_proj.weight_scale",
+              "language_model.model.layers.1.self_attn.o_proj.weight", "language_model.model.norm.weight",
+              "vision_tower.encoder.blocks.0.wqkv.weight", "vision_tower.encoder.blocks.0.norm0.weight",
+              "mm_projector.proj.0.weight"]
+    bare = ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"]
+    covered = ignore_covering(bare, stored, layout)
+    assert covered == bare + ["re:^mm_projector\\..*", "re:^vision_tower\\..*", "language_model.lm_head"]
+    check_config_agrees(stored, covered)
+    assert not is_quantized("vision_tower.encoder.blocks.0.wqkv.weight", covered)
+    with pytest.raises(ExportError, match=r"experts\.0\.up_proj\.weight_packed: stored packed, but .* says not"):
+        check_config_agrees(stored, covered + ["re:.*experts.*"])
