@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +26,7 @@ import torch
 from kimi_pipeline.convert.names import HFLayout
 from kimi_pipeline.errors import PermanentError
 from kimi_pipeline.model.hf_config import quantization_config, text_config, with_quantization_config
+from kimi_pipeline.model.hf_model import copy_model_files
 from kimi_pipeline.util.files import atomic_write_json
 
 FP8_SCALE_SUFFIX = "_scale_inv"  # X.weight -> X.weight_scale_inv
@@ -335,9 +335,7 @@ def write_quantized_checkpoint(src: str | Path, dst: str | Path, kind: str, *, g
             else:
                 writer.add(name, t.to(torch.bfloat16) if t.is_floating_point() else t)
         writer.flush()
-    for p in src.iterdir():
-        if p.is_file() and not p.name.endswith(".safetensors") and p.name not in ("config.json", "model.safetensors.index.json"):
-            shutil.copy2(p, dst / p.name)
+    copy_model_files(src, dst)
     qc = fp8_quant_config(block) if kind == "fp8" else kimi_int4_quant_config(group_size)
     if kind == "int4" and layout.prefix:
         qc["ignore"] = list(KIMI_K25_IGNORE)

@@ -95,12 +95,6 @@ class HFLayout:
         for name, value in named:
             yield self.prefix + name, value
 
-    def logical_items(self, stored: Iterable[tuple[str, _T]]) -> Iterator[tuple[str, _T]]:
-        """(table name, value) of the language model's stored pairs; the other parts' pairs are left out."""
-        for name, value in stored:
-            if name.startswith(self.prefix):
-                yield name[len(self.prefix):], value
-
 
 @dataclass(frozen=True)
 class Shard:

@@ -25,13 +25,13 @@ from kimi_pipeline.convert.dequant import write_quantized_checkpoint
 from kimi_pipeline.convert.hf_reader import iter_stored_tensors
 from kimi_pipeline.convert.names import LM_PREFIX_BY_MODEL_TYPE
 from kimi_pipeline.hub.manifest import build_manifest, list_files, write_sha256sums
+from kimi_pipeline.model.hf_model import copy_model_files
 from kimi_pipeline.recipes.models import VisionSpec
 from kimi_pipeline.util.files import atomic_write_json, atomic_write_text
 from kimi_pipeline.util.shards import ShardWriter, finish_shards
 
 MODEL_TYPE = "kimi_k25"
 PREFIX = LM_PREFIX_BY_MODEL_TYPE[MODEL_TYPE]
-_WEIGHT_FILES = {"config.json", "model.safetensors.index.json", "MANIFEST.sha256"}
 
 
 @dataclass(frozen=True)
@@ -83,15 +83,12 @@ def build_tiny_k25(base: str | Path, out_dir: str | Path, vision: VisionSpec, *,
         writer.add(name, (torch.randn(shape, generator=g) * 0.02).to(torch.bfloat16))
     finish_shards(ref, writer.close())
     atomic_write_json(ref / "config.json", config)
-    for src in base.iterdir():
-        if src.is_file() and src.suffix != ".safetensors" and src.name not in _WEIGHT_FILES:
-            shutil.copy2(src, ref / src.name)
+    copy_model_files(base, ref)
     for name, content in _processor_files(vision).items():
         atomic_write_json(ref / name, content)
     actor = out_dir / "actor"
     shutil.rmtree(actor, ignore_errors=True)
     write_quantized_checkpoint(ref, actor, "int4")
     for d in (ref, actor):
-        (d / "MANIFEST.sha256").unlink(missing_ok=True)
         atomic_write_text(d / "MANIFEST.sha256", write_sha256sums(d, build_manifest(d, list_files(d, None))))
     return TinyK25(actor=actor, reference=ref)

@@ -26,7 +26,13 @@ from kimi_pipeline.hub.manifest import (
     verify_files,
 )
 from kimi_pipeline.convert.names import HFLayout
-from kimi_pipeline.model.hf_config import KIMI_MODEL_TYPES, shape_mismatches, text_config, vision_mismatches
+from kimi_pipeline.model.hf_config import (
+    KIMI_MODEL_TYPES,
+    quantization_config,
+    shape_mismatches,
+    text_config,
+    vision_mismatches,
+)
 from kimi_pipeline.recipes import Recipe
 from kimi_pipeline.recipes.models import Source
 from kimi_pipeline.util.files import atomic_write_json
@@ -226,8 +232,9 @@ def fetch_hub(name: str, source: Source, recipe: Recipe, token: str | None, offl
 
 
 # ---------------------------------------------------------------- model checks
-def weight_format(config: dict[str, Any]) -> str:
-    qc = config.get("quantization_config") or {}
+def weight_format(qc: dict[str, Any] | None) -> str:
+    """bf16 / fp8 / int4 from a checkpoint's `quantization_config` (`hf_config.quantization_config`)."""
+    qc = qc or {}
     method = str(qc.get("quant_method", "")).lower()
     if method == "fp8":
         return "fp8"
@@ -251,7 +258,7 @@ def inspect_model(fetched: Fetched, recipe: Recipe) -> dict[str, Any]:
             f"model: {cfg_path} does not match the recipe's model shape (wrong repo or revision?):\n"
             + "\n".join(f"  - {p}" for p in problems)
         )
-    fmt = weight_format(tcfg if "quantization_config" in tcfg else config)
+    fmt = weight_format(quantization_config(config, recipe.hub.text_config_key))
     if fmt != recipe.hub.source_format:
         raise LocalSourceError(
             f"model: {cfg_path} holds {fmt} weights but the recipe says hub.source_format={recipe.hub.source_format}; "

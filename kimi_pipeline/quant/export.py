@@ -33,13 +33,12 @@ from kimi_pipeline.convert.hf_reader import StoredTensors
 from kimi_pipeline.convert.names import HFLayout
 from kimi_pipeline.errors import PermanentError
 from kimi_pipeline.model.hf_config import quantization_config, with_quantization_config
+from kimi_pipeline.model.hf_model import copy_model_files
 from kimi_pipeline.quant.int4 import SCALE_DTYPE, Int4ShapeError, pack_int4, quantize_int4
 from kimi_pipeline.util.files import atomic_write_json
-from kimi_pipeline.util.shards import INDEX_NAME, Shard, ShardWriter, finish_shards
+from kimi_pipeline.util.shards import Shard, ShardWriter, finish_shards
 
 KEEP_FP32 = ("e_score_correction_bias",)
-# Files of a checkpoint directory that the export writes itself (or that are this pipeline's own records).
-_NOT_CARRIED = {"config.json", INDEX_NAME, "MANIFEST.sha256", ".kimi-manifest.json"}
 # Modules with a 2-D `.weight` that are not nn.Linear in the HF model (targets are ["Linear"]).
 _NOT_LINEAR = re.compile(r"(^|\.)(embed_tokens|[a-z_]*norm|mlp\.gate)$")
 
@@ -205,18 +204,6 @@ def carry_other_parts(base_dir: str | Path, out: Path, layout: HFLayout, max_sha
         return writer.close()
     finally:
         base.close()
-
-
-def copy_model_files(base_dir: str | Path, out: Path) -> list[str]:
-    """Every file the base ships beside its weights (tokenizer, chat template, processor and preprocessor configs,
-    generation config, remote code), copied as is; config.json and the index are the export's own."""
-    copied = []
-    for src in sorted(Path(base_dir).iterdir()):
-        if src.is_file() and not src.name.startswith(".") and src.suffix != ".safetensors" \
-                and src.name not in _NOT_CARRIED:
-            shutil.copy2(src, out / src.name)
-            copied.append(src.name)
-    return copied
 
 
 def _stem(stored: str) -> tuple[str, bool]:

@@ -374,7 +374,9 @@ class EngineModel:
                 raise EngineWeightError(
                     f"weight {name!r}: this engine serves a checkpoint that stores its language model under "
                     f"{self.layout.prefix!r}; send {self.layout.stored(name)!r} (convert.names.HFLayout)")
-            yield from self.layout.logical_items([(name, t)])
+            logical = self.layout.logical(name)
+            if logical is not None:
+                yield logical, t
 
     def _covered(self, plan) -> set[str]:
         """The registry names a load plan fills (a fused expert tensor fills every expert's parts)."""
