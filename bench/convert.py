@@ -32,7 +32,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kimi_pipeline.convert.stage import run_convert  # noqa: E402
+from kimi_pipeline.convert.torch_dist import run_convert  # noqa: E402
 from kimi_pipeline.model.hf_config import hf_config_dict  # noqa: E402
 from kimi_pipeline.recipes import load_recipe  # noqa: E402
 from kimi_pipeline.recipes.models import ModelSpec  # noqa: E402

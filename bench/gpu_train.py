@@ -89,8 +89,8 @@ def megatron_seconds(spec, layout, device, hf_state, tokens, targets, micro: int
     """(seconds, whether TE layers were used)."""
     from kimi_pipeline.convert.names import load_hf_tensors_into_model
     from kimi_pipeline.model.megatron_model import unwrap
-    from kimi_pipeline.model.megatron_train import (build_trainable, forward_backward, logprobs_from_logits,
-                                                    optimizer_step)
+    from kimi_pipeline.model.megatron_train import build_trainable, forward_backward, optimizer_step
+    from kimi_pipeline.model.vocab_parallel import logprobs_from_logits
 
     chunks, opt = build_trainable(spec, layout, opt_spec, device=device)
     load_hf_tensors_into_model(unwrap(chunks), hf_state.__getitem__, spec, layout)

@@ -25,11 +25,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from kimi_pipeline.engine.model import EngineModel  # noqa: E402
+from kimi_pipeline.engine.sampler import RolloutEngine, SamplingParams  # noqa: E402
 from kimi_pipeline.model.hf_model import build_hf_model, load_hf_model  # noqa: E402
 from kimi_pipeline.model.tokenizer import load_tokenizer  # noqa: E402
 from kimi_pipeline.recipes import load_recipe  # noqa: E402
-from kimi_pipeline.rl.engine.model import EngineModel  # noqa: E402
-from kimi_pipeline.rl.engine.sampler import RolloutEngine, SamplingParams  # noqa: E402
 
 
 def load_prompts(tokenizer, path: Path, count: int) -> list[list[int]]:

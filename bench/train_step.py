@@ -44,8 +44,9 @@ def megatron_steps(recipe, tokens, targets, mask, steps: int) -> float:
     from kimi_pipeline.convert.hf_reader import iter_stored_tensors
     from kimi_pipeline.convert.names import load_hf_tensors_into_model
     from kimi_pipeline.model.megatron_model import unwrap
-    from kimi_pipeline.model.megatron_train import build_trainable, forward_backward, logprobs_from_logits, optimizer_step
+    from kimi_pipeline.model.megatron_train import build_trainable, forward_backward, optimizer_step
     from kimi_pipeline.model.parallel import Layout, destroy, init_distributed
+    from kimi_pipeline.model.vocab_parallel import logprobs_from_logits
 
     layout = Layout()
     init_distributed(layout, device=CPU)

@@ -28,13 +28,13 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from convert import bench_spec, hf_shapes  # noqa: E402  (one synthetic Kimi-shaped layout for both benches)
 
+from kimi_pipeline.engine.client import Router, chunk_named_tensors, serialize_chunk  # noqa: E402
+from kimi_pipeline.engine.model import EngineConfig, EngineModel, iter_safetensors  # noqa: E402
+from kimi_pipeline.engine.sampler import RolloutEngine  # noqa: E402
+from kimi_pipeline.engine.server import EngineServer  # noqa: E402
 from kimi_pipeline.model.hf_config import hf_config_dict  # noqa: E402
 from kimi_pipeline.model.hf_model import deepseek_config  # noqa: E402
 from kimi_pipeline.recipes import load_recipe  # noqa: E402
-from kimi_pipeline.rl.engine.client import Router, chunk_named_tensors, serialize_chunk  # noqa: E402
-from kimi_pipeline.rl.engine.model import EngineConfig, EngineModel, iter_safetensors  # noqa: E402
-from kimi_pipeline.rl.engine.sampler import RolloutEngine  # noqa: E402
-from kimi_pipeline.rl.engine.server import EngineServer  # noqa: E402
 
 
 def best(fn, repeat: int) -> float:

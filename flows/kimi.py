@@ -7,19 +7,19 @@ import contextlib
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
-from kimi_pipeline.cluster import stop_cluster
-from kimi_pipeline.recipes import load_recipe
-from kimi_pipeline.report.markdown import write_summary_markdown
-from kimi_pipeline.stages import STAGES, mark_skipped, prepare_run
 from flows.limits import cluster_slot
 from flows.notify import clear_failure, notify_failure, remember_run_dir
+from kimi_pipeline.cluster.lifecycle import stop_cluster
+from kimi_pipeline.recipes import load_recipe
+from kimi_pipeline.report.markdown import write_summary_markdown
+from kimi_pipeline.stages import CONVERT, DOWNLOAD, EXPORT, STAGES, VALIDATE, mark_skipped, prepare_run
 from tasks.cluster import cluster_task
 from tasks.common import cached
-from tasks.convert import CONVERT_OUTPUTS, convert_task
-from tasks.download import DOWNLOAD_OUTPUTS, download_task
-from tasks.export import EXPORT_OUTPUTS, export_task
+from tasks.convert import convert_task
+from tasks.download import download_task
+from tasks.export import export_task
 from tasks.train import train_task
-from tasks.validate import VALIDATE_OUTPUTS, validate_task
+from tasks.validate import validate_task
 
 
 @flow(name="kimi", log_prints=True, on_failure=[notify_failure], on_crashed=[notify_failure],
@@ -31,30 +31,32 @@ def kimi(
     until: str | None = None,
 ) -> dict:
     """Run the pipeline for a recipe (preset name or YAML path) up to and including stage `until`."""
-    r = load_recipe(recipe, overrides or [])
-    path = prepare_run(r, run_dir)
+    spec = load_recipe(recipe, overrides or [])
+    path = prepare_run(spec, run_dir)
     remember_run_dir(path)  # for the failure hook: DIR/FAILED.md
     run = str(path)
     print(f"run directory: {path}")
     selected = STAGES[: STAGES.index(until) + 1] if until else STAGES
     slot = contextlib.ExitStack()  # one run per Ray cluster: held from the cluster stage to its teardown
     try:
-        dl = cached(download_task, DOWNLOAD_OUTPUTS, path)(r, run)
+        downloaded = cached(download_task, DOWNLOAD, path)(spec, run)
         if "validate" in selected:
-            cached(validate_task, VALIDATE_OUTPUTS, path)(r, run, wait_for=[dl])
-        cv = cached(convert_task, CONVERT_OUTPUTS, path)(r, run, wait_for=[dl]) if "convert" in selected else None
+            cached(validate_task, VALIDATE, path)(spec, run, wait_for=[downloaded])
+        converted = (
+            cached(convert_task, CONVERT, path)(spec, run, wait_for=[downloaded]) if "convert" in selected else None
+        )
         if "cluster" in selected:
-            slot.enter_context(cluster_slot(r))
-        cl = cluster_task(r, run) if "cluster" in selected else None
-        tr = train_task(r, run, cl, wait_for=[cv]) if "train" in selected else None
-        if "export" in selected and tr is not None:
-            cached(export_task, EXPORT_OUTPUTS, path)(r, run, tr["checkpoint_dir"], wait_for=[tr])
-        mark_skipped(path, [s for s in STAGES if s not in selected])
+            slot.enter_context(cluster_slot(spec))
+        cluster = cluster_task(spec, run) if "cluster" in selected else None
+        trained = train_task(spec, run, cluster, wait_for=[converted]) if "train" in selected else None
+        if "export" in selected and trained is not None:
+            cached(export_task, EXPORT, path)(spec, run, trained["checkpoint_dir"], wait_for=[trained])
+        mark_skipped(path, [name for name in STAGES if name not in selected])
     finally:
         try:
             stop_cluster(path)  # the run's embedded Ray cluster, also on failure (kept only with cluster.keep)
         finally:
             slot.close()
         md = write_summary_markdown(path)
-        create_markdown_artifact(md.read_text(), key="run-summary", description=f"{r.name}: {path}")
+        create_markdown_artifact(md.read_text(), key="run-summary", description=f"{spec.name}: {path}")
     return {"run_dir": run, "summary": str(path / "summary.json")}

@@ -15,6 +15,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+import httpx  # a Prefect dependency; no extra package
+
 from kimi_pipeline.util.files import atomic_write_text
 
 WEBHOOK_ENV = "KIMI_NOTIFY_WEBHOOK"
@@ -103,8 +105,6 @@ def failure_markdown(report: dict[str, Any], run_dir: Path | None) -> str:
 
 
 def post_webhook(url: str, payload: dict[str, Any], timeout_s: float = 10.0) -> int:
-    import httpx  # a Prefect dependency; no extra package
-
     return httpx.post(url, json=payload, timeout=timeout_s).status_code
 
 

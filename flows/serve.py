@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,9 @@ from typing import Any
 import httpx
 import yaml
 
+from flows.kimi import kimi
+from flows.limits import ensure_cluster_limit
+from flows.notify import WEBHOOK_ENV, ensure_failure_automation
 from kimi_pipeline.util.lifetime import die_with_parent
 from kimi_pipeline.util.net import LOOPBACK, free_port
 from kimi_pipeline.util.paths import PROJECT_ROOT
@@ -49,8 +53,6 @@ def full_deployment(schedule: bool = True, name: str = DEPLOYMENT):
     from prefect.client.schemas.objects import ConcurrencyLimitConfig
     from prefect.deployments.runner import EntrypointType
     from prefect.schedules import Cron
-
-    from flows.kimi import kimi
 
     spec = deployment_spec(name)
     schedules = [Cron(s["cron"], timezone=s.get("timezone"), active=schedule and s.get("active", True))
@@ -158,12 +160,8 @@ def start_server(port: int = DEFAULT_PORT, host: str = LOOPBACK, home: Path | No
 
 def serve_deployment(schedule: bool = True) -> None:
     """Serve `kimi/full` against the current PREFECT_API_URL until SIGTERM / Ctrl-C."""
-    import warnings
 
     from prefect import serve
-
-    from flows.limits import ensure_cluster_limit
-    from flows.notify import WEBHOOK_ENV, ensure_failure_automation
 
     # Prefect 3.8's SIGTERM handler calls an async stop without awaiting it; shutdown still completes
     warnings.filterwarnings("ignore", message="coroutine 'Runner.astop' was never awaited", category=RuntimeWarning)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional, TypeVar
 
 import typer
 from rich.console import Console
@@ -13,9 +15,20 @@ from rich.table import Table
 
 from kimi_pipeline.cli_recipes import RECIPE_HELP, SET_HELP, recipe_or_exit, recipe_or_problems
 from kimi_pipeline.cluster.cli import cluster_app
+from kimi_pipeline.cluster.errors import ClusterConfigError
+from kimi_pipeline.cluster.lifecycle import attach_driver
+from kimi_pipeline.cluster.preflight import report_markdown, run_preflight
+from kimi_pipeline.data.tiny_assets import BASE_POLICY_TOLERANCE, build_tiny_assets_reproducibly, compare_builds
+from kimi_pipeline.errors import PermanentError
+from kimi_pipeline.eval.record import base_policy_scores, evaluate_checkpoint
+from kimi_pipeline.hub.download import DownloadError
 from kimi_pipeline.plan import plan_command
-from kimi_pipeline.report.progress import echo_to_stderr, set_quiet
 from kimi_pipeline.recipes import RecipeError, check_recipe, load_recipe, pipeline_layers, preset_names, recipe_to_yaml
+from kimi_pipeline.report.progress import echo_to_stderr, set_quiet
+from kimi_pipeline.rl.rehearse import refused_layout, run_rehearsal
+from kimi_pipeline.stages import CONVERT, DOWNLOAD, EXPORT, STAGES, TRAIN, VALIDATE, prepare_run, run_stage
+from kimi_pipeline.util.files import atomic_write_json, atomic_write_text
+from kimi_pipeline.util.paths import PROJECT_ROOT, resolve_path
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Kimi-K2-family RL post-training pipeline.")
 recipe_app = typer.Typer(no_args_is_help=True, help="List, show and check recipes.")
@@ -26,17 +39,16 @@ app.add_typer(cluster_app, name="cluster")
 app.command("plan", help="Memory and time model of a recipe's layout (fits or not, before launch).")(plan_command)
 console = Console()
 err = Console(stderr=True)
+T = TypeVar("T")
 
 QUIET_HELP = "No per-rollout / per-eval progress lines (and only warnings from Prefect)."
 
 
-def _run_stage(fn, *args):
-    """Call a stage; expected failures (bad input, unreachable source) print their message, not a traceback."""
-    from kimi_pipeline.errors import PermanentError
-    from kimi_pipeline.hub.download import DownloadError
-
+def _run_or_exit(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """Call a stage (or a command's work); expected failures (bad input, unreachable source) print their message,
+    not a traceback."""
     try:
-        return fn(*args)
+        return fn(*args, **kwargs)
     except (PermanentError, DownloadError) as e:
         err.print(f"error: {e}", highlight=False, markup=False)
         raise typer.Exit(1) from None
@@ -44,7 +56,6 @@ def _run_stage(fn, *args):
 
 def configure_prefect_env(project_root: Path | None = None) -> None:
     """In-process Prefect: project-local PREFECT_HOME, analytics off; ephemeral API unless one is set."""
-    from kimi_pipeline.util.paths import PROJECT_ROOT
 
     root = project_root or PROJECT_ROOT
     os.environ.setdefault("PREFECT_HOME", str(root / ".prefect"))
@@ -67,7 +78,6 @@ def run(
 ) -> None:
     """Run the whole pipeline in-process (Prefect flow `kimi`, ephemeral API)."""
     r = recipe_or_exit(recipe, set_)
-    from kimi_pipeline.stages import STAGES
 
     if until is not None and until not in STAGES:
         err.print(f"error: --until must be one of {', '.join(STAGES)}")
@@ -97,7 +107,7 @@ def serve(
 ) -> None:
     """Local Prefect server (loopback) + deployment kimi/full: UI, nightly schedule, `prefect deployment run`."""
     configure_prefect_env()
-    from flows.serve import ServeError, serve_local
+    from flows.serve import ServeError, serve_local  # Prefect: imported after its settings are in the environment
 
     try:
         code = serve_local(port=port, schedule=schedule)
@@ -114,10 +124,9 @@ def download(
     run_dir: Path = typer.Option(..., "--run-dir"),
 ) -> None:
     """Stage `download` alone (HF token from HF_TOKEN)."""
-    from kimi_pipeline.stages import prepare_run, stage_download
 
     r = recipe_or_exit(recipe, set_)
-    section = _run_stage(stage_download, r, prepare_run(r, run_dir))
+    section = _run_or_exit(run_stage, DOWNLOAD, r, prepare_run(r, run_dir))
     console.print_json(json.dumps(section))
 
 
@@ -128,10 +137,9 @@ def validate(
     run_dir: Path = typer.Option(..., "--run-dir"),
 ) -> None:
     """Stage `validate` alone (after `download` in the same run dir)."""
-    from kimi_pipeline.stages import prepare_run, stage_validate
 
     r = recipe_or_exit(recipe, set_)
-    section = _run_stage(stage_validate, r, prepare_run(r, run_dir))
+    section = _run_or_exit(run_stage, VALIDATE, r, prepare_run(r, run_dir))
     console.print_json(json.dumps({k: v for k, v in section.items() if k not in ("train", "eval")}))
 
 
@@ -142,11 +150,9 @@ def convert(
     run_dir: Path = typer.Option(..., "--run-dir"),
 ) -> None:
     """Stage `convert` alone: HF → torch_dist over the recipe's conversion nodes, verified."""
-    from kimi_pipeline.convert.stage import stage_convert
-    from kimi_pipeline.stages import prepare_run
 
     r = recipe_or_exit(recipe, set_)
-    section = _run_stage(stage_convert, r, prepare_run(r, run_dir))
+    section = _run_or_exit(run_stage, CONVERT, r, prepare_run(r, run_dir))
     console.print_json(json.dumps(section, default=str))
 
 
@@ -166,13 +172,19 @@ def train(
         "the run dir's rollout-only/metrics.jsonl; with rollout.save_data=true, rollouts to replay)."),
 ) -> None:
     """Stage `train` alone (after convert + cluster in the same run dir); resumes from its checkpoints."""
-    from kimi_pipeline.stages import prepare_run, stage_train
 
     r = recipe_or_exit(recipe, set_)
     set_quiet(quiet)
     echo_to_stderr()
-    section = _run_stage(lambda: stage_train(r, prepare_run(r, run_dir), ray_address=ray_address,
-                                             replay=replay_rollouts, rollout_only=rollout_only))
+    section = _run_or_exit(
+        run_stage,
+        TRAIN,
+        r,
+        prepare_run(r, run_dir),
+        ray_address=ray_address,
+        replay=replay_rollouts,
+        rollout_only=rollout_only,
+    )
     console.print_json(json.dumps(section, default=str))
 
 
@@ -181,17 +193,17 @@ def export(
     recipe: str = typer.Option("tiny", "--recipe", "-r", help=RECIPE_HELP),
     set_: list[str] = typer.Option([], "--set", help=SET_HELP),
     run_dir: Path = typer.Option(..., "--run-dir"),
-    checkpoint: Optional[Path] = typer.Option(None, "--checkpoint", help="torch_dist dir (default: the run's training checkpoints)."),
+    checkpoint: Optional[Path] = typer.Option(
+        None, "--checkpoint", help="torch_dist dir (default: the run's training checkpoints)."
+    ),
     step: Optional[int] = typer.Option(None, "--step", help="Iteration to export (default: latest)."),
 ) -> None:
     """Stage `export` alone: a training checkpoint → INT4 compressed-tensors HF directory, verified."""
-    from kimi_pipeline.quant.stage import stage_export
-    from kimi_pipeline.stages import prepare_run
 
     r = recipe_or_exit(recipe, set_)
     path = prepare_run(r, run_dir)
     ckpt = checkpoint or path / "train" / "checkpoints"
-    section = _run_stage(lambda: stage_export(r, path, ckpt, step=step))
+    section = _run_or_exit(run_stage, EXPORT, r, path, checkpoint_dir=ckpt, step=step)
     console.print_json(json.dumps(section, default=str))
 
 
@@ -201,16 +213,16 @@ def rehearse(
     set_: list[str] = typer.Option([], "--set", help=SET_HELP),
     out: Path = typer.Option(Path("rehearsal"), "--out", help="where launch-plan.json / launch-plan.md go"),
     json_out: bool = typer.Option(False, "--json", help="print launch-plan.json instead of the summary"),
-    stand_in_nodes: int = typer.Option(1, "--stand-in-nodes", min=1,
-                                       help="start stand-in actors for the ranks and engines of this many nodes"),
+    stand_in_nodes: int = typer.Option(
+        1, "--stand-in-nodes", min=1, help="start stand-in actors for the ranks and engines of this many nodes"
+    ),
 ) -> None:
     """Launch rehearsal: the train stage's own placement and actor options on a simulated cluster of the
     recipe's shape (nodes × GPUs as Ray resources, no GPUs, no weights). Exit 1 when the launch would fail."""
-    from kimi_pipeline.rl.rehearse import refused_plan, run_rehearsal
 
     out = out / recipe.replace("/", "_").removesuffix(".yaml")
     r = recipe_or_problems(recipe, set_)
-    d = refused_plan(recipe, r.problems, out) if isinstance(r, RecipeError) else _run_stage(run_rehearsal, r, out)
+    d = refused_layout(recipe, r.problems, out) if isinstance(r, RecipeError) else _run_or_exit(run_rehearsal, r, out)
     if json_out:
         typer.echo(json.dumps(d, indent=1, default=str))
     else:
@@ -235,18 +247,21 @@ def preflight(
     ray_address: Optional[str] = typer.Option(None, "--ray-address", help="Default: the recipe's cluster.address."),
     json_out: bool = typer.Option(False, "--json", help="print the report as JSON instead of the table"),
     out: Optional[Path] = typer.Option(None, "--out", help="also write preflight.json / preflight.md here"),
-    timeout_s: float = typer.Option(120.0, "--timeout", help="seconds each probe call may take (a node that does not "
-                                    "answer is named)"),
-    join_timeout_s: float = typer.Option(120.0, "--join-timeout", help="seconds every rank has to join the collective "
-                                         "(the nodes whose ranks did not are named)"),
-    fast: bool = typer.Option(False, "--fast", help="no collective, a small shared-file check (what the cluster stage runs)"),
+    timeout_s: float = typer.Option(
+        120.0, "--timeout", help="seconds each probe call may take (a node that does not answer is named)"
+    ),
+    join_timeout_s: float = typer.Option(
+        120.0,
+        "--join-timeout",
+        help="seconds every rank has to join the collective (the nodes whose ranks did not are named)",
+    ),
+    fast: bool = typer.Option(
+        False, "--fast", help="no collective, a small shared-file check (what the cluster stage runs)"
+    ),
 ) -> None:
     """Check the recipe's real cluster before a run holds it: one probe per node (GPUs, software versions, shared
     base_dir, free space, RAM and /dev/shm, ports between nodes) and a collective over every rank of the layout.
     Exit 1 naming each failed check, the nodes it failed on and the fix."""
-    from kimi_pipeline.cluster.errors import ClusterConfigError
-    from kimi_pipeline.cluster.preflight import report_markdown, run_preflight
-    from kimi_pipeline.cluster.stage import attach_driver
 
     r = recipe_or_exit(recipe, set_)
     address = ray_address or r.cluster.address
@@ -260,11 +275,17 @@ def preflight(
     except ClusterConfigError as e:
         err.print(f"error: {e}", highlight=False, markup=False)
         raise typer.Exit(1) from None
-    report = _run_stage(lambda: run_preflight(r, address, fast=fast, timeout_s=timeout_s, join_timeout_s=join_timeout_s,
-                                              progress=lambda m: err.print(m, highlight=False, markup=False)))
+    report = _run_or_exit(
+        lambda: run_preflight(
+            r,
+            address,
+            fast=fast,
+            timeout_s=timeout_s,
+            join_timeout_s=join_timeout_s,
+            progress=lambda m: err.print(m, highlight=False, markup=False),
+        )
+    )
     if out is not None:
-        from kimi_pipeline.util.files import atomic_write_json, atomic_write_text
-
         atomic_write_json(out / "preflight.json", report)
         atomic_write_text(out / "preflight.md", report_markdown(report))
     if json_out:
@@ -284,12 +305,13 @@ def eval_(
     set_: list[str] = typer.Option([], "--set", help=SET_HELP),
     data: Optional[Path] = typer.Option(None, "--data", help="AIME-format jsonl (default: the recipe's eval set)."),
     model_dir: Optional[Path] = typer.Option(None, "--model-dir", help="HF config + tokenizer dir (torch_dist only)."),
-    out: Path = typer.Option(Path("runs/eval"), "--out",
-                             help="Run directory: eval.jsonl and the per-problem tables go to OUT/eval/ (as in a run)."),
+    out: Path = typer.Option(
+        Path("runs/eval"),
+        "--out",
+        help="Run directory: eval.jsonl and the per-problem tables go to OUT/eval/ (as in a run).",
+    ),
 ) -> None:
     """Evaluate any checkpoint on an AIME-format set: avg@n, pass@1, pass@n, maj@n."""
-    from kimi_pipeline.eval.stage import evaluate_checkpoint
-    from kimi_pipeline.util.paths import resolve_path
 
     r = recipe_or_exit(recipe, set_)
     source = r.data.eval
@@ -298,7 +320,7 @@ def eval_(
         err.print("error: the recipe's eval set is on the hub; pass --data FILE (or run `kimi download` first)")
         raise typer.Exit(2)
     mdir = model_dir or (resolve_path(r.hub.model.path) if r.hub.model.kind == "local" else None)
-    result = _run_stage(lambda: evaluate_checkpoint(r, checkpoint, out, model_dir=mdir, data_file=Path(data_file)))
+    result = _run_or_exit(lambda: evaluate_checkpoint(r, checkpoint, out, model_dir=mdir, data_file=Path(data_file)))
     console.print_json(json.dumps(result, default=str))
 
 
@@ -320,7 +342,7 @@ def recipe_show(
     """Print the fully resolved recipe (YAML, or JSON with --json)."""
     r = recipe_or_exit(name, set_, check=False)
     if as_json:
-        print(json.dumps(r.model_dump(mode="json", exclude={"hub": {"token"}}), indent=2))
+        print(json.dumps(r.worker_dump(), indent=2))
     else:
         print(recipe_to_yaml(r), end="")
 
@@ -358,11 +380,6 @@ def data_make_tiny(
     --check: data, tokenizer and config must match a fresh build byte for byte; the trained base policy must match
     byte for byte or, where this CPU rounds differently (another vendor's MKL/ATen kernels), behave like the shipped
     one: its step-0 eval (sampled avg@n) and greedy score on the tiny eval set within BASE_POLICY_TOLERANCE."""
-    import tempfile
-
-    from kimi_pipeline.data.tiny_assets import BASE_POLICY_TOLERANCE, build_tiny_assets_reproducibly, compare_builds
-    from kimi_pipeline.eval.stage import base_policy_scores
-    from kimi_pipeline.recipes import load_recipe
 
     if not check:
         build_tiny_assets_reproducibly(out)

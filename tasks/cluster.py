@@ -1,5 +1,6 @@
 """Task `cluster`: not cached (a cluster is live state, a cached address may point at nothing);
-retried on transient failures (start-up races, a head not reachable yet); facts as a markdown artifact.
+retried on transient failures (start-up races, a head not reachable yet); facts as a markdown artifact,
+and the preflight's table (also, above all, when a check failed).
 
 The embedded cluster outlives this task on purpose: the flow tears it down in its `finally` with
 `kimi_pipeline.cluster.stop_cluster(run_dir)`.
@@ -15,11 +16,10 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
-from kimi_pipeline.cluster import stage_cluster
-from kimi_pipeline.cluster.stage import PREFLIGHT_MD
+from kimi_pipeline.cluster.lifecycle import PREFLIGHT_MD
 from kimi_pipeline.recipes import Recipe
-from kimi_pipeline.report.stage_reports import cluster_report
-from tasks.common import RETRY_DELAYS, retry_unless_permanent
+from kimi_pipeline.stages import CLUSTER
+from tasks.common import RETRY_DELAYS, retry_unless_permanent, run_stage_task
 
 
 @task(
@@ -34,13 +34,9 @@ from tasks.common import RETRY_DELAYS, retry_unless_permanent
 def cluster_task(recipe: Recipe, run_dir: str, timeout_s: float | None = None) -> dict[str, Any]:
     # The owner is the flow process (tasks run in its threads): if it dies, the watchdog cleans up.
     try:
-        section = stage_cluster(recipe, Path(run_dir), timeout_s=timeout_s, owner_pid=os.getpid())
-    finally:  # the preflight's table, also (above all) when a check failed
+        return run_stage_task(CLUSTER, recipe, run_dir, timeout_s=timeout_s, owner_pid=os.getpid())
+    finally:
         report = Path(run_dir) / "cluster" / PREFLIGHT_MD
         if report.is_file():
             create_markdown_artifact(report.read_text(), key="cluster-preflight",
                                      description=f"preflight of the Ray cluster of {recipe.name}")
-    create_markdown_artifact(
-        cluster_report(section), key="cluster-facts", description=f"Ray cluster of {recipe.name} ({section['mode']})"
-    )
-    return section

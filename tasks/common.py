@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
 
 from prefect import Task
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.tasks import exponential_backoff
 
 from kimi_pipeline.errors import is_permanent
+from kimi_pipeline.recipes import Recipe
+from kimi_pipeline.stages import Stage, StageReport, run_stage
 from kimi_pipeline.util.files import sha256_json
 
 P = ParamSpec("P")
@@ -42,7 +46,24 @@ def outputs_present(run_dir: str | Path, *relative: str) -> bool:
     return all((Path(run_dir) / r).exists() for r in relative)
 
 
-def cached(task: Task[P, R], outputs: tuple[str, ...], run_dir: str | Path) -> Task[P, R]:
-    """`task` whose cached result is used only while its `outputs` (paths relative to `run_dir`, the
-    task module's `*_OUTPUTS`) all exist; otherwise it runs again and refreshes the cache entry."""
-    return task.with_options(refresh_cache=not outputs_present(run_dir, *outputs))
+def cached(task: Task[P, R], stage: Stage, run_dir: str | Path) -> Task[P, R]:
+    """`task` whose cached result is used only while the `stage`'s outputs (paths relative to `run_dir`) all
+    exist; otherwise it runs again and refreshes the cache entry."""
+    return task.with_options(refresh_cache=not outputs_present(run_dir, *stage.outputs))
+
+
+def publish_artifact(recipe: Recipe) -> Callable[[StageReport, dict[str, Any], bool], None]:
+    """The stage runner's `publish` for a Prefect task: the stage's report as a markdown (or table) artifact."""
+
+    def publish(report: StageReport, section: dict[str, Any], failed: bool) -> None:
+        title = (report.failed_title if failed else report.title) or ""
+        description = title.format(recipe=recipe.name, **section)
+        create = create_table_artifact if report.table else create_markdown_artifact
+        create(report.render(section), key=report.key, description=description)
+
+    return publish
+
+
+def run_stage_task(stage: Stage, recipe: Recipe, run_dir: str | Path, **inputs: Any) -> dict[str, Any]:
+    """What every stage task does: run the stage through the one runner, its report published as an artifact."""
+    return run_stage(stage, recipe, Path(run_dir), publish=publish_artifact(recipe), **inputs)

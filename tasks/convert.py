@@ -8,16 +8,10 @@ from pathlib import Path
 from typing import Any
 
 from prefect import task
-from prefect.artifacts import create_markdown_artifact
 
-from kimi_pipeline.convert.stage import CKPT_NAME, MARKER, stage_convert
-from kimi_pipeline.model.checkpoint_dirs import TRACKER
 from kimi_pipeline.recipes import Recipe
-from kimi_pipeline.report.stage_reports import convert_report
-from tasks.common import RETRIES, RETRY_DELAYS, cache_key, read_json, retry_unless_permanent
-
-# What must still exist for a cached result to be usable (the flow runs it with `cached(...)`).
-CONVERT_OUTPUTS = (f"convert/{CKPT_NAME}/{TRACKER}", f"convert/{MARKER}")
+from kimi_pipeline.stages import CONVERT
+from tasks.common import RETRIES, RETRY_DELAYS, cache_key, read_json, retry_unless_permanent, run_stage_task
 
 
 def convert_key(context, params) -> str:
@@ -37,6 +31,4 @@ def convert_key(context, params) -> str:
     result_serializer="json",
 )
 def convert_task(recipe: Recipe, run_dir: str) -> dict[str, Any]:
-    section = stage_convert(recipe, Path(run_dir))
-    create_markdown_artifact(convert_report(section), key="convert", description="HF → torch_dist conversion")
-    return section
+    return run_stage_task(CONVERT, recipe, run_dir)

@@ -6,18 +6,13 @@ from pathlib import Path
 from typing import Any
 
 from prefect import task
-from prefect.artifacts import create_table_artifact
 
 from kimi_pipeline.hub.manifest import build_manifest, list_files
 from kimi_pipeline.recipes import Recipe
-from kimi_pipeline.report.stage_reports import download_report
-from kimi_pipeline.stages import stage_download
+from kimi_pipeline.stages import DOWNLOAD
 from kimi_pipeline.util.paths import resolve_path
-from tasks.common import RETRIES, RETRY_DELAYS, cache_key, retry_unless_permanent
+from tasks.common import RETRIES, RETRY_DELAYS, cache_key, retry_unless_permanent, run_stage_task
 from tasks.secrets import hf_token
-
-# What must still exist for a cached result to be usable (the flow runs it with `cached(...)`).
-DOWNLOAD_OUTPUTS = ("download/manifest.json",)
 
 
 def _source_fingerprint(recipe: Recipe) -> dict[str, Any]:
@@ -55,6 +50,4 @@ def download_key(context, params) -> str:
     result_serializer="json",
 )
 def download_task(recipe: Recipe, run_dir: str) -> dict[str, Any]:
-    section = stage_download(recipe, Path(run_dir), token=hf_token())
-    create_table_artifact(download_report(section), key="download-sources", description=f"Sources of {recipe.name} and where they landed")
-    return section
+    return run_stage_task(DOWNLOAD, recipe, run_dir, token=hf_token())

@@ -10,15 +10,11 @@ from pathlib import Path
 from typing import Any
 
 from prefect import task
-from prefect.artifacts import create_markdown_artifact
 
-from kimi_pipeline.quant.stage import SECTION_FILE, checkpoint_content_hash, stage_export
+from kimi_pipeline.quant.checkpoint_export import checkpoint_content_hash
 from kimi_pipeline.recipes import Recipe
-from kimi_pipeline.report.stage_reports import export_report
-from tasks.common import RETRIES, RETRY_DELAYS, cache_key, read_json, retry_unless_permanent
-
-# What must still exist for a cached result to be usable (the flow runs it with `cached(...)`).
-EXPORT_OUTPUTS = (f"export/{SECTION_FILE}", "export/int4/config.json")
+from kimi_pipeline.stages import EXPORT
+from tasks.common import RETRIES, RETRY_DELAYS, cache_key, read_json, retry_unless_permanent, run_stage_task
 
 
 def export_key(context, params) -> str:
@@ -40,12 +36,4 @@ def export_key(context, params) -> str:
     result_serializer="json",
 )
 def export_task(recipe: Recipe, run_dir: str, checkpoint_dir: str, step: int | None = None) -> dict[str, Any]:
-    try:
-        section = stage_export(recipe, Path(run_dir), checkpoint_dir, step=step)
-    except Exception as e:
-        partial = getattr(e, "section", None)
-        if partial:
-            create_markdown_artifact(export_report(partial), key="int4-export", description="INT4 export failed")
-        raise
-    create_markdown_artifact(export_report(section), key="int4-export", description="INT4 export + parity")
-    return section
+    return run_stage_task(EXPORT, recipe, run_dir, checkpoint_dir=checkpoint_dir, step=step)

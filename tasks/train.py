@@ -15,13 +15,12 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 
-from kimi_pipeline.eval.stage import run_eval_step
+from kimi_pipeline.eval.record import run_eval_step
 from kimi_pipeline.hub.download import model_root
 from kimi_pipeline.recipes import Recipe
-from kimi_pipeline.report.stage_reports import train_report
-from kimi_pipeline.rl.launch import LaunchPlan, plan_markdown
-from kimi_pipeline.stages import stage_train
-from tasks.common import RETRY_DELAYS, retry_unless_permanent
+from kimi_pipeline.rl.actor_layout import ActorLayout, layout_markdown
+from kimi_pipeline.stages import TRAIN
+from tasks.common import RETRY_DELAYS, retry_unless_permanent, run_stage_task
 
 
 @task(
@@ -59,12 +58,11 @@ def train_task(recipe: Recipe, run_dir: str, cluster: dict[str, Any] | None = No
     def evaluate(step: int, urls: list[str]) -> dict[str, Any]:
         return eval_task(recipe, run_dir, step, urls, hf_dir)
 
-    def show_plan(plan: LaunchPlan) -> None:  # shown before the stage refuses a plan with problems
-        create_markdown_artifact(plan_markdown(plan), key="launch-plan",
+    def show_layout(layout: ActorLayout) -> None:  # shown before the stage refuses a layout with problems
+        create_markdown_artifact(layout_markdown(layout), key="launch-plan",
                                  description="trainer ranks and engines → nodes/GPUs")
 
-    section = stage_train(recipe, Path(run_dir), ray_address=(cluster or {}).get("address"),
-                          evaluate=evaluate, on_step=on_step, on_plan=show_plan)
+    section = run_stage_task(TRAIN, recipe, run_dir, ray_address=(cluster or {}).get("address"),
+                             evaluate=evaluate, on_step=on_step, on_layout=show_layout)
     update_progress_artifact(progress_id, progress=100.0)
-    create_markdown_artifact(train_report(section), key="train", description="GRPO training summary")
     return section

@@ -7,15 +7,10 @@ from pathlib import Path
 from typing import Any
 
 from prefect import task
-from prefect.artifacts import create_markdown_artifact
 
 from kimi_pipeline.recipes import Recipe
-from kimi_pipeline.report.stage_reports import validate_report
-from kimi_pipeline.stages import stage_validate
-from tasks.common import RETRIES, RETRY_DELAYS, cache_key, read_json, retry_unless_permanent
-
-# What must still exist for a cached result to be usable (the flow runs it with `cached(...)`).
-VALIDATE_OUTPUTS = ("validate/train.jsonl", "validate/eval.jsonl")
+from kimi_pipeline.stages import VALIDATE
+from tasks.common import RETRIES, RETRY_DELAYS, cache_key, read_json, retry_unless_permanent, run_stage_task
 
 
 def validate_key(context, params) -> str:
@@ -37,12 +32,4 @@ def validate_key(context, params) -> str:
     result_serializer="json",
 )
 def validate_task(recipe: Recipe, run_dir: str) -> dict[str, Any]:
-    try:
-        section = stage_validate(recipe, Path(run_dir))
-    except Exception as e:
-        partial = getattr(e, "section", None)
-        if partial:
-            create_markdown_artifact(validate_report(partial), key="data-validation", description="validation failed")
-        raise
-    create_markdown_artifact(validate_report(section), key="data-validation", description="rows, bad rows, contamination")
-    return section
+    return run_stage_task(VALIDATE, recipe, run_dir)

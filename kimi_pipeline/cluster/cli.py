@@ -10,6 +10,21 @@ from typing import Optional
 import typer
 
 from kimi_pipeline.cli_recipes import RECIPE_HELP, SET_HELP, recipe_or_exit
+from kimi_pipeline.cluster.errors import ClusterError
+from kimi_pipeline.cluster.health import connected, read_facts
+from kimi_pipeline.cluster.kuberay import (
+    MANIFEST_DIR,
+    check_manifest,
+    manifest_path,
+    manifest_presets,
+    render_manifest,
+    write_manifest,
+)
+from kimi_pipeline.cluster.lifecycle import resolve_address, stop_cluster
+from kimi_pipeline.cluster.local import LocalCluster
+from kimi_pipeline.cluster.ray_submit import ray_submit_text
+from kimi_pipeline.errors import PermanentError
+from kimi_pipeline.stages import CLUSTER, run_stage
 
 cluster_app = typer.Typer(no_args_is_help=True, help="Ray cluster: up/down/status, KubeRay manifests, job command.")
 
@@ -26,13 +41,11 @@ def up(
     timeout: Optional[float] = typer.Option(None, "--timeout", help="Health-check timeout in seconds."),
 ) -> None:
     """Start (or attach to) the recipe's cluster and keep it running; `kimi cluster down` stops it."""
-    from kimi_pipeline.cluster import ClusterError, stage_cluster
-    from kimi_pipeline.errors import PermanentError
 
     r = recipe_or_exit(recipe, set_)
     r.cluster.keep = True  # this process exits right away; the cluster must not go with it
     try:
-        section = stage_cluster(r, run_dir, timeout_s=timeout)
+        section = run_stage(CLUSTER, r, run_dir, timeout_s=timeout)
     except (ClusterError, PermanentError) as e:
         raise _fail(e) from None
     typer.echo(json.dumps({k: v for k, v in section.items() if k != "node_list"}, indent=2))
@@ -41,7 +54,6 @@ def up(
 @cluster_app.command("down")
 def down(run_dir: Path = typer.Option(..., "--run-dir")) -> None:
     """Stop the embedded cluster a run started (only its processes; other Ray clusters are untouched)."""
-    from kimi_pipeline.cluster import stop_cluster
 
     report = stop_cluster(run_dir, keep=False)
     typer.echo("no running embedded cluster recorded in " + str(run_dir) if report is None else json.dumps(report))
@@ -53,9 +65,6 @@ def status(
     address: Optional[str] = typer.Option(None, "--address", help="GCS address HOST:PORT (instead of --run-dir)."),
 ) -> None:
     """Nodes and resources of a live cluster, as JSON."""
-    from kimi_pipeline.cluster.health import connected, read_facts
-    from kimi_pipeline.cluster.local import LocalCluster
-    from kimi_pipeline.cluster.stage import resolve_address
 
     if address is None:
         c = LocalCluster.load(run_dir) if run_dir else None
@@ -77,7 +86,6 @@ def manifest(
     out_dir: Optional[Path] = typer.Option(None, "--dir", help="Manifest directory (default infra/kuberay)."),
 ) -> None:
     """KubeRay RayCluster manifest generated from a recipe (print, --write, or --check for drift)."""
-    from kimi_pipeline.cluster.kuberay import MANIFEST_DIR, check_manifest, manifest_path, manifest_presets, render_manifest, write_manifest
 
     directory = out_dir or MANIFEST_DIR
     names = [recipe] if recipe else manifest_presets()
@@ -103,7 +111,6 @@ def job_command(
     set_: list[str] = typer.Option([], "--set", help=SET_HELP),
 ) -> None:
     """The `ray job submit` line that runs this pipeline as a Ray job (venv interpreter, absolute path)."""
-    from kimi_pipeline.cluster.jobs import job_submit_text
 
     recipe_or_exit(recipe, set_, check=False)
-    typer.echo(job_submit_text(recipe, dashboard, set_))
+    typer.echo(ray_submit_text(recipe, dashboard, set_))

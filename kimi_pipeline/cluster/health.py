@@ -14,6 +14,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import ray
+
 from kimi_pipeline.cluster.env import gcs_reachable
 from kimi_pipeline.cluster.errors import ClusterError, ClusterHealthError
 
@@ -34,15 +36,15 @@ class Requirements:
     def from_recipe(cls, recipe) -> Requirements:
         """cuda: the recipe's GPUs per node; cpu: no GPUs, one CPU per trainer rank (gpus_per_node counts
         ranks) plus one for the embedded engine when it is not colocated."""
-        c = recipe.cluster
-        ranks = c.gpus_per_node
-        default_cpus = ranks + (0 if c.colocate else 1) if c.device == "cpu" else 1
-        cpus = c.cpus_per_node if c.cpus_per_node is not None else default_cpus
+        cluster = recipe.cluster
+        ranks = cluster.gpus_per_node
+        default_cpus = ranks + (0 if cluster.colocate else 1) if cluster.device == "cpu" else 1
+        cpus = cluster.cpus_per_node if cluster.cpus_per_node is not None else default_cpus
         return cls(
-            nodes=c.nodes,
-            gpus_per_node=ranks if c.device == "cuda" else 0,
+            nodes=cluster.nodes,
+            gpus_per_node=ranks if cluster.device == "cuda" else 0,
             cpus_per_node=cpus,
-            memory_gb_per_node=c.memory_gb_per_node,
+            memory_gb_per_node=cluster.memory_gb_per_node,
         )
 
     def describe(self) -> str:
@@ -133,7 +135,6 @@ class ClusterFacts:
 
 def read_facts() -> ClusterFacts:
     """Facts of the cluster this process is connected to (ray.init already done)."""
-    import ray
 
     nodes = []
     for n in ray.nodes():
@@ -158,7 +159,6 @@ def read_facts() -> ClusterFacts:
 @contextlib.contextmanager
 def connected(address: str) -> Iterator[None]:
     """A short-lived driver connection (reuses one that is already open to the same cluster)."""
-    import ray
 
     if ray.is_initialized():
         current = ray.get_runtime_context().gcs_address

@@ -19,7 +19,12 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import ray
+from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
 from kimi_pipeline.cluster.errors import ClusterConfigError, PlacementError
+from kimi_pipeline.util.net import free_port
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +57,7 @@ class EngineSlot:
 
 
 @dataclass(frozen=True)
-class PlacementPlan:
+class Placement:
     groups: tuple[GroupSpec, ...]
     ranks_per_bundle: int
     engines: tuple[EngineSlot, ...]
@@ -76,24 +81,24 @@ class PlacementPlan:
         return d
 
 
-def plan_placement(recipe, rollout_devices: int | None = None) -> PlacementPlan:
-    """The plan for `recipe`. `rollout_devices`: GPUs for non-colocated engines (default: the trainer's)."""
-    c = recipe.cluster
-    per_node, nodes = c.gpus_per_node, c.nodes
-    cuda = c.device == "cuda"
+def compute_placement(recipe, rollout_devices: int | None = None) -> Placement:
+    """The placement groups for `recipe`. `rollout_devices`: GPUs for non-colocated engines (default: the trainer's)."""
+    cluster = recipe.cluster
+    per_node, nodes = cluster.gpus_per_node, cluster.nodes
+    cuda = cluster.device == "cuda"
     res = "GPU" if cuda else "CPU"
     trainer_bundle = {"GPU": float(per_node), "CPU": float(per_node)} if cuda else {"CPU": float(per_node)}
     trainer = GroupSpec("trainer", tuple(dict(trainer_bundle) for _ in range(nodes)), "STRICT_SPREAD")
-    frac = COLOCATED_TRAINER_FRACTION if c.colocate else 1.0
-    trainer_actor = {"GPU": frac, "CPU": frac} if cuda else {"CPU": 0.5 if c.colocate else 1.0}
+    frac = COLOCATED_TRAINER_FRACTION if cluster.colocate else 1.0
+    trainer_actor = {"GPU": frac, "CPU": frac} if cuda else {"CPU": 0.5 if cluster.colocate else 1.0}
 
     if not cuda:  # embedded engine: one per node, one CPU each
-        if c.colocate:
+        if cluster.colocate:
             engines = tuple(EngineSlot("trainer", (i,), 1) for i in range(nodes))
-            return PlacementPlan((trainer,), per_node, engines, True, c.device, trainer_actor, {"CPU": 0.5})
+            return Placement((trainer,), per_node, engines, True, cluster.device, trainer_actor, {"CPU": 0.5})
         rollout = GroupSpec("rollout", tuple({"CPU": 1.0} for _ in range(nodes)), "STRICT_SPREAD")
         engines = tuple(EngineSlot("rollout", (i,), 1) for i in range(nodes))
-        return PlacementPlan((trainer, rollout), per_node, engines, False, c.device, trainer_actor, {"CPU": 1.0})
+        return Placement((trainer, rollout), per_node, engines, False, cluster.device, trainer_actor, {"CPU": 1.0})
 
     gpe = recipe.sglang.gpus_per_engine
     if gpe > per_node and gpe % per_node:
@@ -102,19 +107,19 @@ def plan_placement(recipe, rollout_devices: int | None = None) -> PlacementPlan:
         )
     if gpe < per_node and per_node % gpe:
         raise ClusterConfigError(f"sglang.gpus_per_engine={gpe} does not divide cluster.gpus_per_node={per_node}")
-    if c.colocate:
-        total = c.world_size
+    if cluster.colocate:
+        total = cluster.world_size
         if total % gpe:
             raise ClusterConfigError(f"{total} trainer GPUs cannot be split into engines of sglang.gpus_per_engine={gpe}")
         engines = tuple(
             EngineSlot("trainer", tuple(sorted({g // per_node for g in range(e * gpe, (e + 1) * gpe)})), gpe)
             for e in range(total // gpe)
         )
-        return PlacementPlan(
-            (trainer,), per_node, engines, True, c.device, trainer_actor,
+        return Placement(
+            (trainer,), per_node, engines, True, cluster.device, trainer_actor,
             {"GPU": COLOCATED_ENGINE_FRACTION, "CPU": COLOCATED_ENGINE_FRACTION},
         )
-    total = rollout_devices or c.world_size
+    total = rollout_devices or cluster.world_size
     if total % gpe:
         raise ClusterConfigError(f"{total} rollout GPUs cannot be split into engines of sglang.gpus_per_engine={gpe}")
     n_engines = total // gpe
@@ -127,7 +132,7 @@ def plan_placement(recipe, rollout_devices: int | None = None) -> PlacementPlan:
         bundles = tuple({res: float(gpe), "CPU": float(gpe)} for _ in range(n_engines))
         rollout = GroupSpec("rollout", bundles, "PACK")
         engines = tuple(EngineSlot("rollout", (e,), gpe) for e in range(n_engines))
-    return PlacementPlan((trainer, rollout), per_node, engines, False, c.device, trainer_actor, {"GPU": 1.0, "CPU": 1.0})
+    return Placement((trainer, rollout), per_node, engines, False, cluster.device, trainer_actor, {"GPU": 1.0, "CPU": 1.0})
 
 
 def diagnose(group: GroupSpec, nodes: list[dict[str, float]]) -> list[str]:
@@ -158,8 +163,6 @@ def create_group(group: GroupSpec, timeout_s: float = 60.0) -> Any:
 
     If it is not placed within `timeout_s` it is removed and PlacementError says why it does not fit.
     """
-    import ray
-    from ray.util.placement_group import placement_group, remove_placement_group
 
     t0 = time.monotonic()
     pg = placement_group([dict(b) for b in group.bundles], strategy=group.strategy, name=f"kimi-{group.name}")
@@ -176,11 +179,11 @@ def create_group(group: GroupSpec, timeout_s: float = 60.0) -> Any:
     return pg
 
 
-def create_placement_groups(plan: PlacementPlan, timeout_s: float = 60.0) -> dict[str, Any]:
-    """Every group of `plan`, name -> PlacementGroup; all or nothing (earlier groups are removed on failure)."""
+def create_placement_groups(placement: Placement, timeout_s: float = 60.0) -> dict[str, Any]:
+    """Every group of `placement`, name -> PlacementGroup; all or nothing (earlier groups are removed on failure)."""
     made: dict[str, Any] = {}
     try:
-        for g in plan.groups:
+        for g in placement.groups:
             made[g.name] = create_group(g, timeout_s)
     except BaseException:
         remove_placement_groups(made)
@@ -189,15 +192,12 @@ def create_placement_groups(plan: PlacementPlan, timeout_s: float = 60.0) -> dic
 
 
 def remove_placement_groups(groups: dict[str, Any]) -> None:
-    from ray.util.placement_group import remove_placement_group
-
     for pg in groups.values():
         remove_placement_group(pg)
 
 
 def bundle_nodes(pg) -> list[str]:
     """Node id of each bundle of a ready placement group, in bundle order."""
-    from ray.util.placement_group import placement_group_table
 
     table = placement_group_table(pg)["bundles_to_node_id"]
     return [table[i] for i in sorted(table)]
@@ -205,7 +205,6 @@ def bundle_nodes(pg) -> list[str]:
 
 def _available_per_node() -> list[dict[str, float]]:
     """Free resources per alive node (a Ray DeveloperAPI; falls back to node totals)."""
-    import ray
 
     try:
         from ray._private.state import available_resources_per_node
@@ -217,10 +216,6 @@ def _available_per_node() -> list[dict[str, float]]:
 
 def free_port_on(pg, bundle: int) -> tuple[str, int]:
     """(IP, free port) of the node holding `bundle`: rendezvous addresses must be free where they are bound."""
-    import ray
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    from kimi_pipeline.util.net import free_port
 
     @ray.remote(num_cpus=0.01)
     def probe() -> tuple[str, int]:

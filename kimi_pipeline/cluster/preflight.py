@@ -36,11 +36,11 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from kimi_pipeline.cluster.health import connected
 from kimi_pipeline.cluster.probe import GIB, NodeProbe
+from kimi_pipeline.engine.sglang import sglang_python
 from kimi_pipeline.model.params import count_params
 from kimi_pipeline.plan.command import make_plan
 from kimi_pipeline.plan.hardware import GPUS, get_gpu
 from kimi_pipeline.recipes import Recipe
-from kimi_pipeline.rl.engine.sglang import sglang_python
 from kimi_pipeline.util.paths import resolve_path
 
 # megatron-core's DDP gradient bucket: 40M fp32 elements (distributed/distributed_data_parallel_config.py,
@@ -141,11 +141,11 @@ def gpu_model(nodes: list[Node]) -> str | None:
 def check_nodes(recipe: Recipe, nodes: list[Node], unanswered: list[str], needs: dict[str, Any] | None = None
                 ) -> list[Check]:
     """The per-node facts against the recipe, the plan (`needs`, default: made here) and each other."""
-    c = recipe.cluster
+    cluster = recipe.cluster
     gpu_name = gpu_model(nodes)
     needs = needs or _needs(recipe, gpu_name)
-    checks = [Check("nodes", len(nodes) >= c.nodes and not unanswered,
-                    f"{len(nodes)} alive node(s), the recipe needs {c.nodes}"
+    checks = [Check("nodes", len(nodes) >= cluster.nodes and not unanswered,
+                    f"{len(nodes)} alive node(s), the recipe needs {cluster.nodes}"
                     + (f"; {'; '.join(unanswered)}" if unanswered else ""),
                     "start the missing nodes (infra/ray/worker.sh) or lower cluster.nodes",
                     [u.split(":")[0] for u in unanswered])]
@@ -159,9 +159,9 @@ def check_nodes(recipe: Recipe, nodes: list[Node], unanswered: list[str], needs:
             f"{common} on most nodes; " + ", ".join(f"{label}: {versions[label]}" for label in odd)
         checks.append(Check(f"software: {name}", not odd, detail, "install the same versions on every node (same path "
                             "on the shared filesystem: `make install` once, or one container image)", odd))
-    if c.device == "cuda":
-        few = [n.label for n in answered if len(n.facts["gpus"]) < c.gpus_per_node]
-        checks.append(Check("gpus: count", not few, f"cluster.gpus_per_node={c.gpus_per_node}; " + ", ".join(
+    if cluster.device == "cuda":
+        few = [n.label for n in answered if len(n.facts["gpus"]) < cluster.gpus_per_node]
+        checks.append(Check("gpus: count", not few, f"cluster.gpus_per_node={cluster.gpus_per_node}; " + ", ".join(
             f"{n.label}: {len(n.facts['gpus'])}" for n in answered), "fix the node's GPUs / CUDA_VISIBLE_DEVICES or "
             "lower cluster.gpus_per_node", few))
         for key, of in (("gpus: model", lambda f: ",".join(sorted({g["name"] for g in f["gpus"]}))),
@@ -257,29 +257,59 @@ def collective_cause(failed: dict[str, list[dict]]) -> list[str]:
 
 def check_collective(recipe: Recipe, nodes: list[Node], timeout_s: float, nbytes: int) -> Check:
     """All-reduce over every rank of the layout's world; the nodes whose ranks did not join are named."""
-    c = recipe.cluster
+    cluster = recipe.cluster
     master = nodes[0]
     port = ray.get(master.probe.free_port.remote())  # on the master's node, for the rendezvous
-    world = len(nodes) * c.gpus_per_node
-    results, missing = _call(nodes, "collective", lambda n: ({
-        "master_addr": master.ip, "master_port": port, "node_rank": nodes.index(n), "ranks_per_node": c.gpus_per_node,
-        "world": world, "bytes": nbytes, "device": c.device, "timeout_s": timeout_s},), timeout_s + 60)
+    world = len(nodes) * cluster.gpus_per_node
+    results, missing = _call(
+        nodes,
+        "collective",
+        lambda n: (
+            {
+                "master_addr": master.ip,
+                "master_port": port,
+                "node_rank": nodes.index(n),
+                "ranks_per_node": cluster.gpus_per_node,
+                "world": world,
+                "bytes": nbytes,
+                "device": cluster.device,
+                "timeout_s": timeout_s,
+            },
+        ),
+        timeout_s + 60,
+    )
     failed = {label: [r for r in ranks if not r.get("ok")] for label, ranks in results.items()}
     cause = collective_cause(failed) + [m.split(":")[0] for m in missing]
     if cause:
         why = "; ".join([f"{label}: {failed[label][0].get('error')}" for label in cause if failed.get(label)] + missing)
-        return Check("collective", False, f"{world} ranks ({'nccl' if c.device == 'cuda' else 'gloo'}); did not join "
-                     f"within {timeout_s:.0f} s: {', '.join(cause)} ({why})",
-                     "fix the named node's network for the process group (NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME, "
-                     "firewall, InfiniBand) or take it out of the cluster", cause)
+        return Check(
+            "collective",
+            False,
+            f"{world} ranks ({'nccl' if cluster.device == 'cuda' else 'gloo'}); did not join "
+            f"within {timeout_s:.0f} s: {', '.join(cause)} ({why})",
+            "fix the named node's network for the process group (NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME, "
+            "firewall, InfiniBand) or take it out of the cluster",
+            cause,
+        )
     bw = {label: min(r["bus_gbps"] for r in ranks) for label, ranks in results.items()}
-    return Check("collective", True, f"all-reduce of {nbytes / 1e6:.0f} MB over {world} ranks "
-                 f"({'nccl' if c.device == 'cuda' else 'gloo'}); bus bandwidth per node: "
-                 + ", ".join(f"{label}: {v:.2f} GB/s" for label, v in bw.items()))
+    return Check(
+        "collective",
+        True,
+        f"all-reduce of {nbytes / 1e6:.0f} MB over {world} ranks "
+        f"({'nccl' if cluster.device == 'cuda' else 'gloo'}); bus bandwidth per node: "
+        + ", ".join(f"{label}: {v:.2f} GB/s" for label, v in bw.items()),
+    )
 
 
-def run_preflight(recipe: Recipe, address: str | None = None, *, fast: bool = False, timeout_s: float = 120.0,
-                  join_timeout_s: float = 120.0, progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+def run_preflight(
+    recipe: Recipe,
+    address: str | None = None,
+    *,
+    fast: bool = False,
+    timeout_s: float = 120.0,
+    join_timeout_s: float = 120.0,
+    progress: Callable[[str], None] = lambda _: None,
+) -> dict[str, Any]:
     """Every check against the cluster at `address` (None: the one this process is connected to); the report.
     `timeout_s` bounds each probe call (the first starts a worker that imports torch on every node at once);
     `join_timeout_s` the collective's rendezvous. `fast`: no collective, a 1 MiB shared-file check (the cluster
@@ -288,8 +318,9 @@ def run_preflight(recipe: Recipe, address: str | None = None, *, fast: bool = Fa
         return _preflight(recipe, fast, timeout_s, join_timeout_s, progress)
 
 
-def _preflight(recipe: Recipe, fast: bool, timeout_s: float, join_timeout_s: float,
-               progress: Callable[[str], None]) -> dict[str, Any]:
+def _preflight(
+    recipe: Recipe, fast: bool, timeout_s: float, join_timeout_s: float, progress: Callable[[str], None]
+) -> dict[str, Any]:
     t0 = time.monotonic()
     nodes = _probes()
     try:

@@ -171,27 +171,40 @@ class NodeProbe:
             server, self._server = self._server, None
             server.close()
 
-    def collective(self, job: dict[str, Any]) -> list[dict[str, Any]]:
+    def collective(self, collective_spec: dict[str, Any]) -> list[dict[str, Any]]:
         """This node's ranks of the preflight collective (`preflight_rank`), each a process as a trainer rank is; their
         reports. A rank that outlives the timeout is killed and reported as such."""
         procs = []
-        for local in range(job["ranks_per_node"]):
-            env = {**os.environ, "MASTER_ADDR": job["master_addr"], "MASTER_PORT": str(job["master_port"]),
-                   "RANK": str(job["node_rank"] * job["ranks_per_node"] + local), "WORLD_SIZE": str(job["world"]),
-                   "LOCAL_RANK": str(local), "KIMI_PREFLIGHT_BYTES": str(job["bytes"]),
-                   "KIMI_PREFLIGHT_DEVICE": job["device"], "KIMI_PREFLIGHT_TIMEOUT_S": str(job["timeout_s"]),
-                   "OMP_NUM_THREADS": "1"}
+        for local in range(collective_spec["ranks_per_node"]):
+            env = {
+                **os.environ,
+                "MASTER_ADDR": collective_spec["master_addr"],
+                "MASTER_PORT": str(collective_spec["master_port"]),
+                "RANK": str(collective_spec["node_rank"] * collective_spec["ranks_per_node"] + local),
+                "WORLD_SIZE": str(collective_spec["world"]),
+                "LOCAL_RANK": str(local),
+                "KIMI_PREFLIGHT_BYTES": str(collective_spec["bytes"]),
+                "KIMI_PREFLIGHT_DEVICE": collective_spec["device"],
+                "KIMI_PREFLIGHT_TIMEOUT_S": str(collective_spec["timeout_s"]),
+                "OMP_NUM_THREADS": "1",
+            }
             procs.append(subprocess.Popen([sys.executable, "-m", "kimi_pipeline.cluster.preflight_rank"], env=env,
                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
         out = []
-        deadline = time.monotonic() + job["timeout_s"] + 30
+        deadline = time.monotonic() + collective_spec["timeout_s"] + 30
         for local, p in enumerate(procs):
             try:
                 stdout, stderr = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 p.kill()
                 stdout, stderr = p.communicate()
-                out.append({"local_rank": local, "ok": False, "error": f"still waiting after {job['timeout_s']:.0f} s"})
+                out.append(
+                    {
+                        "local_rank": local,
+                        "ok": False,
+                        "error": f"still waiting after {collective_spec['timeout_s']:.0f} s",
+                    }
+                )
                 continue
             lines = [line for line in stdout.splitlines() if line.startswith("{")]
             report = json.loads(lines[-1]) if lines else {

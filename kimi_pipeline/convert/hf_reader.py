@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError, safe_open
 
 from kimi_pipeline.convert.dequant import (
     FP8_SCALE_SUFFIX,
@@ -62,7 +63,6 @@ def _read_index(root: Path) -> dict[str, str] | None:
 
 def _open_file(path: Path):
     """safe_open (memory-mapped), naming the file a partial download or an interrupted save left missing or broken."""
-    from safetensors import SafetensorError, safe_open
 
     if not path.is_file():
         raise HFCheckpointError(

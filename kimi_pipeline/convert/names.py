@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
+import torch.distributed as dist
 
 from kimi_pipeline.errors import PermanentError
 from kimi_pipeline.model.megatron_model import unwrap
@@ -403,8 +404,6 @@ def _group(name: str):
 
 
 def _gather(shard: Shard, local: torch.Tensor) -> list[torch.Tensor]:
-    import torch.distributed as dist
-
     if not shard.split:
         return hf_from_gathered(shard, [local])
     parts = [torch.empty_like(local) for _ in range(shard.size)]
@@ -501,7 +500,6 @@ def export_hf_tensors(
     holder yields just the tensors it is the designated source of (for writers that shard the output).
     Tensors come out in the model's dtype (expert bias in fp32) unless `dtype` is given.
     """
-    import torch.distributed as dist
 
     tensors = model_tensors(model)
     mine = {s.hf: s for s in rank_shards(model, spec, layout)}

@@ -10,7 +10,8 @@ exercised. Each rank:
 3. with `logits` (one rank, small models): runs megatron and transformers on the same tokens and
    records the largest logit difference against a stated tolerance.
 Rank 0 also checks that the exported names cover every HF tensor of the model exactly once.
-Results go to `verify_rank_<r>.json`; `summarize` folds them into the stage's verdict.
+Results go to `verify_rank_<r>.json`; `summarize` folds them into the stage's verdict. The worker boundary is
+`verify_rank`, as in `convert.convert_rank`: the model code loads there.
 """
 
 from __future__ import annotations
@@ -22,10 +23,11 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kimi_pipeline.convert.job import current_rss_mb, dtype_of, peak_rss_mb, poison_parameters
-from kimi_pipeline.convert.launch import job_main
+from kimi_pipeline.convert.convert_rank import poison_parameters
 from kimi_pipeline.errors import PermanentError
 from kimi_pipeline.util.files import atomic_write_json
+from kimi_pipeline.weightjobs.job_file import current_rss_mb, dtype_of, peak_rss_mb
+from kimi_pipeline.weightjobs.launch import job_main
 
 if TYPE_CHECKING:  # heavy imports happen inside the rank (see job.py)
     import torch

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
 SPECIAL_TOKENS = [
     "[PAD]",
     "[BOS]",
@@ -37,7 +39,6 @@ CHAT_TEMPLATE = (
 
 def train_tiny_tokenizer(corpus: list[str], out_dir: Path, vocab_size: int = 360) -> Path:
     """Train and save the tiny tokenizer (deterministic for a corpus)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())

@@ -15,30 +15,26 @@ import math
 from pathlib import Path
 from typing import Any
 
+import datasets
 import pandas as pd
 import pandera.errors as pa_errors
 
 from kimi_pipeline.data.rows import (as_messages, label_value_problem, normalize_problem, problem_signature,
                                      prompt_problem)
 from kimi_pipeline.data.schemas import row_schema
-from kimi_pipeline.errors import PermanentError
+from kimi_pipeline.errors import SectionError
 from kimi_pipeline.recipes import Recipe
 from kimi_pipeline.util.files import atomic_write_json, atomic_write_jsonl
 
 RAW_PREVIEW_CHARS = 2000
 
 
-class DataValidationError(PermanentError):
+class DataValidationError(SectionError):
     """Too many bad rows / contamination / unreadable file. `section` carries the report."""
-
-    def __init__(self, message: str, section: dict[str, Any] | None = None):
-        super().__init__(message)
-        self.section = section or {}
 
 
 def load_rows(path: Path, cache_dir: Path | None = None) -> list[tuple[int, Any, str | None, str]]:
     """(line, parsed object or None, json error or None, raw text) per row, via `datasets`."""
-    import datasets
 
     datasets.disable_progress_bars()
     path = Path(path)

@@ -12,10 +12,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kimi_pipeline.engine.sampler import SamplingParams
 from kimi_pipeline.eval.metrics import summarize
 from kimi_pipeline.model.tokenizer import decode_responses
 from kimi_pipeline.recipes.models import EvalSpec
 from kimi_pipeline.report.metrics import read_jsonl
+from kimi_pipeline.reward import AnswerGrader
 from kimi_pipeline.rl.prompts import Prompt
 from kimi_pipeline.util.files import atomic_write_json, atomic_write_text
 
@@ -30,8 +32,6 @@ def evaluate(client, tokenizer, prompts: list[Prompt], spec: EvalSpec, *, step: 
              thinking: bool = False, strict: bool = False, out_dir: str | Path | None = None,
              top_k: int = -1) -> dict[str, Any]:
     """Evaluate the engines' current weights; write the per-problem table and append eval.jsonl."""
-    from kimi_pipeline.rl.engine.sampler import SamplingParams
-    from kimi_pipeline.reward import AnswerGrader
 
     t0 = time.perf_counter()
     n = spec.n_samples_per_prompt

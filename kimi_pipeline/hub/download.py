@@ -9,6 +9,8 @@ The HF token comes from the caller (env or a Prefect Secret) and is never logged
 
 from __future__ import annotations
 
+import fnmatch
+import importlib
 import json
 import logging
 import os
@@ -16,6 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from huggingface_hub import HfApi, hf_hub_download, snapshot_download
+from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+from kimi_pipeline.convert.names import HFLayout
 from kimi_pipeline.errors import PermanentError
 from kimi_pipeline.hub.manifest import (
     MANIFEST_NAMES,
@@ -25,7 +31,6 @@ from kimi_pipeline.hub.manifest import (
     read_sha256sums,
     verify_files,
 )
-from kimi_pipeline.convert.names import HFLayout
 from kimi_pipeline.model.hf_config import (
     KIMI_MODEL_TYPES,
     quantization_config,
@@ -127,7 +132,6 @@ def fetch_local(name: str, source: Source, recipe: Recipe, previous: dict | None
 # ---------------------------------------------------------------- hub sources
 def _network_errors() -> tuple[type[Exception], ...]:
     """huggingface_hub 2.x talks httpx2 (1.x httpx): connection failures there are not OSErrors."""
-    import importlib
 
     out: tuple[type[Exception], ...] = ()
     for mod in ("httpx2", "httpx"):
@@ -140,7 +144,6 @@ def _network_errors() -> tuple[type[Exception], ...]:
 
 def _hub_expected(api, source: Source, token: str | None, patterns: list[str] | None) -> tuple[dict, str | None]:
     """Expected size/sha256 per file from the hub's metadata (LFS files carry their sha256)."""
-    import fnmatch
 
     info = api.repo_info(source.repo_id, revision=source.revision, repo_type=source.repo_type, files_metadata=True, token=token)
     out = {}
@@ -154,9 +157,6 @@ def _hub_expected(api, source: Source, token: str | None, patterns: list[str] | 
 
 
 def fetch_hub(name: str, source: Source, recipe: Recipe, token: str | None, offline: bool, verify: str) -> Fetched:
-    from huggingface_hub import HfApi, hf_hub_download, snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
-
     if not source.repo_id:
         raise DownloadError(f"{name}: hub source needs repo_id")
     base = resolve_path(recipe.paths.base_dir, recipe.paths.base_dir)

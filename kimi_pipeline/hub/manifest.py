@@ -6,6 +6,7 @@ corrupt or truncated shard is caught at download time, not as a NaN (or a missin
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import struct
 from dataclasses import dataclass
@@ -28,7 +29,6 @@ class FileIssue:
 
 def list_files(root: Path, patterns: list[str] | None = None) -> list[Path]:
     """Files under root (relative), hidden files and our own manifests excluded."""
-    import fnmatch
 
     out = []
     for p in sorted(root.rglob("*")):

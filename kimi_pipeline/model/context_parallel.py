@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from kimi_pipeline.model.vocab_parallel import logprobs_from_logits
+
 
 def seq_multiple(tp: int, cp: int, sequence_parallel: bool) -> int:
     """What every sequence length must divide by: 2·CP chunks, each split over TP under SP."""
@@ -191,7 +193,6 @@ def batch_logprobs(logits: torch.Tensor, batch: dict, *, temperature: float = 1.
                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token (logprobs, entropy) [b, s] of batch["targets"] from the logits the model returned for this
     batch, whatever CP split or packing the forward step used (`batch["seq_layout"]`)."""
-    from kimi_pipeline.model.megatron_train import logprobs_from_logits
 
     layout: SeqLayout = batch.get("seq_layout") or SeqLayout()
     lp, ent = logprobs_from_logits(logits, layout.local(batch["targets"]), temperature=temperature,

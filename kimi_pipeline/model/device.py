@@ -8,7 +8,7 @@ exists, so the CPU tests run the program a GPU runs, with only the device value 
 Which visible GPU is "its own":
 - a Ray actor whose GPUs Ray made visible (`CUDA_VISIBLE_DEVICES` set to its share): the first one, index 0;
 - a colocated actor that chooses its own GPU (`RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES`, all GPUs of the
-  node visible): the local GPU its placement names (`rl/launch.py`);
+  node visible): the local GPU its placement names (`rl/actor_layout.py`);
 - a torchrun rank of a weight job: `KIMI_LOCAL_DEVICE_BASE + LOCAL_RANK` (several simulated "nodes" on one
   host take consecutive GPUs).
 """
@@ -59,10 +59,10 @@ def resolve_device(requested: str, local_index: int = 0) -> torch.device:
     return torch.device("cuda", local_index)
 
 
-def actor_gpu_index(planned_local_gpu: int) -> int:
-    """The visible-GPU index of a Ray actor whose placement put it on node-local GPU `planned_local_gpu`: that
+def actor_gpu_index(local_gpu: int) -> int:
+    """The visible-GPU index of a Ray actor whose placement put it on node-local GPU `local_gpu`: that
     GPU when the actor chooses its own (colocated), else 0 — Ray made exactly the actor's GPUs visible."""
-    return planned_local_gpu if os.environ.get(NOSET_VISIBLE_DEVICES) == "1" else 0
+    return local_gpu if os.environ.get(NOSET_VISIBLE_DEVICES) == "1" else 0
 
 
 def job_device(requested: str) -> torch.device:

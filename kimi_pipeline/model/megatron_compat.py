@@ -22,9 +22,11 @@ still exists and that each (device, TE, backend) gets the documented set.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import importlib
 import os
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -266,7 +268,6 @@ def _sequence_parallel_norm(original: Any) -> Any:
     must be summed over the TP group: finalize_model_grads does that for params tagged
     `sequence_parallel` (TE's norms tag themselves the same way).
     """
-    import dataclasses
 
     new = original.__func__ if isinstance(original, staticmethod) else original
 
@@ -605,7 +606,6 @@ def missing_targets() -> list[str]:
 
 def megatron_kernels() -> tuple[bool, bool]:
     """(Transformer Engine present, megatron uses torch's Adam) as megatron itself decided at import."""
-    import warnings
 
     with warnings.catch_warnings():  # megatron warns about the missing TE / apex it falls back from
         warnings.simplefilter("ignore")

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from kimi_pipeline.model.grouped_experts import grouped_sequential_mlp
 from kimi_pipeline.model.megatron_compat import apply_compat, megatron_kernels
 from kimi_pipeline.model.parallel import Layout, LayoutError
 from kimi_pipeline.recipes.models import ModelSpec
@@ -240,8 +241,6 @@ def decoder_block_spec(config, use_te: bool, pp_rank: int | None = None):
         from megatron.core.post_training.modelopt.layers import Linear
         from megatron.core.transformer.mlp import MLP
         from megatron.core.transformer.moe.experts import SequentialMLP
-
-        from kimi_pipeline.model.grouped_experts import grouped_sequential_mlp
 
         attention = _local_mla_core_attention()
         for layer in block.layer_specs:

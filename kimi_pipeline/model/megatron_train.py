@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from kimi_pipeline.model.checkpoint_dirs import TRACKER, CheckpointError, iteration_dir, latest_step
@@ -180,54 +181,6 @@ def lr_scheduler(optimizer, opt: OptimizerSpec, total_steps: int):
         wd_incr_steps=max(total_steps, 1),
         wd_incr_style="constant",
     )
-
-
-# --------------------------------------------------------------------------- logprobs
-
-
-def _tp_reduce(x: torch.Tensor, op=None) -> torch.Tensor:
-    """All-reduce over the TP group: autograd-aware sum (backward = identity) or a detached max."""
-    from megatron.core import parallel_state as ps
-
-    if ps.get_tensor_model_parallel_world_size() == 1:
-        return x
-    if op == "max":
-        x = x.detach().clone()
-        torch.distributed.all_reduce(x, op=torch.distributed.ReduceOp.MAX, group=ps.get_tensor_model_parallel_group())
-        return x
-    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
-
-    return reduce_from_tensor_model_parallel_region(x)
-
-
-def logprobs_from_logits(
-    logits: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0, with_entropy: bool = True
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-token log p(target) and entropy from vocab-parallel logits [..., V/tp] (differentiable).
-
-    Correct under TP: the softmax normaliser is assembled with a max / sum all-reduce over the TP group.
-    `targets` must match the logits position for position: losses use `context_parallel.batch_logprobs`,
-    which handles a CP split or packing. `temperature` divides the logits first (the rollout's temperature).
-    """
-    from megatron.core import parallel_state as ps
-
-    logits = logits.float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    v_local = logits.shape[-1]
-    start = ps.get_tensor_model_parallel_rank() * v_local
-    shifted = logits - _tp_reduce(logits.max(dim=-1, keepdim=True).values, op="max")
-    exp = shifted.exp()
-    sum_exp = _tp_reduce(exp.sum(dim=-1, keepdim=True))
-    lse = sum_exp.log().squeeze(-1)
-    local = targets - start
-    inside = (local >= 0) & (local < v_local)
-    picked = shifted.gather(-1, local.clamp(0, v_local - 1).unsqueeze(-1)).squeeze(-1) * inside
-    logprobs = _tp_reduce(picked) - lse
-    if not with_entropy:
-        return logprobs, None
-    entropy = lse - _tp_reduce((exp / sum_exp * shifted).sum(dim=-1))
-    return logprobs, entropy
 
 
 # --------------------------------------------------------------------------- schedules
@@ -406,7 +359,6 @@ def _unb64(s: str) -> torch.Tensor:
 
 def rng_state(device: torch.device) -> dict:
     """This rank's RNG states (python, numpy, torch CPU, `device`'s when a GPU, megatron tracker) as JSON data."""
-    import numpy as np
     from megatron.core import tensor_parallel
 
     np_state = np.random.get_state()
@@ -422,7 +374,6 @@ def rng_state(device: torch.device) -> dict:
 
 
 def set_rng_state(state: dict, device: torch.device) -> None:
-    import numpy as np
     from megatron.core import tensor_parallel
 
     random.setstate((3, tuple(state["python"][0]), state["python"][1]))

@@ -14,9 +14,11 @@ import os
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from kimi_pipeline.errors import PermanentError
 from kimi_pipeline.model.megatron_compat import apply_compat
+from kimi_pipeline.recipes.checks import PipelineSplitError, pipeline_layers
 from kimi_pipeline.recipes.models import ConvertSpec, ModelSpec, ParallelSpec
 from kimi_pipeline.util.net import free_port
 
@@ -65,7 +67,6 @@ class Layout:
 
     def pp_stage_layers(self, num_layers: int) -> list[int]:
         """Decoder layers per pipeline stage: the recipe check's rule (`recipes.checks.pipeline_layers`)."""
-        from kimi_pipeline.recipes.checks import PipelineSplitError, pipeline_layers
 
         first, last = self.first_pp_stage_layers, self.last_pp_stage_layers
         try:
@@ -136,7 +137,7 @@ def _cpu_threads(local_world_size: int) -> int:
 
 
 def process_group_timeout(default_minutes: int = 30) -> datetime.timedelta:
-    """How long a collective may wait: the seeds' `NCCL_TIMEOUT` (seconds; `rl.launch.SEED_CUDA_ENV` sets it for
+    """How long a collective may wait: the seeds' `NCCL_TIMEOUT` (seconds; `rl.actor_layout.SEED_CUDA_ENV` sets it for
     every GPU actor) when set, else `default_minutes`. Neither torch nor NCCL reads that variable themselves:
     the timeout only takes effect through `init_process_group` and megatron's groups, which this feeds."""
     raw = os.environ.get("NCCL_TIMEOUT")
@@ -167,7 +168,6 @@ def init_distributed(
     the installed kernels; on CPU one intra-op thread per core per local rank. megatron's gloo groups are
     created on both paths, as megatron's default does (its distributed optimizer needs them).
     """
-    import torch.distributed as dist
 
     backend = backend or ("nccl" if device.type == "cuda" else "gloo")
     apply_compat(device, backend)
@@ -213,7 +213,6 @@ def init_distributed(
 
 def destroy() -> None:
     """Tear down megatron's groups and the default process group (safe to call twice)."""
-    import torch.distributed as dist
 
     try:
         from megatron.core import parallel_state

@@ -12,15 +12,18 @@ import json
 from typing import Any, Optional
 
 import typer
+from rich.console import Console
+from rich.table import Table
 
 from kimi_pipeline.cli_recipes import RECIPE_HELP, SET_HELP, recipe_or_problems
-
+from kimi_pipeline.engine.sampler import MEMORY_TAGS
+from kimi_pipeline.model.params import count_params
 from kimi_pipeline.plan.hardware import GPU, GPUS, get_gpu
 from kimi_pipeline.plan.memory import (
     GIB,
     EngineMemory,
-    PlanLayout,
     MemoryAssumptions,
+    PlanLayout,
     PPStageMemory,
     engine_memory,
     host_memory,
@@ -28,12 +31,10 @@ from kimi_pipeline.plan.memory import (
     pp_stage_layers_or_guess,
     train_pp_stages,
 )
-from kimi_pipeline.model.params import count_params
 from kimi_pipeline.plan.timing import TimeAssumptions, step_time, workload
 from kimi_pipeline.recipes.checks import PipelineSplitError, check_recipe, pipeline_layers
 from kimi_pipeline.recipes.load import RecipeError
 from kimi_pipeline.recipes.recipe import Recipe
-from kimi_pipeline.rl.engine.sampler import MEMORY_TAGS
 from kimi_pipeline.rl.handoff import RESIDENT
 
 # Recipe problems that decide whether the layout can run at all (the rest are reported as warnings).
@@ -315,9 +316,6 @@ def failed_plan(name: str, gpu: GPU, reason: str) -> dict[str, Any]:
 
 
 def _render(plan: dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     con = Console()
     gpu = plan["gpu"]
     con.print(f"[bold]kimi plan[/bold] {plan['recipe']} on {gpu['name']} ({gpu['mem_gb']:.1f} GB, "

@@ -22,8 +22,9 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
-from kimi_pipeline.plan.hardware import GPU
 from kimi_pipeline.model.params import ParamCounts, PPStageParams, pp_stage_params
+from kimi_pipeline.plan.hardware import GPU
+from kimi_pipeline.quant.engine_format import engine_weight_format
 from kimi_pipeline.recipes.checks import PipelineSplitError, pipeline_layers
 from kimi_pipeline.recipes.recipe import Recipe
 
@@ -75,10 +76,18 @@ class PlanLayout:
 
 
 def layout_from_recipe(r: Recipe) -> PlanLayout:
-    p, c = r.parallel, r.cluster
+    parallel, cluster = r.parallel, r.cluster
     return PlanLayout(
-        c.nodes, c.gpus_per_node, p.tp, p.pp, p.cp, p.ep, p.etp, r.data_parallel_size,
-        p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers,
+        cluster.nodes,
+        cluster.gpus_per_node,
+        parallel.tp,
+        parallel.pp,
+        parallel.cp,
+        parallel.ep,
+        parallel.etp,
+        r.data_parallel_size,
+        parallel.decoder_first_pipeline_num_layers,
+        parallel.decoder_last_pipeline_num_layers,
     )
 
 
@@ -148,49 +157,52 @@ def layer_activation_bytes_per_token(r: Recipe, tp: int, moe: bool) -> float:
     With sequence parallel, hidden-sized tensors are split over TP; the MLA down-projections and the
     shared-expert / dense-MLP inputs see the TP-gathered hidden state.
     """
-    m = r.model
+    model = r.model
     sp = tp if r.parallel.sequence_parallel else 1
-    h, heads = m.hidden_size, m.num_attention_heads
-    qh = m.qk_head_dim + m.qk_pos_emb_head_dim
+    h, heads = model.hidden_size, model.num_attention_heads
+    qh = model.qk_head_dim + model.qk_pos_emb_head_dim
     attn = h  # gathered norm output feeding the duplicated down-projections
-    attn += 2 * (m.q_lora_rank or 0) + 2 * m.kv_lora_rank + m.qk_pos_emb_head_dim  # q_a/kv_a outputs + norms
-    attn += heads * (qh + (m.qk_head_dim + m.v_head_dim) + 2 * qh + m.v_head_dim + m.v_head_dim) / tp
+    attn += (
+        2 * (model.q_lora_rank or 0) + 2 * model.kv_lora_rank + model.qk_pos_emb_head_dim
+    )  # q_a/kv_a outputs + norms
+    attn += heads * (qh + (model.qk_head_dim + model.v_head_dim) + 2 * qh + model.v_head_dim + model.v_head_dim) / tp
     attn += 2 * h / sp  # o_proj output + residual
     b = 2 * attn + 4 * heads / tp  # + fp32 softmax statistics
     if moe:
-        f, k = m.moe_ffn_hidden_size, m.moe_router_topk
-        fs = m.num_shared_experts * f
+        f, k = model.moe_ffn_hidden_size, model.moe_router_topk
+        fs = model.num_shared_experts * f
         mlp = h / sp + k * (3 * h + 3 * f) / sp  # norm out; per routed copy: permuted in, fc1, act, fc2, unpermuted
         if fs:  # shared experts: TP-gathered input, fc1/act split by TP, output back to the SP shard
             mlp += (h if sp > 1 else 0) + 3 * fs / tp + h / sp
-        b += 2 * mlp + 2 * 4 * m.num_experts / sp  # router logits + probabilities, fp32
+        b += 2 * mlp + 2 * 4 * model.num_experts / sp  # router logits + probabilities, fp32
     else:
-        mlp = h / sp + (h if sp > 1 else 0) + 3 * m.ffn_hidden_size / tp + h / sp
+        mlp = h / sp + (h if sp > 1 else 0) + 3 * model.ffn_hidden_size / tp + h / sp
         b += 2 * mlp
     return b
 
 
-def pp_stage_activations(r: Recipe, lay: PlanLayout, pp_rank: int, layers: int, dense_layers: int, microbatches: int,
-                      a: MemoryAssumptions) -> float:
+def pp_stage_activations(
+    r: Recipe, lay: PlanLayout, pp_rank: int, layers: int, dense_layers: int, microbatches: int, a: MemoryAssumptions
+) -> float:
     """Activation bytes per GPU of a stage under Megatron's 1F1B schedule and the recompute settings.
 
     Tokens per GPU per micro-batch = max_tokens_per_gpu (dynamic batching packs up to max_tokens_per_gpu x CP
     tokens per micro-batch and CP splits them). Stage s keeps min(pp - s, micro-batches) micro-batches in flight.
     Full uniform recompute of N layers stores only each N-layer chunk's input and rebuilds N layers at a time.
     """
-    p, m = r.parallel, r.model
-    t = p.max_tokens_per_gpu
-    sp = lay.tp if p.sequence_parallel else 1
-    layer_in = t * m.hidden_size * 2 / sp
+    parallel, model = r.parallel, r.model
+    t = parallel.max_tokens_per_gpu
+    sp = lay.tp if parallel.sequence_parallel else 1
+    layer_in = t * model.hidden_size * 2 / sp
     full_moe = t * layer_activation_bytes_per_token(r, lay.tp, moe=True)
     full_dense = t * layer_activation_bytes_per_token(r, lay.tp, moe=False)
     moe_layers = layers - dense_layers
     largest = full_moe if moe_layers else full_dense
     all_full = moe_layers * full_moe + dense_layers * full_dense
-    n = p.recompute_num_layers or 1
-    if p.recompute_granularity == "full" and p.recompute_method == "uniform":
+    n = parallel.recompute_num_layers or 1
+    if parallel.recompute_granularity == "full" and parallel.recompute_method == "uniform":
         stored, working = math.ceil(layers / n) * layer_in, min(n, layers) * largest
-    elif p.recompute_granularity == "full" and p.recompute_method == "block":
+    elif parallel.recompute_granularity == "full" and parallel.recompute_method == "block":
         k = min(n, layers)
         stored, working = k * layer_in + all_full * (layers - k) / max(layers, 1), largest
     else:  # none, or selective (core attention only: flash attention already keeps no scores)
@@ -198,22 +210,24 @@ def pp_stage_activations(r: Recipe, lay: PlanLayout, pp_rank: int, layers: int, 
     in_flight = max(1, min(lay.pp - pp_rank, microbatches))
     total = in_flight * stored + working + 2 * layer_in  # + the gradient flowing into the layer
     if pp_rank == lay.pp - 1:
-        total += t * m.vocab_size / lay.tp * a.logits_bytes
+        total += t * model.vocab_size / lay.tp * a.logits_bytes
     return total
 
 
-def train_pp_stages(r: Recipe, pc: ParamCounts, lay: PlanLayout, microbatches: int, a: MemoryAssumptions) -> list[PPStageMemory]:
+def train_pp_stages(
+    r: Recipe, pc: ParamCounts, lay: PlanLayout, microbatches: int, a: MemoryAssumptions
+) -> list[PPStageMemory]:
     """Training memory of every pipeline stage (one GPU each)."""
     split, _ = pp_stage_layers_or_guess(r.model.num_layers, lay)
-    o = r.optimizer
+    optimizer = r.optimizer
     out, start = [], 0
     for s, n in enumerate(split):
         sp = pp_stage_params(pc, start, n, s == 0, s == len(split) - 1, lay.pp, r.model.tie_word_embeddings)
         dense, expert = per_gpu_params(sp, pc, lay)
         params = dense + expert
-        shard = dense / lay.dense_dp + expert / lay.expert_dp if o.use_distributed_optimizer else params
-        opt_gpu = 0.0 if o.optimizer_cpu_offload else shard * BYTES_OPTIM
-        opt_host = shard * (BYTES_OPTIM + BYTES_CPU_GRAD) if o.optimizer_cpu_offload else 0.0
+        shard = dense / lay.dense_dp + expert / lay.expert_dp if optimizer.use_distributed_optimizer else params
+        opt_gpu = 0.0 if optimizer.optimizer_cpu_offload else shard * BYTES_OPTIM
+        opt_host = shard * (BYTES_OPTIM + BYTES_CPU_GRAD) if optimizer.optimizer_cpu_offload else 0.0
         act = pp_stage_activations(r, lay, s, n, sp.dense_layers, microbatches, a)
         out.append(PPStageMemory(s, n, params, params * BYTES_PARAM, params * BYTES_GRAD, opt_gpu, opt_host, shard, act))
         start += n
@@ -227,7 +241,6 @@ def train_pp_stages(r: Recipe, pc: ParamCounts, lay: PlanLayout, microbatches: i
 def rollout_formats(r: Recipe) -> tuple[str, str]:
     """(routed-expert, other-linear) weight formats the engine serves (`quant.engine_format`): INT4 routed
     experts with the rest bf16 (the INT4 export's format), FP8 blocks for every Linear, or bf16."""
-    from kimi_pipeline.quant.engine_format import engine_weight_format
 
     fmt = engine_weight_format(r)
     return {"int4": ("int4", "bf16"), "fp8": ("fp8", "fp8")}.get(fmt, ("bf16", "bf16"))
@@ -267,26 +280,26 @@ def engine_memory(r: Recipe, pc: ParamCounts, gpu: GPU, a: MemoryAssumptions) ->
     """
     if r.rollout.engine != "sglang":
         return EngineMemory()
-    sg, m = r.sglang, r.model
-    g = sg.gpus_per_engine
-    attn_tp = max(1, g // sg.dp_size) if sg.enable_dp_attention else g
+    sglang, model = r.sglang, r.model
+    g = sglang.gpus_per_engine
+    attn_tp = max(1, g // sglang.dp_size) if sglang.enable_dp_attention else g
     ex_fmt, lin_fmt = rollout_formats(r)
     eb, lb = format_bytes(ex_fmt, r.quant.group_size), format_bytes(lin_fmt, r.quant.group_size)
-    dense_tp = sg.moe_dense_tp_size or g
+    dense_tp = sglang.moe_dense_tp_size or g
     nl, nm = pc.num_layers, pc.num_moe_layers
     w = pc.routed_experts * eb / g  # EP x MoE-TP span the whole engine
     w += nl * (pc.attn_split * lb / attn_tp + pc.attn_replicated * lb + pc.layer_norms * 2)
     w += (pc.first_k_dense * pc.dense_mlp + nm * pc.shared) * lb / dense_tp + nm * pc.router * 2
-    w += pc.embedding * 2 / (1 if sg.enable_dp_attention else g)  # DP attention keeps the embedding whole
-    w += pc.lm_head * 2 / (attn_tp if sg.enable_dp_lm_head else g) + pc.final_norm * 2
+    w += pc.embedding * 2 / (1 if sglang.enable_dp_attention else g)  # DP attention keeps the embedding whole
+    w += pc.lm_head * 2 / (attn_tp if sglang.enable_dp_lm_head else g) + pc.final_norm * 2
     # K2.5's vision tower and projector ride along, bf16, whole on every GPU (SGLang does not shard the ViT by
     # the language model's TP/EP): text rollouts never run them, but the engine loads the checkpoint's model
-    vision = m.vision.num_params(m.hidden_size) * 2.0 if m.vision is not None else 0.0
+    vision = model.vision.num_params(model.hidden_size) * 2.0 if model.vision is not None else 0.0
     w += vision
-    static = sg.mem_fraction_static * gpu.mem_gb * GIB
+    static = sglang.mem_fraction_static * gpu.mem_gb * GIB
     kv = max(0.0, static - w)
-    per_tok = (m.kv_lora_rank + m.qk_pos_emb_head_dim) * 2 * m.num_layers
-    bs = sg.cuda_graph_bs or default_cuda_graph_bs()
+    per_tok = (model.kv_lora_rank + model.qk_pos_emb_head_dim) * 2 * model.num_layers
+    bs = sglang.cuda_graph_bs or default_cuda_graph_bs()
     graphs = (a.graph_base_gb + a.graph_per_graph_gb * len(bs) + a.graph_per_bs_gb * max(bs)) * GIB
     tokens = int(kv // per_tok)
     return EngineMemory(w, vision, static, kv, graphs, per_tok, tokens, attn_tp, (ex_fmt, lin_fmt), list(bs))

@@ -20,9 +20,9 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from kimi_pipeline.plan.hardware import GPU
-from kimi_pipeline.plan.memory import PlanLayout
 from kimi_pipeline.model.params import ParamCounts
+from kimi_pipeline.plan.hardware import GPU
+from kimi_pipeline.plan.memory import PlanLayout, format_bytes, rollout_formats
 from kimi_pipeline.recipes.recipe import Recipe
 
 
@@ -75,45 +75,62 @@ class Workload:
 
 def workload(r: Recipe, a: TimeAssumptions) -> Workload:
     """Dynamic sampling generates over_sampling_batch_size prompts (assumed enough groups survive in one pass)."""
-    ro = r.rollout
-    gen = ro.over_sampling_batch_size if (ro.dynamic_sampling and ro.over_sampling_batch_size) else ro.rollout_batch_size
+    rollout = r.rollout
+    gen = (
+        rollout.over_sampling_batch_size
+        if (rollout.dynamic_sampling and rollout.over_sampling_batch_size)
+        else rollout.rollout_batch_size
+    )
     return Workload(
-        mean_prompt=ro.max_prompt_len * a.mean_prompt_frac,
-        mean_response=ro.max_response_len * a.mean_response_frac,
-        samples_trained=ro.samples_per_rollout,
-        prompts_generated=max(gen, ro.rollout_batch_size),
-        n_samples=ro.n_samples_per_prompt,
-        optimizer_steps=ro.num_steps_per_rollout,
+        mean_prompt=rollout.max_prompt_len * a.mean_prompt_frac,
+        mean_response=rollout.max_response_len * a.mean_response_frac,
+        samples_trained=rollout.samples_per_rollout,
+        prompts_generated=max(gen, rollout.rollout_batch_size),
+        n_samples=rollout.n_samples_per_prompt,
+        optimizer_steps=rollout.num_steps_per_rollout,
         global_batch=r.global_batch_size,
     )
 
 
 def forward_flops_per_token(r: Recipe, pc: ParamCounts, mean_seq: float) -> float:
-    m = r.model
+    model = r.model
     ctx = mean_seq / 2  # causal: a token attends to half the sequence on average
-    attn = 2 * m.num_attention_heads * (m.qk_head_dim + m.qk_pos_emb_head_dim + m.v_head_dim) * ctx * m.num_layers
+    attn = (
+        2
+        * model.num_attention_heads
+        * (model.qk_head_dim + model.qk_pos_emb_head_dim + model.v_head_dim)
+        * ctx
+        * model.num_layers
+    )
     return 2 * pc.active_matmul + attn
 
 
 def train_passes(r: Recipe, layers_per_pp_stage: float) -> dict[str, float]:
     """Forward-pass equivalents per trained token."""
-    p, g = r.parallel, r.grpo
-    if p.recompute_granularity == "full" and p.recompute_method == "uniform":
+    parallel, grpo = r.parallel, r.grpo
+    if parallel.recompute_granularity == "full" and parallel.recompute_method == "uniform":
         recompute = 1.0
-    elif p.recompute_granularity == "full" and p.recompute_method == "block":
-        recompute = min(1.0, (p.recompute_num_layers or 0) / max(layers_per_pp_stage, 1))
+    elif parallel.recompute_granularity == "full" and parallel.recompute_method == "block":
+        recompute = min(1.0, (parallel.recompute_num_layers or 0) / max(layers_per_pp_stage, 1))
     else:
         recompute = 0.0
     return {
         "forward_backward": 3.0,
         "recompute": recompute,
         "old_logprob_forward": 1.0,
-        "ref_logprob_forward": 1.0 if (g.use_kl_loss or g.kl_loss_coef > 0) else 0.0,
+        "ref_logprob_forward": 1.0 if (grpo.use_kl_loss or grpo.kl_loss_coef > 0) else 0.0,
     }
 
 
-def step_time(r: Recipe, pc: ParamCounts, lay: PlanLayout, gpu: GPU, a: TimeAssumptions,
-              node_shard_params: float, engine_weight_bytes_per_gpu: float) -> dict:
+def step_time(
+    r: Recipe,
+    pc: ParamCounts,
+    lay: PlanLayout,
+    gpu: GPU,
+    a: TimeAssumptions,
+    node_shard_params: float,
+    engine_weight_bytes_per_gpu: float,
+) -> dict:
     """Seconds per RL step and the pieces behind it."""
     wl = workload(r, a)
     passes = train_passes(r, r.model.num_layers / max(lay.pp, 1))
@@ -158,7 +175,6 @@ def step_time(r: Recipe, pc: ParamCounts, lay: PlanLayout, gpu: GPU, a: TimeAssu
 
 def sync_time(r: Recipe, pc: ParamCounts, lay: PlanLayout, a: TimeAssumptions) -> dict:
     """Seconds to move the trained weights into the engines, by protocol (see the module docstring)."""
-    from kimi_pipeline.plan.memory import format_bytes, rollout_formats
 
     ex_fmt, lin_fmt = rollout_formats(r)
     routed = pc.routed_experts

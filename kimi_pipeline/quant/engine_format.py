@@ -16,6 +16,8 @@ from typing import Any, Literal
 
 import torch
 
+from kimi_pipeline.convert.dequant import FP8_SCALE_SUFFIX, FP8_TARGET, fp8_quant_config, quantize_fp8_block
+from kimi_pipeline.quant.export import int4_storage, kimi_quantization_config, storage_dtype
 from kimi_pipeline.recipes import Recipe
 
 EngineFormat = Literal["model", "bf16", "fp8", "int4"]
@@ -39,12 +41,8 @@ def engine_weight_format(recipe: Recipe) -> EngineFormat:
 def engine_quant_config(fmt: EngineFormat, group_size: int) -> dict[str, Any] | None:
     """The config.json `quantization_config` of a checkpoint in this format (None: unquantized)."""
     if fmt == "int4":
-        from kimi_pipeline.quant.export import kimi_quantization_config
-
         return kimi_quantization_config(group_size)
     if fmt == "fp8":
-        from kimi_pipeline.convert.dequant import fp8_quant_config
-
         return fp8_quant_config(FP8_BLOCK)
     return None
 
@@ -59,19 +57,12 @@ def to_engine_format(named: Iterable[tuple[str, torch.Tensor]], fmt: EngineForma
     if fmt == "model":
         yield from named
     elif fmt == "bf16":
-        from kimi_pipeline.quant.export import storage_dtype
-
         for name, t in named:
             yield name, t.to(storage_dtype(name, t))
     elif fmt == "int4":
-        from kimi_pipeline.quant.export import int4_storage
-
         for _, _, parts in int4_storage(named, group_size):
             yield from parts.items()
     elif fmt == "fp8":
-        from kimi_pipeline.convert.dequant import FP8_SCALE_SUFFIX, FP8_TARGET, quantize_fp8_block
-        from kimi_pipeline.quant.export import storage_dtype
-
         for name, t in named:
             if FP8_TARGET.search(name) and t.ndim == 2:
                 q, scale_inv = quantize_fp8_block(t, FP8_BLOCK)

@@ -7,7 +7,7 @@ need not be the one that saved it); `policy_tensors` streams the slice out under
 tensors this rank is the designated source of (`owned_only`), or all of them on one rank (`dst`), with
 the routed experts fake-quantized when the policy trains with INT4 QAT, so engines and evaluations see
 exactly the weights the trainer optimizes. Buckets for transport are cut by the consumer
-(`rl.engine.client.chunk_named_tensors`, `util.shards.ShardWriter`).
+(`engine.client.chunk_named_tensors`, `util.shards.ShardWriter`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,10 @@ from pathlib import Path
 import torch
 
 from kimi_pipeline.convert.names import export_hf_tensors
-from kimi_pipeline.model.parallel import Layout
+from kimi_pipeline.model.megatron_model import build_model
+from kimi_pipeline.model.megatron_train import load_model_only
+from kimi_pipeline.model.parallel import Layout, destroy, init_distributed
+from kimi_pipeline.quant.qat import fake_quant_hf_tensors
 from kimi_pipeline.recipes.models import ModelSpec
 
 
@@ -32,8 +35,6 @@ def policy_tensors(model, spec: ModelSpec, layout: Layout, *, qat_group_size: in
     """
     named = export_hf_tensors(model, spec, layout, dst=dst, owned_only=owned_only)
     if qat_group_size:
-        from kimi_pipeline.quant.qat import fake_quant_hf_tensors
-
         named = fake_quant_hf_tensors(named, qat_group_size)
     return named
 
@@ -43,9 +44,6 @@ def checkpoint_model(spec: ModelSpec, checkpoint_dir: str | Path, step: int | No
                      layout: Layout | None = None, *, device: torch.device) -> Iterator[tuple[object, Layout, int]]:
     """(model slice on `device`, layout, step) of a torch_dist checkpoint for this rank; process groups set up
     here and torn down on exit. Without a layout this process is a one-rank world."""
-    from kimi_pipeline.model.megatron_model import build_model
-    from kimi_pipeline.model.megatron_train import load_model_only
-    from kimi_pipeline.model.parallel import destroy, init_distributed
 
     layout = layout or Layout()
     init_distributed(layout, device=device)

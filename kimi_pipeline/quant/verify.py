@@ -27,11 +27,13 @@ from safetensors.torch import save_file
 
 from kimi_pipeline.convert.hf_reader import StoredTensors
 from kimi_pipeline.convert.names import HFLayout
-from kimi_pipeline.errors import PermanentError
+from kimi_pipeline.errors import SectionError
 from kimi_pipeline.model.hf_config import quantization_config, text_config, with_quantization_config
 from kimi_pipeline.model.hf_model import deepseek_config, load_hf_model, load_strict
+from kimi_pipeline.model.tokenizer import load_tokenizer
 from kimi_pipeline.quant.export import KEEP_FP32, is_quantized, kimi_quantization_config
 from kimi_pipeline.quant.int4 import fake_quant_int4
+from kimi_pipeline.quant.qat import fake_quant_hf_tensors
 
 EXACT_REF_TOL = 1e-4  # fp32 reload vs fp32 model of the same decoded weights: only summation order differs
 # HF (transformers) vs trainer (megatron) forward of the same weights: summation order only (fp32 measured ~4e-7).
@@ -42,10 +44,8 @@ DEFAULT_PROMPTS = ("What is 3+4?", "Compute 2+5.")
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]
 
 
-class ExportVerificationError(PermanentError):
-    def __init__(self, message: str, section: dict[str, Any] | None = None):
-        super().__init__(message)
-        self.section = section
+class ExportVerificationError(SectionError):
+    """The export's tensors or logits do not match its checkpoint; `section` carries the verdict."""
 
 
 @dataclass
@@ -190,8 +190,6 @@ def check_model(export_dir: str | Path, trainer_tensors: Iterable[tuple[str, tor
       parity  full-precision HF model vs the trainer forward                      (<= parity_tol)
     and `logits_max_diff` (export vs trainer) is gated by their sum of allowances.
     """
-    from kimi_pipeline.model.tokenizer import load_tokenizer
-    from kimi_pipeline.quant.qat import fake_quant_hf_tensors
 
     export_dir = Path(export_dir)
     # the trainer's tensors (on its device) compared with the reloaded export on the host, as check_export_tensors does

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-
 from dataclasses import dataclass
 
 from kimi_pipeline.recipes.recipe import Recipe
@@ -106,16 +105,16 @@ def check_recipe(r: Recipe) -> list[Problem]:
 
 def _check_model(r: Recipe, add: Add) -> None:
     """Model shape."""
-    m = r.model
-    if m.first_k_dense >= m.num_layers:
-        add("model.first_k_dense", f"{m.first_k_dense} dense layers leaves no MoE layer of {m.num_layers}")
-    if m.moe_router_topk > m.num_experts:
-        add("model.moe_router_topk", f"top-{m.moe_router_topk} of only {m.num_experts} experts; lower it")
-    if m.num_experts % m.moe_router_num_groups:
-        add("model.moe_router_num_groups", f"must divide num_experts={m.num_experts}")
-    if m.moe_router_group_topk > m.moe_router_num_groups:
-        add("model.moe_router_group_topk", f"cannot exceed moe_router_num_groups={m.moe_router_num_groups}")
-    if m.max_position_embeddings < m.original_max_position_embeddings:
+    model = r.model
+    if model.first_k_dense >= model.num_layers:
+        add("model.first_k_dense", f"{model.first_k_dense} dense layers leaves no MoE layer of {model.num_layers}")
+    if model.moe_router_topk > model.num_experts:
+        add("model.moe_router_topk", f"top-{model.moe_router_topk} of only {model.num_experts} experts; lower it")
+    if model.num_experts % model.moe_router_num_groups:
+        add("model.moe_router_num_groups", f"must divide num_experts={model.num_experts}")
+    if model.moe_router_group_topk > model.moe_router_num_groups:
+        add("model.moe_router_group_topk", f"cannot exceed moe_router_num_groups={model.moe_router_num_groups}")
+    if model.max_position_embeddings < model.original_max_position_embeddings:
         add("model.max_position_embeddings", "is below original_max_position_embeddings; check the YaRN settings")
 
 
@@ -128,69 +127,86 @@ def _check_hub(r: Recipe, add: Add) -> None:
 
 def _check_training_layout(r: Recipe, add: Add) -> None:
     """The trainer's TP/PP/CP/EP/DP layout on the cluster."""
-    m, p, c = r.model, r.parallel, r.cluster
-    world = c.world_size
-    mp = p.tp * p.pp * p.cp
-    if p.dp is not None:
-        if mp * p.dp != world:
+    model, parallel, cluster = r.model, r.parallel, r.cluster
+    world = cluster.world_size
+    mp = parallel.tp * parallel.pp * parallel.cp
+    if parallel.dp is not None:
+        if mp * parallel.dp != world:
             add(
                 "parallel.dp",
-                f"TP·PP·CP·DP = {p.tp}·{p.pp}·{p.cp}·{p.dp} = {mp * p.dp} but the cluster has "
-                f"{c.nodes} nodes × {c.gpus_per_node} GPUs = {world}; set parallel.dp={world // mp if world % mp == 0 else '?'} "
+                f"TP·PP·CP·DP = {parallel.tp}·{parallel.pp}·{parallel.cp}·{parallel.dp} = {mp * parallel.dp} but the cluster has "
+                f"{cluster.nodes} nodes × {cluster.gpus_per_node} GPUs = {world}; set parallel.dp={world // mp if world % mp == 0 else '?'} "
                 "or change cluster.nodes / cluster.gpus_per_node",
             )
     elif world % mp:
         add(
             "cluster.gpus_per_node",
-            f"the cluster has {c.nodes} × {c.gpus_per_node} = {world} GPUs, not a multiple of TP·PP·CP = "
-            f"{p.tp}·{p.pp}·{p.cp} = {mp}; use a GPU count that is a multiple of {mp} or shrink parallel.tp/pp/cp",
+            f"the cluster has {cluster.nodes} × {cluster.gpus_per_node} = {world} GPUs, not a multiple of TP·PP·CP = "
+            f"{parallel.tp}·{parallel.pp}·{parallel.cp} = {mp}; use a GPU count that is a multiple of {mp} or shrink parallel.tp/pp/cp",
         )
-    if m.num_experts % p.ep:
-        divisors = [d for d in range(1, min(m.num_experts, 512) + 1) if m.num_experts % d == 0]
-        near = sorted(divisors, key=lambda d: abs(d - p.ep))[:3]
+    if model.num_experts % parallel.ep:
+        divisors = [d for d in range(1, min(model.num_experts, 512) + 1) if model.num_experts % d == 0]
+        near = sorted(divisors, key=lambda d: abs(d - parallel.ep))[:3]
         add(
             "parallel.ep",
-            f"expert parallel size {p.ep} does not divide the {m.num_experts} routed experts; "
+            f"expert parallel size {parallel.ep} does not divide the {model.num_experts} routed experts; "
             f"choose a divisor such as {', '.join(map(str, sorted(near)))}",
         )
-    if world % mp == 0 or p.dp is not None:
+    if world % mp == 0 or parallel.dp is not None:
         dp = r.data_parallel_size
-        expert_group = p.ep * p.etp
-        dense_group = p.tp * p.cp * dp
+        expert_group = parallel.ep * parallel.etp
+        dense_group = parallel.tp * parallel.cp * dp
         if expert_group > dense_group or dense_group % expert_group:
             add(
                 "parallel.ep",
-                f"EP·expert-TP = {p.ep}·{p.etp} = {expert_group} must divide TP·CP·DP = {p.tp}·{p.cp}·{dp} = "
+                f"EP·expert-TP = {parallel.ep}·{parallel.etp} = {expert_group} must divide TP·CP·DP = {parallel.tp}·{parallel.cp}·{dp} = "
                 f"{dense_group} (the GPUs of one pipeline stage); lower parallel.ep or parallel.etp",
             )
-    if m.num_attention_heads % p.tp:
-        add("parallel.tp", f"{m.num_attention_heads} attention heads are not divisible by TP={p.tp}")
-    if p.sequence_parallel and p.tp == 1:
+    if model.num_attention_heads % parallel.tp:
+        add("parallel.tp", f"{model.num_attention_heads} attention heads are not divisible by TP={parallel.tp}")
+    if parallel.sequence_parallel and parallel.tp == 1:
         add("parallel.sequence_parallel", "needs TP > 1; set it to false")
     try:
-        pipeline_layers(m.num_layers, p.pp, p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers)
+        pipeline_layers(
+            model.num_layers,
+            parallel.pp,
+            parallel.decoder_first_pipeline_num_layers,
+            parallel.decoder_last_pipeline_num_layers,
+        )
     except PipelineSplitError as e:
         add(e.field, str(e))
-    if p.recompute_granularity == "full" and (p.recompute_method is None or p.recompute_num_layers is None):
+    if parallel.recompute_granularity == "full" and (
+        parallel.recompute_method is None or parallel.recompute_num_layers is None
+    ):
         add("parallel.recompute_method", "full recompute needs recompute_method and recompute_num_layers")
 
 
 def _check_conversion(r: Recipe, add: Add) -> None:
     """The HF → torch_dist conversion's layout."""
-    m = r.model
-    cv = r.convert
-    if cv.mode == "torch_dist":
-        cworld = cv.nodes * cv.gpus_per_node
-        cmp = cv.tp * cv.pp
+    model = r.model
+    convert = r.convert
+    if convert.mode == "torch_dist":
+        cworld = convert.nodes * convert.gpus_per_node
+        cmp = convert.tp * convert.pp
         if cworld % cmp:
-            add("convert.pp", f"conversion world {cv.nodes}×{cv.gpus_per_node}={cworld} is not a multiple of TP·PP={cmp}")
-        elif (cworld // cmp * cv.tp) % (cv.ep * cv.etp):
-            add("convert.ep", f"conversion EP·expert-TP={cv.ep * cv.etp} must divide TP·DP={cworld // cmp * cv.tp}")
-        if m.num_experts % cv.ep:
-            add("convert.ep", f"{cv.ep} does not divide the {m.num_experts} routed experts")
+            add(
+                "convert.pp",
+                f"conversion world {convert.nodes}×{convert.gpus_per_node}={cworld} is not a multiple of TP·PP={cmp}",
+            )
+        elif (cworld // cmp * convert.tp) % (convert.ep * convert.etp):
+            add(
+                "convert.ep",
+                f"conversion EP·expert-TP={convert.ep * convert.etp} must divide TP·DP={cworld // cmp * convert.tp}",
+            )
+        if model.num_experts % convert.ep:
+            add("convert.ep", f"{convert.ep} does not divide the {model.num_experts} routed experts")
         try:
             pipeline_layers(
-                m.num_layers, cv.pp, cv.decoder_first_pipeline_num_layers, cv.decoder_last_pipeline_num_layers, "convert"
+                model.num_layers,
+                convert.pp,
+                convert.decoder_first_pipeline_num_layers,
+                convert.decoder_last_pipeline_num_layers,
+                "convert",
             )
         except PipelineSplitError as e:
             add(e.field, str(e))
@@ -198,50 +214,55 @@ def _check_conversion(r: Recipe, add: Add) -> None:
 
 def _check_rollout(r: Recipe, add: Add) -> None:
     """Rollout, batches, eval cadence, reward and loss settings."""
-    m, p, c = r.model, r.parallel, r.cluster
-    world, mp = c.world_size, p.tp * p.pp * p.cp
-    ro = r.rollout
-    if ro.global_batch_size is not None:
-        if ro.samples_per_rollout % ro.global_batch_size and not ro.use_dynamic_global_batch_size:
+    model, parallel, cluster = r.model, r.parallel, r.cluster
+    world, mp = cluster.world_size, parallel.tp * parallel.pp * parallel.cp
+    rollout = r.rollout
+    if rollout.global_batch_size is not None:
+        if rollout.samples_per_rollout % rollout.global_batch_size and not rollout.use_dynamic_global_batch_size:
             add(
                 "rollout.global_batch_size",
-                f"rollout_batch_size × n_samples_per_prompt = {ro.rollout_batch_size}×{ro.n_samples_per_prompt} = "
-                f"{ro.samples_per_rollout} samples is not a multiple of global_batch_size={ro.global_batch_size}; "
-                f"use a divisor (e.g. {ro.samples_per_rollout // ro.num_steps_per_rollout})",
+                f"rollout_batch_size × n_samples_per_prompt = {rollout.rollout_batch_size}×{rollout.n_samples_per_prompt} = "
+                f"{rollout.samples_per_rollout} samples is not a multiple of global_batch_size={rollout.global_batch_size}; "
+                f"use a divisor (e.g. {rollout.samples_per_rollout // rollout.num_steps_per_rollout})",
             )
-        elif ro.samples_per_rollout // ro.global_batch_size != ro.num_steps_per_rollout and not ro.use_dynamic_global_batch_size:
+        elif (
+            rollout.samples_per_rollout // rollout.global_batch_size != rollout.num_steps_per_rollout
+            and not rollout.use_dynamic_global_batch_size
+        ):
             add(
                 "rollout.num_steps_per_rollout",
-                f"{ro.samples_per_rollout} samples / global_batch_size {ro.global_batch_size} = "
-                f"{ro.samples_per_rollout // ro.global_batch_size} steps, but num_steps_per_rollout="
-                f"{ro.num_steps_per_rollout}; make them agree or unset rollout.global_batch_size",
+                f"{rollout.samples_per_rollout} samples / global_batch_size {rollout.global_batch_size} = "
+                f"{rollout.samples_per_rollout // rollout.global_batch_size} steps, but num_steps_per_rollout="
+                f"{rollout.num_steps_per_rollout}; make them agree or unset rollout.global_batch_size",
             )
-    elif ro.samples_per_rollout % ro.num_steps_per_rollout:
+    elif rollout.samples_per_rollout % rollout.num_steps_per_rollout:
         add(
             "rollout.num_steps_per_rollout",
-            f"{ro.samples_per_rollout} samples per rollout do not split into {ro.num_steps_per_rollout} equal steps",
+            f"{rollout.samples_per_rollout} samples per rollout do not split into {rollout.num_steps_per_rollout} equal steps",
         )
     gbs = r.global_batch_size
-    if (world % mp == 0 or p.dp is not None) and gbs % r.data_parallel_size:
+    if (world % mp == 0 or parallel.dp is not None) and gbs % r.data_parallel_size:
         add("rollout.global_batch_size", f"global batch {gbs} is not divisible by data-parallel size {r.data_parallel_size}")
-    if ro.over_sampling_batch_size is not None and ro.over_sampling_batch_size < ro.rollout_batch_size:
-        add("rollout.over_sampling_batch_size", f"must be ≥ rollout_batch_size={ro.rollout_batch_size}")
-    if ro.max_prompt_len + ro.max_response_len > m.max_position_embeddings:
+    if rollout.over_sampling_batch_size is not None and rollout.over_sampling_batch_size < rollout.rollout_batch_size:
+        add("rollout.over_sampling_batch_size", f"must be ≥ rollout_batch_size={rollout.rollout_batch_size}")
+    if rollout.max_prompt_len + rollout.max_response_len > model.max_position_embeddings:
         add(
             "rollout.max_response_len",
-            f"max_prompt_len + max_response_len = {ro.max_prompt_len}+{ro.max_response_len} exceeds the "
-            f"context length model.max_position_embeddings={m.max_position_embeddings}",
+            f"max_prompt_len + max_response_len = {rollout.max_prompt_len}+{rollout.max_response_len} exceeds the "
+            f"context length model.max_position_embeddings={model.max_position_embeddings}",
         )
-    if r.eval.max_response_len + ro.max_prompt_len > m.max_position_embeddings:
-        add("eval.max_response_len", f"prompt + eval response exceed the context length {m.max_position_embeddings}")
-    if r.eval.interval > ro.num_rollout:
+    if r.eval.max_response_len + rollout.max_prompt_len > model.max_position_embeddings:
+        add(
+            "eval.max_response_len", f"prompt + eval response exceed the context length {model.max_position_embeddings}"
+        )
+    if r.eval.interval > rollout.num_rollout:
         add(
             "eval.interval",
-            f"eval every {r.eval.interval} rollouts never fires within rollout.num_rollout={ro.num_rollout}; "
-            f"set eval.interval ≤ {ro.num_rollout}",
+            f"eval every {r.eval.interval} rollouts never fires within rollout.num_rollout={rollout.num_rollout}; "
+            f"set eval.interval ≤ {rollout.num_rollout}",
         )
     try:
-        grader_for(ro.rm_type)  # a custom grader's module must import here, not hours into the run
+        grader_for(rollout.rm_type)  # a custom grader's module must import here, not hours into the run
     except RewardError as e:
         add("rollout.rm_type", str(e))
     if r.grpo.eps_clip_high < r.grpo.eps_clip:
@@ -254,31 +275,37 @@ def _check_rollout(r: Recipe, add: Add) -> None:
 
 def _check_engines(r: Recipe, add: Add) -> None:
     """Rollout engines."""
-    m, c, ro = r.model, r.cluster, r.rollout
-    world = c.world_size
-    sg = r.sglang
-    if ro.engine == "sglang":
-        if c.device != "cuda":
+    model, cluster, rollout = r.model, r.cluster, r.rollout
+    world = cluster.world_size
+    sglang = r.sglang
+    if rollout.engine == "sglang":
+        if cluster.device != "cuda":
             add("rollout.engine", "sglang needs CUDA GPUs; use rollout.engine=embedded on CPU")
-        if world % sg.gpus_per_engine:
-            add("sglang.gpus_per_engine", f"{world} GPUs cannot be split into engines of {sg.gpus_per_engine}")
-        if sg.gpus_per_engine % sg.ep_size:
-            add("sglang.ep_size", f"must divide gpus_per_engine={sg.gpus_per_engine}")
-        if m.num_experts % sg.ep_size:
-            add("sglang.ep_size", f"{sg.ep_size} does not divide the {m.num_experts} routed experts")
-        if sg.enable_dp_attention and sg.gpus_per_engine % sg.dp_size:
-            add("sglang.dp_size", f"must divide gpus_per_engine={sg.gpus_per_engine}")
-        if sg.dp_size > 1 and not sg.enable_dp_attention:  # --dp-size replicas (sglang 0.5.23
+        if world % sglang.gpus_per_engine:
+            add("sglang.gpus_per_engine", f"{world} GPUs cannot be split into engines of {sglang.gpus_per_engine}")
+        if sglang.gpus_per_engine % sglang.ep_size:
+            add("sglang.ep_size", f"must divide gpus_per_engine={sglang.gpus_per_engine}")
+        if model.num_experts % sglang.ep_size:
+            add("sglang.ep_size", f"{sglang.ep_size} does not divide the {model.num_experts} routed experts")
+        if sglang.enable_dp_attention and sglang.gpus_per_engine % sglang.dp_size:
+            add("sglang.dp_size", f"must divide gpus_per_engine={sglang.gpus_per_engine}")
+        if sglang.dp_size > 1 and not sglang.enable_dp_attention:  # --dp-size replicas (sglang 0.5.23
             # tokenizer_control_mixin.py:451, 509, 569: weight-update groups and tensor updates assert dp_size == 1)
-            add("sglang.dp_size", f"{sg.dp_size} data-parallel replicas in one SGLang server cannot take weight "
-                                  "updates; set sglang.enable_dp_attention=true (attention DP, --attn-dp-size) or use "
-                                  "more engines (sglang.gpus_per_engine)")
+            add(
+                "sglang.dp_size",
+                f"{sglang.dp_size} data-parallel replicas in one SGLang server cannot take weight "
+                "updates; set sglang.enable_dp_attention=true (attention DP, --attn-dp-size) or use "
+                "more engines (sglang.gpus_per_engine)",
+            )
 
 
 def _check_quant(r: Recipe, add: Add) -> None:
     """INT4 groups must tile the quantized dimensions."""
-    m = r.model
+    model = r.model
     if r.quant.int4_qat or r.quant.export_format == "int4":
-        for name, dim in (("model.hidden_size", m.hidden_size), ("model.moe_ffn_hidden_size", m.moe_ffn_hidden_size)):
+        for name, dim in (
+            ("model.hidden_size", model.hidden_size),
+            ("model.moe_ffn_hidden_size", model.moe_ffn_hidden_size),
+        ):
             if dim % r.quant.group_size:
                 add("quant.group_size", f"{name}={dim} is not a multiple of the INT4 group size {r.quant.group_size}")

@@ -191,5 +191,5 @@ def _pydantic_msg(err: Mapping[str, Any]) -> str:
 
 
 def recipe_to_yaml(recipe: Recipe) -> str:
-    data = recipe.model_dump(mode="json", exclude={"hub": {"token"}})
+    data = recipe.worker_dump()
     return yaml.safe_dump(data, sort_keys=False)

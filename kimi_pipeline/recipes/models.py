@@ -65,7 +65,10 @@ class VisionSpec(Section):
 
 
 class ModelSpec(Section):
-    """DeepSeek-V3-shaped model (MLA attention, sigmoid-routed MoE with expert bias)."""
+    """DeepSeek-V3-shaped model (MLA attention, sigmoid-routed MoE with expert bias).
+
+    Read by: `model.megatron_model` (builds it), `convert.names` (HF ↔ megatron names), the engines
+    (`engine.model`, via `rl.rollout_manager`), `rl.policy`, `quant.export_rank`, `kimi plan`."""
 
     model_type: str = Field("kimi_k2", description="config.json model_type as the checkpoint ships it")
     num_layers: int = Field(gt=0)
@@ -132,7 +135,10 @@ class Source(Section):
 
 
 class HubSpec(Section):
-    """Model sources: the policy checkpoint, an optional separate reference checkpoint, and access."""
+    """Model sources: the policy checkpoint, an optional separate reference checkpoint, and access.
+
+    Read by: the download stage (`hub.download`); `text_config_key` / `trust_remote_code` by every reader of the
+    checkpoint (`convert.torch_dist`, `rl.policy`, `stages.validate`, `eval.record`)."""
 
     model: Source
     ref_model: Source | None = Field(None, description="separate reference checkpoint (K2.5: BF16 ref)")
@@ -147,6 +153,9 @@ class HubSpec(Section):
 
 
 class DataSpec(Section):
+    """The train and eval data sets and their columns. Read by: `hub.download`, `data.validate`, the prompt
+    stream (`rl.rollout_manager`) and the eval (`eval.record`)."""
+
     train: Source
     eval: Source
     input_key: str = "prompt"
@@ -157,7 +166,10 @@ class DataSpec(Section):
 
 
 class ConvertSpec(Section):
-    """HF -> Megatron torch_dist conversion job layout (a torch.distributed job over N nodes)."""
+    """HF -> Megatron torch_dist conversion job layout (a torch.distributed job over N nodes).
+
+    Read by: the weight jobs (`weightjobs.run`: where and how wide they run), `convert.torch_dist`, and the INT4
+    export (`quant.checkpoint_export`, in the same layout)."""
 
     mode: Literal["torch_dist", "bridge"] = "torch_dist"
     nodes: int = Field(4, gt=0)
@@ -177,7 +189,10 @@ class ConvertSpec(Section):
 
 
 class ParallelSpec(Section):
-    """Training (actor) parallel layout, as Megatron flags."""
+    """Training (actor) parallel layout, as Megatron flags.
+
+    Read by: `model.parallel.Layout.from_parallel` (the trainer's process groups), `rl.actor_layout` (ranks →
+    nodes/GPUs), `rl.policy` and `rl.samples` (micro-batches), `kimi plan`."""
 
     tp: int = Field(1, gt=0)
     pp: int = Field(1, gt=0)
@@ -198,6 +213,9 @@ class ParallelSpec(Section):
 
 
 class ClusterSpec(Section):
+    """The Ray cluster a run needs. Read by: the cluster stage (`cluster.lifecycle`, `cluster.health`,
+    `cluster.preflight`), `cluster.placement` and `rl.actor_layout` (where actors go), `weightjobs.run`."""
+
     nodes: int = Field(1, gt=0, description="actor nodes (--actor-num-nodes)")
     gpus_per_node: int = Field(8, gt=0, description="GPUs per node; on device=cpu, trainer ranks per node")
     device: Literal["cuda", "cpu"] = "cuda"
@@ -213,6 +231,10 @@ class ClusterSpec(Section):
 
 
 class RolloutSpec(Section):
+    """Generation and rewards per rollout, and the step schedule. Read by: `rl.rollout` / `rl.rollout_manager`
+    (sampling, dynamic sampling, rewards), `rl.samples` (the split into steps), `rl.policy`, `rl.weight_sync`,
+    `rl.loop`, `data.validate` (prompt length)."""
+
     engine: Literal["sglang", "embedded"] = "sglang"
     num_rollout: int = Field(gt=0)
     rollout_batch_size: int = Field(gt=0, description="prompts per rollout")
@@ -260,6 +282,9 @@ class RolloutSpec(Section):
 
 
 class SGLangSpec(Section):
+    """SGLang's own server settings. Read by: `engine.sglang` (its launch command, through `engine.kinds`),
+    `rl.actor_layout` (GPUs per engine), `rl.weight_sync`."""
+
     gpus_per_engine: int = Field(8, gt=0)
     mem_fraction_static: float = Field(0.7, gt=0, le=1)
     ep_size: int = Field(1, gt=0)
@@ -277,6 +302,9 @@ class SGLangSpec(Section):
 
 
 class GRPOSpec(Section):
+    """The GRPO objective. Read by: `rl.grpo` (advantages and the loss, through `rl.policy`) and the train
+    stage (whether a KL reference is loaded)."""
+
     advantage_estimator: Literal["grpo"] = Field("grpo", description="rl.grpo.ADVANTAGE_ESTIMATORS entry")
     eps_clip: float = Field(0.2, gt=0)
     eps_clip_high: float = Field(0.28, gt=0)
@@ -290,6 +318,8 @@ class GRPOSpec(Section):
 
 
 class EvalSpec(Section):
+    """The periodic evaluation. Read by: `eval.record` / `eval.run` and `rl.loop` (when it runs)."""
+
     name: str = Field("aime", description="the eval set's name: labels its reports and eval.jsonl rows (eval_set)")
     interval: int = Field(20, gt=0, description="evaluate every N rollouts")
     n_samples_per_prompt: int = Field(16, gt=0)
@@ -299,6 +329,8 @@ class EvalSpec(Section):
 
 
 class OptimizerSpec(Section):
+    """The trainer's optimizer and learning-rate schedule. Read by: `model.megatron_train` (through `rl.policy`)."""
+
     optimizer: Literal["adam", "sgd"] = "adam"
     lr: float = Field(gt=0)
     lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
@@ -315,15 +347,22 @@ class OptimizerSpec(Section):
 
 
 class QuantSpec(Section):
+    """INT4 QAT in training and the export format. Read by: `rl.policy` (QAT), `rl.weight_sync` and
+    `quant.engine_format` (what the engines are sent), the export stage (`quant.checkpoint_export`)."""
+
     int4_qat: bool = Field(False, description="fake-INT4 routed experts in the forward (env OPEN_TRAINING_INT4_FAKE_QAT_FLAG)")
     group_size: int = Field(32, gt=0, description="env OPEN_TRAINING_INT4_GROUP_SIZE")
     export_format: Literal["int4", "bf16"] = "int4"
 
 
 class CheckpointSpec(Section):
+    """Training checkpoints. Read by: `rl.loop` (when to save, what to keep)."""
+
     save_interval: int = Field(20, gt=0, description="rollouts between torch_dist checkpoints")
     keep_last: int | None = Field(None, gt=0, description="delete older iterations after each save (None: keep all)")
 
 
 class PathsSpec(Section):
+    """Where runs live. Read by: `stages.prepare_run`, `hub.download`, `cluster.preflight` (shared storage)."""
+
     base_dir: str = Field("runs", description="shared filesystem root reachable from every node")

@@ -54,6 +54,11 @@ class Recipe(Section):
             return r.global_batch_size
         return r.samples_per_rollout // r.num_steps_per_rollout
 
+    def worker_dump(self) -> dict:
+        """The whole recipe as JSON for another process (a Ray actor, a child, a log, the run's recipe.yaml):
+        the hub token never leaves this process (a worker that needs it reads HF_TOKEN)."""
+        return self.model_dump(mode="json", exclude={"hub": {"token"}})
+
     def section_dump(self, *names: str) -> dict:
         """JSON-able dump of some sections (used for cache keys); secrets are excluded."""
         dumped = self.model_dump(mode="json", include=set(names))

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from kimi_pipeline.report.plots import write_plots
 from kimi_pipeline.report.summary import RunSummary
 from kimi_pipeline.util.files import atomic_write_text
 
@@ -72,7 +73,6 @@ def render_summary(summary: dict[str, Any], plots: dict[str, str] | None = None,
 
 def write_summary_markdown(run_dir: Path) -> Path:
     """summary.md (+ the PNG plots it links) from summary.json and the metric files."""
-    from kimi_pipeline.report.plots import write_plots
 
     run_dir = Path(run_dir)
     path = run_dir / "summary.md"

@@ -5,7 +5,7 @@ them into artifacts, the library writes some of them to files (DIR/cluster/facts
 `summary.md` is rendered separately (`kimi_pipeline.report.markdown.render_summary`): it lists every
 section generically, one bullet per key, rather than with these per-stage layouts.
 
-The training launch plan (`kimi_pipeline.rl.launch.plan_markdown`) is rendered next to its plan type.
+The training actor layout (`kimi_pipeline.rl.actor_layout.layout_markdown`) is rendered next to its type.
 """
 
 from __future__ import annotations

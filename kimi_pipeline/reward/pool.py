@@ -12,7 +12,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
+import resource
 import select
 import subprocess
 import sys
@@ -210,8 +212,6 @@ def _worker_main(memory_mb: int) -> None:
     """Serve JSON-line requests on stdin. The parent enforces the wall-clock limit by SIGKILL; the
     address-space cap turns a giant allocation into a MemoryError, and a per-request CPU-time limit
     (SIGXCPU) ends a spinning worker even if its parent is already gone."""
-    import math
-    import resource
 
     if memory_mb > 0:
         limit = memory_mb * 1024 * 1024

@@ -3,7 +3,7 @@
 With ``parallel.use_dynamic_batch_size`` a micro-batch is not a fixed number of samples but any set
 whose total tokens fit ``max_tokens_per_gpu``. Megatron runs the same number of micro-batches on
 every data-parallel rank (pipeline schedules and expert all-to-alls are collective per
-micro-batch), so the plan fixes one count K for all ranks:
+micro-batch), so the split fixes one count K for all ranks:
 
 1. samples are spread over DP ranks balancing token totals (longest-processing-time greedy);
 2. each rank's first-fit-decreasing bin count is computed; K = the largest;
@@ -11,9 +11,9 @@ micro-batch), so the plan fixes one count K for all ranks:
    every micro-batch stays within the budget (else the first-fit-decreasing packing, split up).
 
 A sample longer than the budget cannot be split here (that needs context parallelism or a larger
-budget): it gets a micro-batch of its own, is listed in ``plan.oversized`` and logged. A rank with
+budget): it gets a micro-batch of its own, is listed in ``MicroBatches.oversized`` and logged. A rank with
 fewer samples than K (tiny batches, huge samples) gets empty micro-batches, counted in
-``plan.empty_micro_batches``: the trainer runs them as a padding-only step with zero loss weight.
+``MicroBatches.empty_micro_batches``: the trainer runs them as a padding-only step with zero loss weight.
 
 Hand-written: a few dozen lines of greedy packing; the libraries that do it belong to trainers.
 """
@@ -79,7 +79,7 @@ def _into_k_bins(lengths: Sequence[int], indices: list[int], k: int, max_tokens:
 
 
 @dataclass
-class MicroBatchPlan:
+class MicroBatches:
     """``ranks[r][m]`` = sample indices of micro-batch m on data-parallel rank r."""
 
     ranks: list[list[list[int]]]
@@ -120,7 +120,7 @@ class MicroBatchPlan:
         }
 
 
-def plan_micro_batches(lengths: Sequence[int], max_tokens_per_gpu: int, dp_size: int = 1) -> MicroBatchPlan:
+def split_micro_batches(lengths: Sequence[int], max_tokens_per_gpu: int, dp_size: int = 1) -> MicroBatches:
     """Pack samples (token lengths, prompt + response) into the same number of micro-batches per DP rank."""
     lengths = [int(n) for n in lengths]
     if max_tokens_per_gpu < 1:
@@ -151,7 +151,7 @@ def plan_micro_batches(lengths: Sequence[int], max_tokens_per_gpu: int, dp_size:
         smallest = min(donor, key=lambda i: (lengths[i], i))
         donor.remove(smallest)
         short[0].append(smallest)
-    return MicroBatchPlan(ranks=_pack_ranks(lengths, per_rank, max_tokens_per_gpu), lengths=lengths,
+    return MicroBatches(ranks=_pack_ranks(lengths, per_rank, max_tokens_per_gpu), lengths=lengths,
                           max_tokens=max_tokens_per_gpu, oversized=oversized)
 
 

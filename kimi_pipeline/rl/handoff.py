@@ -21,8 +21,8 @@ import logging
 import time
 from collections.abc import Callable
 
+from kimi_pipeline.engine.sampler import MEMORY_TAGS
 from kimi_pipeline.model.offload import PARTS
-from kimi_pipeline.rl.engine.sampler import MEMORY_TAGS
 
 log = logging.getLogger(__name__)
 

@@ -21,16 +21,19 @@ from typing import Any
 
 import ray
 
+from kimi_pipeline.cluster.health import Requirements, wait_until_healthy
 from kimi_pipeline.cluster.placement import create_placement_groups, remove_placement_groups
 from kimi_pipeline.convert.names import HFLayout
+from kimi_pipeline.engine.client import EngineRequestError
+from kimi_pipeline.engine.kinds import engine_kind
 from kimi_pipeline.errors import PermanentError
+from kimi_pipeline.model.checkpoint_dirs import iteration_dir, latest_step, prune_checkpoints
 from kimi_pipeline.recipes import Recipe
 from kimi_pipeline.report.metrics import MetricsLog, first_last_mean, open_wandb, read_jsonl
 from kimi_pipeline.report.progress import TrainProgress
-from kimi_pipeline.rl.engine.kinds import engine_kind
+from kimi_pipeline.rl.actor_layout import ActorLayout, check_layout, lay_out_actors
 from kimi_pipeline.rl.evaluator import EvalFn, PeriodicEval
 from kimi_pipeline.rl.handoff import Handoff
-from kimi_pipeline.rl.launch import LaunchPlan, check_launch, plan_launch
 from kimi_pipeline.rl.metrics import plain
 from kimi_pipeline.rl.rollout_data import SavedRollouts
 from kimi_pipeline.rl.rollout_manager import start_rollout_manager, stop_rollout_manager
@@ -77,7 +80,6 @@ def stage_error(e: Exception, engines: dict[str, str] | None = None) -> Exceptio
     recipe, a 400 from an engine) stays permanent even when Ray wraps it, so the task does not retry what a
     retry cannot fix; anything else (a lost actor, node or engine) is a retryable TrainingError naming the
     actor that failed. `engines`: engine URL → the engine actor's name, for errors that only carry a URL."""
-    from kimi_pipeline.rl.engine.client import EngineRequestError
 
     if isinstance(e, PermanentError):
         return e
@@ -116,8 +118,6 @@ def _root_cause(e: BaseException) -> BaseException:
 
 
 def _first_line(e: BaseException) -> str:
-    import re
-
     text = re.sub(r"\x1b\[[0-9;]*m", "", str(e)).strip()  # Ray colours its lines
     return text.splitlines()[0][:300] if text else ""
 
@@ -125,33 +125,22 @@ def _first_line(e: BaseException) -> str:
 def _require_healthy_cluster(recipe: Recipe, address: str | None, timeout_s: float = 60.0) -> None:
     """Actors on a cluster that lost a node would wait forever for resources: check first, fail clearly
     (a transient error: the task retry waits again, e.g. for the node to come back)."""
-    from kimi_pipeline.cluster.health import Requirements, wait_until_healthy
 
     wait_until_healthy(address or ray.get_runtime_context().gcs_address, Requirements.from_recipe(recipe),
                        timeout_s=timeout_s, progress=log.info)
 
 
-def run_training(
-    recipe: Recipe,
-    run_dir: Path,
-    *,
-    init_checkpoint: Path,
-    model_dir: Path,
-    ref_checkpoint: Path | None = None,
-    ray_address: str | None = None,
-    evaluate: EvalFn | None = None,
-    on_step: Callable[[dict[str, Any]], None] | None = None,
-    on_plan: Callable[[LaunchPlan], None] | None = None,
-    stop_after: int | None = None,
-    replay: Path | None = None,
-    rollout_only: bool = False,
-) -> dict[str, Any]:
+def run_training(recipe: Recipe, run_dir: Path, *, init_checkpoint: Path, model_dir: Path,
+                 ref_checkpoint: Path | None = None, ray_address: str | None = None, evaluate: EvalFn | None = None,
+                 on_step: Callable[[dict[str, Any]], None] | None = None,
+                 on_layout: Callable[[ActorLayout], None] | None = None, stop_after: int | None = None,
+                 replay: Path | None = None, rollout_only: bool = False) -> dict[str, Any]:
     """Train `recipe.rollout.num_rollout` rollouts (resuming from DIR/train/checkpoints); return the summary section.
 
     `model_dir` is the base HF checkpoint the engines serve (its names are the ones weight sync sends);
     `ref_checkpoint` the KL reference's own weights (default: `init_checkpoint`).
     `evaluate(step, engine_urls)` is called at step 0 of a fresh run, every `eval.interval` steps and at
-    the end (the task layer makes each one a retried Prefect task). `on_plan(plan)` sees the launch plan
+    the end (the task layer makes each one a retried Prefect task). `on_layout(layout)` sees the actor layout
     before it is checked (the task shows it, problems and all). `stop_after` ends early (tests).
     `replay`: train on the rollouts saved there (`rollout.save_data`) instead of generating: no engines, no weight
     sync, no eval. `rollout_only`: generate and score with the starting policy, no trainer (rows of rollout
@@ -160,14 +149,13 @@ def run_training(
     if replay is not None and rollout_only:
         raise PermanentError("--replay-rollouts trains on saved rollouts and --rollout-only only generates them: "
                              "pick one")
-    from kimi_pipeline.rl.engine.client import EngineRequestError
 
     # replay and rollout-only runs keep their own metrics and checkpoints beside the run's training, never over it
     paths = TrainPaths(Path(run_dir) / ("replay" if replay is not None else "rollout-only" if rollout_only else "train"))
     paths.root.mkdir(parents=True, exist_ok=True)
-    plan = plan_launch(recipe, str(model_dir))  # pure: no Ray yet
-    if on_plan:
-        on_plan(plan)
+    actor_layout = lay_out_actors(recipe, str(model_dir))  # pure: no Ray yet
+    if on_layout:
+        on_layout(actor_layout)
     if not ray.is_initialized():
         if ray_address is None:
             raise PermanentError("no Ray cluster: run the cluster stage first (or pass --ray-address)")
@@ -177,8 +165,7 @@ def run_training(
     engines = replay is None  # replaying saved rollouts starts no engine, so nothing evaluates or takes weights
     evaluator = PeriodicEval(evaluate, recipe.eval.interval, total) if evaluate and engines and not rollout_only \
         else None
-    wandb_run = open_wandb(None, f"{recipe.name}-{Path(run_dir).name}", recipe.model_dump(mode="json",
-                                                                                          exclude={"hub": {"token"}}))
+    wandb_run = open_wandb(None, f"{recipe.name}-{Path(run_dir).name}", recipe.worker_dump())
     metrics_log = MetricsLog(paths.metrics, tensorboard_dir=paths.tensorboard, wandb_run=wandb_run)
     rollouts = None  # the RolloutManager actor
     trainers: TrainerGroup | None = None
@@ -196,17 +183,26 @@ def run_training(
     handoff = Handoff(recipe.cluster.colocate and engines and not rollout_only, engines_memory, trainer_memory)
     end = total if stop_after is None else min(total, stop_after)
     try:
-        check_launch(plan)
-        pgs = create_placement_groups(plan.placement)
+        check_layout(actor_layout)
+        pgs = create_placement_groups(actor_layout.placement)
         if engines:
-            rollouts, urls = start_rollout_manager(recipe, Path(run_dir), model_dir, plan, pgs, _cpu_threads(recipe, 1),
-                                                   paths.rollouts if recipe.rollout.save_data else None)
+            rollouts, urls = start_rollout_manager(
+                recipe,
+                Path(run_dir),
+                model_dir,
+                actor_layout,
+                pgs,
+                _cpu_threads(recipe, 1),
+                paths.rollouts if recipe.rollout.save_data else None,
+            )
         if rollout_only:
             version = ray.get(rollouts.connect.remote())
             _rollout_only(recipe, LiveRollouts(rollouts, urls, None, handoff, version), metrics_log, end, on_step)
             return _train_section(paths)
         handoff.to("train")  # colocated: the engines give their GPUs to the trainer while it builds and loads
-        trainers = TrainerGroup(recipe, plan, pgs["trainer"], _cpu_threads(recipe, recipe.cluster.gpus_per_node))
+        trainers = TrainerGroup(
+            recipe, actor_layout, pgs["trainer"], _cpu_threads(recipe, recipe.cluster.gpus_per_node)
+        )
         extra = trainers.load(paths.checkpoints, init_checkpoint, ref_checkpoint or init_checkpoint,
                               HFLayout.of_dir(model_dir))
         start = int(extra.get("step", 0))
@@ -242,15 +238,23 @@ def run_training(
     return _train_section(paths)
 
 
-def _loop(recipe: Recipe, source: LiveRollouts | SavedRollouts, trainers: TrainerGroup, handoff: Handoff,
-          evaluator: PeriodicEval | None, metrics_log: MetricsLog, paths: TrainPaths, start: int, end: int,
-          on_step: Callable[[dict[str, Any]], None] | None) -> None:
+def _loop(
+    recipe: Recipe,
+    source: LiveRollouts | SavedRollouts,
+    trainers: TrainerGroup,
+    handoff: Handoff,
+    evaluator: PeriodicEval | None,
+    metrics_log: MetricsLog,
+    paths: TrainPaths,
+    start: int,
+    end: int,
+    on_step: Callable[[dict[str, Any]], None] | None,
+) -> None:
     """rollout (split over DP ranks) → train → checkpoint → weight sync → metrics → eval, `start` to `end`.
     `source` gives each step's rollout: the engines' (`LiveRollouts`) or saved ones (`SavedRollouts`, no weight
     sync). Colocated, `handoff` moves the GPUs between engines and trainer around each phase (`rl/handoff.py`);
     the checkpoint is written while the trainer holds them, with the step's row so far in its state, so a run
     stopped before the row is written still logs it."""
-    from kimi_pipeline.model.checkpoint_dirs import prune_checkpoints
 
     total = recipe.rollout.num_rollout
     progress = TrainProgress(total, start)
@@ -285,8 +289,13 @@ def _loop(recipe: Recipe, source: LiveRollouts | SavedRollouts, trainers: Traine
             progress.log_eval(done, evaluator.evaluate(done, source.urls))
 
 
-def _rollout_only(recipe: Recipe, source: LiveRollouts, metrics_log: MetricsLog, end: int,
-                  on_step: Callable[[dict[str, Any]], None] | None) -> None:
+def _rollout_only(
+    recipe: Recipe,
+    source: LiveRollouts,
+    metrics_log: MetricsLog,
+    end: int,
+    on_step: Callable[[dict[str, Any]], None] | None,
+) -> None:
     """Generate and score `end` rollouts with the starting policy, no trainer: one row of rollout metrics each (the
     recipes' framework's rollout-only debug mode; with `rollout.save_data` it records rollouts to replay)."""
     metrics_log.truncate_after(0)  # nothing to resume: every rollout-only run starts at step 1
@@ -310,8 +319,9 @@ class LiveRollouts:
     after it, so the step's sync brings them back. `urls` (the engines', kept current) is the list the caller
     passed."""
 
-    def __init__(self, manager, urls: list[str], trainers: TrainerGroup | None, handoff: Handoff,
-                 start_version: str) -> None:
+    def __init__(
+        self, manager, urls: list[str], trainers: TrainerGroup | None, handoff: Handoff, start_version: str
+    ) -> None:
         self.manager, self.urls, self.trainers, self.handoff = manager, urls, trainers, handoff
         self.start_version = start_version  # what restarted engines serve without a trainer to sync them
 
@@ -353,8 +363,6 @@ def _last_logged_step(paths: TrainPaths) -> int:
 
 
 def _train_section(paths: TrainPaths) -> dict[str, Any]:
-    from kimi_pipeline.model.checkpoint_dirs import iteration_dir, latest_step
-
     rows = read_jsonl(paths.metrics)
     first, last = first_last_mean(rows, "reward_mean")
     ckpt_step = latest_step(paths.checkpoints)

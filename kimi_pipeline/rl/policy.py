@@ -17,13 +17,36 @@ from typing import Any
 
 import torch
 
-from kimi_pipeline.convert.names import HFLayout
+from kimi_pipeline.convert.hf_reader import HFCheckpoint
+from kimi_pipeline.convert.names import HFLayout, load_hf_tensors_into_model
+from kimi_pipeline.engine.client import Router
 from kimi_pipeline.errors import PermanentError
+from kimi_pipeline.model.context_parallel import batch_logprobs, seq_multiple
 from kimi_pipeline.model.device import actor_gpu_index, resolve_device
+from kimi_pipeline.model.megatron_model import build_model, unwrap
+from kimi_pipeline.model.megatron_train import (
+    build_trainable,
+    forward_backward,
+    latest_step,
+    load_checkpoint,
+    load_model_only,
+    lr_scheduler,
+    micro_batch_logprobs,
+    optimizer_step,
+    save_checkpoint,
+    seq_layout,
+    state_tensors,
+)
 from kimi_pipeline.model.offload import PARTS, Offloaded
+from kimi_pipeline.model.parallel import Layout, destroy, init_distributed
+from kimi_pipeline.quant.policy_weights import policy_tensors
+from kimi_pipeline.quant.qat import enable_int4_qat
 from kimi_pipeline.recipes import Recipe
+from kimi_pipeline.rl.batching import split_micro_batches
+from kimi_pipeline.rl.grpo import grpo_loss
 from kimi_pipeline.rl.metrics import Metric, reduce_metrics
-from kimi_pipeline.rl.samples import MicroBatch, RankShare, Sample, collate, padding_micro_batch
+from kimi_pipeline.rl.samples import MicroBatch, RankShare, Sample, collate, padding_micro_batch, response_values
+from kimi_pipeline.rl.weight_sync import choose_weight_sync
 
 log = logging.getLogger(__name__)
 
@@ -31,15 +54,16 @@ log = logging.getLogger(__name__)
 def trainer_config_overrides(recipe: Recipe, device: torch.device) -> dict[str, Any]:
     """The recipe's megatron TransformerConfig settings beyond the model shape: routing replay, activation
     recompute, the MoE token dispatcher (flex/DeepEP only where it can run, else alltoall)."""
-    p = recipe.parallel
+    parallel = recipe.parallel
     out: dict[str, Any] = {}
     if recipe.rollout.routing_replay:
         out["moe_enable_routing_replay"] = True
-    if p.recompute_granularity is not None:
-        out.update(recompute_granularity=p.recompute_granularity, recompute_method=p.recompute_method,
-                   recompute_num_layers=p.recompute_num_layers)
-    if p.moe_token_dispatcher_type == "flex":
-        reason = flex_dispatcher_refusal(p.tp * p.ep, device, importlib.util.find_spec("deep_ep") is not None)
+    if parallel.recompute_granularity is not None:
+        out.update(recompute_granularity=parallel.recompute_granularity, recompute_method=parallel.recompute_method,
+                   recompute_num_layers=parallel.recompute_num_layers)
+    if parallel.moe_token_dispatcher_type == "flex":
+        reason = flex_dispatcher_refusal(parallel.tp * parallel.ep, device,
+                                         importlib.util.find_spec("deep_ep") is not None)
         if reason is None:
             out.update(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="deepep")
         else:
@@ -64,8 +88,6 @@ def microbatch_loss(logits: torch.Tensor, batch: dict[str, Any], grpo, temperatu
     """megatron's per-token-loss contract for one micro-batch: (loss sum, its denominator, metrics), each
     metric weighted by the micro-batch's real rows. Rows without response tokens (a DP rank's zero-weight padding micro-batch) are dropped first: counted in
     the per-sample mean they would scale the gradient by real/padded rows."""
-    from kimi_pipeline.model.context_parallel import batch_logprobs
-    from kimi_pipeline.rl.grpo import grpo_loss
 
     lp, ent = batch_logprobs(logits, batch, temperature=temperature)
     keep = batch["mask"].sum(-1) > 0
@@ -83,8 +105,8 @@ class PolicyWorker:
     def __init__(self, recipe: Recipe | dict, rank: int = 0, world_size: int = 1, master_addr: str = "127.0.0.1",
                  master_port: int | None = None, total_steps: int | None = None, threads: int | None = None,
                  local_gpu: int = 0):
-        """`local_gpu`: the node-local GPU the launch plan gave this rank (used as such when the actor picks its
-        own GPU, colocated; otherwise Ray made exactly that GPU visible, as index 0)."""
+        """`local_gpu`: the node-local GPU the actor layout gave this rank (used as such when the actor picks
+        its own GPU, colocated; otherwise Ray made exactly that GPU visible, as index 0)."""
         recipe = recipe if isinstance(recipe, Recipe) else Recipe.model_validate(recipe)
         self.recipe = recipe
         self.device = resolve_device(recipe.cluster.device, actor_gpu_index(local_gpu))
@@ -94,8 +116,6 @@ class PolicyWorker:
                               LOCAL_WORLD_SIZE=str(per_node), MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
         if threads:
             os.environ["OMP_NUM_THREADS"] = str(threads)
-        from kimi_pipeline.model.megatron_train import build_trainable, lr_scheduler
-        from kimi_pipeline.model.parallel import Layout, init_distributed
 
         self.layout = Layout.from_parallel(recipe.parallel, world_size)
         self.world_size = world_size
@@ -107,8 +127,6 @@ class PolicyWorker:
         self.scheduler = lr_scheduler(self.optimizer, recipe.optimizer, total)
         self.qat: list[str] = []
         if recipe.quant.int4_qat:
-            from kimi_pipeline.quant.qat import enable_int4_qat
-
             for m in self.model:
                 self.qat += enable_int4_qat(m, recipe.quant.group_size)
         self.ref_model = None  # built on load() only when the KL term is on
@@ -119,8 +137,6 @@ class PolicyWorker:
         self._offload = Offloaded(self.device, self._state, pin_memory=self.device.type != "cpu")
 
     def _state(self) -> dict[str, list[torch.Tensor]]:
-        from kimi_pipeline.model.megatron_train import state_tensors  # megatron loads in the worker, as above
-
         return state_tensors(self.model, self.optimizer, [self.ref_model] if self.ref_model is not None else [])
 
     # ------------------------------------------------------------------ colocated memory handoff
@@ -141,8 +157,9 @@ class PolicyWorker:
                                "but they are asleep (colocated handoff out of order)")
 
     # ------------------------------------------------------------------ weights in
-    def load(self, train_ckpt_dir: str, init_ckpt_dir: str, ref_ckpt_dir: str | None = None,
-             hf_prefix: str = "") -> dict[str, Any] | None:
+    def load(
+        self, train_ckpt_dir: str, init_ckpt_dir: str, ref_ckpt_dir: str | None = None, hf_prefix: str = ""
+    ) -> dict[str, Any] | None:
         """Resume from the latest training checkpoint, else start from the converted weights.
 
         `ref_ckpt_dir`: the KL reference's weights (the K2.5 recipe's BF16 copy, `hub.ref_model`; default: the
@@ -150,7 +167,6 @@ class PolicyWorker:
         (`convert.names.HFLayout`): weight sync sends the engines its names.
         Returns the checkpoint's extra state (data position, rollout step) or None for a fresh start.
         """
-        from kimi_pipeline.model.megatron_train import latest_step, load_checkpoint
 
         extra = None
         self._ckpt_dir = train_ckpt_dir
@@ -163,8 +179,6 @@ class PolicyWorker:
         else:
             self._load_initial(self.model[0], Path(init_ckpt_dir))
         if self.recipe.grpo.use_kl_loss and self.recipe.grpo.kl_loss_coef > 0:
-            from kimi_pipeline.model.megatron_model import build_model
-
             self.ref_model = build_model(self.recipe.model, self.layout, device=self.device)
             self._load_initial(self.ref_model, Path(ref_ckpt_dir or init_ckpt_dir))
             for p in self.ref_model.parameters():
@@ -176,13 +190,8 @@ class PolicyWorker:
         each rank reading only the tensors it owns (FP8/INT4 sources dequantized on the fly) under the names that
         checkpoint stores them by (its own config.json says which: K2.5's `language_model.` prefix)."""
         if not (init / "config.json").is_file():
-            from kimi_pipeline.model.megatron_train import load_model_only
-
             load_model_only(init, [model])
             return
-        from kimi_pipeline.convert.hf_reader import HFCheckpoint
-        from kimi_pipeline.convert.names import load_hf_tensors_into_model
-        from kimi_pipeline.model.megatron_model import unwrap
 
         ckpt = HFCheckpoint(init, text_config_key=self.recipe.hub.text_config_key)
         try:
@@ -198,16 +207,16 @@ class PolicyWorker:
 
     def _collate(self, samples: list[Sample], mb: list[int]) -> MicroBatch:
         """Tensors of one micro-batch (positions in `samples`); an empty one is zero-weight padding."""
-        from kimi_pipeline.model.context_parallel import seq_multiple
 
         lay = self.layout
         multiple = seq_multiple(lay.tp, lay.cp, lay.sequence_parallel)
         if mb:
             return collate([samples[i] for i in mb], mb, pad_id=0, pad_to_multiple=multiple).to(self.device)
-        m = self.recipe.model
+        model = self.recipe.model
         replay = self.recipe.rollout.routing_replay  # a rank with no sample of its own still replays (zero ids)
-        return padding_micro_batch(0, (m.num_layers - m.first_k_dense, m.moe_router_topk) if replay else None,
-                                   width=multiple).to(self.device)
+        return padding_micro_batch(
+            0, (model.num_layers - model.first_k_dense, model.moe_router_topk) if replay else None, width=multiple
+        ).to(self.device)
 
     def _moe_layer_slice(self) -> slice:
         """Which of the rollout's MoE layers (engine order) the routers of this pipeline stage are."""
@@ -226,8 +235,6 @@ class PolicyWorker:
         order: this rank's part under CP / packing (the forward step's own `seq_layout`), s-major, and under
         sequence parallelism this TP rank's slice of it."""
         from megatron.core import parallel_state as ps
-
-        from kimi_pipeline.model.megatron_train import seq_layout
 
         ids = seq_layout(self.model[0], {"tokens": mb.tokens, "lengths": mb.lengths}).local(mb.routed_experts)
         ids = ids.transpose(0, 1).reshape(-1, *ids.shape[2:])
@@ -268,7 +275,6 @@ class PolicyWorker:
     def _logprobs(self, model_chunks, mbs: list[MicroBatch]) -> list[torch.Tensor]:
         """Per-token logprobs [b, s] of every micro-batch (no grad, on every rank, 0 outside the response
         mask), all micro-batches in one forward schedule: pipelined at PP > 1, not one schedule each."""
-        from kimi_pipeline.model.megatron_train import micro_batch_logprobs
 
         temperature = self.recipe.rollout.temperature or 1.0
         batches = [{"tokens": mb.tokens, "targets": mb.targets, "lengths": mb.lengths} for mb in mbs]
@@ -277,11 +283,9 @@ class PolicyWorker:
 
     def _token_logprobs(self, model_chunks, samples: list[Sample]) -> list[list[float]]:
         """Per-response-token logprobs of each sample, in sample order (diagnostics and tests)."""
-        from kimi_pipeline.rl.batching import plan_micro_batches
-        from kimi_pipeline.rl.samples import response_values
 
-        plan = plan_micro_batches([s.num_tokens for s in samples], self.recipe.parallel.max_tokens_per_gpu, 1)
-        mbs = [collate([samples[i] for i in mb], mb, pad_id=0).to(self.device) for mb in plan.ranks[0] if mb]
+        micro_batches = split_micro_batches([s.num_tokens for s in samples], self.recipe.parallel.max_tokens_per_gpu, 1)
+        mbs = [collate([samples[i] for i in mb], mb, pad_id=0).to(self.device) for mb in micro_batches.ranks[0] if mb]
         out: list[list[float]] = [[] for _ in samples]
         for mb, lp in zip(mbs, self._logprobs(model_chunks, mbs)):
             for row, i in enumerate(mb.index):
@@ -291,11 +295,12 @@ class PolicyWorker:
     def train(self, share: RankShare, step: int) -> dict[str, float]:
         """One rollout of GRPO on this data-parallel rank's share: old (and reference) logprobs of its own
         samples in one forward schedule, then one optimizer step per global batch of the split."""
-        from kimi_pipeline.model.megatron_train import forward_backward, optimizer_step
 
         if share.dp_rank != self._dp_rank():
-            raise PermanentError(f"trainer rank {self.rank} is data-parallel rank {self._dp_rank()} but was handed "
-                                 f"DP rank {share.dp_rank}'s samples: the launch plan and megatron disagree on rank order")
+            raise PermanentError(
+                f"trainer rank {self.rank} is data-parallel rank {self._dp_rank()} but was handed "
+                f"DP rank {share.dp_rank}'s samples: the actor layout and megatron disagree on rank order"
+            )
         self._require_awake("training")
         t0 = time.perf_counter()
         r = self.recipe
@@ -339,7 +344,6 @@ class PolicyWorker:
         """Full HF-named tensors (collective; every rank must drain it), routed experts fake-quantized
         when QAT is on (unless `fake_quant=False`) so the engines sample from exactly the policy the
         trainer optimizes."""
-        from kimi_pipeline.quant.policy_weights import policy_tensors
 
         fq = self.qat if fake_quant is None else fake_quant
         return policy_tensors(self.model[0], self.recipe.model, self.layout, dst=0,
@@ -349,8 +353,6 @@ class PolicyWorker:
         """Make the engines serve the current weights as `version` (collective: every trainer rank calls it).
         The updater (`rl.weight_sync`) is chosen once per set of engines and kept, with its client and
         shared-memory segment, across syncs."""
-        from kimi_pipeline.rl.engine.client import Router
-        from kimi_pipeline.rl.weight_sync import choose_weight_sync
 
         self._require_awake("the weight sync", ("weights",))
         urls = [u.rstrip("/") for u in engine_urls]
@@ -370,8 +372,6 @@ class PolicyWorker:
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, ckpt_dir: str, step: int, extra: dict[str, Any]) -> str:
-        from kimi_pipeline.model.megatron_train import save_checkpoint
-
         self._require_awake("a checkpoint save")
         extra = {**extra, "scheduler": self.scheduler.state_dict()}
         return str(save_checkpoint(ckpt_dir, step, self.model, self.optimizer, extra))
@@ -386,7 +386,5 @@ class PolicyWorker:
             self._sync = None
 
     def close(self) -> None:
-        from kimi_pipeline.model.parallel import destroy
-
         self.release()
         destroy()

@@ -1,7 +1,7 @@
 """`kimi rehearse`: the train stage's own launch code on a simulated cluster of the recipe's shape.
 
 `cluster.nodes` raylets on this host, each advertising `gpus_per_node` GPUs as Ray resources (no GPUs, no
-weights). The launch plan (`rl/launch.py`, the code the real run uses) creates its placement groups there;
+weights). The actor layout (`rl/actor_layout.py`, the code the real run uses) creates its placement groups there;
 stand-in actors with the real actors' exact options (bundle, GPU/CPU share, runtime env) start for every
 trainer rank of node 0, every engine process on it and the rollout manager, and report what Ray gave them.
 What is checked: the groups place at all (no deadlock: requested ≤ available), one bundle per node, rank 0
@@ -19,12 +19,26 @@ import time
 from pathlib import Path
 from typing import Any
 
+import ray
+
+from kimi_pipeline.cluster.errors import PlacementError
+from kimi_pipeline.cluster.lifecycle import export_driver_env
+from kimi_pipeline.cluster.local import LocalCluster, NodeSpec
+from kimi_pipeline.cluster.placement import bundle_nodes, create_placement_groups, remove_placement_groups
+from kimi_pipeline.engine.sglang import parse_with_sglang
 from kimi_pipeline.recipes import Problem, Recipe
+from kimi_pipeline.rl.actor_layout import (
+    engine_options,
+    lay_out_actors,
+    layout_markdown,
+    rollout_manager_options,
+    trainer_options,
+)
 from kimi_pipeline.util.files import atomic_write_json, atomic_write_text
 
 log = logging.getLogger(__name__)
 
-NODE_RESOURCE = "node_{}"  # the simulated node index, as cluster/stage.py names it
+NODE_RESOURCE = "node_{}"  # the simulated node index, as cluster/lifecycle.py names it
 
 
 class StandIn:
@@ -35,8 +49,6 @@ class StandIn:
         self.role = role
 
     def report(self) -> dict[str, Any]:
-        import ray
-
         ctx = ray.get_runtime_context()
         keep = ("CUDA_VISIBLE_DEVICES", "NCCL_TIMEOUT", "CUDA_DEVICE_MAX_CONNECTIONS", "OMP_NUM_THREADS",
                 "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES")
@@ -49,19 +61,17 @@ def simulated_cluster(recipe: Recipe, work_dir: Path):
 
     Raylets start one after another: concurrent `ray start`s race for the same free ports (measured: a raylet
     then misses its 30 s registration deadline)."""
-    from kimi_pipeline.cluster.local import LocalCluster, NodeSpec
 
-    c = recipe.cluster
-    gpus = c.gpus_per_node if c.device == "cuda" else 0
-    cpus = max(c.gpus_per_node, 1) + 1  # the bundle's CPUs + one for the node's stand-in bookkeeping
+    cluster = recipe.cluster
+    gpus = cluster.gpus_per_node if cluster.device == "cuda" else 0
+    cpus = max(cluster.gpus_per_node, 1) + 1  # the bundle's CPUs + one for the node's stand-in bookkeeping
     specs = [NodeSpec(num_cpus=cpus, num_gpus=gpus, resources={NODE_RESOURCE.format(i): 1.0},
-                      object_store_bytes=80 * 1024 * 1024, log_monitor=i == 0) for i in range(c.nodes)]
+                      object_store_bytes=80 * 1024 * 1024, log_monitor=i == 0) for i in range(cluster.nodes)]
     return LocalCluster.start(work_dir, specs[0], specs[1:])
 
 
 def _node_index() -> dict[str, int]:
     """Ray node id -> simulated node index."""
-    import ray
 
     out = {}
     for n in ray.nodes():
@@ -76,16 +86,15 @@ def run_rehearsal(recipe: Recipe, out_dir: Path, *, address: str | None = None,
     """Rehearse `recipe`'s launch; write launch-plan.json/.md under `out_dir`; return the plan as a dict.
 
     `address`: an existing (simulated) cluster to use; otherwise one is started here and stopped after."""
-    from kimi_pipeline.rl.launch import plan_launch
 
     t0 = time.monotonic()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    plan = plan_launch(recipe)
+    actor_layout = lay_out_actors(recipe)
     extra: dict[str, Any] = {"simulated": True}
-    if plan.ok:
-        extra["sglang_parser"] = check_engine_commands(plan, recipe)
-    if plan.ok:
+    if actor_layout.ok:
+        extra["sglang_parser"] = check_engine_commands(actor_layout, recipe)
+    if actor_layout.ok:
         cluster = None
         try:
             if address is None:
@@ -93,20 +102,19 @@ def run_rehearsal(recipe: Recipe, out_dir: Path, *, address: str | None = None,
                 shutil.rmtree(work, ignore_errors=True)
                 cluster = simulated_cluster(recipe, work)
                 address = cluster.address
-            extra.update(_on_cluster(plan, recipe, address, stand_in_nodes, timeout_s))
+            extra.update(_on_cluster(actor_layout, recipe, address, stand_in_nodes, timeout_s))
         finally:
             if cluster is not None:
                 cluster.stop()
     extra["seconds"] = round(time.monotonic() - t0, 1)
-    return write_plan(plan, out_dir, extra)
+    return write_layout(actor_layout, out_dir, extra)
 
 
-def check_engine_commands(plan, recipe: Recipe) -> str:
+def check_engine_commands(actor_layout, recipe: Recipe) -> str:
     """Parse every engine command the plan holds with SGLang's own parser (when an interpreter at hand imports
     sglang); a command it refuses is a problem naming the engine and node. Returns what was checked, in words."""
-    from kimi_pipeline.rl.engine.sglang import parse_with_sglang
 
-    nodes = [(e.id, n) for e in plan.engines for n in e.nodes if n.command]
+    nodes = [(e.id, n) for e in actor_layout.engines for n in e.nodes if n.command]
     if not nodes:
         return "no SGLang commands (embedded engine)"
     unique = list(dict.fromkeys(tuple(n.command) for _, n in nodes))  # engines differ only by --base-gpu-id
@@ -116,20 +124,21 @@ def check_engine_commands(plan, recipe: Recipe) -> str:
     refused = dict(zip(unique, parsed.errors))
     for engine, n in nodes:
         if err := refused[tuple(n.command)]:
-            plan.problems.append(Problem("sglang", f"engine {engine} node {n.node_rank}: sglang {parsed.version} "
-                                                   f"refuses its command: {err}"))
+            actor_layout.problems.append(
+                Problem(
+                    "sglang", f"engine {engine} node {n.node_rank}: sglang {parsed.version} refuses its command: {err}"
+                )
+            )
     return f"{len(unique)} distinct command(s) parsed by sglang {parsed.version}'s ServerArgs parser"
 
 
-def write_plan(plan, out_dir: Path, extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    from kimi_pipeline.rl.launch import plan_markdown
-
-    d = plan.to_dict() | (extra or {})
-    d["ok"] = plan.ok
-    return _write_files(out_dir, d, plan_markdown(plan, extra))
+def write_layout(actor_layout, out_dir: Path, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    d = actor_layout.to_dict() | (extra or {})
+    d["ok"] = actor_layout.ok
+    return _write_files(out_dir, d, layout_markdown(actor_layout, extra))
 
 
-def refused_plan(name: str, problems: list[Problem], out_dir: Path) -> dict[str, Any]:
+def refused_layout(name: str, problems: list[Problem], out_dir: Path) -> dict[str, Any]:
     """The launch-plan files for a recipe that does not even load (each problem names its field)."""
     d = {"recipe": name, "ok": False, "gpus_requested": None, "ranks": [], "engines": [],
          "problems": [{"field": p.field, "message": p.message} for p in problems]}
@@ -145,25 +154,23 @@ def _write_files(out_dir: Path, d: dict[str, Any], markdown: str) -> dict[str, A
     return d
 
 
-def _on_cluster(plan, recipe: Recipe, address: str, stand_in_nodes: int, timeout_s: float) -> dict[str, Any]:
+def _on_cluster(actor_layout, recipe: Recipe, address: str, stand_in_nodes: int, timeout_s: float) -> dict[str, Any]:
     """Create the plan's placement groups, start stand-ins, check where everything landed (adds problems)."""
-    import ray
 
-    from kimi_pipeline.cluster.errors import PlacementError
-    from kimi_pipeline.cluster.placement import bundle_nodes, create_placement_groups, remove_placement_groups
-    from kimi_pipeline.cluster.stage import export_driver_env
-
-    add = lambda f, m: plan.problems.append(Problem(f, m))  # noqa: E731
+    add = lambda f, m: actor_layout.problems.append(Problem(f, m))  # noqa: E731
     export_driver_env(os.environ.get("RAY_AUTH_MODE", "token"))
     ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
     try:
         res = ray.cluster_resources()
         out: dict[str, Any] = {"gpus_available": int(res.get("GPU", 0)), "cpus_available": int(res.get("CPU", 0)),
                                "cluster_nodes": len([n for n in ray.nodes() if n.get("Alive")])}
-        if plan.device == "cuda" and plan.gpus_requested > out["gpus_available"]:
-            add("cluster.nodes", f"the run needs {plan.gpus_requested} GPUs; the cluster has {out['gpus_available']}")
+        if actor_layout.device == "cuda" and actor_layout.gpus_requested > out["gpus_available"]:
+            add(
+                "cluster.nodes",
+                f"the run needs {actor_layout.gpus_requested} GPUs; the cluster has {out['gpus_available']}",
+            )
         try:
-            pgs = create_placement_groups(plan.placement, timeout_s=timeout_s)
+            pgs = create_placement_groups(actor_layout.placement, timeout_s=timeout_s)
         except PlacementError as e:
             add("cluster", f"placement groups do not fit (Ray would wait forever): {e}")
             return out
@@ -174,9 +181,9 @@ def _on_cluster(plan, recipe: Recipe, address: str, stand_in_nodes: int, timeout
             trainer_nodes = where["trainer"]
             if len(set(trainer_nodes)) != len(trainer_nodes):
                 add("cluster.nodes", f"trainer bundles share nodes: {trainer_nodes}")
-            out["master_addr_node"] = trainer_nodes[plan.master_addr_node]  # as a simulated node index
-            _check_groups(plan, trainer_nodes, add)
-            out["observed"] = _stand_ins(plan, recipe, pgs, where, index, stand_in_nodes, add)
+            out["master_addr_node"] = trainer_nodes[actor_layout.master_addr_node]  # as a simulated node index
+            _check_groups(actor_layout, trainer_nodes, add)
+            out["observed"] = _stand_ins(actor_layout, recipe, pgs, where, index, stand_in_nodes, add)
         finally:
             remove_placement_groups(pgs)
         return out
@@ -184,22 +191,22 @@ def _on_cluster(plan, recipe: Recipe, address: str, stand_in_nodes: int, timeout
         ray.shutdown()
 
 
-def _check_groups(plan, trainer_nodes: list[int], add) -> None:
+def _check_groups(actor_layout, trainer_nodes: list[int], add) -> None:
     """TP groups inside one node; each colocated engine on the nodes/GPUs of the ranks it shares."""
-    tp = max((r.tp for r in plan.ranks), default=0) + 1
+    tp = max((r.tp for r in actor_layout.ranks), default=0) + 1
     groups: dict[int, set[int]] = {}
-    for r in plan.ranks:  # TP is megatron's innermost dimension: a TP group is tp consecutive ranks
+    for r in actor_layout.ranks:  # TP is megatron's innermost dimension: a TP group is tp consecutive ranks
         groups.setdefault(r.rank // tp, set()).add(trainer_nodes[r.node])
     split = [k for k, nodes in groups.items() if len(nodes) > 1]
     if split:
         add("parallel.tp", f"{len(split)} TP group(s) span nodes (TP needs NVLink): e.g. {split[0]}")
-    if not plan.colocate or plan.device != "cuda":
+    if not actor_layout.colocate or actor_layout.device != "cuda":
         return
-    per = plan.gpus_per_node
-    for e in plan.engines:
+    per = actor_layout.gpus_per_node
+    for e in actor_layout.engines:
         first = e.id * e.gpus
         ranks = range(first, first + e.gpus)
-        want = sorted({(plan.ranks[r].node, plan.ranks[r].gpus[0]) for r in ranks})
+        want = sorted({(actor_layout.ranks[r].node, actor_layout.ranks[r].gpus[0]) for r in ranks})
         have = sorted((n.node, g) for n in e.nodes for g in n.gpus)
         if want != have:
             add("sglang.gpus_per_engine", f"engine {e.id} runs on {have[:4]}… but its colocated ranks "
@@ -209,26 +216,26 @@ def _check_groups(plan, trainer_nodes: list[int], add) -> None:
                                           f"do not match its GPUs")
 
 
-def _stand_ins(plan, recipe, pgs, where, index: dict[str, int], stand_in_nodes: int, add) -> list[dict]:
+def _stand_ins(actor_layout, recipe, pgs, where, index: dict[str, int], stand_in_nodes: int, add) -> list[dict]:
     """Start stand-ins for the ranks of the first `stand_in_nodes` bundles, every engine node on them and the
     rollout manager."""
-    import ray
-
-    from kimi_pipeline.rl.launch import engine_options, rollout_manager_options, trainer_options
 
     actor = ray.remote(StandIn)
     started: list[tuple[str, int, list[int], Any]] = []
-    for r in plan.ranks:
+    for r in actor_layout.ranks:
         if r.node < stand_in_nodes:
-            a = actor.options(**trainer_options(plan, recipe, pgs["trainer"], r.rank, 1)).remote(f"rank {r.rank}")
+            a = actor.options(**trainer_options(actor_layout, recipe, pgs["trainer"], r.rank, 1)).remote(
+                f"rank {r.rank}"
+            )
             started.append((f"rank {r.rank}", where["trainer"][r.node], list(r.gpus), a))
     hosts = {where["trainer"][b] for b in range(min(stand_in_nodes, len(where["trainer"])))}
-    for e in plan.engines:  # every engine process on those nodes (colocated or in the rollout group)
-        slot = plan.placement.engines[e.id]
+    for e in actor_layout.engines:  # every engine process on those nodes (colocated or in the rollout group)
+        slot = actor_layout.placement.engines[e.id]
         for n in e.nodes:
             if where[slot.group][n.node] in hosts:
-                a = actor.options(**engine_options(plan, recipe, pgs, e.id, n.node_rank, 1)).remote(
-                    f"engine {e.id} node {n.node_rank}")
+                a = actor.options(**engine_options(actor_layout, recipe, pgs, e.id, n.node_rank, 1)).remote(
+                    f"engine {e.id} node {n.node_rank}"
+                )
                 started.append((f"engine {e.id} node {n.node_rank}", where[slot.group][n.node], list(n.gpus), a))
     driver_node = index.get(ray.get_runtime_context().get_node_id(), -1)
     started.append(("rollout manager", driver_node, [],

@@ -7,10 +7,13 @@ import time
 
 import torch
 
+from kimi_pipeline.engine.sampler import SamplingParams
 from kimi_pipeline.model.tokenizer import decode_responses
 from kimi_pipeline.recipes import Recipe
+from kimi_pipeline.rl.grpo import ADVANTAGE_ESTIMATORS
 from kimi_pipeline.rl.prompts import Prompt, PromptStream
 from kimi_pipeline.rl.samples import Sample
+from kimi_pipeline.rl.sampling import collect_groups
 
 
 def rollout_seed(recipe: Recipe, step: int) -> int:
@@ -20,14 +23,13 @@ def rollout_seed(recipe: Recipe, step: int) -> int:
 def generate_groups(client, tokenizer, reward, prompts: list[Prompt], recipe: Recipe, seed: int,
                     first_group: int = 0) -> list[list[Sample]]:
     """n samples per prompt from the engines, graded; one list of samples per prompt (a group)."""
-    from kimi_pipeline.rl.engine.sampler import SamplingParams
 
-    ro = recipe.rollout
-    params = SamplingParams(temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k,
-                            max_new_tokens=ro.max_response_len, seed=seed)
-    n = ro.n_samples_per_prompt
+    rollout = recipe.rollout
+    params = SamplingParams(temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,
+                            max_new_tokens=rollout.max_response_len, seed=seed)
+    n = rollout.n_samples_per_prompt
     completions = client.generate([p.ids for p in prompts], n=n, params=params,
-                                  return_routed_experts=ro.routing_replay)
+                                  return_routed_experts=rollout.routing_replay)
     texts = decode_responses(tokenizer, [c.output_ids for c in completions])
     rewards = reward.score(texts, [p.label for p in prompts for _ in range(n)])
     groups: list[list[Sample]] = []
@@ -46,14 +48,11 @@ def generate_groups(client, tokenizer, reward, prompts: list[Prompt], recipe: Re
 
 def rollout(client, tokenizer, reward, stream: PromptStream, recipe: Recipe, step: int) -> tuple[list[Sample], dict]:
     """One rollout's samples with group-normalized advantages (dynamic sampling when the recipe asks)."""
-    from kimi_pipeline.rl.grpo import ADVANTAGE_ESTIMATORS
 
-    ro = recipe.rollout
+    rollout = recipe.rollout
     t0 = time.perf_counter()
-    if ro.dynamic_sampling:
-        from kimi_pipeline.rl.sampling import collect_groups
-
-        per_draw = ro.over_sampling_batch_size or ro.rollout_batch_size
+    if rollout.dynamic_sampling:
+        per_draw = rollout.over_sampling_batch_size or rollout.rollout_batch_size
         seen: list[Sample] = []  # every sample drawn: the policy's reward, not the filtered batch's
 
         def draw(d: int) -> list[list[Sample]]:
@@ -62,29 +61,29 @@ def rollout(client, tokenizer, reward, stream: PromptStream, recipe: Recipe, ste
             seen.extend(s for g in drawn for s in g)
             return drawn
 
-        kept, _surplus, report = collect_groups(draw, target=ro.rollout_batch_size,
-                                                max_draws=ro.dynamic_sampling_max_draws,
+        kept, _surplus, report = collect_groups(draw, target=rollout.rollout_batch_size,
+                                                max_draws=rollout.dynamic_sampling_max_draws,
                                                 rewards_of=lambda grp: [s.reward for s in grp])
         groups, extra = kept, {"dynamic_kept_groups": float(report.kept), "dynamic_dropped_groups": float(report.dropped),
                                "dynamic_draws": float(report.draws)}
         if not groups:  # every group was all-right or all-wrong: nothing to learn from this rollout
-            groups = generate_groups(client, tokenizer, reward, stream.take(ro.rollout_batch_size), recipe,
+            groups = generate_groups(client, tokenizer, reward, stream.take(rollout.rollout_batch_size), recipe,
                                      rollout_seed(recipe, step))
     else:
-        groups = generate_groups(client, tokenizer, reward, stream.take(ro.rollout_batch_size), recipe,
+        groups = generate_groups(client, tokenizer, reward, stream.take(rollout.rollout_batch_size), recipe,
                                  rollout_seed(recipe, step))
         seen, extra = [], {}
     gen_seconds = time.perf_counter() - t0
     samples = [s for g in groups for s in g]
     seen = seen or samples
     rewards = torch.tensor([s.reward for s in samples])
-    if ro.dynamic_sampling:
+    if rollout.dynamic_sampling:
         extra["reward_trained_mean"] = float(rewards.mean())
     seen_rewards = torch.tensor([s.reward for s in seen])
-    adv = ADVANTAGE_ESTIMATORS[recipe.grpo.advantage_estimator](rewards, ro.n_samples_per_prompt)
+    adv = ADVANTAGE_ESTIMATORS[recipe.grpo.advantage_estimator](rewards, rollout.n_samples_per_prompt)
     for s, a in zip(samples, adv.tolist()):
         s.advantage = float(a)
-    n = ro.n_samples_per_prompt
+    n = rollout.n_samples_per_prompt
     lengths = [len(s.response_ids) for s in seen]
     out_tokens = sum(lengths)
     seen_groups = seen_rewards.view(-1, n)

@@ -147,9 +147,9 @@ class SavedRollouts:
     def take(self, step: int) -> tuple[list, dict[str, Any], int]:
         """(one object-store reference per data-parallel rank, the rollout's metrics as recorded, 0 restarts)."""
         samples, metrics = load_rollout(self.directory, step + 1)
-        m = self.recipe.model
-        check_fits(samples, self.directory / f"{step_stem(step + 1)}.safetensors", m.vocab_size,
-                   self.recipe.rollout.routing_replay, m.num_layers - m.first_k_dense, m.moe_router_topk)
+        model = self.recipe.model
+        check_fits(samples, self.directory / f"{step_stem(step + 1)}.safetensors", model.vocab_size,
+                   self.recipe.rollout.routing_replay, model.num_layers - model.first_k_dense, model.moe_router_topk)
         shares, _ = share_rollout(samples, self.recipe)
         return [ray.put(s) for s in shares], metrics, 0
 

@@ -4,7 +4,7 @@ stream, the reward processes and the split of each rollout over the trainer's da
 Why an actor and not an object in the train task: the samples never pass through the driver. Each rollout's
 shares go from this actor into the object store, and every trainer rank reads its data-parallel rank's share
 there; the driver only sees the metrics. The engines are this actor's children, so they go when it goes. It is
-pinned to the driver's node with no CPU reserved, which is where the rollout ran before (the launch plan's
+pinned to the driver's node with no CPU reserved, which is where the rollout ran before (the actor layout's
 bundles stay for trainers and engines).
 """
 
@@ -14,9 +14,16 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import ray
+
+from kimi_pipeline.engine.client import EngineRequestError, EnginesDown, Router
+from kimi_pipeline.model.tokenizer import load_tokenizer
 from kimi_pipeline.recipes import Recipe
-from kimi_pipeline.rl.engine.client import EngineRequestError, EnginesDown
-from kimi_pipeline.rl.engine.kinds import EngineGroup, restart_engine, start_engines
+from kimi_pipeline.reward import AnswerGrader
+from kimi_pipeline.rl.actor_layout import rollout_manager_options
+from kimi_pipeline.rl.engine_group import EngineGroup, restart_engine, start_engines
+from kimi_pipeline.rl.prompts import PromptStream, load_prompts
+from kimi_pipeline.rl.rollout import rollout
 from kimi_pipeline.rl.rollout_data import save_rollout
 from kimi_pipeline.rl.samples import RankShare, Sample, share_rollout
 
@@ -42,21 +49,18 @@ class RolloutManager:
         self.restarts: dict[int, int] = {}  # engine -> times restarted in this stage attempt
         self.retried_reported = 0  # the router's retried_requests up to the last rollout's metrics
 
-    def start(self, plan, pgs: dict, threads: int) -> list[str]:
-        """Load the tokenizer and prompts, start the reward pool and the engines where the launch plan puts them;
+    def start(self, actor_layout, pgs: dict, threads: int) -> list[str]:
+        """Load the tokenizer and prompts, start the reward pool and the engines where the actor layout puts them;
         the engines' URLs. On failure, whatever started is stopped before the error is raised."""
-        from kimi_pipeline.model.tokenizer import load_tokenizer
-        from kimi_pipeline.reward import AnswerGrader
-        from kimi_pipeline.rl.prompts import PromptStream, load_prompts
 
-        d, ro = self.recipe.data, self.recipe.rollout
+        data, rollout = self.recipe.data, self.recipe.rollout
         try:
             self.tokenizer = load_tokenizer(self.model_dir, self.recipe.hub.trust_remote_code)
-            self.prompts = PromptStream(load_prompts(self.train_file, self.tokenizer, d.input_key, d.label_key,
-                                                     d.apply_chat_template), ro.seed, ro.shuffle)
-            self.reward = AnswerGrader(ro.rm_type, ro.thinking, strict=ro.reward_strict)
-            self.engines = start_engines(self.recipe, plan, pgs, self.model_dir, threads)
-            self._launch = (plan, pgs, threads)  # where a restarted engine goes
+            self.prompts = PromptStream(load_prompts(self.train_file, self.tokenizer, data.input_key, data.label_key,
+                                                     data.apply_chat_template), rollout.seed, rollout.shuffle)
+            self.reward = AnswerGrader(rollout.rm_type, rollout.thinking, strict=rollout.reward_strict)
+            self.engines = start_engines(self.recipe, actor_layout, pgs, self.model_dir, threads)
+            self._placed = (actor_layout, pgs, threads)  # where a restarted engine goes
         except BaseException:
             self.close()
             raise
@@ -77,7 +81,6 @@ class RolloutManager:
     def _control(self):
         """The router for control calls: the rollout router once connected, else one made for the engines (the
         first handoff comes before the first weight sync)."""
-        from kimi_pipeline.rl.engine.client import Router
 
         if self.router is None:
             self.router = Router(self.engines.urls, server_concurrency=self.recipe.sglang.server_concurrency,
@@ -85,17 +88,14 @@ class RolloutManager:
         return self.router
 
     def _shape(self) -> dict[str, int]:
-        m = self.recipe.model
-        return {"num_layers": m.num_layers, "topk": m.moe_router_topk, "first_k_dense": m.first_k_dense}
+        model = self.recipe.model
+        return {"num_layers": model.num_layers, "topk": model.moe_router_topk, "first_k_dense": model.first_k_dense}
 
     def generate(self, step: int) -> tuple[list, dict[str, float]] | None:
         """Rollout `step`: one object-store reference per data-parallel rank (its `RankShare`) and the
         rollout's and the split's metrics (`retried_requests`: requests sent again because their engine stopped
         answering). None when every engine stopped answering: the prompt stream is back where the rollout began,
         so the same rollout runs again once `heal` has restarted them."""
-        import ray
-
-        from kimi_pipeline.rl.rollout import rollout
 
         start = self.prompts.state()
         try:
@@ -133,7 +133,7 @@ class RolloutManager:
                     f"stage starts every engine afresh")
             log.warning("restarting rollout engine %d (%s), restart %d of at most %d", e, router.clients[e].url,
                         self.restarts[e], limit)
-            url = restart_engine(self.engines, e, self.recipe, *self._launch[:2], self.model_dir, self._launch[2])
+            url = restart_engine(self.engines, e, self.recipe, *self._placed[:2], self.model_dir, self._placed[2])
             router.replace(e, url)
         return list(self.engines.urls), len(dead)
 
@@ -166,7 +166,6 @@ class RolloutManager:
 
     def close(self) -> None:
         """Stop the router, the reward processes and the engines (best effort: at teardown)."""
-        import ray
 
         if self.router is not None:
             self.router.close()
@@ -180,19 +179,16 @@ class RolloutManager:
         self.router = self.reward = self.engines = None
 
 
-def start_rollout_manager(recipe: Recipe, run_dir: Path, model_dir: Path, plan, pgs: dict, threads: int,
+def start_rollout_manager(recipe: Recipe, run_dir: Path, model_dir: Path, actor_layout, pgs: dict, threads: int,
                           save_dir: Path | None = None):
     """The run's `RolloutManager` actor, started (engines serving) on the driver's node; its engines' URLs. It reads
     the validated prompts of `run_dir` and saves each rollout under `save_dir` (None: not saved)."""
-    import ray
 
-    from kimi_pipeline.rl.launch import rollout_manager_options
-
-    data = recipe.model_dump(mode="json", exclude={"hub": {"token"}})
+    data = recipe.worker_dump()
     manager = ray.remote(RolloutManager).options(**rollout_manager_options(recipe)).remote(
         data, str(run_dir / "validate" / "train.jsonl"), str(model_dir), str(save_dir) if save_dir else None)
     try:
-        urls = ray.get(manager.start.remote(plan, pgs, threads))
+        urls = ray.get(manager.start.remote(actor_layout, pgs, threads))
     except BaseException:
         stop_rollout_manager(manager)
         raise
@@ -201,7 +197,6 @@ def start_rollout_manager(recipe: Recipe, run_dir: Path, model_dir: Path, plan, 
 
 def stop_rollout_manager(manager, timeout_s: float = 30.0) -> None:
     """Let the manager stop its engines and reward processes, then kill it (best effort: at teardown)."""
-    import ray
 
     try:
         ray.get(manager.close.remote(), timeout=timeout_s)

@@ -109,15 +109,15 @@ def share_rollout(samples: list[Sample], recipe) -> tuple[list[RankShare], Rollo
     """The recipe's split of a rollout over DP ranks and optimizer steps (see `batching.split_rollout`):
     steps of `rollout.global_batch_size` samples as the seeds (or one step of all with a dynamic global
     batch); with no global batch set, `num_steps_per_rollout` steps of whatever dynamic sampling kept."""
-    ro, p = recipe.rollout, recipe.parallel
+    rollout, parallel = recipe.rollout, recipe.parallel
     dp = recipe.data_parallel_size
-    if ro.use_dynamic_global_batch_size or ro.global_batch_size is not None:
-        size = step_batch_size(len(samples), recipe.global_batch_size, dp, ro.use_dynamic_global_batch_size)
+    if rollout.use_dynamic_global_batch_size or rollout.global_batch_size is not None:
+        size = step_batch_size(len(samples), recipe.global_batch_size, dp, rollout.use_dynamic_global_batch_size)
         steps = {"global_batch_size": size}
     else:
-        steps = {"num_steps": ro.num_steps_per_rollout}
-    split = split_rollout([s.num_tokens for s in samples], dp_size=dp, balance=ro.balance_data, **steps,
-                          max_tokens_per_gpu=p.max_tokens_per_gpu if p.use_dynamic_batch_size else None)
+        steps = {"num_steps": rollout.num_steps_per_rollout}
+    split = split_rollout([s.num_tokens for s in samples], dp_size=dp, balance=rollout.balance_data, **steps,
+                          max_tokens_per_gpu=parallel.max_tokens_per_gpu if parallel.use_dynamic_batch_size else None)
     shares = []
     for r in range(dp):
         mine = split.rank_samples(r)

@@ -1,38 +1,37 @@
 """The trainer ranks of a run, like slime's `RayTrainGroup`: one `PolicyWorker` actor per rank (one
-torch.distributed job), placed by the launch plan, driven together."""
+torch.distributed job), placed by the actor layout, driven together."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
+import ray
+
+from kimi_pipeline.cluster.placement import free_port_on
 from kimi_pipeline.convert.names import HFLayout
 from kimi_pipeline.recipes import Recipe
+from kimi_pipeline.rl.actor_layout import trainer_options
 from kimi_pipeline.rl.metrics import reduce_metrics
+from kimi_pipeline.rl.policy import PolicyWorker
 
 
 class TrainerGroup:
-    def __init__(self, recipe: Recipe, plan, pg, threads: int) -> None:
+    def __init__(self, recipe: Recipe, actor_layout, pg, threads: int) -> None:
         """One actor per trainer rank in its node's bundle; MASTER_ADDR is rank 0's node."""
-        import ray
 
-        from kimi_pipeline.cluster.placement import free_port_on
-        from kimi_pipeline.rl.launch import trainer_options
-        from kimi_pipeline.rl.policy import PolicyWorker
-
-        self.plan = plan
+        self.actor_layout = actor_layout
         world = recipe.cluster.world_size
-        addr, port = free_port_on(pg, plan.master_addr_node)
-        data = recipe.model_dump(mode="json", exclude={"hub": {"token"}})
+        addr, port = free_port_on(pg, actor_layout.master_addr_node)
+        data = recipe.worker_dump()
         cls = ray.remote(PolicyWorker)
-        self.workers = [cls.options(**trainer_options(plan, recipe, pg, rank, threads)).remote(
-                            data, rank, world, addr, port, local_gpu=next(iter(plan.ranks[rank].gpus), 0))
+        self.workers = [cls.options(**trainer_options(actor_layout, recipe, pg, rank, threads)).remote(
+                            data, rank, world, addr, port, local_gpu=next(iter(actor_layout.ranks[rank].gpus), 0))
                         for rank in range(world)]
 
     def load(self, ckpt_dir: Path, init_checkpoint: Path, ref_checkpoint: Path, hf_layout: HFLayout) -> dict[str, Any]:
         """Resume from `ckpt_dir`'s latest checkpoint, else the initial weights; the KL reference from
         `ref_checkpoint`; weight sync under `hf_layout`'s names. Returns the checkpoint's extra state."""
-        import ray
 
         extras = ray.get([w.load.remote(str(ckpt_dir), str(init_checkpoint), str(ref_checkpoint), hf_layout.prefix)
                           for w in self.workers])
@@ -42,36 +41,27 @@ class TrainerGroup:
         """`shares[dp]` is the object-store reference of DP rank `dp`'s `RankShare` (the rollout manager put it
         there once); every trainer rank of that DP rank reads it there, the samples are not serialized into 256
         actor calls."""
-        import ray
 
-        return reduce_metrics(ray.get([w.train.remote(shares[self.plan.ranks[i].dp], step)
+        return reduce_metrics(ray.get([w.train.remote(shares[self.actor_layout.ranks[i].dp], step)
                                        for i, w in enumerate(self.workers)]), equal_weights=True)
 
     def sync_weights(self, urls: list[str], version: str) -> dict[str, float]:
-        import ray
-
         return reduce_metrics(ray.get([w.sync_weights.remote(urls, version) for w in self.workers]),
                               equal_weights=True)
 
     def sleep(self, parts: tuple[str, ...]) -> dict[str, float]:
         """Colocated: every rank hands these parts of its device state to the engines (`model.offload`)."""
-        import ray
 
         return reduce_metrics(ray.get([w.sleep.remote(list(parts)) for w in self.workers]), equal_weights=True)
 
     def wake(self, parts: tuple[str, ...]) -> None:
-        import ray
-
         ray.get([w.wake.remote(list(parts)) for w in self.workers])
 
     def save(self, ckpt_dir: Path, step: int, state: dict[str, Any]) -> None:
-        import ray
-
         ray.get([w.save.remote(str(ckpt_dir), step, state) for w in self.workers])
 
     def close(self) -> None:
         """Let live trainers remove their shared-memory segments, then kill them (best effort: at teardown)."""
-        import ray
 
         try:
             ray.get([w.release.remote() for w in self.workers], timeout=10)

@@ -24,9 +24,19 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 
 from kimi_pipeline.convert.names import HFLayout
+from kimi_pipeline.engine.client import chunk_named_tensors, paused, weight_update_session
+from kimi_pipeline.engine.cuda_ipc import build_update_request, serialize_bucket
+from kimi_pipeline.engine.dist_update import dtype_from_name
+from kimi_pipeline.engine.kinds import engine_kind
+from kimi_pipeline.model.hf_config import hf_config_dict
+from kimi_pipeline.quant.engine_format import engine_quant_config, engine_weight_format, to_engine_format
+from kimi_pipeline.quant.policy_weights import policy_tensors
 from kimi_pipeline.recipes import Recipe
+from kimi_pipeline.util.files import atomic_write_json
+from kimi_pipeline.util.shards import ShardWriter, finish_shards
 
 
 class TrainerRank(Protocol):
@@ -48,8 +58,6 @@ class WeightSync(ABC):
     name: str
 
     def __init__(self, trainer: TrainerRank, router) -> None:
-        from kimi_pipeline.quant.engine_format import engine_weight_format
-
         self.trainer, self.router, self.recipe = trainer, router, trainer.recipe
         self.format = engine_weight_format(self.recipe)
         # an INT4 engine dequantizes the packed stored weights to exactly the fake-quant ones
@@ -62,13 +70,10 @@ class WeightSync(ABC):
     def _engine_tensors(self, named):
         """The trainer's tensors as the engines' checkpoint stores them: its format, under its names (K2.5's
         `language_model.` prefix, which SGLang's K2.5 model loads)."""
-        from kimi_pipeline.quant.engine_format import to_engine_format
 
         return self.trainer.hf_layout.stored_items(to_engine_format(named, self.format, self.recipe.quant.group_size))
 
     def _policy_tensors(self, **kw):
-        from kimi_pipeline.quant.policy_weights import policy_tensors
-
         r = self.recipe
         return policy_tensors(self.trainer.model[0], r.model, self.trainer.layout,
                               qat_group_size=r.quant.group_size if self.fake_quant else None, **kw)
@@ -92,10 +97,6 @@ class OwnedBuckets(WeightSync):
     name = "owned"
 
     def update(self, version: str) -> dict[str, float]:
-        import torch.distributed as dist
-
-        from kimi_pipeline.rl.engine.client import paused, weight_update_session
-
         t0 = time.perf_counter()
         buffer = self.recipe.rollout.update_weight_buffer_size
         barrier = dist.barrier if self.trainer.world_size > 1 else (lambda: None)
@@ -139,8 +140,6 @@ class CudaIpcBuckets(WeightSync):
     name = "cuda_ipc"
 
     def __init__(self, trainer: TrainerRank, router) -> None:
-        import torch.distributed as dist
-
         super().__init__(trainer, router)
         g = self.recipe.sglang.gpus_per_engine
         self.engine_index, self.tp_rank = divmod(trainer.rank, g)
@@ -151,11 +150,6 @@ class CudaIpcBuckets(WeightSync):
         self.client = router.clients[self.engine_index] if self.tp_rank == 0 else None
 
     def update(self, version: str) -> dict[str, float]:
-        import torch.distributed as dist
-
-        from kimi_pipeline.rl.engine.client import chunk_named_tensors, paused, weight_update_session
-        from kimi_pipeline.rl.engine.cuda_ipc import build_update_request, serialize_bucket
-
         t0 = time.perf_counter()
         lead = self.trainer.rank == 0
         named = self._gathered_on_rank0()
@@ -178,9 +172,6 @@ class CudaIpcBuckets(WeightSync):
 
     def _next_bucket(self, chunks) -> dict[str, torch.Tensor] | None:
         """The next bucket on every rank (rank 0's, broadcast over the trainers' group); None after the last."""
-        import torch.distributed as dist
-
-        from kimi_pipeline.rl.engine.dist_update import dtype_from_name
 
         chunk = next(chunks, None) if chunks is not None else None
         header = [[(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in chunk.items()]
@@ -211,10 +202,6 @@ class DiskCheckpoint(WeightSync):
     def _write(self, named, version: str) -> Path:
         """HF safetensors + config (with the engine format's quantization_config) under the trainer's sync dir;
         only the newest weights are kept."""
-        from kimi_pipeline.model.hf_config import hf_config_dict
-        from kimi_pipeline.quant.engine_format import engine_quant_config
-        from kimi_pipeline.util.files import atomic_write_json
-        from kimi_pipeline.util.shards import ShardWriter, finish_shards
 
         root = self.trainer.sync_dir()
         out, tmp = root / version, root / f"{version}.tmp"
@@ -235,7 +222,6 @@ class DiskCheckpoint(WeightSync):
 
 def _all_engines_local(trainer: TrainerRank, router) -> bool:
     """Whether, on every rank, every engine reads buckets from this host's shared memory (agreed by all)."""
-    import torch.distributed as dist
 
     local = router.weight_transport == "auto" and all(c.shares_memory() for c in router.clients)
     if trainer.world_size > 1:
@@ -248,7 +234,6 @@ def _all_engines_local(trainer: TrainerRank, router) -> bool:
 
 def choose_weight_sync(trainer: TrainerRank, router) -> WeightSync:
     """The run's updater (collective: every trainer rank calls it with the same engines)."""
-    from kimi_pipeline.rl.engine.kinds import engine_kind
 
     r, kind = trainer.recipe, engine_kind(trainer.recipe)
     if r.rollout.weight_sync == "disk":

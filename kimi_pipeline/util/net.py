@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import sys
 
 LOOPBACK = "127.0.0.1"
 
@@ -23,10 +24,11 @@ def is_loopback(host: str) -> bool:
 
 
 def node_address() -> str:
-    """The address other nodes reach this one at: Ray's node IP inside a cluster, else the host name's address."""
-    import ray  # a core dependency; imported here because util must not load Ray for the helpers above
-
-    if ray.is_initialized():
+    """The address other nodes reach this one at: Ray's node IP inside a cluster, else the host name's address.
+    A process that never imported Ray is not a Ray worker, so Ray is not imported here (light processes such as
+    the cluster watchdog and weight-job ranks import this module)."""
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
         return ray.util.get_node_ip_address()
     return socket.gethostbyname(socket.gethostname())
 

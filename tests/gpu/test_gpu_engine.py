@@ -40,7 +40,7 @@ def _close(a, b, rel: float = REL) -> float:
 def test_engine_weights_live_on_the_gpu_and_prefill_decode_match_transformers(hf_a, cuda):
     import torch
 
-    from kimi_pipeline.rl.engine.model import EngineModel
+    from kimi_pipeline.engine.model import EngineModel
 
     eng = EngineModel.from_hf_model(hf_a, device=cuda)
     assert eng.device == cuda
@@ -70,8 +70,8 @@ def test_gpu_sampling_is_seeded_and_its_logprobs_are_transformers(hf_a, cuda):
     import numpy as np
     import torch
 
-    from kimi_pipeline.rl.engine.model import EngineModel
-    from kimi_pipeline.rl.engine.sampler import RolloutEngine, SamplingParams
+    from kimi_pipeline.engine.model import EngineModel
+    from kimi_pipeline.engine.sampler import RolloutEngine, SamplingParams
 
     engine = RolloutEngine(EngineModel.from_hf_model(hf_a, device=cuda), seed=0)
     prompts, temp = _prompts(2), 0.7
@@ -108,10 +108,10 @@ def test_bf16_engine_on_the_gpu_runs_the_same_model(hf_a, cuda):
 def test_http_server_on_a_gpu_engine_serves_the_engines_samples_and_takes_weights(hf_a, cuda):
     import numpy as np
 
-    from kimi_pipeline.rl.engine.client import EngineClient
-    from kimi_pipeline.rl.engine.model import EngineModel
-    from kimi_pipeline.rl.engine.sampler import RolloutEngine, SamplingParams
-    from kimi_pipeline.rl.engine.server import EngineServer
+    from kimi_pipeline.engine.client import EngineClient
+    from kimi_pipeline.engine.model import EngineModel
+    from kimi_pipeline.engine.sampler import RolloutEngine, SamplingParams
+    from kimi_pipeline.engine.server import EngineServer
 
     server = EngineServer(RolloutEngine(EngineModel.from_hf_model(hf_a, device=cuda), seed=0))
     server.start()
@@ -143,8 +143,8 @@ def _bf16_with_graphs(hf, cuda):
     """hf's weights in a bf16 engine on the GPU; skips where its decode step cannot be captured."""
     import torch
 
-    from kimi_pipeline.rl.engine.model import EngineModel
-    from kimi_pipeline.rl.engine.static_decode import graphs_supported
+    from kimi_pipeline.engine.model import EngineModel
+    from kimi_pipeline.engine.static_decode import graphs_supported
 
     model = EngineModel.from_hf_model(hf, device=cuda, dtype=torch.bfloat16)
     if not graphs_supported(model):
@@ -176,7 +176,7 @@ def test_cuda_graph_decode_draws_the_static_paths_tokens(hf_a, cuda):
     """Issue 25 item 5: in bf16, decode steps replayed from CUDA graphs (one per batch bucket x cache length,
     captured lazily, kept across calls) sample exactly what the same static step run eagerly samples for a seed,
     rows stopping early so compaction moves the batch down through smaller buckets."""
-    from kimi_pipeline.rl.engine.sampler import RolloutEngine, SamplingParams
+    from kimi_pipeline.engine.sampler import RolloutEngine, SamplingParams
 
     model = _bf16_with_graphs(hf_a, cuda)
     eager, graphs = RolloutEngine(model, decode_mode="static"), RolloutEngine(model)
@@ -206,8 +206,8 @@ def test_cuda_graphs_captured_before_a_weight_update_serve_the_new_weights(hf_a,
     model A, replayed after loading model B, sample what a fresh engine of model B samples."""
     import torch
 
-    from kimi_pipeline.rl.engine.model import EngineModel
-    from kimi_pipeline.rl.engine.sampler import RolloutEngine, SamplingParams
+    from kimi_pipeline.engine.model import EngineModel
+    from kimi_pipeline.engine.sampler import RolloutEngine, SamplingParams
 
     model = _bf16_with_graphs(hf_a, cuda)
     engine = RolloutEngine(model, decode_mode="graphs")

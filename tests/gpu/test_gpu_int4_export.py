@@ -1,5 +1,5 @@
 """INT4 export from a checkpoint a GPU wrote: a megatron model on CUDA (the tiny checkpoint's weights) saved as
-torch_dist, then the export stage (stage_export, one rank in the convert layout, `cluster.device=cuda`)
+torch_dist, then the export stage (run_stage(EXPORT, …), one rank in the convert layout, `cluster.device=cuda`)
 writes Kimi's compressed-tensors INT4 directory from it. The GPU twin of tests/integration/test_int4.py's
 `test_stage_export_from_a_megatron_checkpoint`, with a stronger reference: the export must equal, tensor for
 tensor and bit for bit, the single-process export of the HF source files themselves (the weights went
@@ -24,9 +24,10 @@ def test_int4_export_of_a_cuda_written_checkpoint(cuda, one_gpu_rank, tmp_path):
     from kimi_pipeline.convert.names import load_hf_tensors_into_model
     from kimi_pipeline.model.megatron_model import build_model
     from kimi_pipeline.model.megatron_train import save_model_only
+    from kimi_pipeline.quant.checkpoint_export import shard_bytes
     from kimi_pipeline.quant.export import export_int4
-    from kimi_pipeline.quant.stage import shard_bytes, stage_export
     from kimi_pipeline.recipes import load_recipe
+    from kimi_pipeline.stages import EXPORT, run_stage
 
     # the QAT export path (fake-quant trainer forward as the logits reference), on one GPU rank
     recipe = load_recipe("tiny", ["quant.int4_qat=true", "cluster.device=cuda", "convert.nodes=1",
@@ -38,7 +39,7 @@ def test_int4_export_of_a_cuda_written_checkpoint(cuda, one_gpu_rank, tmp_path):
     save_model_only(ckpt, model, step=20)  # written from CUDA tensors
 
     run_dir = tmp_path / "run"
-    section = stage_export(recipe, run_dir, ckpt, model_dir=TINY_MODEL, timeout_s=600)
+    section = run_stage(EXPORT, recipe, run_dir, checkpoint_dir=ckpt, model_dir=TINY_MODEL, timeout_s=600)
     assert section["checkpoint"] == str(ckpt / "iter_0000020") and section["ranks"] == 1
     assert section["dequant_exact"] and section["experts_equal"] and section["qat"]
     assert section["num_quantized"] == 144  # 3 MoE layers x 16 experts x gate/up/down

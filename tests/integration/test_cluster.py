@@ -16,32 +16,25 @@ from pathlib import Path
 import psutil
 import pytest
 
-from kimi_pipeline.cluster import (
-    ClusterConfigError,
-    ClusterFacts,
-    ClusterHealthError,
+from kimi_pipeline.cluster.env import SOCKET_PATH_MAX, SOCKET_PATH_TAIL, choose_temp_dir
+from kimi_pipeline.cluster.errors import ClusterConfigError, ClusterHealthError, LocalClusterTooSmall, PlacementError
+from kimi_pipeline.cluster.health import ClusterFacts, NodeFacts, Requirements, wait_until_healthy
+from kimi_pipeline.cluster.kuberay import check_manifest, manifest_presets, render_manifest
+from kimi_pipeline.cluster.lifecycle import embedded_layout, resolve_address, stop_cluster
+from kimi_pipeline.cluster.local import LocalCluster
+from kimi_pipeline.cluster.placement import (
     GroupSpec,
-    LocalCluster,
-    LocalClusterTooSmall,
-    NodeFacts,
-    PlacementError,
-    Requirements,
     bundle_nodes,
+    compute_placement,
     create_group,
     create_placement_groups,
-    plan_placement,
     remove_placement_groups,
-    stage_cluster,
-    stop_cluster,
-    wait_until_healthy,
 )
-from kimi_pipeline.cluster.env import SOCKET_PATH_MAX, SOCKET_PATH_TAIL, choose_temp_dir
-from kimi_pipeline.cluster.jobs import job_submit_command
-from kimi_pipeline.cluster.kuberay import check_manifest, manifest_presets, render_manifest
 from kimi_pipeline.cluster.procs import MARKER_VAR, cluster_processes, ray_processes_alive
-from kimi_pipeline.cluster.stage import embedded_layout, resolve_address
+from kimi_pipeline.cluster.ray_submit import ray_submit_command
 from kimi_pipeline.errors import is_permanent
 from kimi_pipeline.recipes import load_recipe
+from kimi_pipeline.stages import CLUSTER, run_stage
 
 ROOT = Path(__file__).resolve().parents[2]
 INFRA = ROOT / "infra" / "ray"
@@ -128,7 +121,7 @@ def test_missing_lists_every_shortfall():
 
 
 def test_placement_plans_for_the_presets():
-    k25 = plan_placement(load_recipe("kimi-k2.5"))
+    k25 = compute_placement(load_recipe("kimi-k2.5"))
     trainer = k25.group("trainer")
     assert trainer.strategy == "STRICT_SPREAD" and len(trainer.bundles) == 32
     assert trainer.bundles[0] == {"GPU": 8.0, "CPU": 8.0}
@@ -137,18 +130,18 @@ def test_placement_plans_for_the_presets():
     assert k25.trainer_bundle(0) == 0 and k25.trainer_bundle(255) == 31
     assert k25.trainer_actor["GPU"] + k25.engine_actor["GPU"] <= 1.0
 
-    thinking = plan_placement(load_recipe("kimi-k2-thinking"))  # 16-GPU engines span two nodes
+    thinking = compute_placement(load_recipe("kimi-k2-thinking"))  # 16-GPU engines span two nodes
     assert len(thinking.engines) == 16 and thinking.engines[1].bundles == (2, 3)
 
-    apart = plan_placement(load_recipe("kimi-k2.5", ["cluster.colocate=false"]), rollout_devices=64)
+    apart = compute_placement(load_recipe("kimi-k2.5", ["cluster.colocate=false"]), rollout_devices=64)
     rollout = apart.group("rollout")
     assert len(rollout.bundles) == 8 and rollout.strategy == "STRICT_SPREAD"
     assert apart.engines[-1].group == "rollout" and apart.trainer_actor["GPU"] == 1.0
 
-    tiny = plan_placement(load_recipe("tiny"))
+    tiny = compute_placement(load_recipe("tiny"))
     assert tiny.group("trainer").bundles == ({"CPU": 1.0},) and tiny.engines[0].group == "trainer"
     with pytest.raises(ClusterConfigError, match="gpus_per_engine"):
-        plan_placement(load_recipe("kimi-k2.5", ["sglang.gpus_per_engine=12"], check=False))
+        compute_placement(load_recipe("kimi-k2.5", ["sglang.gpus_per_engine=12"], check=False))
 
 
 def test_kuberay_manifests_are_generated_from_the_recipes():
@@ -242,8 +235,8 @@ def test_token_is_created_once_and_private(tmp_path, monkeypatch):
         cenv.auth_mode()
 
 
-def test_job_submit_command_uses_the_venv_interpreter():
-    argv = job_submit_command("kimi-k2.5", "http://10.0.0.1:8265")
+def test_ray_submit_command_uses_the_venv_interpreter():
+    argv = ray_submit_command("kimi-k2.5", "http://10.0.0.1:8265")
     sep = argv.index("--")
     assert argv[sep + 1] == sys.executable and os.path.isabs(argv[sep + 1])
     assert argv[sep + 2 : sep + 6] == ["-m", "kimi_pipeline.cli", "run", "--recipe"]
@@ -277,7 +270,7 @@ def embedded(tmp_path_factory):
     _RUN_DIRS.append(run_dir)
     os.environ["KIMI_RAY_DASHBOARD"] = "1"
     try:
-        section = stage_cluster(load_recipe("tiny"), run_dir)
+        section = run_stage(CLUSTER, load_recipe("tiny"), run_dir)
     finally:
         os.environ.pop("KIMI_RAY_DASHBOARD", None)
     pids, cluster = _snapshot(run_dir)
@@ -319,13 +312,12 @@ def test_a_driver_can_use_the_cluster(embedded):
 
     ray.init(address=embedded["section"]["address"], log_to_driver=False)
     try:
-
         @ray.remote(num_cpus=1)
         def square(x: int) -> int:
             return x * x
 
         assert ray.get([square.remote(i) for i in range(4)]) == [0, 1, 4, 9]
-        pgs = create_placement_groups(plan_placement(load_recipe("tiny")), timeout_s=30)
+        pgs = create_placement_groups(compute_placement(load_recipe("tiny")), timeout_s=30)
         assert len(bundle_nodes(pgs["trainer"])) == 1
         remove_placement_groups(pgs)
     finally:
@@ -353,7 +345,7 @@ def test_existing_cluster_by_address_is_used_not_owned(embedded):
     """cluster.address: attach, check, report; the run never stops a cluster it did not start."""
     run_dir = short_run_dir("existing")
     address = embedded["section"]["address"]
-    s = stage_cluster(load_recipe("tiny", [f"cluster.address={address}"]), run_dir, timeout_s=30)
+    s = run_stage(CLUSTER, load_recipe("tiny", [f"cluster.address={address}"]), run_dir, timeout_s=30)
     assert s["mode"] == "existing" and s["address"] == address and s["nodes"] == 1
     assert stop_cluster(run_dir) is None
     from kimi_pipeline.cluster.env import gcs_reachable
@@ -361,7 +353,7 @@ def test_existing_cluster_by_address_is_used_not_owned(embedded):
     assert gcs_reachable(address) and embedded["cluster"].alive()
     too_big = load_recipe("tiny", [f"cluster.address={address}", "cluster.nodes=2", "parallel.dp=1"], check=False)
     with pytest.raises(ClusterHealthError, match="nodes: 1 alive < 2 required"):
-        stage_cluster(too_big, run_dir, timeout_s=2)
+        run_stage(CLUSTER, too_big, run_dir, timeout_s=2)
     assert gcs_reachable(address)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["stages"]["cluster"]["status"] == "failed" and "2 required" in summary["stages"]["cluster"]["error"]
@@ -371,7 +363,7 @@ def test_ray_job_submit_with_the_venv_interpreter(embedded):
     """The documented `ray job submit` form, for real: token auth, RAY_ADDRESS inside the job."""
     dash = embedded["section"]["dashboard"]
     assert dash and dash.startswith("http://127.0.0.1:")
-    argv = job_submit_command("tiny", dash)
+    argv = ray_submit_command("tiny", dash)
     sep = argv.index("--")
     probe = [*argv[: sep + 1], sys.executable, "-c",
              "import os, ray; ray.init(); print('JOB-OK', os.environ['RAY_ADDRESS'], ray.cluster_resources()['CPU'])"]
@@ -410,7 +402,7 @@ def test_failing_stage_stops_what_it_started():
     r = load_recipe("tiny", [f"cluster.memory_gb_per_node={total_gb - 0.01:.2f}"])
     seen: dict[int, str] = {}
     with pytest.raises(LocalClusterTooSmall) as e:
-        stage_cluster(r, run_dir, timeout_s=3)
+        run_stage(CLUSTER, r, run_dir, timeout_s=3)
     assert is_permanent(e.value) and any("memory" in m for m in e.value.missing)
     c = LocalCluster.load(run_dir)
     assert c is not None and c.state["sids"], "the head was started"
@@ -427,8 +419,8 @@ def test_watchdog_stops_the_cluster_when_the_owner_is_killed():
     run_dir = short_run_dir("owner")
     code = (
         "import sys, time; from kimi_pipeline.recipes import load_recipe; "
-        "from kimi_pipeline.cluster import stage_cluster; "
-        f"stage_cluster(load_recipe('tiny'), {str(run_dir)!r}); print('UP', flush=True); time.sleep(600)"
+        "from kimi_pipeline.stages import CLUSTER, run_stage; "
+        f"run_stage(CLUSTER, load_recipe('tiny'), {str(run_dir)!r}); print('UP', flush=True); time.sleep(600)"
     )
     owner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=ROOT)
     try:
@@ -456,14 +448,14 @@ def test_simulated_four_node_cluster_strict_spread_and_impossible_groups():
 
     run_dir = short_run_dir("four")
     r = load_recipe("tiny", ["cluster.nodes=4"])
-    section = stage_cluster(r, run_dir)
+    section = run_stage(CLUSTER, r, run_dir)
     pids, _ = _snapshot(run_dir)
     try:
         assert section["nodes"] == 4 and section["cpus"] == 4
         assert sorted(k for n in section["node_list"] for k in n["resources"]) == [f"node_{i}" for i in range(4)]
         assert list(pids.values()).count("raylet") == 4
         ray.init(address=section["address"], log_to_driver=False)
-        plan = plan_placement(r)
+        plan = compute_placement(r)
         trainer = plan.group("trainer")
         assert trainer.strategy == "STRICT_SPREAD" and len(trainer.bundles) == 4
         pgs = create_placement_groups(plan, timeout_s=30)
@@ -508,8 +500,8 @@ def test_infra_scripts_start_a_head_and_a_worker():
     on the "shared" BASE_DIR; checked from a separate driver process; stopped by marker, not `ray stop`."""
     from ray._private.services import get_node_ip_address
 
-    from kimi_pipeline.util.net import free_port
     from kimi_pipeline.cluster.procs import stop_processes
+    from kimi_pipeline.util.net import free_port
 
     base = short_run_dir("infra")
     marker = f"infra-{os.getpid()}"
@@ -538,7 +530,7 @@ def test_infra_scripts_start_a_head_and_a_worker():
         names = {p.pid: p.name() for p in cluster_processes(marker, sids)}
         assert list(names.values()).count("raylet") == 2
         probe = (
-            "from kimi_pipeline.cluster import Requirements, wait_until_healthy; "
+            "from kimi_pipeline.cluster.health import Requirements, wait_until_healthy; "
             f"f = wait_until_healthy('{env['MASTER_ADDR']}:{port}', Requirements(nodes=2, cpus_per_node=1), timeout_s=60); "
             "print('NODES', len(f.nodes), f.ray_version)"
         )

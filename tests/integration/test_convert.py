@@ -32,11 +32,10 @@ from kimi_pipeline.convert.dequant import (
     kimi_int4_quant_config,
     quantize_fp8_block,
     quantize_int4_packed,
-    write_quantized_checkpoint,
 )
 from kimi_pipeline.convert.hf_reader import HFCheckpoint, HFCheckpointError
-from kimi_pipeline.convert.launch import ConversionJobPermanentError, launch_local, scale_out_command
-from kimi_pipeline.convert.stage import (
+from kimi_pipeline.convert.quantized_copy import write_quantized_checkpoint
+from kimi_pipeline.convert.torch_dist import (
     MARKER,
     TRACKER,
     checkpoint_dir,
@@ -51,6 +50,7 @@ from kimi_pipeline.convert.verify import ConversionVerifyError
 from kimi_pipeline.errors import is_permanent
 from kimi_pipeline.model.hf_config import hf_config_dict
 from kimi_pipeline.recipes import load_recipe
+from kimi_pipeline.weightjobs.launch import WeightJobPermanentError, launch_local, scale_out_command
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -91,14 +91,13 @@ def tiny_ckpt(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def converted(tiny_ckpt, tmp_path_factory) -> tuple[Path, dict]:
     """The tiny recipe's own conversion as the pipeline runs it: download (local source, manifest) ->
-    stage_convert (4 nodes x 1 rank, pp2 x ep2, verified) -> summary.json."""
-    from kimi_pipeline.convert.stage import stage_convert
-    from kimi_pipeline.stages import prepare_run, stage_download
+    the convert stage (4 nodes x 1 rank, pp2 x ep2, verified) -> summary.json."""
+    from kimi_pipeline.stages import CONVERT, DOWNLOAD, prepare_run, run_stage
 
     recipe = load_recipe("tiny", [f"hub.model.path={tiny_ckpt}"])
     run_dir = prepare_run(recipe, tmp_path_factory.mktemp("runs") / "run")
-    stage_download(recipe, run_dir)
-    section = stage_convert(recipe, run_dir)
+    run_stage(DOWNLOAD, recipe, run_dir)
+    section = run_stage(CONVERT, recipe, run_dir)
     return run_dir, section
 
 
@@ -228,10 +227,10 @@ def test_verify_layout_differs_from_the_written_one():
 
 
 def test_scale_out_command_is_one_torchrun_per_node():
-    cmd = scale_out_command("kimi_pipeline.convert.job", ["--job", "/shared/run/convert/work/job.json"], nnodes=4, nproc_per_node=8)
+    cmd = scale_out_command("kimi_pipeline.convert.convert_rank", ["--job", "/shared/run/convert/work/job.json"], nnodes=4, nproc_per_node=8)
     assert "--nnodes=4" in cmd and "--nproc-per-node=8" in cmd
     assert "--master-addr=$MASTER_ADDR" in cmd and "--node-rank=$NODE_RANK" in cmd
-    assert cmd.endswith("-m kimi_pipeline.convert.job --job /shared/run/convert/work/job.json")
+    assert cmd.endswith("-m kimi_pipeline.convert.convert_rank --job /shared/run/convert/work/job.json")
 
 
 # ---------------------------------------------------------------- the 4-node job
@@ -292,9 +291,9 @@ def test_task_cache_key_follows_content_not_paths(tmp_path):
 @pytest.mark.slow
 def test_reload_under_tp2_matches_the_source(converted, tiny_ckpt, tmp_path):
     """The pp2 x ep2 checkpoint, resharded into TP2 x expert-TP2 (2 ranks): every tensor and the round trip exact."""
-    from kimi_pipeline.convert.job import write_job_file
     from kimi_pipeline.convert.verify import summarize
     from kimi_pipeline.model.parallel import Layout
+    from kimi_pipeline.weightjobs.job_file import write_job_file
 
     run_dir, _ = converted
     layout = Layout(world_size=2, tp=2, etp=2)  # experts split along expert-TP too
@@ -335,6 +334,7 @@ def _tampered_copy(src: Path, dst: Path, change: Callable[[dict[str, torch.Tenso
 def _swap(a: str, b: str) -> Callable[[dict[str, torch.Tensor]], None]:
     def change(t: dict[str, torch.Tensor]) -> None:
         t[a], t[b] = t[b], t[a]
+
     return change
 
 
@@ -343,6 +343,7 @@ def _one_ulp(name: str) -> Callable[[dict[str, torch.Tensor]], None]:
         w = t[name].clone()
         w.view(-1)[7] = torch.nextafter(w.view(-1)[7], torch.tensor(float("inf"), dtype=w.dtype))
         t[name] = w
+
     return change
 
 
@@ -442,7 +443,7 @@ def _with_truncated_shard(src: Path, dst: Path) -> tuple[Path, Path]:
 @pytest.mark.slow
 def test_corrupt_shard_fails_naming_the_file_and_rank(tiny_ckpt, tmp_path):
     bad, shard = _with_truncated_shard(tiny_ckpt, tmp_path / "bad")
-    with pytest.raises(ConversionJobPermanentError) as info:
+    with pytest.raises(WeightJobPermanentError) as info:
         run_convert(_two_nodes(), tmp_path / "run", bad, source_files={}, timeout=300)
     msg = str(info.value)
     assert shard.name in msg and "corrupt or truncated" in msg
@@ -480,7 +481,7 @@ def test_interrupted_conversion_is_never_taken_as_complete(tiny_ckpt, tmp_path):
     run_dir = tmp_path / "run"
     code = (
         "import sys\nfrom pathlib import Path\nfrom kimi_pipeline.recipes import load_recipe\n"
-        "from kimi_pipeline.convert.stage import run_convert\n"
+        "from kimi_pipeline.convert.torch_dist import run_convert\n"
         "if __name__ == '__main__':\n"
         "    r = load_recipe('tiny')\n"
         "    r = r.model_copy(update={'convert': r.convert.model_copy(update=dict(nodes=2, pp=2, ep=1, verify=False))})\n"
@@ -521,11 +522,11 @@ def test_interrupted_conversion_is_never_taken_as_complete(tiny_ckpt, tmp_path):
 
 
 def test_bridge_mode_skips_the_stage(tmp_path):
-    from kimi_pipeline.convert.stage import stage_convert
+    from kimi_pipeline.stages import CONVERT, run_stage
 
     r = load_recipe("kimi-k2.5")
     assert r.convert.mode == "bridge"
-    section = stage_convert(r, tmp_path)
+    section = run_stage(CONVERT, r, tmp_path)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["stages"]["convert"]["status"] == "skipped" and section["mode"] == "bridge"
     assert not (tmp_path / "convert").exists()
@@ -535,7 +536,7 @@ def test_launcher_relaunches_when_the_rendezvous_port_is_taken(tmp_path, monkeyp
     """Another process grabs the port between picking it and node 0 listening: relaunch on a new one."""
     import socket
 
-    from kimi_pipeline.convert import launch
+    from kimi_pipeline.weightjobs import launch
 
     squatter = socket.socket()
     squatter.bind(("127.0.0.1", 0))
@@ -563,7 +564,7 @@ def _job_processes(cluster) -> dict[int, tuple[psutil.Process, str]]:
             cmd = " ".join(p.cmdline())
         except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
             continue
-        if "NodeAgent" in cmd or "kimi_pipeline.convert.job" in cmd:
+        if "NodeAgent" in cmd or "kimi_pipeline.convert.convert_rank" in cmd:
             out[p.pid] = (p, cmd)
     return out
 
@@ -628,14 +629,14 @@ def test_conversion_runs_one_agent_per_node_of_a_ray_cluster(tiny_ckpt, tmp_path
         assert (checkpoint_dir(tmp_path / "run") / TRACKER).is_file()
 
         bad, shard = _with_truncated_shard(tiny_ckpt, tmp_path / "bad")
-        with _Sampler(cluster) as failed_run, pytest.raises(ConversionJobPermanentError) as info:
+        with _Sampler(cluster) as failed_run, pytest.raises(WeightJobPermanentError) as info:
             run_convert(recipe, tmp_path / "run2", bad, source_files={}, verify=False, timeout=180)
         msg = str(info.value)
         assert re.search(r"rank [23] \(node [23]\) failed: HFCheckpointError", msg) and shard.name in msg
         with connected(cluster.address):
             assert all(pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())
         # the filter does find the job's processes while they run: 4 agent actors, their torchrun agents and ranks
-        assert ok_run.saw("NodeAgent") == 4 and ok_run.saw("kimi_pipeline.convert.job") >= 4, ok_run.seen
+        assert ok_run.saw("NodeAgent") == 4 and ok_run.saw("kimi_pipeline.convert.convert_rank") >= 4, ok_run.seen
         assert failed_run.saw("NodeAgent") == 4, failed_run.seen
         _assert_all_gone(cluster, {**ok_run.seen, **failed_run.seen})  # agent actors, torchrun agents and ranks
     finally:

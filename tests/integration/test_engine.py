@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-
 import json
 import threading
 import time
@@ -14,18 +13,23 @@ import numpy as np
 import pytest
 import torch
 
+from kimi_pipeline.engine import model as engine_model
+from kimi_pipeline.engine.client import EngineBadRequest, EngineClient, Router, chunk_named_tensors
+from kimi_pipeline.engine.model import EngineModel, EngineWeightError, iter_safetensors
+from kimi_pipeline.engine.sampler import EngineInputError, RolloutEngine, SamplingParams, sample_tokens
+from kimi_pipeline.engine.server import EngineServer
+from kimi_pipeline.engine.sglang import sglang_command
+from kimi_pipeline.engine.static_decode import (
+    batch_bucket,
+    batch_buckets,
+    cache_bucket,
+    default_decode_mode,
+    graphs_supported,
+)
 from kimi_pipeline.errors import PermanentError
 from kimi_pipeline.model.hf_config import hf_config_dict
 from kimi_pipeline.model.hf_model import save_hf_model
 from kimi_pipeline.recipes import load_recipe
-from kimi_pipeline.rl.engine import model as engine_model
-from kimi_pipeline.rl.engine.client import EngineBadRequest, EngineClient, Router, chunk_named_tensors
-from kimi_pipeline.rl.engine.model import EngineModel, EngineWeightError, iter_safetensors
-from kimi_pipeline.rl.engine.sampler import EngineInputError, RolloutEngine, SamplingParams, sample_tokens
-from kimi_pipeline.rl.engine.server import EngineServer
-from kimi_pipeline.rl.engine.sglang import sglang_command
-from kimi_pipeline.rl.engine.static_decode import (batch_bucket, batch_buckets, cache_bucket, default_decode_mode,
-                                                   graphs_supported)
 from support.common import assert_bf16_engine_tracks_fp32, random_tiny_hf
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -413,7 +417,7 @@ def test_http_generate_equals_the_engine(servers, hf_a):
 
 
 def test_sglang_stop_semantics():
-    from kimi_pipeline.rl.engine.server import sampling_params_from_json
+    from kimi_pipeline.engine.server import sampling_params_from_json
 
     p, n = sampling_params_from_json({"stop_token_ids": [7], "n": 2}, eos_token_ids=(3,))
     assert p.stop_token_ids == (3, 7) and n == 2 and p.max_new_tokens == 128  # SGLang's defaults
@@ -599,7 +603,7 @@ def test_colocated_weight_sync_goes_through_shared_memory_not_http_bodies(server
     """Issue 15 item 1 (CPU): an engine on the trainer's host reads each bucket from one shared-memory segment
     (a JSON descriptor in the request, no tensor bytes); the weights equal a safetensors-body update, and the
     segment is gone afterwards."""
-    from kimi_pipeline.rl.engine import shm
+    from kimi_pipeline.engine import shm
 
     for s in servers:
         _reset(s, hf_a)
@@ -624,7 +628,7 @@ def test_colocated_weight_sync_goes_through_shared_memory_not_http_bodies(server
 
 
 def _post_shm(url: str, descriptor: dict) -> httpx.Response:
-    from kimi_pipeline.rl.engine import shm
+    from kimi_pipeline.engine import shm
 
     with _session(url):
         return httpx.post(f"{url}/update_weights_from_tensor",
@@ -634,7 +638,7 @@ def _post_shm(url: str, descriptor: dict) -> httpx.Response:
 # a trainer rank that stages one bucket (norm weights of 7.0) and is then SIGKILLed: its segment stays behind
 _OWNER = """
 import json, sys, time, torch
-from kimi_pipeline.rl.engine import shm
+from kimi_pipeline.engine import shm
 seg = shm.SharedBucket()
 print(json.dumps(seg.write_bucket({"model.norm.weight": torch.full((int(sys.argv[1]),), 7.0)})), flush=True)
 time.sleep(600)
@@ -648,7 +652,7 @@ def test_shared_memory_descriptors_are_checked(servers, hf_a):
     import subprocess
     import sys
 
-    from kimi_pipeline.rl.engine import shm
+    from kimi_pipeline.engine import shm
 
     server = servers[0]
     _reset(server, hf_a)

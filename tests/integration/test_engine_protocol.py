@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from kimi_pipeline.cluster.env import engine_api_key
-from kimi_pipeline.rl.engine.client import EngineClient, EngineRequestError, EnginesDown, Router, weight_update_session
-from kimi_pipeline.rl.engine.model import EngineModel
-from kimi_pipeline.rl.engine.sampler import MEMORY_TAGS, RolloutEngine, SamplingParams
-from kimi_pipeline.rl.engine.server import EngineServer
+from kimi_pipeline.engine.client import EngineClient, EngineRequestError, EnginesDown, Router, weight_update_session
+from kimi_pipeline.engine.model import EngineModel
+from kimi_pipeline.engine.sampler import MEMORY_TAGS, RolloutEngine, SamplingParams
+from kimi_pipeline.engine.server import EngineServer
 from kimi_pipeline.rl.handoff import RESIDENT, Handoff
 from support.common import TINY, random_tiny_hf
 
@@ -171,7 +171,7 @@ def test_an_engine_bound_beyond_loopback_wants_the_clusters_key(hf, monkeypatch)
 def _serve(seed: int) -> tuple[subprocess.Popen, str]:
     """An embedded engine on the shipped tiny checkpoint in its own process (as an engine actor's server is): its
     URL once it serves."""
-    proc = subprocess.Popen([sys.executable, "-m", "kimi_pipeline.rl.engine.server", "--model-path", str(TINY / "model"),
+    proc = subprocess.Popen([sys.executable, "-m", "kimi_pipeline.engine.server", "--model-path", str(TINY / "model"),
                              "--seed", str(seed), "--threads", "1"], stdout=subprocess.PIPE, text=True)
     return proc, proc.stdout.readline().strip()
 

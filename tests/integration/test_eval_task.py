@@ -8,6 +8,7 @@ import shutil
 import sys
 
 import pytest
+
 from support.common import ROOT, TINY, assert_eval_agrees_with_its_problems
 
 sys.path.insert(0, str(ROOT))
@@ -17,11 +18,11 @@ from prefect.client.orchestration import get_client  # noqa: E402
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId  # noqa: E402
 from prefect.testing.utilities import prefect_test_harness  # noqa: E402
 
+from kimi_pipeline.engine.client import EngineRequestError  # noqa: E402
+from kimi_pipeline.engine.model import EngineModel  # noqa: E402
+from kimi_pipeline.engine.sampler import RolloutEngine  # noqa: E402
+from kimi_pipeline.engine.server import EngineServer  # noqa: E402
 from kimi_pipeline.recipes import load_recipe  # noqa: E402
-from kimi_pipeline.rl.engine.client import EngineRequestError  # noqa: E402
-from kimi_pipeline.rl.engine.model import EngineModel  # noqa: E402
-from kimi_pipeline.rl.engine.sampler import RolloutEngine  # noqa: E402
-from kimi_pipeline.rl.engine.server import EngineServer  # noqa: E402
 from kimi_pipeline.util.net import free_port  # noqa: E402
 from tasks.common import retry_unless_permanent  # noqa: E402
 from tasks.train import eval_task  # noqa: E402

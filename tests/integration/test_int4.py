@@ -349,7 +349,7 @@ def test_qat_forward_and_ste_grads_under_megatron_ddp(megatron_pair):
 
 
 def test_run_export_section(tmp_path):
-    from kimi_pipeline.quant.stage import SECTION_FILE, run_export
+    from kimi_pipeline.quant.checkpoint_export import SECTION_FILE, run_export
     from kimi_pipeline.recipes import load_recipe
 
     recipe = load_recipe("tiny")
@@ -372,8 +372,9 @@ def test_stage_export_from_a_megatron_checkpoint(megatron_pair, tmp_path):
     from kimi_pipeline.model.megatron_model import build_model
     from kimi_pipeline.model.megatron_train import save_model_only
     from kimi_pipeline.model.parallel import Layout
-    from kimi_pipeline.quant.stage import checkpoint_content_hash, stage_export
+    from kimi_pipeline.quant.checkpoint_export import checkpoint_content_hash
     from kimi_pipeline.recipes import load_recipe
+    from kimi_pipeline.stages import EXPORT, run_stage
 
     recipe = load_recipe("tiny", ["quant.int4_qat=true"])  # the QAT export path (the preset trains without QAT)
     src = dict(iter_stored_tensors(TINY_MODEL))
@@ -385,7 +386,7 @@ def test_stage_export_from_a_megatron_checkpoint(megatron_pair, tmp_path):
     assert key == checkpoint_content_hash(ckpt, 20)
 
     run_dir = tmp_path / "run"
-    section = stage_export(recipe, run_dir, ckpt, model_dir=TINY_MODEL, timeout_s=450)  # < the test limit
+    section = run_stage(EXPORT, recipe, run_dir, checkpoint_dir=ckpt, model_dir=TINY_MODEL, timeout_s=450)  # < the test limit
     assert section["checkpoint"] == str(ckpt / "iter_0000020")
     # distributed: recipe.convert's 4 ranks (pp 2 x ep 2) each wrote the tensors they own ...
     assert section["ranks"] == 4 and len(section["peak_rss_mb_per_rank"]) == 4
@@ -394,7 +395,7 @@ def test_stage_export_from_a_megatron_checkpoint(megatron_pair, tmp_path):
     assert section["shards"] == len(written) >= 4 and all(n.startswith("model-") for n in written)
     # ... and the result is, tensor for tensor, bit-identical to the single-process export of the same weights
     from kimi_pipeline.convert.names import export_hf_tensors
-    from kimi_pipeline.quant.stage import shard_bytes
+    from kimi_pipeline.quant.checkpoint_export import shard_bytes
 
     config = json.loads((TINY_MODEL / "config.json").read_text())
     single = export_int4(export_hf_tensors(model, recipe.model, Layout()), config, TINY_MODEL, tmp_path / "single",

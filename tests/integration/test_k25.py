@@ -101,7 +101,7 @@ def test_a_config_that_disagrees_with_its_index_is_refused(k25, tmp_path):
 
 def test_download_checks_the_vision_tower_against_the_recipe(k25, tmp_path):
     from kimi_pipeline.hub.download import LocalSourceError
-    from kimi_pipeline.stages import prepare_run, stage_download
+    from kimi_pipeline.stages import DOWNLOAD, prepare_run, run_stage
 
     tiny, pair = k25
     for extra, problem in (
@@ -111,11 +111,11 @@ def test_download_checks_the_vision_tower_against_the_recipe(k25, tmp_path):
     ):
         recipe = _recipe(tiny, pair, extra)
         with pytest.raises(LocalSourceError, match=problem):
-            stage_download(recipe, prepare_run(recipe, tmp_path / extra[0].replace("=", "-")))
+            run_stage(DOWNLOAD, recipe, prepare_run(recipe, tmp_path / extra[0].replace("=", "-")))
 
 
 def test_engines_load_k25_and_refuse_language_weights_without_its_prefix(k25):
-    from kimi_pipeline.rl.engine.model import EngineModel, EngineWeightError
+    from kimi_pipeline.engine.model import EngineModel, EngineWeightError
 
     tiny, pair = k25
     engine, base = EngineModel.from_pretrained(pair.reference), EngineModel.from_pretrained(tiny / "model")
@@ -130,16 +130,15 @@ def test_engines_load_k25_and_refuse_language_weights_without_its_prefix(k25):
 
 
 def test_k25_converts_to_torch_dist_exactly_as_k2(k25, tmp_path):
-    from kimi_pipeline.convert.stage import stage_convert
-    from kimi_pipeline.stages import prepare_run, stage_download
+    from kimi_pipeline.stages import CONVERT, DOWNLOAD, prepare_run, run_stage
 
     tiny, pair = k25
     recipe = _recipe(tiny, pair, ["convert.mode=torch_dist", "hub.source_format=bf16",
                                   f"hub.model.path={pair.reference}", "grpo.use_kl_loss=false",
                                   "grpo.kl_loss_coef=0"])
     run = prepare_run(recipe, tmp_path / "run")
-    stage_download(recipe, run)
-    s = stage_convert(recipe, run)
+    run_stage(DOWNLOAD, recipe, run)
+    s = run_stage(CONVERT, recipe, run)
     assert s["verified"] is True and s["max_abs_diff"] == 0.0
     assert s["roundtrip_exact"] is True and s["roundtrip_tensors"] == len(HFCheckpoint(tiny / "model").names())
 
@@ -147,7 +146,8 @@ def test_k25_converts_to_torch_dist_exactly_as_k2(k25, tmp_path):
 def test_a_reference_that_is_not_the_actors_is_refused_naming_the_first_tensor(k25, tmp_path):
     from safetensors.torch import save_file
 
-    from kimi_pipeline.stages import ReferenceMismatchError, prepare_run, reference_weights, stage_download
+    from kimi_pipeline.stages import DOWNLOAD, prepare_run, run_stage
+    from kimi_pipeline.stages.train import ReferenceMismatchError, reference_weights
 
     tiny, pair = k25
     ref = tmp_path / "ref"
@@ -162,7 +162,7 @@ def test_a_reference_that_is_not_the_actors_is_refused_naming_the_first_tensor(k
     save_file(tensors, str(shard))
     recipe = _recipe(tiny, pair, [f"hub.ref_model.path={ref}"])
     run = prepare_run(recipe, tmp_path / "run")
-    stage_download(recipe, run)
+    run_stage(DOWNLOAD, recipe, run)
     with pytest.raises(ReferenceMismatchError, match=rf"{victim}: shape \[64, 96\] in the reference, \[64, 128\]"):
         reference_weights(recipe, run)
 
@@ -172,7 +172,7 @@ def test_a_reference_that_is_not_the_actors_is_refused_naming_the_first_tensor(k
 def ray_local():
     import ray
 
-    from kimi_pipeline.cluster.stage import export_driver_env
+    from kimi_pipeline.cluster.lifecycle import export_driver_env
 
     export_driver_env("token")
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
@@ -183,18 +183,16 @@ def ray_local():
 @pytest.fixture(scope="module")
 def pipeline(k25, ray_local, tmp_path_factory):
     """download -> validate -> convert (bridge) -> train 2 steps (KL on) -> export, as the flow runs them."""
-    from kimi_pipeline.convert.stage import stage_convert
-    from kimi_pipeline.quant.stage import stage_export
-    from kimi_pipeline.stages import prepare_run, stage_download, stage_train, stage_validate
+    from kimi_pipeline.stages import CONVERT, DOWNLOAD, EXPORT, TRAIN, VALIDATE, prepare_run, run_stage
 
     tiny, pair = k25
     recipe = _recipe(tiny, pair, ["rollout.num_rollout=2"])
     run = prepare_run(recipe, tmp_path_factory.mktemp("k25run") / "run")
-    download = stage_download(recipe, run)
-    stage_validate(recipe, run)
-    convert = stage_convert(recipe, run)
-    train = stage_train(recipe, run)
-    export = stage_export(recipe, run, Path(train["checkpoint_dir"]), timeout_s=600)
+    download = run_stage(DOWNLOAD, recipe, run)
+    run_stage(VALIDATE, recipe, run)
+    convert = run_stage(CONVERT, recipe, run)
+    train = run_stage(TRAIN, recipe, run)
+    export = run_stage(EXPORT, recipe, run, checkpoint_dir=Path(train["checkpoint_dir"]), timeout_s=600)
     return pair, run, {"download": download, "convert": convert, "train": train, "export": export}
 
 

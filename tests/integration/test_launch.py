@@ -16,7 +16,7 @@ import torch
 
 from kimi_pipeline.cluster.placement import COLOCATED_ENGINE_FRACTION, COLOCATED_TRAINER_FRACTION
 from kimi_pipeline.recipes import load_recipe
-from kimi_pipeline.rl.launch import plan_launch
+from kimi_pipeline.rl.actor_layout import lay_out_actors
 
 CPU = torch.device("cpu")
 
@@ -26,7 +26,7 @@ KIMI = ("kimi-k2-instruct", "kimi-k2-thinking", "kimi-k2.5")
 @pytest.mark.parametrize("name", KIMI)
 def test_seed_layouts_request_exactly_their_256_gpus(name):
     recipe = load_recipe(name)
-    plan = plan_launch(recipe)
+    plan = lay_out_actors(recipe)
     assert plan.ok, plan.problems
     assert plan.gpus_requested == 256 and len(plan.ranks) == 256
     # what the actors ask of each node's bundle: trainer shares + engine shares must fit its 8 GPUs
@@ -45,7 +45,7 @@ def test_seed_layouts_request_exactly_their_256_gpus(name):
 @pytest.mark.parametrize("name", KIMI)
 def test_ranks_groups_and_engines_land_where_megatron_and_sglang_expect(name):
     recipe = load_recipe(name)
-    plan = plan_launch(recipe)
+    plan = lay_out_actors(recipe)
     p, per = recipe.parallel, recipe.cluster.gpus_per_node
     assert plan.ranks[0].node == plan.master_addr_node == 0  # MASTER_ADDR is rank 0's node
     for r in plan.ranks:
@@ -74,19 +74,19 @@ def test_ranks_groups_and_engines_land_where_megatron_and_sglang_expect(name):
 
 
 def test_trust_remote_code_reaches_the_sglang_command_only_when_the_recipe_opts_in():
-    plain = plan_launch(load_recipe("kimi-k2-thinking", ["hub.trust_remote_code=false"]))
-    opted = plan_launch(load_recipe("kimi-k2-thinking"))  # the preset opts in, at a pinned commit
+    plain = lay_out_actors(load_recipe("kimi-k2-thinking", ["hub.trust_remote_code=false"]))
+    opted = lay_out_actors(load_recipe("kimi-k2-thinking"))  # the preset opts in, at a pinned commit
     assert all("--trust-remote-code" not in n.command for e in plain.engines for n in e.nodes)
     assert all("--trust-remote-code" in n.command for e in opted.engines for n in e.nodes)
 
 
 def test_k2_engines_span_two_nodes_and_k25_engines_one():
-    assert {len(e.nodes) for e in plan_launch(load_recipe("kimi-k2-instruct")).engines} == {2}
-    assert {len(e.nodes) for e in plan_launch(load_recipe("kimi-k2.5")).engines} == {1}
+    assert {len(e.nodes) for e in lay_out_actors(load_recipe("kimi-k2-instruct")).engines} == {2}
+    assert {len(e.nodes) for e in lay_out_actors(load_recipe("kimi-k2.5")).engines} == {1}
 
 
 def test_plan_problems_name_their_field():
-    plan = plan_launch(load_recipe("kimi-k2-instruct", ["cluster.gpus_per_node=4", "cluster.nodes=64"], check=False))
+    plan = lay_out_actors(load_recipe("kimi-k2-instruct", ["cluster.gpus_per_node=4", "cluster.nodes=64"], check=False))
     assert not plan.ok
     assert "parallel.tp" in {p.field for p in plan.problems}  # TP 8 cannot stay inside a 4-GPU node
 
@@ -118,9 +118,9 @@ def test_recompute_and_dispatcher_fields_reach_the_megatron_config():
 
 def test_remote_code_needs_a_pinned_revision():
     """Issue 14 item 7 / the security rule: trust_remote_code only with a commit SHA, never a moving branch."""
-    from kimi_pipeline.recipes import RecipeError
-
     import re
+
+    from kimi_pipeline.recipes import RecipeError
 
     sha = "0123456789abcdef" * 2 + "01234567"
     # remote code from a moving branch, or from anything that is not 40 hex digits (a 40-character branch name too)

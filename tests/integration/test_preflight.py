@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from support.common import ROOT
 
 UNSHARE = ["unshare", "--user", "--map-root-user", "--mount"]
@@ -42,8 +43,8 @@ def faulty_cluster(tmp_path_factory):
     import ray
 
     from kimi_pipeline.cluster.env import auth_mode, ensure_token
+    from kimi_pipeline.cluster.lifecycle import export_driver_env
     from kimi_pipeline.cluster.local import LocalCluster, NodeSpec
-    from kimi_pipeline.cluster.stage import export_driver_env
 
     root = tmp_path_factory.mktemp("preflight")
     base = root / "shared"

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from support.common import ROOT, tiny_overrides, train_recipe
 from support.webhook_server import webhook_receiver
 
@@ -149,25 +150,23 @@ def test_ray_node_lost_during_train_fails_clearly_and_the_retry_resumes(tmp_path
     extra node dies (raylet and its workers, SIGKILL): the TrainingError names an actor it hosted; the
     infrastructure brings a node back; the retry resumes at step 2."""
 
-    from kimi_pipeline.cluster import LocalCluster, stage_cluster, stop_cluster
-    from kimi_pipeline.cluster.stage import embedded_layout
-    from kimi_pipeline.convert.stage import stage_convert
+    import ray
+
+    from kimi_pipeline.cluster.lifecycle import embedded_layout, stop_cluster
+    from kimi_pipeline.cluster.local import LocalCluster
     from kimi_pipeline.report.metrics import read_jsonl
     from kimi_pipeline.rl.loop import TrainingError
-    from kimi_pipeline.stages import stage_train
-    from kimi_pipeline.stages import prepare_run, stage_download, stage_validate
-
-    import ray
+    from kimi_pipeline.stages import CLUSTER, CONVERT, DOWNLOAD, TRAIN, VALIDATE, prepare_run, run_stage
 
     root = Path(tempfile_dir())
     tiny = root / "tiny"
     shutil.copytree(ROOT / "data" / "tiny", tiny)
     r = train_recipe(tiny, ["cluster.nodes=2", "cluster.cpus_per_node=2"])
     run = prepare_run(r, root / "run")
-    stage_download(r, run)
-    stage_validate(r, run)
-    stage_convert(r, run)
-    section = stage_cluster(r, run)
+    run_stage(DOWNLOAD, r, run)
+    run_stage(VALIDATE, r, run)
+    run_stage(CONVERT, r, run)
+    section = run_stage(CLUSTER, r, run)
     lost: dict = {}
     try:
         assert section["nodes"] == 2 and section["cpus"] == 4
@@ -187,7 +186,7 @@ def test_ray_node_lost_during_train_fails_clearly_and_the_retry_resumes(tmp_path
             lost["processes"], lost["t"] = len(victims), time.monotonic()
 
         with pytest.raises(TrainingError) as failure:
-            stage_train(r, run, evaluate=lambda step, urls: {}, on_step=lose_node)
+            run_stage(TRAIN, r, run, evaluate=lambda step, urls: {}, on_step=lose_node)
         detect_s = time.monotonic() - lost["t"]
         assert lost["actors"], "no actor ran on the lost node"
         msg = str(failure.value)
@@ -204,7 +203,7 @@ def test_ray_node_lost_during_train_fails_clearly_and_the_retry_resumes(tmp_path
         _, workers = embedded_layout(r)
         cluster._start_worker(workers[0], 2, 120)
         t0 = time.monotonic()
-        stage_train(r, run, evaluate=lambda step, urls: {})
+        run_stage(TRAIN, r, run, evaluate=lambda step, urls: {})
         retry_s = time.monotonic() - t0
         rows = read_jsonl(run / "train" / "metrics.jsonl")
         assert [x["step"] for x in rows] == [1, 2, 3, 4]
@@ -232,7 +231,7 @@ PICKLE_CALLS = {("pickle", "load"), ("pickle", "loads"), ("pickle", "Unpickler")
                 ("cloudpickle", "load"), ("cloudpickle", "loads"), ("joblib", "load"), ("dill", "load"),
                 ("dill", "loads"), ("pd", "read_pickle"), ("pandas", "read_pickle"), ("numpy", "load"),
                 ("np", "load"), ("torch.serialization", "load"), ("_pickle", "loads")}
-OUR_LOADERS = {"EngineModel"}  # rl/engine/model.py: reads *.safetensors only (iter_safetensors)
+OUR_LOADERS = {"EngineModel"}  # engine/model.py: reads *.safetensors only (iter_safetensors)
 
 
 def _dotted(node: ast.AST) -> str:
@@ -304,13 +303,12 @@ def test_planted_pickles_in_the_model_dir_are_never_loaded(tmp_path, tiny_copy, 
     in this process every unpickler entry point is also trapped."""
     import torch
 
-    from kimi_pipeline.convert.stage import stage_convert
     from kimi_pipeline.data.tiny_assets import write_manifests
+    from kimi_pipeline.engine.model import EngineModel
     from kimi_pipeline.model.hf_model import load_hf_model
     from kimi_pipeline.model.tokenizer import load_tokenizer
     from kimi_pipeline.recipes import load_recipe
-    from kimi_pipeline.rl.engine.model import EngineModel
-    from kimi_pipeline.stages import prepare_run, stage_download, stage_validate
+    from kimi_pipeline.stages import CONVERT, DOWNLOAD, VALIDATE, prepare_run, run_stage
 
     marker = tmp_path / "UNPICKLED"
     planted = ["pytorch_model.bin", "training_args.bin", "optimizer.pt", "rng_state.pth", "tokenizer.pkl"]
@@ -337,15 +335,15 @@ def test_planted_pickles_in_the_model_dir_are_never_loaded(tmp_path, tiny_copy, 
 
     r = load_recipe("tiny", tiny_overrides(tiny_copy) + ["convert.nodes=1", "convert.pp=1", "convert.ep=1"])
     run = prepare_run(r, tmp_path / "run")
-    section = stage_download(r, run)
+    section = run_stage(DOWNLOAD, r, run)
     manifest = json.loads((run / "download" / "manifest.json").read_text())
     assert set(planted) <= set(manifest["model"]["files"]), "the planted files are part of the download"
-    stage_validate(r, run)
+    run_stage(VALIDATE, r, run)
     model_dir = Path(manifest["model"]["root"])
     load_tokenizer(model_dir)
     EngineModel.from_pretrained(model_dir)  # the rollout engine's and eval's loader
     load_hf_model(model_dir)  # transformers' loader (conversion verify, export verify)
-    converted = stage_convert(r, run)  # a torchrun rank + logits verification against transformers
+    converted = run_stage(CONVERT, r, run)  # a torchrun rank + logits verification against transformers
     assert converted["verified"] is True and section["model"]["safetensors_files"] >= 1
     assert calls == [] and not marker.exists()
     # the trap and the payload work: loading one planted file the way a careless loader would

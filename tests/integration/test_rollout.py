@@ -3,26 +3,27 @@
 from __future__ import annotations
 
 import pytest
+
 from support.common import TINY, tiny_correct
 
 
 @pytest.fixture(scope="module")
 def engine_url():
-    from kimi_pipeline.rl.engine.model import EngineModel
-    from kimi_pipeline.rl.engine.sampler import RolloutEngine
-    from kimi_pipeline.rl.engine.server import EngineServer
+    from kimi_pipeline.engine.model import EngineModel
+    from kimi_pipeline.engine.sampler import RolloutEngine
+    from kimi_pipeline.engine.server import EngineServer
 
     with EngineServer(RolloutEngine(EngineModel.from_pretrained(TINY / "model"), seed=0)) as server:
         yield server.url
 
 
 def _rollout(url: str, sets: list[str], step: int = 0):
+    from kimi_pipeline.engine.client import Router
     from kimi_pipeline.model.tokenizer import load_tokenizer
     from kimi_pipeline.recipes import load_recipe
-    from kimi_pipeline.rl.engine.client import Router
-    from kimi_pipeline.rl.rollout import rollout
-    from kimi_pipeline.rl.prompts import PromptStream, load_prompts
     from kimi_pipeline.reward import AnswerGrader
+    from kimi_pipeline.rl.prompts import PromptStream, load_prompts
+    from kimi_pipeline.rl.rollout import rollout
 
     recipe = load_recipe("tiny", ["rollout.rollout_batch_size=8", "rollout.n_samples_per_prompt=4", *sets])
     tok = load_tokenizer(TINY / "model")

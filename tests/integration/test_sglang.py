@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from kimi_pipeline.engine.sglang import PARSER_PATH_VAR, parse_with_sglang, sglang_command
 from kimi_pipeline.recipes import load_recipe, preset_names
-from kimi_pipeline.rl.engine.sglang import PARSER_PATH_VAR, parse_with_sglang, sglang_command
-from kimi_pipeline.rl.launch import plan_launch
+from kimi_pipeline.rl.actor_layout import lay_out_actors
 from kimi_pipeline.rl.rehearse import check_engine_commands
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,7 +26,7 @@ def parser_dir() -> Path:
 
 
 def _planned_commands(recipe) -> list[list[str]]:
-    plan = plan_launch(recipe, "/ckpt")
+    plan = lay_out_actors(recipe, "/ckpt")
     assert plan.ok, plan.problems
     return [list(n.command) for e in plan.engines for n in e.nodes]
 
@@ -38,7 +38,7 @@ def test_every_preset_engine_command_parses_with_the_pinned_sglang(parser_dir, c
     for name in names:
         recipe = load_recipe(name, [f"cluster.colocate={str(colocate).lower()}", "rollout.routing_replay=true"])
         commands = _planned_commands(recipe)
-        if any(len(e.nodes) > 1 for e in plan_launch(recipe, "/ckpt").engines):
+        if any(len(e.nodes) > 1 for e in lay_out_actors(recipe, "/ckpt").engines):
             assert any("--nnodes" in c for c in commands)  # the multi-node engines' commands are in the set
         parsed = parse_with_sglang(commands, recipe.sglang)
         assert parsed.version == PINNED, parsed.reason
@@ -64,10 +64,10 @@ def test_without_an_importable_sglang_the_check_says_why(monkeypatch):
 
 def test_rehearse_reports_a_command_sglang_refuses_naming_engine_and_node(parser_dir, monkeypatch):
     recipe = load_recipe("kimi-k2-instruct")
-    plan = plan_launch(recipe, "/ckpt")
+    plan = lay_out_actors(recipe, "/ckpt")
     bad = replace(plan.engines[3].nodes[1], command=plan.engines[3].nodes[1].command + ("--cuda-graph-bs", "8"))
     plan.engines[3] = replace(plan.engines[3], nodes=(plan.engines[3].nodes[0], bad))
-    distinct = len({n.command for e in plan_launch(recipe, "/ckpt").engines for n in e.nodes})
+    distinct = len({n.command for e in lay_out_actors(recipe, "/ckpt").engines for n in e.nodes})
     said = check_engine_commands(plan, recipe)
     assert said.startswith(f"{distinct} distinct command(s) parsed by sglang 0.5.23")  # one of them the planted
     assert [(p.field, p.message.split(":")[0]) for p in plan.problems] == [("sglang", "engine 3 node 1")]
@@ -75,7 +75,7 @@ def test_rehearse_reports_a_command_sglang_refuses_naming_engine_and_node(parser
 
     monkeypatch.delenv(PARSER_PATH_VAR)
     monkeypatch.setenv("KIMI_SGLANG_PYTHON", "/nonexistent/python")
-    assert check_engine_commands(plan_launch(recipe, "/ckpt"), recipe).startswith("not checked: no interpreter")
+    assert check_engine_commands(lay_out_actors(recipe, "/ckpt"), recipe).startswith("not checked: no interpreter")
 
 
 _SGLANG_MEMBER = """
@@ -100,7 +100,7 @@ def test_the_weight_update_group_meets_sglangs_own_init_custom_process_group(par
 
     import torch
 
-    from kimi_pipeline.rl.engine.dist_update import broadcast, leave_group, make_group
+    from kimi_pipeline.engine.dist_update import broadcast, leave_group, make_group
     from kimi_pipeline.util.net import free_port
 
     port, name = free_port(), "kimi-weight-sync-test"
@@ -141,13 +141,13 @@ def test_an_engine_beyond_loopback_gets_the_clusters_key_through_a_private_confi
     import sys
 
     from kimi_pipeline.cluster.env import engine_api_key
-    from kimi_pipeline.rl.engine.sglang import SGLangEngine
+    from kimi_pipeline.engine.sglang import SGLangEngine
 
     monkeypatch.setenv("RAY_AUTH_MODE", "token")
     monkeypatch.setenv("RAY_AUTH_TOKEN", "a-cluster-token")
     recipe = load_recipe("kimi-k2-instruct")
     assert recipe.cluster.nodes > 1
-    planned = [n.command for e in plan_launch(recipe, "/ckpt").engines for n in e.nodes]
+    planned = [n.command for e in lay_out_actors(recipe, "/ckpt").engines for n in e.nodes]
     assert all(c[c.index("--host") + 1] == "<node-ip>" for c in planned)
     assert not any(engine_api_key() in " ".join(c) for c in planned)
     engine = SGLangEngine("/ckpt", recipe.sglang, port=30000, host="10.1.2.3", gpus_per_node=8,

@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 from kimi_pipeline.cli import app
 from kimi_pipeline.data.tiny_assets import BASE_POLICY_TOLERANCE
-from kimi_pipeline.eval.stage import base_policy_scores
+from kimi_pipeline.eval.record import base_policy_scores
 from kimi_pipeline.recipes import load_recipe
 from support.common import TINY
 

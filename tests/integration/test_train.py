@@ -39,7 +39,7 @@ def save_gate(tmp_path_factory) -> Path:
 def ray_local(save_gate):
     import ray
 
-    from kimi_pipeline.cluster.stage import export_driver_env
+    from kimi_pipeline.cluster.lifecycle import export_driver_env
 
     export_driver_env("token")  # as the cluster stage does; also refreshes Ray's cached config
     os.environ[GATE_ENV] = str(save_gate)  # the raylet, and so every worker, inherits it
@@ -56,17 +56,16 @@ def ray_local(save_gate):
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory) -> tuple[Path, Path]:
     """A run dir after download → validate → convert (1 rank: the conversion has its own tests)."""
-    from kimi_pipeline.convert.stage import stage_convert
-    from kimi_pipeline.stages import prepare_run, stage_download, stage_validate
+    from kimi_pipeline.stages import CONVERT, DOWNLOAD, VALIDATE, prepare_run, run_stage
 
     root = tmp_path_factory.mktemp("train")
     tiny = root / "tiny"
     shutil.copytree(Path(__file__).resolve().parents[2] / "data" / "tiny", tiny)
     r = train_recipe(tiny)
     run = prepare_run(r, root / "base")
-    stage_download(r, run)
-    stage_validate(r, run)
-    stage_convert(r, run)
+    run_stage(DOWNLOAD, r, run)
+    run_stage(VALIDATE, r, run)
+    run_stage(CONVERT, r, run)
     return tiny, run
 
 
@@ -83,11 +82,11 @@ def _rows(run: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def trained(prepared, ray_local, tmp_path_factory) -> tuple[Path, Path, dict]:
-    from kimi_pipeline.stages import stage_train
+    from kimi_pipeline.stages import TRAIN, run_stage
 
     tiny, base = prepared
     run = _copy_run(base, tmp_path_factory.mktemp("trained") / "run")
-    return tiny, run, stage_train(train_recipe(tiny), run)
+    return tiny, run, run_stage(TRAIN, train_recipe(tiny), run)
 
 
 def test_train_records_metrics_checkpoints_and_evals(trained):
@@ -187,11 +186,11 @@ SAVE_ROLLOUTS = ["rollout.save_data=true"]
 @pytest.fixture(scope="module")
 def uninterrupted_run(prepared, ray_local, tmp_path_factory) -> Path:
     """An uninterrupted run of the resume tests' recipe (evals at 0, 2, 4), its rollouts saved (train/rollouts)."""
-    from kimi_pipeline.stages import stage_train
+    from kimi_pipeline.stages import TRAIN, run_stage
 
     tiny, base = prepared
     run = _copy_run(base, tmp_path_factory.mktemp("uninterrupted") / "run")
-    stage_train(train_recipe(tiny, RESUME_SET + SAVE_ROLLOUTS), run)
+    run_stage(TRAIN, train_recipe(tiny, RESUME_SET + SAVE_ROLLOUTS), run)
     return run
 
 
@@ -206,11 +205,11 @@ def uninterrupted(uninterrupted_run) -> tuple[list[dict], list[dict]]:
 def _retry_resumes(r, crashed: Path, uninterrupted, caplog, resumed_after: int = 2) -> None:
     """The stage retry resumes from the step-`resumed_after` checkpoint and ends with the metrics and eval rows
     of the uninterrupted run (each eval row once, the resumed ones included)."""
-    from kimi_pipeline.stages import stage_train
+    from kimi_pipeline.stages import TRAIN, run_stage
 
     assert json.loads((crashed / "summary.json").read_text())["stages"]["train"]["status"] == "failed"
     with caplog.at_level("INFO", logger="kimi_pipeline.rl.loop"):
-        stage_train(r, crashed)  # the retry
+        run_stage(TRAIN, r, crashed)  # the retry
     assert f"at step {resumed_after}" in " ".join(m for m in caplog.messages if m.startswith("resumed from")), caplog.text
     expected_rows, expected_evals = uninterrupted
     assert_same_rows([stable_row(x) for x in _rows(crashed)], expected_rows, resumed_after=resumed_after)
@@ -219,7 +218,7 @@ def _retry_resumes(r, crashed: Path, uninterrupted, caplog, resumed_after: int =
 
 def test_kill_9_then_retry_resumes_with_identical_metrics(prepared, ray_local, uninterrupted, tmp_path, caplog):
     from kimi_pipeline.rl.loop import TrainingError
-    from kimi_pipeline.stages import stage_train
+    from kimi_pipeline.stages import TRAIN, run_stage
 
     tiny, base = prepared
     r = train_recipe(tiny, RESUME_SET)
@@ -233,7 +232,7 @@ def test_kill_9_then_retry_resumes_with_identical_metrics(prepared, ray_local, u
                 os.kill(pid, signal.SIGKILL)
 
     with pytest.raises(TrainingError, match="resumes from the latest checkpoint"):
-        stage_train(r, crashed, on_step=kill_trainer)
+        run_stage(TRAIN, r, crashed, on_step=kill_trainer)
     _retry_resumes(r, crashed, uninterrupted, caplog)
 
 
@@ -245,7 +244,7 @@ def test_kill_9_during_a_checkpoint_save_resumes_from_the_previous_checkpoint(pr
     import threading
 
     from kimi_pipeline.rl.loop import TrainingError
-    from kimi_pipeline.stages import stage_train
+    from kimi_pipeline.stages import TRAIN, run_stage
 
     tiny, base = prepared
     r = train_recipe(tiny, RESUME_SET)
@@ -267,7 +266,7 @@ def test_kill_9_during_a_checkpoint_save_resumes_from_the_previous_checkpoint(pr
     killer.start()
     try:
         with pytest.raises(TrainingError, match="resumes from the latest checkpoint"):
-            stage_train(r, crashed)
+            run_stage(TRAIN, r, crashed)
     finally:
         (save_gate / "arm").unlink()
         stop.set()
@@ -322,7 +321,7 @@ def test_an_engine_killed_mid_rollout_is_restarted_and_the_run_ends_as_uninterru
     the trainer syncs it to the policy through the normal weight sync, the rollout runs again from the same prompts
     and the run ends with the uninterrupted run's metrics and evals; step 2's row counts the restart and the
     request sent again."""
-    from kimi_pipeline.stages import stage_train
+    from kimi_pipeline.stages import TRAIN, run_stage
 
     tiny, base = prepared
     run = _copy_run(base, tmp_path / "run")
@@ -334,7 +333,7 @@ def test_an_engine_killed_mid_rollout_is_restarted_and_the_run_ends_as_uninterru
             killer.start()
 
     try:
-        stage_train(train_recipe(tiny, RESUME_SET), run, on_step=after)
+        run_stage(TRAIN, train_recipe(tiny, RESUME_SET), run, on_step=after)
     finally:
         stop.set()
         killer.join(60)
@@ -350,7 +349,7 @@ def test_an_engine_killed_mid_rollout_is_restarted_and_the_run_ends_as_uninterru
 
 def test_an_engine_past_max_engine_restarts_fails_the_stage_retryably_naming_it(prepared, ray_local, tmp_path):
     from kimi_pipeline.rl.loop import TrainingError
-    from kimi_pipeline.stages import stage_train
+    from kimi_pipeline.stages import TRAIN, run_stage
 
     tiny, base = prepared
     run = _copy_run(base, tmp_path / "run")
@@ -359,7 +358,7 @@ def test_an_engine_past_max_engine_restarts_fails_the_stage_retryably_naming_it(
     killer.start()  # the first requests after start-up: the step-0 eval's
     try:
         with pytest.raises(TrainingError, match=r"rollout engine 0 .*rollout.max_engine_restarts=0"):
-            stage_train(train_recipe(tiny, RESUME_SET + ["rollout.max_engine_restarts=0"]), run,
+            run_stage(TRAIN, train_recipe(tiny, RESUME_SET + ["rollout.max_engine_restarts=0"]), run,
                         evaluate=lambda step, urls: {})
     finally:
         stop.set()
@@ -372,13 +371,13 @@ def test_saved_rollouts_replayed_without_engines_give_the_recorded_metrics(prepa
     and gives the recording run's metrics (loss, grad norm, KL, TIS ... every key both rows have, timings aside),
     recorded in the run dir's replay/ and as summary.json's `replay` stage, beside training's."""
     from kimi_pipeline.report.metrics import read_jsonl
-    from kimi_pipeline.stages import stage_train
+    from kimi_pipeline.stages import TRAIN, run_stage
 
     tiny, _ = prepared
     saved = uninterrupted_run / "train" / "rollouts"
     assert sorted(p.name for p in saved.iterdir()) == sorted(f"step_{i:07d}.{ext}" for i in range(1, 5)
                                                              for ext in ("json", "safetensors"))
-    section = stage_train(train_recipe(tiny, RESUME_SET), uninterrupted_run, replay=saved)
+    section = run_stage(TRAIN, train_recipe(tiny, RESUME_SET), uninterrupted_run, replay=saved)
     recorded, replayed = _rows(uninterrupted_run), read_jsonl(uninterrupted_run / "replay" / "metrics.jsonl")
     assert [r["step"] for r in replayed] == [1, 2, 3, 4]
     for got, want in zip(replayed, recorded):
@@ -398,11 +397,11 @@ def test_rollout_only_generates_and_scores_without_training(prepared, ray_local,
     loaded (measured: log-probs of equal responses up to 0.027 apart)."""
     from kimi_pipeline.report.metrics import read_jsonl
     from kimi_pipeline.rl.rollout_data import load_rollout
-    from kimi_pipeline.stages import stage_train
+    from kimi_pipeline.stages import TRAIN, run_stage
 
     tiny, base = prepared
     run = _copy_run(base, tmp_path / "run")
-    stage_train(train_recipe(tiny, RESUME_SET + SAVE_ROLLOUTS + ["rollout.num_rollout=2"]), run, rollout_only=True)
+    run_stage(TRAIN, train_recipe(tiny, RESUME_SET + SAVE_ROLLOUTS + ["rollout.num_rollout=2"]), run, rollout_only=True)
     rows = read_jsonl(run / "rollout-only" / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2] and all("reward_mean" in r and "loss" not in r for r in rows)
     assert not (run / "rollout-only" / "checkpoints").exists() and not (run / "train" / "metrics.jsonl").exists()
@@ -427,12 +426,12 @@ def _cmdline(p: psutil.Process) -> list[str]:
 
 
 def test_ep2_across_two_trainer_actors(prepared, ray_local, tmp_path):
-    from kimi_pipeline.stages import stage_train
+    from kimi_pipeline.stages import TRAIN, run_stage
 
     tiny, base = prepared
     run = _copy_run(base, tmp_path / "ep2")
     r = train_recipe(tiny, ["parallel.ep=2", "cluster.gpus_per_node=2", "rollout.num_rollout=2", "eval.interval=2"])
-    from kimi_pipeline.rl.engine import shm
+    from kimi_pipeline.engine import shm
 
     trainers: set[int] = set()
     segments: set[str] = set()
@@ -441,7 +440,7 @@ def test_ep2_across_two_trainer_actors(prepared, ray_local, tmp_path):
         trainers.update(_trainer_pids())
         segments.update(p.name for pid in trainers for p in shm.shm_dir().glob(f"{shm.PREFIX}{pid}-*"))
 
-    section = stage_train(r, run, evaluate=lambda step, urls: {}, on_step=note_trainers)
+    section = run_stage(TRAIN, r, run, evaluate=lambda step, urls: {}, on_step=note_trainers)
     rows = _rows(run)
     assert [x["step"] for x in rows] == [1, 2] and section["steps"] == 2
     assert all(x["optimizer_steps"] == -(-(x["samples"] - x["samples_trimmed"]) // x["global_batch_size"]) for x in rows)
@@ -462,8 +461,8 @@ def test_a_permanent_error_inside_an_actor_is_not_retried(ray_local):
     model) used to become a retryable TrainingError. Lost actors and engines stay retryable."""
     import ray
 
+    from kimi_pipeline.engine.client import EngineBadRequest, EngineRequestError
     from kimi_pipeline.errors import PermanentError
-    from kimi_pipeline.rl.engine.client import EngineBadRequest, EngineRequestError
     from kimi_pipeline.rl.loop import TrainingError, stage_error
 
     @ray.remote

@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from kimi_pipeline.convert.dequant import dequant_fp8_block, quantize_fp8_block
+from kimi_pipeline.engine.client import chunk_named_tensors
+from kimi_pipeline.engine.model import EngineModel, EngineWeightError, iter_safetensors
 from kimi_pipeline.quant.engine_format import engine_weight_format, to_engine_format
 from kimi_pipeline.quant.export import KEEP_FP32, is_quantized
 from kimi_pipeline.quant.int4 import fake_quant_int4
 from kimi_pipeline.recipes import load_recipe
-from kimi_pipeline.rl.engine.client import chunk_named_tensors
-from kimi_pipeline.rl.engine.model import EngineModel, EngineWeightError, iter_safetensors
 
 TINY_MODEL = Path(__file__).resolve().parents[2] / "data" / "tiny" / "model"
 
@@ -172,8 +172,8 @@ def test_policy_sync_in_int4_gives_the_engine_the_trainers_fake_quant_policy(col
     """A QAT policy synced as INT4 buckets (colocated: through shared memory; not: broadcast over a gloo
     weight-update group): the engine's experts are exactly the fake-quant weights the trainer's forward
     uses; the rest is the bf16 an INT4 checkpoint stores."""
-    from kimi_pipeline.rl.engine.sampler import RolloutEngine
-    from kimi_pipeline.rl.engine.server import EngineServer
+    from kimi_pipeline.engine.sampler import RolloutEngine
+    from kimi_pipeline.engine.server import EngineServer
     from kimi_pipeline.rl.policy import PolicyWorker
 
     recipe = load_recipe("tiny", ["quant.int4_qat=true", "rollout.engine_weight_format=int4",

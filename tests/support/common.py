@@ -119,9 +119,9 @@ def stable_row(row: dict) -> dict:
 
 def engine_samples(recipe, device="cpu", n_prompts: int = 4, n: int = 2):
     """Samples of the tiny prompts from the embedded engine in-process on `device`, with their routed experts."""
+    from kimi_pipeline.engine.model import EngineModel
+    from kimi_pipeline.engine.sampler import RolloutEngine, SamplingParams
     from kimi_pipeline.model.tokenizer import load_tokenizer
-    from kimi_pipeline.rl.engine.model import EngineModel
-    from kimi_pipeline.rl.engine.sampler import RolloutEngine, SamplingParams
     from kimi_pipeline.rl.prompts import load_prompts
     from kimi_pipeline.rl.samples import Sample
 
@@ -144,7 +144,7 @@ def fixed_batch(spec, device="cpu", n: int = 8, s: int = 24):
 
 def nll(logits, batch):
     """Token NLL in megatron's per-token-loss contract (loss sum, token count, metrics)."""
-    from kimi_pipeline.model.megatron_train import logprobs_from_logits
+    from kimi_pipeline.model.vocab_parallel import logprobs_from_logits
 
     lp, _ = logprobs_from_logits(logits, batch["targets"])
     return -lp.sum(), lp.numel(), {"loss": (-lp.mean()).detach()}
@@ -244,8 +244,8 @@ def assert_bf16_engine_tracks_fp32(hf, prompts: list[list[int]], device="cpu") -
     import numpy as np
     import torch
 
-    from kimi_pipeline.rl.engine.model import EngineModel
-    from kimi_pipeline.rl.engine.sampler import RolloutEngine, SamplingParams
+    from kimi_pipeline.engine.model import EngineModel
+    from kimi_pipeline.engine.sampler import RolloutEngine, SamplingParams
 
     fp32 = EngineModel.from_hf_model(hf, device=device)
     bf16 = EngineModel.from_hf_model(hf, device=device, dtype=torch.bfloat16)

@@ -105,7 +105,7 @@ def _dp_slice(tokens, targets):
 
 
 def _nll_loss(logits, batch):
-    from kimi_pipeline.model.megatron_train import logprobs_from_logits
+    from kimi_pipeline.model.vocab_parallel import logprobs_from_logits
 
     lp, _ = logprobs_from_logits(logits, batch["targets"])
     return -lp.sum(), lp.numel(), {"nll_sum": -lp.sum().detach(), "count": float(lp.numel())}
@@ -314,7 +314,6 @@ def scenario_grpo_dp(out_dir: Path, args: dict) -> dict:
     recipe's split of a fixed rollout (2 optimizer steps of 8 samples, several micro-batches each, the KL
     term on). Before each optimizer step every parameter's gradient (HF names, full over DP) goes to
     `grads<k>.safetensors`; returns the rank's metrics with their reductions and the weights after the rollout."""
-    import torch
 
     from kimi_pipeline.model import megatron_train as mt
     from kimi_pipeline.recipes import load_recipe
@@ -359,6 +358,7 @@ def scenario_cp(out_dir: Path, args: dict) -> dict:
 
     from kimi_pipeline.model import megatron_train as mt
     from kimi_pipeline.model.context_parallel import Packing, SeqLayout, batch_logprobs, cp_group, seq_multiple
+    from kimi_pipeline.model.vocab_parallel import logprobs_from_logits
 
     _setup(args)
     cp, rank, group = cp_group()
@@ -373,7 +373,7 @@ def scenario_cp(out_dir: Path, args: dict) -> dict:
     out: dict = {}
     for name, packing in (("bshd", None), ("thd", Packing(lengths, s, seq_multiple(1, cp, False)))):
         ref = table.clone().requires_grad_()
-        lp_ref, ent_ref = mt.logprobs_from_logits(ref[tokens], targets)
+        lp_ref, ent_ref = logprobs_from_logits(ref[tokens], targets)
         ((lp_ref * weights).sum() + (ent_ref * weights).sum()).backward()
         layout = SeqLayout(cp, rank, group, packing)
         tab = table.clone().requires_grad_()

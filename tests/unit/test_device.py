@@ -14,7 +14,7 @@ from kimi_pipeline.model import device as dev
 from kimi_pipeline.model import parallel
 from kimi_pipeline.model.megatron_train import optimizer_placement
 from kimi_pipeline.recipes import load_recipe
-from kimi_pipeline.rl.launch import plan_launch
+from kimi_pipeline.rl.actor_layout import lay_out_actors
 from kimi_pipeline.rl.policy import flex_dispatcher_refusal
 from kimi_pipeline.rl.samples import Sample, collate
 
@@ -127,7 +127,7 @@ def test_embedded_engines_on_gpus_get_their_own_gpu():
     """Colocated embedded engines each take the first GPU of the share they were placed on, never all GPU 0."""
     r = load_recipe("tiny", ["cluster.device=cuda", "cluster.gpus_per_node=4", "cluster.nodes=1",
                              "cluster.colocate=true", "rollout.engine=embedded", "sglang.gpus_per_engine=2"])
-    plan = plan_launch(r)
+    plan = lay_out_actors(r)
     nodes = [n for e in plan.engines for n in e.nodes]
     assert [n.base_gpu_id for n in nodes] == [0, 2]
     assert [n.gpus for n in nodes] == [(0,), (2,)]

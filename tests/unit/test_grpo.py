@@ -204,7 +204,7 @@ def test_collect_groups_stops_at_max_draws():
 # Dynamic micro-batching
 # ------------------------------------------------------------------------------------------------
 
-from kimi_pipeline.rl.batching import first_fit_decreasing, plan_micro_batches  # noqa: E402
+from kimi_pipeline.rl.batching import first_fit_decreasing, split_micro_batches  # noqa: E402
 
 
 def _check_plan(plan, lengths, cap):
@@ -223,7 +223,7 @@ def test_first_fit_decreasing_by_hand():
 
 def test_plan_balances_within_a_rank():
     # FFD needs 3 bins for 5,4,3,2,1 (cap 6); LPT into 3 bins: [5] [4,1] [3,2] -> 5 tokens each
-    plan = plan_micro_batches([5, 4, 3, 2, 1], 6)
+    plan = split_micro_batches([5, 4, 3, 2, 1], 6)
     assert plan.ranks == [[[0], [1, 4], [2, 3]]]
     assert plan.tokens() == [[5, 5, 5]] and plan.oversized == [] and plan.empty_micro_batches == 0
 
@@ -232,14 +232,14 @@ def test_plan_balances_across_dp_ranks_by_hand():
     # LPT over 2 ranks: r0 = 8,5,4,1 (18), r1 = 7,6,3,2 (18); both need 2 bins of <= 10:
     # r0 -> [8,1] [5,4]; r1 -> [7,2] [6,3]
     lengths = [8, 7, 6, 5, 4, 3, 2, 1]
-    plan = plan_micro_batches(lengths, 10, dp_size=2)
+    plan = split_micro_batches(lengths, 10, dp_size=2)
     assert plan.ranks == [[[0, 7], [3, 4]], [[1, 6], [2, 5]]]
     assert plan.tokens() == [[9, 9], [9, 9]]
     assert plan.summary()["rank_tokens"] == [18, 18]
 
 
 def test_oversized_sample_gets_its_own_micro_batch(caplog):
-    plan = plan_micro_batches([3, 12, 3, 3], 8)
+    plan = split_micro_batches([3, 12, 3, 3], 8)
     assert plan.oversized == [1]
     assert [1] in plan.ranks[0]
     assert "exceed max_tokens_per_gpu=8" in caplog.text
@@ -249,11 +249,11 @@ def test_oversized_sample_gets_its_own_micro_batch(caplog):
 def test_short_rank_borrows_samples_instead_of_padding():
     # LPT gives r0 = [20] (1 sample) and r1 = [5,5,5] (2 bins of <= 10): r0 takes a 5 so both have 2 micro-batches
     lengths = [20, 5, 5, 5]
-    plan = plan_micro_batches(lengths, 10, dp_size=2)
+    plan = split_micro_batches(lengths, 10, dp_size=2)
     _check_plan(plan, lengths, 10)
     assert plan.num_micro_batches == 2 and plan.empty_micro_batches == 0
     # fewer samples than ranks x micro-batches: padding is unavoidable and reported
-    plan = plan_micro_batches([30, 30, 1], 10, dp_size=4)
+    plan = split_micro_batches([30, 30, 1], 10, dp_size=4)
     _check_plan(plan, [30, 30, 1], 10)
     assert plan.num_micro_batches == 1 and plan.empty_micro_batches == 1
 
@@ -265,12 +265,12 @@ def test_random_plans_keep_every_invariant():
     for _ in range(200):
         dp, cap = rng.choice([1, 2, 4, 8]), rng.choice([64, 256, 1024])
         lengths = [rng.randint(1, int(cap * 1.2)) for _ in range(rng.randint(1, 64))]
-        plan = plan_micro_batches(lengths, cap, dp)
+        plan = split_micro_batches(lengths, cap, dp)
         _check_plan(plan, lengths, cap)
         assert plan.oversized == [i for i, n in enumerate(lengths) if n > cap]
         if len(lengths) >= dp * plan.num_micro_batches:
             assert plan.empty_micro_batches == 0
     with pytest.raises(ValueError, match="max_tokens_per_gpu"):
-        plan_micro_batches([1], 0)
+        split_micro_batches([1], 0)
     with pytest.raises(ValueError, match="at least one token"):
-        plan_micro_batches([0], 8)
+        split_micro_batches([0], 8)

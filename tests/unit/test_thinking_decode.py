@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from kimi_pipeline.engine.sampler import Completion
 from kimi_pipeline.model.tokenizer import decode_responses, load_tokenizer
 from kimi_pipeline.recipes import load_recipe
-from kimi_pipeline.rl.engine.sampler import Completion
-from kimi_pipeline.rl.rollout import generate_groups
-from kimi_pipeline.rl.prompts import Prompt
 from kimi_pipeline.reward import AnswerGrader
+from kimi_pipeline.rl.prompts import Prompt
+from kimi_pipeline.rl.rollout import generate_groups
 
 TINY = Path(__file__).resolve().parents[2] / "data" / "tiny" / "model"
 

@@ -1,13 +1,13 @@
-"""Stage `export`: a trained policy -> INT4 compressed-tensors HF directory, verified.
+"""The INT4 export of a trained policy -> compressed-tensors HF directory, verified (the export stage runs it).
 
 Output: `<run_dir>/export/<name>/` (config.json with Kimi-K2-Thinking's quantization_config,
 sharded safetensors + index, tokenizer files) and `<run_dir>/export/export.json` (the summary
 section, written last: its presence marks a finished export).
 
-`stage_export` is the pipeline stage for a megatron torch_dist training checkpoint (the tracker's
+`export_checkpoint` exports a megatron torch_dist training checkpoint (the tracker's
 latest, or a chosen step). It is distributed like the conversion, in `recipe.convert`'s layout (one
 rank per GPU over its nodes): every rank loads its slice, quantizes and writes the tensors it owns and
-checks them bit for bit (`quant/job.py`); then this process names the shards and writes the index
+checks them bit for bit (`quant/export_rank.py`); then this process names the shards and writes the index
 last. When the model fits in this host's memory, a one-rank child process then reloads the export with
 transformers + compressed-tensors and compares its logits with the checkpoint's own megatron forward
 (fake-quant experts when the recipe trains with INT4 QAT). `run_export` is the same export in one
@@ -28,14 +28,21 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 
 from kimi_pipeline.convert.names import HFLayout
-from kimi_pipeline.errors import PermanentError
-from kimi_pipeline.hub.download import model_root
+from kimi_pipeline.errors import PermanentError, is_permanent
+from kimi_pipeline.model.checkpoint_dirs import CheckpointError
 from kimi_pipeline.model.device import resolve_device
+from kimi_pipeline.model.megatron_model import causal_forward, model_device
+from kimi_pipeline.model.megatron_train import EXTRA, resolve_iteration
+from kimi_pipeline.model.parallel import Layout
 from kimi_pipeline.model.params import count_params
 from kimi_pipeline.quant.export import ExportInfo, Int4Part, export_int4, export_temp_dir, finish_int4_dir
+from kimi_pipeline.quant.export_rank import REPORT_PREFIX
+from kimi_pipeline.quant.policy_weights import checkpoint_model, policy_tensors
+from kimi_pipeline.quant.qat import enable_int4_qat
 from kimi_pipeline.quant.verify import (
     PARITY_TOL,
     PARITY_TOL_BY_DTYPE,
@@ -46,9 +53,11 @@ from kimi_pipeline.quant.verify import (
     check_tensors,
     model_check_problems,
 )
-from kimi_pipeline.recipes import Recipe
+from kimi_pipeline.recipes import Recipe, load_recipe, recipe_to_yaml
 from kimi_pipeline.util.files import atomic_write_json, sha256_files, sha256_json
 from kimi_pipeline.util.lifetime import die_with_parent
+from kimi_pipeline.weightjobs.job_file import write_job_file
+from kimi_pipeline.weightjobs.run import run_weight_job
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +82,6 @@ def shard_bytes(recipe: Recipe) -> int:
 
 def model_check_fits(recipe: Recipe) -> tuple[bool, str | None]:
     """Reloading on CPU holds three fp32 copies of the model (export + two references)."""
-    import psutil
 
     need = count_params(recipe.model).total * 4 * 3 * 3 // 2
     avail = psutil.virtual_memory().available
@@ -103,16 +111,18 @@ def run_export(
     checkpoint: what was exported (recorded).
     """
     t0 = time.monotonic()
-    q = recipe.quant
-    if q.export_format != "int4":
-        return {"skipped": f"quant.export_format={q.export_format!r}: only the INT4 export is written here"}
+    quant = recipe.quant
+    if quant.export_format != "int4":
+        return {"skipped": f"quant.export_format={quant.export_format!r}: only the INT4 export is written here"}
     config = base_config(model_dir)
     out = export_dir(run_dir) / name
     (export_dir(run_dir) / SECTION_FILE).unlink(missing_ok=True)
-    info = export_int4(hf_tensors_source(), config, model_dir, out, q.group_size, max_shard_bytes=shard_bytes(recipe))
+    info = export_int4(
+        hf_tensors_source(), config, model_dir, out, quant.group_size, max_shard_bytes=shard_bytes(recipe)
+    )
     log.info("export: wrote %s (%d packed experts, %d bytes, %d tensors carried as stored)", out, info.num_quantized,
              info.disk_bytes, info.carried_tensors)
-    section = _section(recipe, info, check_tensors(out, hf_tensors_source(), q.group_size), checkpoint)
+    section = _section(recipe, info, check_tensors(out, hf_tensors_source(), quant.group_size), checkpoint)
     if verify_model is None:
         verify_model = model_check_fits(recipe)[0]
     if verify_model:
@@ -130,32 +140,38 @@ def base_config(model_dir: str | Path) -> dict[str, Any]:
 
 
 def _section(recipe: Recipe, info: ExportInfo, tensors: TensorCheck, checkpoint: str | None) -> dict[str, Any]:
-    q = recipe.quant
+    quant = recipe.quant
     section: dict[str, Any] = {
         "path": info.path,
         "format": "compressed-tensors pack-quantized int4",
-        "group_size": q.group_size,
+        "group_size": quant.group_size,
         "checkpoint": checkpoint,
         **{k: v for k, v in info.as_dict().items() if k != "path"},
         "compression": round(info.bf16_bytes / info.int4_bytes, 3),
         "dequant_exact": tensors.dequant_exact,
         "others_exact": tensors.others_exact,
-        "qat": q.int4_qat,
+        "qat": quant.int4_qat,
     }
     if tensors.mismatches:
         section["problems"] = [f"{n}: stored tensor differs from the trainer's" for n in tensors.mismatches[:5]]
     return section
 
 
-def check_model_into(section: dict[str, Any], recipe: Recipe, out: Path, tensors, reference_logits: LogitsFn | None,
-                     parity_tol: float | None = None) -> None:
+def check_model_into(
+    section: dict[str, Any],
+    recipe: Recipe,
+    out: Path,
+    tensors,
+    reference_logits: LogitsFn | None,
+    parity_tol: float | None = None,
+) -> None:
     """Model-level check (reload, logits, generate) merged into `section`, its failures into `problems`."""
-    q = recipe.quant
+    quant = recipe.quant
     parity_tol = PARITY_TOL_BY_DTYPE.get(recipe.model.params_dtype, PARITY_TOL) if parity_tol is None else parity_tol
-    result = check_model(out, tensors, q.group_size, reference_logits=reference_logits, parity_tol=parity_tol)
+    result = check_model(out, tensors, quant.group_size, reference_logits=reference_logits, parity_tol=parity_tol)
     section.update(result)
     gate = model_check_problems(result, parity_tol)
-    if not q.int4_qat:
+    if not quant.int4_qat:
         # Trained without fake-quant: INT4 is post-training quantization here, so the export is
         # *expected* to differ from the trainer's forward; only the decode-exactness gates apply.
         gate = [p for p in gate if not p.startswith(("export vs trainer", "HF model of the trainer"))]
@@ -179,8 +195,6 @@ def _finish(run_dir: str | Path, section: dict[str, Any], t0: float) -> dict[str
 
 def resolve_checkpoint(checkpoint_dir: str | Path, step: int | None = None) -> tuple[Path, int]:
     """(iter_XXXXXXX dir, step) of a megatron checkpoint: the tracker's latest, or `step`."""
-    from kimi_pipeline.model.checkpoint_dirs import CheckpointError
-    from kimi_pipeline.model.megatron_train import resolve_iteration
 
     try:
         return resolve_iteration(checkpoint_dir, step)
@@ -192,7 +206,6 @@ def checkpoint_content_hash(checkpoint_dir: str | Path, step: int | None = None)
     """The export's cache key, from the checkpoint's metadata, not its ~14 TB of weights + Adam state at K2
     size: the save's own id (`kimi_extra.json`, new on every save), megatron's metadata files, and the
     name and size of every data file."""
-    from kimi_pipeline.model.megatron_train import EXTRA
 
     path, step = resolve_checkpoint(checkpoint_dir, step)
     files = sorted(p for p in path.rglob("*") if p.is_file())
@@ -201,16 +214,19 @@ def checkpoint_content_hash(checkpoint_dir: str | Path, step: int | None = None)
                         "files": {str(p.relative_to(path)): p.stat().st_size for p in files}})
 
 
-def export_distributed(recipe: Recipe, run_dir: Path, checkpoint_dir: str | Path, step: int, model_dir: Path,
-                       name: str = "int4", timeout_s: float | None = None) -> tuple[ExportInfo, dict[str, Any]]:
+def export_distributed(
+    recipe: Recipe,
+    run_dir: Path,
+    checkpoint_dir: str | Path,
+    step: int,
+    model_dir: Path,
+    name: str = "int4",
+    timeout_s: float | None = None,
+) -> tuple[ExportInfo, dict[str, Any]]:
     """Every rank of recipe.convert's layout writes the experts it owns; the index is merged here, last."""
-    from kimi_pipeline.convert.job import write_job_file
-    from kimi_pipeline.convert.stage import run_weight_job
-    from kimi_pipeline.model.parallel import Layout
-    from kimi_pipeline.quant.job import REPORT_PREFIX
 
-    cs, q = recipe.convert, recipe.quant
-    layout = Layout.from_convert(cs)
+    convert, quant = recipe.convert, recipe.quant
+    layout = Layout.from_convert(convert)
     layout.check_model(recipe.model)
     config = base_config(model_dir)
     out = export_dir(run_dir)
@@ -222,17 +238,41 @@ def export_distributed(recipe: Recipe, run_dir: Path, checkpoint_dir: str | Path
     work = out / "work"
     shutil.rmtree(work, ignore_errors=True)
     reports = work / "reports"
-    job = write_job_file(work / "job.json", model=recipe.model, layout=layout, device=recipe.cluster.device,
-                         model_dir=model_dir.resolve(),
-                         out_dir=tmp.resolve(), report_dir=reports.resolve(), checkpoint_dir=str(Path(checkpoint_dir).resolve()),
-                         step=step, group_size=q.group_size, max_shard_bytes=shard_bytes(recipe),
-                         hf_prefix=HFLayout.of_config(config).prefix)
+    job = write_job_file(
+        work / "job.json",
+        model=recipe.model,
+        layout=layout,
+        device=recipe.cluster.device,
+        model_dir=model_dir.resolve(),
+        out_dir=tmp.resolve(),
+        report_dir=reports.resolve(),
+        checkpoint_dir=str(Path(checkpoint_dir).resolve()),
+        step=step,
+        group_size=quant.group_size,
+        max_shard_bytes=shard_bytes(recipe),
+        hf_prefix=HFLayout.of_config(config).prefix,
+    )
     t0 = time.monotonic()
     try:
-        job_result, ranks, command = run_weight_job(recipe, "kimi_pipeline.quant.job", job, reports, "export",
-                                                    REPORT_PREFIX, timeout_s)
-        info = finish_int4_dir(tmp, final, [Int4Part.from_json(r["part"]) for r in ranks], config, model_dir,
-                               q.group_size, max_shard_bytes=shard_bytes(recipe))
+        job_result, ranks, command = run_weight_job(
+            recipe.convert,
+            recipe.cluster,
+            "kimi_pipeline.quant.export_rank",
+            job,
+            reports,
+            "export",
+            REPORT_PREFIX,
+            timeout_s,
+        )
+        info = finish_int4_dir(
+            tmp,
+            final,
+            [Int4Part.from_json(r["part"]) for r in ranks],
+            config,
+            model_dir,
+            quant.group_size,
+            max_shard_bytes=shard_bytes(recipe),
+        )
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -243,7 +283,13 @@ def export_distributed(recipe: Recipe, run_dir: Path, checkpoint_dir: str | Path
                           mismatches=[m for c in checks for m in c["mismatches"]])
     extra = {
         "ranks": layout.world_size,
-        "layout": {"nodes": cs.nodes, "ranks_per_node": cs.gpus_per_node, "tp": cs.tp, "pp": cs.pp, "ep": cs.ep},
+        "layout": {
+            "nodes": convert.nodes,
+            "ranks_per_node": convert.gpus_per_node,
+            "tp": convert.tp,
+            "pp": convert.pp,
+            "ep": convert.ep,
+        },
         "peak_rss_mb_per_rank": [r["peak_rss_mb"] for r in ranks],
         "write_seconds": round(time.monotonic() - t0, 3),
         "command": command,
@@ -255,9 +301,6 @@ def export_distributed(recipe: Recipe, run_dir: Path, checkpoint_dir: str | Path
 def check_checkpoint_model(recipe: Recipe, out: Path, checkpoint_dir: str | Path, step: int) -> dict[str, Any]:
     """In THIS process (the child): the export vs the checkpoint's one-rank megatron forward (fake-quant
     experts when the recipe trains with QAT); returns the model-check section fields and problems."""
-    from kimi_pipeline.quant.policy_weights import checkpoint_model, policy_tensors
-    from kimi_pipeline.model.megatron_model import causal_forward, model_device
-    from kimi_pipeline.quant.qat import enable_int4_qat
 
     with checkpoint_model(recipe.model, checkpoint_dir, step, device=resolve_device(recipe.cluster.device)) as (
             model, layout, _):
@@ -274,53 +317,47 @@ def check_checkpoint_model(recipe: Recipe, out: Path, checkpoint_dir: str | Path
         return section
 
 
-def stage_export(recipe: Recipe, run_dir: str | Path, checkpoint_dir: str | Path, *, step: int | None = None,
-                 model_dir: str | Path | None = None, timeout_s: float | None = None) -> dict[str, Any]:
-    """The pipeline stage: export checkpoint `step` (default: latest) of `checkpoint_dir`, distributed.
-
-    Records `stages.export` and the `export` section in summary.json (also on a failed verification).
-    """
-    from kimi_pipeline.report.summary import RunSummary
-
-    run_dir = Path(run_dir)
-    summary = RunSummary(run_dir, recipe.name)
-    with summary.stage("export"):
-        t0 = time.monotonic()
-        if recipe.quant.export_format != "int4":
-            section = {"skipped": f"quant.export_format={recipe.quant.export_format!r}"}
-            summary.set_section("export", section)
-            return section
-        model_dir = Path(model_dir) if model_dir else model_root(run_dir)
-        path, step = resolve_checkpoint(checkpoint_dir, step)  # fail here, clearly, before spawning anything
-        out = export_dir(run_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        for stale in (SECTION_FILE, ERROR_FILE):
-            (out / stale).unlink(missing_ok=True)
-        info, dist_info = export_distributed(recipe, run_dir, checkpoint_dir, step, model_dir, timeout_s=timeout_s)
-        log.info("export: wrote %s (%d packed experts, %d bytes) from %d ranks", info.path, info.num_quantized,
-                 info.disk_bytes, dist_info["ranks"])
-        section = {**_section(recipe, info, dist_info.pop("tensors"), str(path)), **dist_info}
-        fits, reason = model_check_fits(recipe)
-        if fits:
-            checked = _model_check_child(recipe, run_dir, checkpoint_dir, step, Path(info.path), timeout_s)
-            problems = section.pop("problems", []) + checked.pop("problems", [])
-            section.update(checked, **({"problems": problems} if problems else {}))
-        else:
-            section["model_check"] = f"skipped: {reason}"
-        try:
-            section = _finish(run_dir, section, t0)
-        except ExportVerificationError as e:
-            summary.set_section("export", e.section)
-            raise
-        summary.set_section("export", section)
-    return section
+def export_checkpoint(
+    recipe: Recipe,
+    run_dir: Path,
+    checkpoint_dir: str | Path,
+    step: int | None,
+    model_dir: Path,
+    timeout_s: float | None = None,
+) -> dict[str, Any]:
+    """Export checkpoint `step` (default: latest) of `checkpoint_dir`, distributed, then check the export's model
+    where it fits; returns the export section (written last as DIR/export/export.json). A failed verification
+    raises ExportVerificationError carrying the section."""
+    t0 = time.monotonic()
+    path, step = resolve_checkpoint(checkpoint_dir, step)  # fail here, clearly, before spawning anything
+    out = export_dir(run_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in (SECTION_FILE, ERROR_FILE):
+        (out / stale).unlink(missing_ok=True)
+    info, dist_info = export_distributed(recipe, run_dir, checkpoint_dir, step, model_dir, timeout_s=timeout_s)
+    log.info(
+        "export: wrote %s (%d packed experts, %d bytes) from %d ranks",
+        info.path,
+        info.num_quantized,
+        info.disk_bytes,
+        dist_info["ranks"],
+    )
+    section = {**_section(recipe, info, dist_info.pop("tensors"), str(path)), **dist_info}
+    fits, reason = model_check_fits(recipe)
+    if fits:
+        checked = _model_check_child(recipe, run_dir, checkpoint_dir, step, Path(info.path), timeout_s)
+        problems = section.pop("problems", []) + checked.pop("problems", [])
+        section.update(checked, **({"problems": problems} if problems else {}))
+    else:
+        section["model_check"] = f"skipped: {reason}"
+    return _finish(run_dir, section, t0)
 
 
-def _model_check_child(recipe: Recipe, run_dir: Path, checkpoint_dir: str | Path, step: int, export: Path,
-                       timeout_s: float | None) -> dict[str, Any]:
+def _model_check_child(
+    recipe: Recipe, run_dir: Path, checkpoint_dir: str | Path, step: int, export: Path, timeout_s: float | None
+) -> dict[str, Any]:
     """`check_checkpoint_model` in a child: megatron's process groups and gloo rendezvous stay out of the
     flow process. Returns its fields (with `problems` when a gate failed)."""
-    from kimi_pipeline.recipes import recipe_to_yaml
 
     out = export_dir(run_dir)
     (out / "recipe.yaml").write_text(recipe_to_yaml(recipe))
@@ -330,9 +367,14 @@ def _model_check_child(recipe: Recipe, run_dir: Path, checkpoint_dir: str | Path
     env = {**os.environ, "TORCHDYNAMO_DISABLE": "1"}
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT"):
         env.pop(var, None)  # the child is its own one-rank world
-    proc = subprocess.run([sys.executable, "-m", "kimi_pipeline.quant.stage", str(out / "job.json")],
-                          env=env, timeout=timeout_s, capture_output=True, text=True,
-                          preexec_fn=die_with_parent)  # a killed flow leaves no child behind
+    proc = subprocess.run(
+        [sys.executable, "-m", "kimi_pipeline.quant.checkpoint_export", str(out / "job.json")],
+        env=env,
+        timeout=timeout_s,
+        capture_output=True,
+        text=True,
+        preexec_fn=die_with_parent,
+    )  # a killed flow leaves no child behind
     if proc.returncode != 0:
         err = json.loads((out / ERROR_FILE).read_text()) if (out / ERROR_FILE).is_file() else {}
         message = err.get("message") or f"export model check exited {proc.returncode}: {proc.stderr[-2000:]}"
@@ -343,9 +385,7 @@ def _model_check_child(recipe: Recipe, run_dir: Path, checkpoint_dir: str | Path
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Child entry point: `python -m kimi_pipeline.quant.stage JOB.json` (the model check)."""
-    from kimi_pipeline.errors import is_permanent
-    from kimi_pipeline.recipes import load_recipe
+    """Child entry point: `python -m kimi_pipeline.quant.checkpoint_export JOB.json` (the model check)."""
 
     job_path = Path((argv or sys.argv[1:])[0])
     job = json.loads(job_path.read_text())

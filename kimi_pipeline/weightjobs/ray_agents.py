@@ -16,11 +16,20 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-from kimi_pipeline.convert.launch import (
+import ray
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from kimi_pipeline.cluster.health import connected
+from kimi_pipeline.cluster.lifecycle import attach_driver
+from kimi_pipeline.cluster.placement import GroupSpec, create_group, remove_placement_groups
+from kimi_pipeline.util.lifetime import die_with_parent
+from kimi_pipeline.util.net import free_port
+from kimi_pipeline.weightjobs.launch import (
     WORKER_ENV,
     JobResult,
     _job_error,
@@ -45,20 +54,14 @@ class NodeAgent:
 
     def address(self) -> tuple[str, str]:
         """(IP, Ray node id) of the node this agent landed on."""
-        import ray
 
         return ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id()
 
     def free_port(self) -> int:
-        from kimi_pipeline.util.net import free_port
-
         return free_port()
 
     def start(self, cmd: list[str], env: dict[str, str]) -> int:
         """Start the node's agent with this node's Python (the cluster's environment, not the driver's)."""
-        import sys
-
-        from kimi_pipeline.util.lifetime import die_with_parent
 
         cmd = [sys.executable, *cmd[1:]]
         with open(self.log_path, "wb") as fh:
@@ -103,15 +106,9 @@ def launch_ray(module: str, args: list[str], *, nodes: int, procs_per_node: int,
                placement_timeout_s: float = 120.0) -> JobResult:
     """Run `python -m module args` as a `nodes` x `procs_per_node` job, one torchrun agent per Ray node.
 
-    Raises ConversionJobPermanentError / ConversionJobError naming the failing rank and node, PlacementError
+    Raises WeightJobPermanentError / WeightJobError naming the failing rank and node, PlacementError
     when the cluster has fewer nodes (or resources) than the job needs.
     """
-    import ray
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    from kimi_pipeline.cluster.health import connected
-    from kimi_pipeline.cluster.placement import GroupSpec, create_group, remove_placement_groups
-    from kimi_pipeline.cluster.stage import attach_driver
 
     address = attach_driver(address)
 
@@ -159,7 +156,6 @@ def launch_ray(module: str, args: list[str], *, nodes: int, procs_per_node: int,
 def _watch(agents, name: str, log_dir: Path, timeout: float | None, grace: float
            ) -> tuple[list[int | None], float, bool]:
     """Stream logs and wait: all agents exit, or one fails (then `grace` for the rest), or the timeout."""
-    import ray
 
     n = len(agents)
     offsets, partial = [0] * n, [b""] * n

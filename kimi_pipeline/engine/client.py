@@ -26,11 +26,13 @@ from typing import Any
 import httpx
 import numpy as np
 import torch
+from safetensors.torch import save
 
 from kimi_pipeline.cluster.env import engine_api_key
+from kimi_pipeline.engine import shm
+from kimi_pipeline.engine.dist_update import WeightGroup
+from kimi_pipeline.engine.sampler import ENGINE_NAME, MEMORY_TAGS, Completion, SamplingParams
 from kimi_pipeline.errors import PermanentError
-from kimi_pipeline.rl.engine import shm
-from kimi_pipeline.rl.engine.sampler import ENGINE_NAME, MEMORY_TAGS, Completion, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -96,8 +98,6 @@ def chunk_named_tensors(named: Iterable[tuple[str, torch.Tensor]] | Mapping[str,
 
 
 def serialize_chunk(chunk: Mapping[str, torch.Tensor]) -> str:
-    from safetensors.torch import save
-
     # own, contiguous CPU copies: safetensors refuses views that share storage
     owned = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in chunk.items()}
     return base64.b64encode(save(owned)).decode("ascii")
@@ -537,7 +537,6 @@ class Router:
             members = [c for c in self.clients if self.weight_transport == "distributed" or not c.shares_memory()]
             if not members:
                 return None
-            from kimi_pipeline.rl.engine.dist_update import WeightGroup
 
             # SGLang: every GPU of an engine is a rank of the group (slime: rank_offset = 1 + i * gpus_per_engine)
             sizes = [int(c.server_info().get("tp_size", 1)) * int(c.server_info().get("pp_size", 1)) for c in members]

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import BackendConfig, rendezvous
 
+from kimi_pipeline.engine.shm import DTYPES
 from kimi_pipeline.util.net import LOOPBACK, free_port, is_loopback, node_address
 
 GROUP_NAME = "kimi-weight-sync"
@@ -85,7 +86,6 @@ def broadcast(pg, tensor: torch.Tensor, root: int = 0) -> None:
 
 def dtype_from_name(name: str) -> torch.dtype:
     """A weight dtype by name: the same list the shared-memory transport accepts (`shm.DTYPES`)."""
-    from kimi_pipeline.rl.engine.shm import DTYPES
 
     dt = DTYPES.get(str(name).removeprefix("torch."))
     if dt is None:

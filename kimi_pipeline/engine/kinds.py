@@ -1,6 +1,6 @@
-"""The rollout engine kinds behind `rollout.engine`, and starting a run's engines on the cluster.
+"""The rollout engine kinds behind `rollout.engine` (the run starts them: `rl.engine_group`).
 
-The one place that knows there are two kinds: the loop, the launch plan and the weight updater ask an
+The one place that knows there are two kinds: the loop, the actor layout and the weight updater ask an
 `EngineKind` what it can do instead of testing the engine's name. A third engine is one more entry here
 (an actor class with start / get_url / stop that serves SGLang's HTTP API) plus its row in
 `recipes/models.py`'s `rollout.engine`.
@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kimi_pipeline.engine.embedded import EmbeddedEngine
+from kimi_pipeline.engine.sglang import SGLangEngine
 from kimi_pipeline.recipes import Recipe
 from kimi_pipeline.util.net import NODE_ADDRESS
 
@@ -29,8 +31,6 @@ class EngineKind:
 
 
 def _embedded_class() -> type:
-    from kimi_pipeline.rl.engine.embedded import EmbeddedEngine
-
     return EmbeddedEngine
 
 
@@ -47,8 +47,6 @@ def _embedded_args(recipe: Recipe, model_dir: Path, node_rank: int, base_gpu_id:
 
 
 def _sglang_class() -> type:
-    from kimi_pipeline.rl.engine.sglang import SGLangEngine
-
     return SGLangEngine
 
 
@@ -72,67 +70,3 @@ ENGINE_KINDS: dict[str, EngineKind] = {
 
 def engine_kind(recipe: Recipe) -> EngineKind:
     return ENGINE_KINDS[recipe.rollout.engine]
-
-
-@dataclass
-class EngineGroup:
-    """A run's engine processes (Ray actors), by engine (a node-spanning engine has one per node), and the URL of
-    each engine's node 0."""
-
-    by_engine: list[list]
-    urls: list[str]
-
-    @property
-    def actors(self) -> list:
-        return [a for actors in self.by_engine for a in actors]
-
-
-def _launch(recipe: Recipe, plan, pgs: dict, model_dir: Path, threads: int, e: int) -> tuple[list, Any]:
-    """Engine e's processes, where the launch plan puts it (started, not yet serving): (actors, its node-0 actor)."""
-    import ray
-
-    from kimi_pipeline.cluster.placement import free_port_on
-    from kimi_pipeline.rl.launch import engine_options
-
-    kind = engine_kind(recipe)
-    cls = ray.remote(kind.actor_class())
-    engine = plan.engines[e]
-    slot = plan.placement.engines[engine.id]
-    addr = None
-    if len(engine.nodes) > 1:  # a multi-node engine's rendezvous on its node 0
-        ip, port = free_port_on(pgs[slot.group], slot.bundles[0])
-        addr = f"{ip}:{port}"
-    actors, head = [], None
-    for n in engine.nodes:
-        args, kwargs = kind.actor_args(recipe, model_dir, n.node_rank, n.base_gpu_id, addr)
-        actor = cls.options(**engine_options(plan, recipe, pgs, engine.id, n.node_rank, threads)).remote(*args, **kwargs)
-        actors.append(actor)
-        head = actor if n.node_rank == 0 else head
-    return actors, head
-
-
-def start_engines(recipe: Recipe, plan, pgs: dict, model_dir: Path, threads: int) -> EngineGroup:
-    """One actor per engine process, where the launch plan puts it (`rl.launch`); waits until each serves."""
-    import ray
-
-    launched = [_launch(recipe, plan, pgs, model_dir, threads, e) for e in range(len(plan.engines))]
-    ray.get([a.start.remote() for actors, _ in launched for a in actors])
-    return EngineGroup([actors for actors, _ in launched], ray.get([head.get_url.remote() for _, head in launched]))
-
-
-def restart_engine(group: EngineGroup, e: int, recipe: Recipe, plan, pgs: dict, model_dir: Path,
-                   threads: int) -> str:
-    """Engine e again, in its placement (its old processes killed first, which frees their bundle share);
-    serving the model it started with. Returns its URL."""
-    import ray
-
-    for actor in group.by_engine[e]:
-        try:
-            ray.kill(actor)
-        except Exception:  # noqa: BLE001 - the dead process's actor may already be gone
-            pass
-    actors, head = _launch(recipe, plan, pgs, model_dir, threads, e)
-    group.by_engine[e] = actors
-    ray.get([a.start.remote() for a in actors])
-    group.urls[e] = ray.get(head.get_url.remote())
-    return group.urls[e]

@@ -19,8 +19,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from kimi_pipeline.convert.job import write_job_file
-from kimi_pipeline.convert.launch import launch, read_rank_reports, scale_out_command
+from kimi_pipeline.convert.hf_reader import HFCheckpoint
 from kimi_pipeline.convert.verify import (
     SMALL_MODEL_BYTES,
     ConversionVerifyError,
@@ -29,11 +28,14 @@ from kimi_pipeline.convert.verify import (
     verify_layout,
 )
 from kimi_pipeline.errors import PermanentError
-from kimi_pipeline.hub.download import read_manifest
+from kimi_pipeline.hub.manifest import build_manifest, list_files
 from kimi_pipeline.model.checkpoint_dirs import TRACKER
 from kimi_pipeline.model.parallel import Layout
 from kimi_pipeline.recipes import Recipe
 from kimi_pipeline.util.files import atomic_write_json, sha256_json
+from kimi_pipeline.weightjobs.job_file import write_job_file
+from kimi_pipeline.weightjobs.launch import read_rank_reports
+from kimi_pipeline.weightjobs.run import launch, launch_target, run_weight_job
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +66,6 @@ def fingerprint(recipe: Recipe, source_files: dict[str, Any]) -> str:
 
 def source_manifest(model_dir: Path) -> dict[str, Any]:
     """sha256 + size of the checkpoint's files, when no download manifest is at hand."""
-    from kimi_pipeline.hub.manifest import build_manifest, list_files
 
     return build_manifest(model_dir, list_files(model_dir))
 
@@ -101,39 +102,16 @@ def _dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def launch_target(recipe: Recipe) -> dict[str, Any]:
-    """Where the offline weight jobs (conversion, INT4 export) start their per-node agents (`convert.launcher`):
-    on `cluster.address`'s Ray nodes, one torchrun agent per node; on this host; or by hand (manual)."""
-    c, cs = recipe.cluster, recipe.convert
-    return {"launcher": cs.launcher, "address": c.address, "master_port": cs.master_port,
-            "gpus_per_node": cs.gpus_per_node if c.device == "cuda" else 0}
-
-
-def run_weight_job(recipe: Recipe, module: str, job: Path, reports: Path, name: str, report_prefix: str,
-                   timeout: float | None) -> tuple[Any, list[dict[str, Any]], str]:
-    """One offline weight job (conversion, INT4 export) over recipe.convert's nodes x ranks: log the per-node
-    command, launch it where `launch_target` says, return (job result, every rank's report, the command)."""
-    cs = recipe.convert
-    job = job.resolve()
-    command = scale_out_command(module, ["--job", str(job)], nnodes=cs.nodes, nproc_per_node=cs.gpus_per_node,
-                                master_port=cs.master_port)
-    log.info("%s: %d node(s) x %d rank(s), tp=%d pp=%d ep=%d; on a cluster without Ray run on every node:\n  %s",
-             name, cs.nodes, cs.gpus_per_node, cs.tp, cs.pp, cs.ep, command)
-    result = launch(module, ["--job", str(job)], nodes=cs.nodes, procs_per_node=cs.gpus_per_node,
-                    work_dir=job.parent, report_dir=reports, name=name, timeout=timeout,
-                    report_prefix=report_prefix, **launch_target(recipe))
-    return result, read_rank_reports(reports, report_prefix, cs.nodes * cs.gpus_per_node), command
-
-
 def run_convert(recipe: Recipe, run_dir: str | Path, model_dir: str | Path, *,
                 source_files: dict[str, Any] | None = None, verify: bool | None = None,
                 reuse: bool = True, timeout: float | None = None) -> dict[str, Any]:
     """Convert `model_dir` per recipe.convert into DIR/convert/torch_dist, verify, return the summary section."""
-    from kimi_pipeline.convert.hf_reader import HFCheckpoint
 
-    cs = recipe.convert
-    if cs.mode != "torch_dist":
-        raise ConvertStageError(f"convert.mode={cs.mode!r}: only torch_dist is converted here (bridge mode loads HF weights directly)")
+    convert = recipe.convert
+    if convert.mode != "torch_dist":
+        raise ConvertStageError(
+            f"convert.mode={convert.mode!r}: only torch_dist is converted here (bridge mode loads HF weights directly)"
+        )
     run_dir, model_dir = Path(run_dir), Path(model_dir)
     out = convert_dir(run_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -145,7 +123,7 @@ def run_convert(recipe: Recipe, run_dir: str | Path, model_dir: str | Path, *,
     if removed:
         log.warning("convert: removed the leftovers of an interrupted conversion: %s", ", ".join(removed))
 
-    layout = Layout.from_convert(cs)
+    layout = Layout.from_convert(convert)
     layout.check_model(recipe.model)
     reader = HFCheckpoint(model_dir, text_config_key=recipe.hub.text_config_key)  # fails early on a bad index
     source_bytes = reader.total_bytes()
@@ -157,16 +135,17 @@ def run_convert(recipe: Recipe, run_dir: str | Path, model_dir: str | Path, *,
                          model_dir=model_dir.resolve(),
                          out_dir=tmp.resolve(), report_dir=reports.resolve(), text_config_key=recipe.hub.text_config_key)
     t0 = time.monotonic()
-    job_result, ranks, command = run_weight_job(recipe, "kimi_pipeline.convert.job", job, reports, "convert", "rank",
-                                              timeout)
+    job_result, ranks, command = run_weight_job(
+        recipe.convert, recipe.cluster, "kimi_pipeline.convert.convert_rank", job, reports, "convert", "rank", timeout
+    )
     seconds = time.monotonic() - t0
     if not (tmp / TRACKER).is_file():
         raise ConvertStageError(f"{tmp}: the conversion job exited cleanly but wrote no {TRACKER}; not marking it complete")
 
     section: dict[str, Any] = {
-        "nodes": cs.nodes,
-        "ranks_per_node": cs.gpus_per_node,
-        "layout": {"tp": cs.tp, "pp": cs.pp, "ep": cs.ep, "etp": cs.etp},
+        "nodes": convert.nodes,
+        "ranks_per_node": convert.gpus_per_node,
+        "layout": {"tp": convert.tp, "pp": convert.pp, "ep": convert.ep, "etp": convert.etp},
         "source_format": ranks[0]["source_format"]["format"],
         "source": ranks[0]["source_format"],
         "path": str(checkpoint_dir(run_dir)),
@@ -184,7 +163,7 @@ def run_convert(recipe: Recipe, run_dir: str | Path, model_dir: str | Path, *,
         "placement": job_result.placement,
     }
 
-    do_verify = cs.verify if verify is None else verify
+    do_verify = convert.verify if verify is None else verify
     if do_verify:
         section.update(verify_conversion(recipe, model_dir, tmp, work, timeout))
     else:
@@ -199,16 +178,17 @@ def run_convert(recipe: Recipe, run_dir: str | Path, model_dir: str | Path, *,
     return section
 
 
-def verify_conversion(recipe: Recipe, model_dir: str | Path, ckpt: str | Path, work: str | Path,
-                      timeout: float | None = None) -> dict[str, Any]:
+def verify_conversion(
+    recipe: Recipe, model_dir: str | Path, ckpt: str | Path, work: str | Path, timeout: float | None = None
+) -> dict[str, Any]:
     """Verify the torch_dist checkpoint `ckpt`, written in recipe.convert's layout, against the HF checkpoint
     `model_dir` (`kimi_pipeline.convert.verify`, reloaded under another layout); returns the verdict's fields
     for the convert section. Raises ConversionVerifyError listing every tensor that differs (the whole
     verdict is then in WORK/verify_failed.json)."""
-    cs = recipe.convert
+    convert = recipe.convert
     model_dir, ckpt, work = Path(model_dir), Path(ckpt), Path(work)
     reports = work / "reports"
-    layout = Layout.from_convert(cs)
+    layout = Layout.from_convert(convert)
     small = model_bytes(recipe.model) <= SMALL_MODEL_BYTES
     vlayout = verify_layout(recipe.model, layout, small)
     same_world = vlayout.world_size == layout.world_size
@@ -217,10 +197,18 @@ def verify_conversion(recipe: Recipe, model_dir: str | Path, ckpt: str | Path, w
                           out_dir=ckpt.resolve(), ckpt_dir=ckpt.resolve(), report_dir=reports.resolve(),
                           text_config_key=recipe.hub.text_config_key, logits=small)
     t1 = time.monotonic()
-    launch("kimi_pipeline.convert.verify", ["--job", str(vjob.resolve())],
-           nodes=cs.nodes if same_world else 1, procs_per_node=cs.gpus_per_node if same_world else vlayout.world_size,
-           work_dir=work, report_dir=reports, name="verify", timeout=timeout, report_prefix="verify_rank",
-           **launch_target(recipe))
+    launch(
+        "kimi_pipeline.convert.verify",
+        ["--job", str(vjob.resolve())],
+        nodes=convert.nodes if same_world else 1,
+        procs_per_node=convert.gpus_per_node if same_world else vlayout.world_size,
+        work_dir=work,
+        report_dir=reports,
+        name="verify",
+        timeout=timeout,
+        report_prefix="verify_rank",
+        **launch_target(recipe.convert, recipe.cluster),
+    )
     verdict = summarize(read_rank_reports(reports, "verify_rank", vlayout.world_size), logits_expected=small)
     section = {k: v for k, v in verdict.items() if k != "problems"}
     section["verify_layout"] = {"world_size": vlayout.world_size, "tp": vlayout.tp, "pp": vlayout.pp, "ep": vlayout.ep}
@@ -230,22 +218,4 @@ def verify_conversion(recipe: Recipe, model_dir: str | Path, ckpt: str | Path, w
         raise ConversionVerifyError(
             f"converted checkpoint {ckpt} does not reproduce {model_dir}:\n  - " + "\n  - ".join(verdict["problems"])
         )
-    return section
-
-
-def stage_convert(recipe: Recipe, run_dir: str | Path) -> dict[str, Any]:
-    """The pipeline stage: source = the download manifest's model; records stages.convert + the convert section."""
-    from kimi_pipeline.report.summary import RunSummary
-
-    run_dir = Path(run_dir)
-    summary = RunSummary(run_dir, recipe.name)
-    if recipe.convert.mode == "bridge":  # K2.5: the trainer loads HF weights itself; nothing to convert
-        section = {"mode": "bridge", "verified": False, "skipped": "convert.mode=bridge loads HF weights directly"}
-        summary.set_stage("convert", "skipped", 0.0, reason=section["skipped"])
-        summary.set_section("convert", section)
-        return section
-    with summary.stage("convert"):
-        model = read_manifest(run_dir)["model"]
-        section = run_convert(recipe, run_dir, model["root"], source_files=model["files"])
-        summary.set_section("convert", section)
     return section

@@ -1,4 +1,4 @@
-"""How the train stage lays its actors onto the cluster: one plan, used by the real launch and by `kimi rehearse`.
+"""How the train stage lays its actors onto the cluster: one layout, used by the real run and by `kimi rehearse`.
 
 slime-style colocation, on the placement of `cluster/placement.py`: one placement group with a bundle per node
 (STRICT_SPREAD). Trainer rank r lives in bundle r // gpus_per_node and drives local GPU r % gpus_per_node, so
@@ -10,19 +10,26 @@ device themselves (`RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES`), so 256 traine
 request exactly the 256 GPUs of 32 × 8 nodes. Rank 0 — the `MASTER_ADDR` of the trainer process group —
 is in bundle 0, and so is engine 0's node 0.
 
-`plan_launch` is pure (no Ray): every problem it finds names the recipe field to change.
+`lay_out_actors` is pure (no Ray): every problem it finds names the recipe field to change.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
+
 from kimi_pipeline.cluster.errors import ClusterConfigError
-from kimi_pipeline.cluster.placement import PlacementPlan, plan_placement
+from kimi_pipeline.cluster.placement import Placement, compute_placement
+from kimi_pipeline.engine.kinds import engine_host, engine_kind
+from kimi_pipeline.engine.sglang import sglang_command
 from kimi_pipeline.model.device import NOSET_VISIBLE_DEVICES
+from kimi_pipeline.model.parallel import Layout, LayoutError
 from kimi_pipeline.recipes import Problem, Recipe
 
 # The seeds' launcher environment for GPU jobs (seed 001): a long NCCL timeout for 1 T-parameter weight syncs
@@ -63,13 +70,13 @@ class EnginePlacement:
 
 
 @dataclass
-class LaunchPlan:
+class ActorLayout:
     recipe: str
     device: str
     nodes: int
     gpus_per_node: int
     colocate: bool
-    placement: PlacementPlan | None
+    placement: Placement | None
     ranks: list[RankPlacement] = field(default_factory=list)
     engines: list[EnginePlacement] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
@@ -106,7 +113,7 @@ class LaunchPlan:
         }
 
 
-# --------------------------------------------------------------------------- the plan
+# --------------------------------------------------------------------------- the layout
 
 
 def worker_env(recipe: Recipe, threads: int = 1, *, choose_own_gpu: bool = False) -> dict[str, str]:
@@ -123,7 +130,6 @@ def worker_env(recipe: Recipe, threads: int = 1, *, choose_own_gpu: bool = False
 
 def rank_coordinates(layout) -> list[dict[str, int]]:
     """(tp, pp, cp, ep, dp) index of every rank of a `Layout`, from megatron's own rank generator."""
-    import warnings
 
     with warnings.catch_warnings():  # megatron warns about missing Transformer Engine / apex on import
         warnings.simplefilter("ignore")
@@ -141,54 +147,60 @@ def rank_coordinates(layout) -> list[dict[str, int]]:
     return coords
 
 
-def plan_launch(recipe: Recipe, model_path: str = MODEL_PLACEHOLDER) -> LaunchPlan:
+def lay_out_actors(recipe: Recipe, model_path: str = MODEL_PLACEHOLDER) -> ActorLayout:
     """Where every trainer rank and engine process goes, with the exact commands and environment."""
-    from kimi_pipeline.model.parallel import Layout, LayoutError
 
-    c = recipe.cluster
-    cuda = c.device == "cuda"
-    plan = LaunchPlan(recipe.name, c.device, c.nodes, c.gpus_per_node, c.colocate, None,
-                      env=worker_env(recipe, choose_own_gpu=c.colocate))
-    add = lambda f, m: plan.problems.append(Problem(f, m))  # noqa: E731
-    p = recipe.parallel
+    cluster = recipe.cluster
+    cuda = cluster.device == "cuda"
+    actor_layout = ActorLayout(
+        recipe.name,
+        cluster.device,
+        cluster.nodes,
+        cluster.gpus_per_node,
+        cluster.colocate,
+        None,
+        env=worker_env(recipe, choose_own_gpu=cluster.colocate),
+    )
+    add = lambda f, m: actor_layout.problems.append(Problem(f, m))  # noqa: E731
+    parallel = recipe.parallel
     try:
-        layout = Layout.from_parallel(p, c.world_size)
+        layout = Layout.from_parallel(parallel, cluster.world_size)
         layout.check_model(recipe.model)
     except LayoutError as e:
-        add("parallel", f"{e} (cluster.nodes × cluster.gpus_per_node = {c.world_size} ranks)")
+        add("parallel", f"{e} (cluster.nodes × cluster.gpus_per_node = {cluster.world_size} ranks)")
         layout = None
-    if cuda and (p.tp > c.gpus_per_node or c.gpus_per_node % p.tp):
-        add("parallel.tp", f"tp={p.tp} must divide cluster.gpus_per_node={c.gpus_per_node}: a TP group must stay "
-                           "inside one node (NVLink)")
-    if p.dp is not None and layout is not None and p.dp != layout.dp:
-        add("parallel.dp", f"dp={p.dp} but {c.world_size} ranks / (tp·pp·cp) = {layout.dp}")
+    if cuda and (parallel.tp > cluster.gpus_per_node or cluster.gpus_per_node % parallel.tp):
+        add(
+            "parallel.tp",
+            f"tp={parallel.tp} must divide cluster.gpus_per_node={cluster.gpus_per_node}: a TP group must stay "
+            "inside one node (NVLink)",
+        )
+    if parallel.dp is not None and layout is not None and parallel.dp != layout.dp:
+        add("parallel.dp", f"dp={parallel.dp} but {cluster.world_size} ranks / (tp·pp·cp) = {layout.dp}")
     try:
-        plan.placement = plan_placement(recipe)
+        actor_layout.placement = compute_placement(recipe)
     except ClusterConfigError as e:
         add("sglang.gpus_per_engine", str(e))
     if layout is not None:
         coords = rank_coordinates(layout)
-        for r in range(c.world_size):
-            gpus = (r % c.gpus_per_node,) if cuda else ()
-            plan.ranks.append(RankPlacement(r, r // c.gpus_per_node, gpus, **coords[r]))
-    if plan.placement is not None:
-        plan.engines = _engines(recipe, plan.placement, model_path, add)
-    return plan
+        for r in range(cluster.world_size):
+            gpus = (r % cluster.gpus_per_node,) if cuda else ()
+            actor_layout.ranks.append(RankPlacement(r, r // cluster.gpus_per_node, gpus, **coords[r]))
+    if actor_layout.placement is not None:
+        actor_layout.engines = _engines(recipe, actor_layout.placement, model_path, add)
+    return actor_layout
 
 
-def _engines(recipe: Recipe, placement: PlacementPlan, model_path: str, add) -> list[EnginePlacement]:
-    from kimi_pipeline.rl.engine.kinds import engine_host, engine_kind
-    from kimi_pipeline.rl.engine.sglang import sglang_command
-
-    c = recipe.cluster
+def _engines(recipe: Recipe, placement: Placement, model_path: str, add) -> list[EnginePlacement]:
+    cluster = recipe.cluster
     out = []
     for e, slot in enumerate(placement.engines):
-        g, per = slot.devices, c.gpus_per_node
+        g, per = slot.devices, cluster.gpus_per_node
         # GPUs on each node: a whole node for a node-spanning engine, else g from the first GPU it shares
         base = (e * g) % per if placement.colocate else 0
         local = tuple(range(per)) if g >= per else tuple(range(base, base + g))
         if not engine_kind(recipe).one_process_per_node:  # the embedded engine: one process, no command line
-            gpus = local[:1] if c.device == "cuda" else ()  # it computes on the first GPU of its share
+            gpus = local[:1] if cluster.device == "cuda" else ()  # it computes on the first GPU of its share
             out.append(EnginePlacement(e, (EngineNode(slot.bundles[0], 0, gpus, next(iter(gpus), 0), ()),)))
             continue
         addr = f"<node {slot.bundles[0]} ip>:<port>" if len(slot.bundles) > 1 else None
@@ -211,44 +223,45 @@ def _engines(recipe: Recipe, placement: PlacementPlan, model_path: str, add) -> 
 # --------------------------------------------------------------------------- Ray actor options
 
 
-def trainer_options(plan: LaunchPlan, recipe: Recipe, pg, rank: int, threads: int) -> dict[str, Any]:
+def trainer_options(actor_layout: ActorLayout, recipe: Recipe, pg, rank: int, threads: int) -> dict[str, Any]:
     """`ray.remote(...).options(**these)` for trainer rank `rank`: its node's bundle, a GPU share, its env."""
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    assert plan.placement is not None
-    want = plan.placement.trainer_actor
+    assert actor_layout.placement is not None
+    want = actor_layout.placement.trainer_actor
     return {
-        "num_cpus": want.get("CPU", 0.0), "num_gpus": want.get("GPU", 0.0),
-        "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=plan.ranks[rank].node),
-        "runtime_env": {"env_vars": worker_env(recipe, threads, choose_own_gpu=plan.colocate)},
+        "num_cpus": want.get("CPU", 0.0),
+        "num_gpus": want.get("GPU", 0.0),
+        "scheduling_strategy": PlacementGroupSchedulingStrategy(
+            pg, placement_group_bundle_index=actor_layout.ranks[rank].node
+        ),
+        "runtime_env": {"env_vars": worker_env(recipe, threads, choose_own_gpu=actor_layout.colocate)},
     }
 
 
-def engine_options(plan: LaunchPlan, recipe: Recipe, pgs: dict[str, Any], engine: int, node_rank: int,
-                   threads: int) -> dict[str, Any]:
+def engine_options(
+    actor_layout: ActorLayout, recipe: Recipe, pgs: dict[str, Any], engine: int, node_rank: int, threads: int
+) -> dict[str, Any]:
     """Options for engine `engine`'s process on its `node_rank`-th node (colocated: a share of the trainer
     bundle; otherwise the whole GPUs of its own rollout bundle, which Ray makes visible)."""
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    assert plan.placement is not None
-    slot = plan.placement.engines[engine]
+    assert actor_layout.placement is not None
+    slot = actor_layout.placement.engines[engine]
     bundle = slot.bundles[node_rank]
-    if plan.colocate or plan.device != "cuda":
-        res = dict(plan.placement.engine_actor)
+    if actor_layout.colocate or actor_layout.device != "cuda":
+        res = dict(actor_layout.placement.engine_actor)
     else:
-        res = {"GPU": float(len(plan.engines[engine].nodes[node_rank].gpus)), "CPU": 1.0}
+        res = {"GPU": float(len(actor_layout.engines[engine].nodes[node_rank].gpus)), "CPU": 1.0}
     return {
-        "num_cpus": res.get("CPU", 0.0), "num_gpus": res.get("GPU", 0.0),
+        "num_cpus": res.get("CPU", 0.0),
+        "num_gpus": res.get("GPU", 0.0),
         "scheduling_strategy": PlacementGroupSchedulingStrategy(pgs[slot.group], placement_group_bundle_index=bundle),
-        "runtime_env": {"env_vars": worker_env(recipe, threads, choose_own_gpu=plan.colocate)},
+        "runtime_env": {"env_vars": worker_env(recipe, threads, choose_own_gpu=actor_layout.colocate)},
     }
 
 
 def rollout_manager_options(recipe: Recipe) -> dict[str, Any]:
     """Options for the `RolloutManager` actor: the driver's node (where the train task runs the loop), no CPU
-    or GPU reserved (the plan's bundles are the trainers' and engines'), one intra-op thread."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    or GPU reserved (the layout's bundles are the trainers' and engines'), one intra-op thread."""
 
     return {
         "num_cpus": 0, "num_gpus": 0,
@@ -257,26 +270,32 @@ def rollout_manager_options(recipe: Recipe) -> dict[str, Any]:
     }
 
 
-def check_launch(plan: LaunchPlan) -> None:
-    """Refuse to start actors for a plan with problems (each names its recipe field)."""
-    if plan.problems:
-        raise ClusterConfigError("the recipe cannot launch on its cluster layout:\n  - "
-                                 + "\n  - ".join(map(str, plan.problems)) + "\n(`kimi rehearse` shows the plan)")
+def check_layout(actor_layout: ActorLayout) -> None:
+    """Refuse to start actors for a layout with problems (each names its recipe field)."""
+    if actor_layout.problems:
+        raise ClusterConfigError(
+            "the recipe cannot launch on its cluster layout:\n  - "
+            + "\n  - ".join(map(str, actor_layout.problems))
+            + "\n(`kimi rehearse` shows the layout)"
+        )
 
 
-def plan_markdown(plan: LaunchPlan, extra: dict[str, Any] | None = None) -> str:
-    """Human-readable launch plan (Prefect artifact and launch-plan.md)."""
-    d = plan.to_dict() | (extra or {})
-    lines = [f"# Launch plan: {plan.recipe}", "",
-             f"- ok: **{d['ok']}**; {plan.nodes} node(s) × {plan.gpus_per_node} {'GPU' if plan.device == 'cuda' else 'rank'}"
-             f"(s), colocate={plan.colocate}",
-             f"- GPUs requested: {d['gpus_requested']}" + (f" of {d['gpus_available']} available"
-                                                           if "gpus_available" in d else ""),
-             f"- MASTER_ADDR: node {plan.master_addr_node} (rank 0)",
-             *([f"- SGLang commands: {d['sglang_parser']}"] if d.get("sglang_parser") else []),
-             "- env: " + ", ".join(f"`{k}={v}`" for k, v in sorted(plan.env.items()) if k != "PYTHONPATH")]
-    if plan.problems:
-        lines += ["", "## Problems", ""] + [f"- `{p.field}`: {p.message}" for p in plan.problems]
+def layout_markdown(actor_layout: ActorLayout, extra: dict[str, Any] | None = None) -> str:
+    """The actor layout for a person (the `launch-plan` Prefect artifact and launch-plan.md)."""
+    d = actor_layout.to_dict() | (extra or {})
+    lines = [
+        f"# Launch plan: {actor_layout.recipe}",
+        "",
+        f"- ok: **{d['ok']}**; {actor_layout.nodes} node(s) × {actor_layout.gpus_per_node} {'GPU' if actor_layout.device == 'cuda' else 'rank'}"
+        f"(s), colocate={actor_layout.colocate}",
+        f"- GPUs requested: {d['gpus_requested']}"
+        + (f" of {d['gpus_available']} available" if "gpus_available" in d else ""),
+        f"- MASTER_ADDR: node {actor_layout.master_addr_node} (rank 0)",
+        *([f"- SGLang commands: {d['sglang_parser']}"] if d.get("sglang_parser") else []),
+        "- env: " + ", ".join(f"`{k}={v}`" for k, v in sorted(actor_layout.env.items()) if k != "PYTHONPATH"),
+    ]
+    if actor_layout.problems:
+        lines += ["", "## Problems", ""] + [f"- `{p.field}`: {p.message}" for p in actor_layout.problems]
     if d.get("observed"):
         lines += ["", "## Stand-in actors (what Ray gave them)", "",
                   "Colocated actors hold a GPU *share* for Ray's accounting (Ray's id) and drive the GPU the plan gives "
@@ -288,7 +307,7 @@ def plan_markdown(plan: LaunchPlan, extra: dict[str, Any] | None = None) -> str:
     for e in d["engines"]:
         lines.append(f"| {e['id']} | {e['nodes']} | {e['gpus']} | `{' '.join(e['command'])}` |")
     nodes: dict[int, list[RankPlacement]] = {}
-    for r in plan.ranks:
+    for r in actor_layout.ranks:
         nodes.setdefault(r.node, []).append(r)
     lines += ["", "## Trainer ranks by node", "", "| node | ranks | tp | pp | cp | ep | dp |", "|---|---|---|---|---|---|---|"]
     for n, rs in sorted(nodes.items()):

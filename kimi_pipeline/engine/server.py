@@ -54,13 +54,24 @@ import torch
 from fastapi import FastAPI, HTTPException
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
+from safetensors.torch import load as load_safetensors
 
+from kimi_pipeline.engine import shm
+from kimi_pipeline.engine.dist_update import broadcast, dtype_from_name, leave_group, make_group
+from kimi_pipeline.engine.model import EngineModel, EngineWeightError, config_summary, iter_safetensors
+from kimi_pipeline.engine.sampler import (
+    ENGINE_NAME,
+    FINISH_ABORT,
+    Completion,
+    EngineInputError,
+    EngineUnavailable,
+    RolloutEngine,
+    SamplingParams,
+    memory_tags,
+)
+from kimi_pipeline.engine.static_decode import DECODE_MODES
 from kimi_pipeline.model.device import resolve_device
-from kimi_pipeline.rl.engine import shm
-from kimi_pipeline.rl.engine.model import EngineModel, EngineWeightError, config_summary, iter_safetensors
-from kimi_pipeline.rl.engine.sampler import (ENGINE_NAME, FINISH_ABORT, Completion, EngineInputError, EngineUnavailable,
-                                             RolloutEngine, SamplingParams, memory_tags)
-from kimi_pipeline.rl.engine.static_decode import DECODE_MODES
+from kimi_pipeline.model.tokenizer import load_tokenizer
 from kimi_pipeline.util.threads import one_intraop_thread_for_helpers
 
 log = logging.getLogger(__name__)
@@ -492,7 +503,6 @@ class EngineServer:
                     return apply(mapped(), req.weight_version)
                 except (EngineWeightError, shm.SharedMemoryError, ValueError, TypeError) as exc:
                     return _fail(str(exc))
-            from safetensors.torch import load as load_safetensors
 
             if req.load_format not in (None, "safetensors"):
                 return _fail(f"load_format={req.load_format!r}: only 'safetensors' and {shm.LOAD_FORMAT!r} are "
@@ -509,8 +519,6 @@ class EngineServer:
 
         @app.post("/init_weights_update_group")
         def init_weights_update_group(req: GroupInit):
-            from kimi_pipeline.rl.engine.dist_update import make_group
-
             if req.backend == "nccl" and engine.model.device.type != "cuda":
                 return _fail("backend nccl needs the engine on a GPU; this engine runs on "
                              f"{engine.model.device} (use gloo)")
@@ -524,8 +532,6 @@ class EngineServer:
 
         @app.post("/update_weights_from_distributed")
         def update_weights_from_distributed(req: DistributedUpdate):
-            from kimi_pipeline.rl.engine.dist_update import broadcast, dtype_from_name
-
             if refused := outside_session("update_weights_from_distributed"):
                 return refused
             pg = self.weight_groups.get(req.group_name)
@@ -550,8 +556,6 @@ class EngineServer:
 
         @app.post("/destroy_weights_update_group")
         def destroy_weights_update_group(req: GroupDestroy):
-            from kimi_pipeline.rl.engine.dist_update import leave_group
-
             pg = self.weight_groups.pop(req.group_name, None)
             if pg is None:
                 return _fail(f"no weight-update group {req.group_name!r}")
@@ -700,7 +704,7 @@ def _fail(message: str) -> JSONResponse:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m kimi_pipeline.rl.engine.server --model-path DIR`: serve a checkpoint until interrupted."""
+    """`python -m kimi_pipeline.engine.server --model-path DIR`: serve a checkpoint until interrupted."""
     ap = argparse.ArgumentParser(description="embedded rollout engine with SGLang's HTTP API")
     ap.add_argument("--model-path", required=True)
     ap.add_argument("--host", default="127.0.0.1")
@@ -715,7 +719,6 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    from kimi_pipeline.model.tokenizer import load_tokenizer
 
     model = EngineModel.from_pretrained(args.model_path, device=resolve_device(args.device, args.gpu))
     try:

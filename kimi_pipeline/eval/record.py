@@ -10,11 +10,19 @@ import json
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from kimi_pipeline.engine.client import EngineClient, Router
+from kimi_pipeline.engine.model import EngineModel
+from kimi_pipeline.engine.sampler import RolloutEngine
+from kimi_pipeline.engine.server import EngineServer
 from kimi_pipeline.errors import PermanentError
 from kimi_pipeline.eval.run import eval_step_path, evaluate
+from kimi_pipeline.eval.run import evaluate as run
 from kimi_pipeline.model.checkpoint_dirs import TRACKER, latest_step
 from kimi_pipeline.model.device import resolve_device
 from kimi_pipeline.model.tokenizer import load_tokenizer
+from kimi_pipeline.quant.policy_weights import checkpoint_model, policy_tensors
 from kimi_pipeline.recipes import Recipe
 from kimi_pipeline.report.stage_reports import eval_report
 from kimi_pipeline.report.summary import RunSummary
@@ -30,7 +38,6 @@ def eval_prompts(recipe: Recipe, run_dir: Path, tokenizer):
 
 def run_eval_step(recipe: Recipe, run_dir: Path, step: int, engine_urls: list[str], model_dir: Path) -> dict[str, Any]:
     """Evaluate the engines' current weights at `step`; returns the eval.jsonl row (+ `markdown`)."""
-    from kimi_pipeline.rl.engine.client import Router
 
     tokenizer = load_tokenizer(model_dir, recipe.hub.trust_remote_code)
     prompts = eval_prompts(recipe, run_dir, tokenizer)
@@ -48,12 +55,6 @@ def evaluate_checkpoint(recipe: Recipe, checkpoint: Path, run_dir: Path, *, mode
                         data_file: Path | None = None, step: int | None = None) -> dict[str, Any]:
     """`kimi eval --checkpoint`: an HF directory (config.json) or a torch_dist checkpoint, evaluated on
     an in-process embedded engine. Eval prompts: `data_file` or the run's validated eval set."""
-    import torch
-
-    from kimi_pipeline.eval.run import evaluate as run
-    from kimi_pipeline.rl.engine.model import EngineModel
-    from kimi_pipeline.rl.engine.sampler import RolloutEngine
-    from kimi_pipeline.rl.engine.server import EngineServer
 
     checkpoint = Path(checkpoint)
     if step is None:  # a training checkpoint evaluates with the seed of the in-training eval at its step
@@ -75,8 +76,6 @@ def evaluate_checkpoint(recipe: Recipe, checkpoint: Path, run_dir: Path, *, mode
     prompts = (load_prompts(data_file, tokenizer, recipe.data.input_key, recipe.data.label_key,
                             recipe.data.apply_chat_template) if data_file else eval_prompts(recipe, run_dir, tokenizer))
     with EngineServer(RolloutEngine(engine_model, seed=recipe.rollout.seed)) as server:
-        from kimi_pipeline.rl.engine.client import EngineClient
-
         with EngineClient(server.url) as client:
             torch.manual_seed(recipe.rollout.seed)
             return run(client, tokenizer, prompts, recipe.eval, step=step or 0, seed=recipe.rollout.seed,
@@ -102,7 +101,6 @@ def _checkpoint_step(checkpoint: Path) -> int:
 
 def _torch_dist_hf_tensors(recipe: Recipe, checkpoint: Path) -> dict:
     """A torch_dist checkpoint's HF-named tensors in this (one-rank) process, as the policy sampled them."""
-    from kimi_pipeline.quant.policy_weights import checkpoint_model, policy_tensors
 
     ckpt_dir, step = (checkpoint.parent, int(checkpoint.name.split("_")[1])) if checkpoint.name.startswith("iter_") \
         else (checkpoint, None)

@@ -29,10 +29,10 @@ from pathlib import Path
 
 import httpx
 
+from kimi_pipeline.cluster.env import server_api_key
 from kimi_pipeline.errors import PermanentError
 from kimi_pipeline.recipes.models import SGLangSpec
 from kimi_pipeline.util.lifetime import die_with_parent
-from kimi_pipeline.cluster.env import server_api_key
 from kimi_pipeline.util.net import bind_host, free_port
 
 SGLANG_ENV_VAR = "KIMI_SGLANG_PYTHON"
@@ -117,7 +117,7 @@ def sglang_command(model_path: str | Path, spec: SGLangSpec, *, port: int, host:
 
 class SGLangEngine:
     """Owns one SGLang server process (one node of an engine). The train stage runs it as a Ray actor where
-    `rl/launch.py` places it; the plain class also runs in-process (handy on a single GPU box)."""
+    `rl/actor_layout.py` places it; the plain class also runs in-process (handy on a single GPU box)."""
 
     def __init__(self, model_path: str | Path, spec: SGLangSpec, *, port: int | None = None,
                  log_dir: str | Path | None = None, **command_kwargs):

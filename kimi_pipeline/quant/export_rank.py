@@ -1,12 +1,14 @@
-"""One rank of the distributed INT4 export: `python -m kimi_pipeline.quant.job --job JOB.json`.
+"""One rank of the distributed INT4 export: `python -m kimi_pipeline.quant.export_rank --job JOB.json`.
 
-Launched like the conversion (`convert.launch`: N torchrun agents here, the same command on every node
+Launched like the conversion (`weightjobs.launch`: N torchrun agents here, the same command on every node
 of a cluster). Each rank loads its slice of the torch_dist checkpoint (`quant.policy_weights`), quantizes the
 tensors it is the designated source of (its experts; the lowest rank of a stage for shared weights),
 writes them as its own temp-named shards into the shared output directory, reads them back and checks
 them bit for bit against its tensors, and records shards, sizes, the check and its peak RSS in
 `export_rank_<r>.json`. The launcher names the shards and writes the one index last
-(`quant.stage.stage_export`). Peak memory per rank: its model slice plus one shard buffer.
+(`quant.checkpoint_export.export_distributed`, run by the export stage). Peak memory per rank: its model slice
+plus one shard buffer. The worker boundary is `export_rank`, as in `convert.convert_rank`: the model code loads
+there, not when megatron's writer helper re-imports this module.
 """
 
 from __future__ import annotations
@@ -16,10 +18,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kimi_pipeline.convert.job import peak_rss_mb
-from kimi_pipeline.convert.launch import job_main
 from kimi_pipeline.util.files import atomic_write_json
 from kimi_pipeline.util.lifetime import watch_parent
+from kimi_pipeline.weightjobs.job_file import peak_rss_mb
+from kimi_pipeline.weightjobs.launch import job_main
 
 if __name__ == "__mp_main__":  # a helper megatron spawned re-imports us: it goes when its rank goes
     watch_parent()
@@ -35,10 +37,10 @@ def export_rank(job: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
 
     from kimi_pipeline.convert.names import HFLayout
-    from kimi_pipeline.quant.policy_weights import checkpoint_model, policy_tensors
     from kimi_pipeline.model.device import job_device
     from kimi_pipeline.model.parallel import Layout
     from kimi_pipeline.quant.export import write_int4_shards
+    from kimi_pipeline.quant.policy_weights import checkpoint_model, policy_tensors
     from kimi_pipeline.quant.verify import check_tensors
     from kimi_pipeline.recipes.models import ModelSpec
 

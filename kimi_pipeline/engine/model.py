@@ -32,9 +32,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from kimi_pipeline.convert.dequant import QuantFormatError, QuantizedParts
+from kimi_pipeline.convert.hf_reader import HFCheckpointError, iter_stored_tensors
 from kimi_pipeline.convert.names import HFLayout
 from kimi_pipeline.errors import PermanentError
 from kimi_pipeline.model.grouped_experts import grouped_mm_supported
+from kimi_pipeline.model.hf_model import deepseek_config, read_config
 
 # transformers builds q_a_layernorm / kv_a_layernorm with its RMSNorm default eps (not rms_norm_eps).
 LATENT_NORM_EPS = 1e-6
@@ -229,7 +232,6 @@ class EngineModel:
         # hold addresses and are dropped when it changes. Weight loads copy in place, so it stays 0 in practice.
         self.storage_epoch = 0
         self._storage = self._storage_signature()
-        from kimi_pipeline.convert.dequant import QuantizedParts
 
         self._parts = QuantizedParts()  # INT4 / FP8 weights (a sync in the engine's format) arrive as parts
         self._released: list[tuple[torch.UntypedStorage, int]] = []  # storages freed by release_weights, sizes
@@ -251,7 +253,6 @@ class EngineModel:
     def from_pretrained(cls, model_dir: str | Path, device: str | torch.device = "cpu",
                         dtype: torch.dtype | None = None, text_config_key: str | None = None) -> EngineModel:
         """Load a safetensors checkpoint directory (Kimi `kimi_k2` configs included) without transformers' loader."""
-        from kimi_pipeline.model.hf_model import deepseek_config, read_config
 
         raw = read_config(model_dir)
         cfg = deepseek_config(raw, text_config_key)
@@ -329,7 +330,7 @@ class EngineModel:
 
     def check_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor, str]]:
         """Resolve names and shapes up front, so a bad payload changes nothing."""
-        plan = []
+        loads = []
         for name, src in named:
             dst = self._target(name)
             if dst is None:
@@ -337,34 +338,33 @@ class EngineModel:
             if tuple(src.shape) != tuple(dst.shape):
                 raise EngineWeightError(
                     f"weight {name!r}: shape {tuple(src.shape)} but the engine expects {tuple(dst.shape)}")
-            plan.append((dst, src, name))
-        return plan
+            loads.append((dst, src, name))
+        return loads
 
     @torch.no_grad()
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
                      strict: bool = False) -> list[str]:
         """Copy HF-named tensors in place (dtype/device converted). strict: every engine weight must be covered."""
-        from kimi_pipeline.convert.dequant import QuantFormatError
 
         items = named.items() if isinstance(named, Mapping) else named
         try:
-            plan = self.check_weights(self._parts.feed(self._language_model(items)))
+            loads = self.check_weights(self._parts.feed(self._language_model(items)))
         except QuantFormatError as e:
             raise EngineWeightError(str(e)) from None
         if strict:
             self.finish_update()
-            missing = [n for n in self._params if n not in self._covered(plan)]
+            missing = [n for n in self._params if n not in self._covered(loads)]
             if missing:
                 raise EngineWeightError(f"checkpoint is missing {len(missing)} engine weights, e.g. {missing[:3]}")
         if self._released:
             raise EngineWeightError("the engine's weights are released: resume_memory_occupation(weights) first")
-        for dst, src, _ in plan:
+        for dst, src, _ in loads:
             dst.copy_(src.to(device=dst.device, dtype=dst.dtype))
         for layer in self.layers:
             layer.refresh(self.config)
         self._note_storage()
-        self.unloaded -= self._covered(plan)
-        return [n for _, _, n in plan]
+        self.unloaded -= self._covered(loads)
+        return [n for _, _, n in loads]
 
     def _language_model(self, items: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """The language model's weights under the registry's names: the served checkpoint's prefix taken off, its
@@ -378,10 +378,10 @@ class EngineModel:
             if logical is not None:
                 yield logical, t
 
-    def _covered(self, plan) -> set[str]:
-        """The registry names a load plan fills (a fused expert tensor fills every expert's parts)."""
+    def _covered(self, loads) -> set[str]:
+        """The registry names these loads fill (a fused expert tensor fills every expert's parts)."""
         covered = set()
-        for _, _, name in plan:
+        for _, _, name in loads:
             m = self._FUSED.match(name)
             if m:
                 stem = f"model.layers.{m.group(1)}.mlp.experts."
@@ -449,7 +449,6 @@ class EngineModel:
 
     def finish_update(self) -> None:
         """After the last bucket of a sync: no quantized weight may be left waiting for its other parts."""
-        from kimi_pipeline.convert.dequant import QuantFormatError
 
         try:
             self._parts.check_complete()
@@ -678,7 +677,6 @@ def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]
     """Every stored tensor of a checkpoint directory (hf_reader's pass), its errors as EngineWeightError,
     which the server's update_weights_from_disk answers. Imported here: hf_reader pulls in the recipes,
     which the engine server does not otherwise load."""
-    from kimi_pipeline.convert.hf_reader import HFCheckpointError, iter_stored_tensors
 
     try:
         yield from iter_stored_tensors(model_dir)

@@ -8,6 +8,9 @@ import os
 import torch
 
 from kimi_pipeline.cluster.env import server_api_key
+from kimi_pipeline.engine.model import EngineModel
+from kimi_pipeline.engine.sampler import RolloutEngine
+from kimi_pipeline.engine.server import EngineServer
 from kimi_pipeline.model.device import actor_gpu_index, resolve_device
 from kimi_pipeline.util.net import bind_host
 
@@ -17,7 +20,7 @@ class EmbeddedEngine:
 
     def __init__(self, model_path: str, seed: int, host: str = "127.0.0.1", device: str = "cpu",
                  base_gpu_id: int = 0, decode_mode: str | None = None):
-        """`device`: the recipe's cluster.device; `base_gpu_id`: the node-local GPU the launch plan gave this
+        """`device`: the recipe's cluster.device; `base_gpu_id`: the node-local GPU the actor layout gave this
         engine (as SGLang's --base-gpu-id), used as such when the actor picks its own GPU (colocated);
         `decode_mode`: RolloutEngine's (None: CUDA graphs where the model's device and dtype allow them)."""
         self.model_path, self.seed, self.host = model_path, seed, host
@@ -25,10 +28,6 @@ class EmbeddedEngine:
         self.server = None
 
     def start(self) -> str:
-        from kimi_pipeline.rl.engine.model import EngineModel
-        from kimi_pipeline.rl.engine.sampler import RolloutEngine
-        from kimi_pipeline.rl.engine.server import EngineServer
-
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
         device = resolve_device(self.device, actor_gpu_index(self.base_gpu_id))
         model = EngineModel.from_pretrained(self.model_path, device=device)

@@ -11,6 +11,7 @@ a short grace period and then terminated, so a dead rank never leaves the rest h
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
@@ -40,7 +41,7 @@ DEVICE_BASE_VAR = "KIMI_LOCAL_DEVICE_BASE"  # first GPU index of a simulated nod
 log = logging.getLogger(__name__)
 
 
-class ConversionJobError(RuntimeError):
+class WeightJobError(RuntimeError):
     """A rank of the distributed job failed (or the job timed out); retrying may help."""
 
     def __init__(self, message: str, failures: list[dict[str, Any]] | None = None):
@@ -48,7 +49,7 @@ class ConversionJobError(RuntimeError):
         self.failures = failures or []
 
 
-class ConversionJobPermanentError(ConversionJobError, PermanentError):
+class WeightJobPermanentError(WeightJobError, PermanentError):
     """A rank failed on bad input (corrupt shard, wrong shape): retrying cannot help."""
 
 
@@ -103,7 +104,6 @@ def rank_main(main: Callable[[], Any], report_dir: str | Path) -> None:
 def job_main(rank_fn: Callable[[dict[str, Any]], Any], description: str, argv: list[str] | None = None) -> None:
     """The entry point of every job module: `python -m <module> --job JOB.json` runs `rank_fn(job)` under
     `rank_main` (this rank's error report on failure)."""
-    import argparse
 
     ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--job", required=True, help="job JSON written by the stage that launched this job")
@@ -159,7 +159,7 @@ def read_rank_reports(report_dir: Path, prefix: str, world: int) -> list[dict[st
                if not p.name.endswith(".error.json")]
     reports.sort(key=lambda r: r["rank"])
     if len(reports) != world:
-        raise ConversionJobPermanentError(
+        raise WeightJobPermanentError(
             f"{report_dir}: {len(reports)} of {world} ranks reported {prefix!r} results although the job "
             "exited cleanly; the job is incomplete")
     return reports
@@ -182,34 +182,6 @@ def _stop(procs: list[subprocess.Popen]) -> None:
             except ProcessLookupError:
                 pass
             p.wait()
-
-
-def launch(module: str, args: list[str], *, nodes: int, procs_per_node: int, work_dir: str | Path,
-           report_dir: str | Path, name: str = "job", launcher: str = "auto", address: str | None = None,
-           gpus_per_node: int = 0, report_prefix: str = "rank", master_port: int = 29500,
-           timeout: float | None = None) -> JobResult:
-    """Start the job's per-node agents where `launcher` says: `ray` (one per node of the cluster at `address`,
-    `ray_launch`), `local` (every node's agent on this host), `manual` (print the per-node command, wait for
-    every rank's `<report_prefix>_<rank>.json`); `auto` = ray when `address` has at least `nodes` nodes."""
-    if launcher == "manual":
-        return launch_manual(module, args, nodes=nodes, procs_per_node=procs_per_node, work_dir=work_dir,
-                             report_dir=report_dir, name=name, report_prefix=report_prefix, master_port=master_port,
-                             timeout=timeout)
-    if launcher in ("auto", "ray") and address:
-        from kimi_pipeline.convert.ray_launch import TooFewNodes, launch_ray
-
-        try:
-            return launch_ray(module, args, nodes=nodes, procs_per_node=procs_per_node, work_dir=work_dir,
-                              report_dir=report_dir, address=address, name=name, gpus_per_node=gpus_per_node,
-                              timeout=timeout)
-        except TooFewNodes as e:
-            if launcher == "ray":
-                raise ConversionJobPermanentError(f"{e}; add nodes or set convert.launcher=local") from None
-            log.warning("%s; running all %d nodes' ranks on this host", e, nodes)  # a small model, a small cluster
-    elif launcher == "ray":
-        raise ConversionJobPermanentError(f"{name}: convert.launcher=ray needs cluster.address (an existing Ray cluster)")
-    return launch_local(module, args, nodes=nodes, procs_per_node=procs_per_node, work_dir=work_dir,
-                        report_dir=report_dir, name=name, timeout=timeout)
 
 
 def launch_manual(module: str, args: list[str], *, nodes: int, procs_per_node: int, work_dir: str | Path,
@@ -241,7 +213,7 @@ def launch_manual(module: str, args: list[str], *, nodes: int, procs_per_node: i
             return JobResult(nodes, procs_per_node, time.monotonic() - t0, [], [command.split()], "manual")
         waited = time.monotonic() - t0
         if timeout is not None and waited > timeout:
-            raise ConversionJobError(f"{name}: {len(done)} of {world} ranks reported within {timeout:.0f} s; run "
+            raise WeightJobError(f"{name}: {len(done)} of {world} ranks reported within {timeout:.0f} s; run "
                                      f"{script} on every node (NODE_RANK, MASTER_ADDR set)")
         if waited - noted > 60:
             noted = waited
@@ -254,7 +226,7 @@ def launch_local(module: str, args: list[str], *, nodes: int, procs_per_node: in
                  timeout: float | None = None, grace: float = 15.0, port_attempts: int = 3) -> JobResult:
     """Run `python -m module args` as a `nodes`×`procs_per_node` torch.distributed job on this host.
 
-    Raises ConversionJobPermanentError / ConversionJobError naming the failing rank when any agent fails.
+    Raises WeightJobPermanentError / WeightJobError naming the failing rank when any agent fails.
     The rendezvous port is picked free just before the launch; if another process grabs it in between
     (node 0 cannot listen), the job is relaunched on a new port, up to `port_attempts` times.
     """
@@ -325,7 +297,7 @@ def _run(module: str, args: list[str], nodes: int, ppn: int, log_dir: Path, name
 
 
 def _job_error(name: str, nodes: int, ppn: int, codes: list[int | None], failures: list[dict[str, Any]],
-               logs: list[Path], timed_out: bool, timeout: float | None) -> ConversionJobError:
+               logs: list[Path], timed_out: bool, timeout: float | None) -> WeightJobError:
     node_codes = ", ".join(f"node {i}: exit {c}" for i, c in enumerate(codes))
     if failures:
         first = failures[0]
@@ -334,11 +306,11 @@ def _job_error(name: str, nodes: int, ppn: int, codes: list[int | None], failure
         msg = (f"{name}: rank {first['rank']} (node {node}) failed: {first['type']}: {first['message']}"
                + (f"\n(ranks {others} failed after it)" if others else "")
                + f"\n[{node_codes}]\n--- node {node} log tail ({logs[node]}) ---\n{_tail(logs[node])}")
-        cls = ConversionJobPermanentError if first.get("permanent") else ConversionJobError
+        cls = WeightJobPermanentError if first.get("permanent") else WeightJobError
         return cls(msg, failures)
     bad = next((i for i, c in enumerate(codes) if c not in (0, None)), 0)
     what = f"timed out after {timeout:.0f} s" if timed_out else "failed without an error report (killed, OOM, or a crash in the launcher)"
-    return ConversionJobError(
+    return WeightJobError(
         f"{name}: {what} on node {bad} (ranks {bad * ppn}..{bad * ppn + ppn - 1})\n[{node_codes}]\n"
         f"--- node {bad} log tail ({logs[bad]}) ---\n{_tail(logs[bad])}"
     )

@@ -12,8 +12,8 @@
 - sglang.SGLangEngine: launches `sglang.launch_server` (GPU only) inside a Ray actor.
 """
 
-from kimi_pipeline.rl.engine.model import EngineConfig, EngineModel, EngineWeightError
-from kimi_pipeline.rl.engine.sampler import Completion, EngineInputError, RolloutEngine, SamplingParams
+from kimi_pipeline.engine.model import EngineConfig, EngineModel, EngineWeightError
+from kimi_pipeline.engine.sampler import Completion, EngineInputError, RolloutEngine, SamplingParams
 
 __all__ = ["Completion", "EngineConfig", "EngineInputError", "EngineModel", "EngineWeightError", "RolloutEngine",
            "SamplingParams"]

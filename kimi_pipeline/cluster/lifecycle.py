@@ -1,4 +1,4 @@
-"""Stage `cluster`: give the train stage a Ray address that provably has what the recipe needs.
+"""The run's Ray cluster, brought up and torn down: the cluster stage's work (`stages.cluster`).
 
 - `cluster.address` set: use that cluster (never started or stopped by us), wait until it is big enough.
 - otherwise: an embedded cluster owned by the run (head on this host; `nodes > 1` on device=cpu adds
@@ -18,16 +18,17 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import psutil
+import ray
 
 from kimi_pipeline.cluster.env import auth_mode, ensure_token, token_source
 from kimi_pipeline.cluster.errors import ClusterConfigError, ClusterHealthError, LocalClusterTooSmall, PreflightError
 from kimi_pipeline.cluster.health import ClusterFacts, Requirements, wait_until_healthy
 from kimi_pipeline.cluster.local import LocalCluster, NodeSpec
+from kimi_pipeline.cluster.preflight import report_markdown, run_preflight
 from kimi_pipeline.report.stage_reports import cluster_report
 from kimi_pipeline.report.summary import RunSummary
 from kimi_pipeline.util.files import atomic_write_json, atomic_write_text
@@ -54,7 +55,7 @@ def local_gpu_count() -> int:
 
 def embedded_layout(recipe) -> tuple[NodeSpec, list[NodeSpec]]:
     """Head + simulated worker specs for an embedded cluster, or a clear error if this host cannot."""
-    c = recipe.cluster
+    cluster = recipe.cluster
     req = Requirements.from_recipe(recipe)
     total_gb = psutil.virtual_memory().total / 1024**3
     if req.memory_gb_per_node and total_gb < req.memory_gb_per_node:
@@ -62,24 +63,24 @@ def embedded_layout(recipe) -> tuple[NodeSpec, list[NodeSpec]]:
             f"cluster.memory_gb_per_node={req.memory_gb_per_node:g} but this host has {total_gb:.1f} GB",
             [f"memory {total_gb:.1f} GB < {req.memory_gb_per_node:g} GB"],
         )
-    if c.device == "cuda":
-        if c.nodes > 1:
+    if cluster.device == "cuda":
+        if cluster.nodes > 1:
             raise ClusterConfigError(
-                f"cluster.nodes={c.nodes} × {c.gpus_per_node} GPUs cannot be embedded on one host: start a cluster "
+                f"cluster.nodes={cluster.nodes} × {cluster.gpus_per_node} GPUs cannot be embedded on one host: start a cluster "
                 "(infra/ray/head.sh + worker.sh, or infra/kuberay/) and set cluster.address=HEAD:6379"
             )
         have = local_gpu_count()
-        if have < c.gpus_per_node:
+        if have < cluster.gpus_per_node:
             raise LocalClusterTooSmall(
-                f"cluster.gpus_per_node={c.gpus_per_node} but this host has {have} GPU(s): use device=cpu "
+                f"cluster.gpus_per_node={cluster.gpus_per_node} but this host has {have} GPU(s): use device=cpu "
                 "(the tiny recipe) or set cluster.address to a GPU cluster",
-                [f"GPU {have} < {c.gpus_per_node}"],
+                [f"GPU {have} < {cluster.gpus_per_node}"],
             )
-        return NodeSpec(num_gpus=c.gpus_per_node), []
+        return NodeSpec(num_gpus=cluster.gpus_per_node), []
     cpus = int(req.cpus_per_node)
-    if c.nodes == 1:  # Ray's CPUs are logical: oversubscribing a small host is slow, not wrong
+    if cluster.nodes == 1:  # Ray's CPUs are logical: oversubscribing a small host is slow, not wrong
         return NodeSpec(num_cpus=max(os.cpu_count() or 1, cpus), num_gpus=0), []
-    specs = [NodeSpec(num_cpus=cpus, num_gpus=0, resources={f"node_{i}": 1.0}) for i in range(c.nodes)]
+    specs = [NodeSpec(num_cpus=cpus, num_gpus=0, resources={f"node_{i}": 1.0}) for i in range(cluster.nodes)]
     return specs[0], specs[1:]
 
 
@@ -122,7 +123,15 @@ def export_driver_env(mode: str) -> None:
             Config.initialize("")
 
 
-def _section(facts: ClusterFacts, req: Requirements, mode: str, auth: str, seconds: float, cluster: LocalCluster | None, keep: bool) -> dict[str, Any]:
+def _section(
+    facts: ClusterFacts,
+    req: Requirements,
+    mode: str,
+    auth: str,
+    seconds: float,
+    cluster: LocalCluster | None,
+    keep: bool,
+) -> dict[str, Any]:
     d = facts.to_dict()
     section: dict[str, Any] = {
         "address": d["address"],
@@ -210,24 +219,11 @@ def fast_preflight(recipe, address: str, cdir: Path) -> dict[str, Any]:
     it, unless this process already had one."""
     # imported here: the watchdog and `kimi cluster` import this module and must stay light (0.13 s and 23 MB to
     # import; with the preflight's plan, torch and ray 3 s and 280 MB)
-    from kimi_pipeline.cluster.preflight import report_markdown, run_preflight
 
     report = run_preflight(recipe, address, fast=True, progress=log.info)
     atomic_write_json(cdir / "preflight.json", report)
     atomic_write_text(cdir / PREFLIGHT_MD, report_markdown(report))
     return report
-
-
-def stage_cluster(recipe, run_dir: Path, timeout_s: float | None = None, owner_pid: int | None = None) -> dict[str, Any]:
-    """The `cluster` stage: status in summary.json, section `cluster` = address, nodes, cpus, gpus, ...
-
-    `owner_pid` (default: this process) is watched: if it dies, the embedded cluster is torn down.
-    """
-    summary = RunSummary(run_dir, recipe.name)
-    with summary.stage("cluster"):
-        section = bring_up(recipe, run_dir, timeout_s, os.getpid() if owner_pid is None else owner_pid)
-        summary.set_section("cluster", section)
-    return section
 
 
 def stop_cluster(run_dir: Path, keep: bool | None = None) -> dict[str, Any] | None:
@@ -258,16 +254,6 @@ def _disconnect_driver(address: str | None) -> None:
     """A driver whose GCS disappears exits its process after a timeout: disconnect it first."""
     if "ray" not in sys.modules:
         return
-    import ray
 
     if ray.is_initialized() and ray.get_runtime_context().gcs_address == address:
         ray.shutdown()
-
-
-@contextlib.contextmanager
-def cluster_session(recipe, run_dir: Path, timeout_s: float | None = None) -> Iterator[dict[str, Any]]:
-    """`with cluster_session(r, run_dir) as section:` — up for the block, torn down after (unless keep)."""
-    try:
-        yield stage_cluster(recipe, run_dir, timeout_s)
-    finally:
-        stop_cluster(run_dir)

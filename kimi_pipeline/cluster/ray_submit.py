@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 
-def job_submit_command(
+def ray_submit_command(
     recipe: str,
     dashboard: str = "http://127.0.0.1:8265",
     overrides: Sequence[str] = (),
@@ -31,6 +31,6 @@ def job_submit_command(
     ]
 
 
-def job_submit_text(recipe: str, dashboard: str = "http://127.0.0.1:8265", overrides: Sequence[str] = ()) -> str:
+def ray_submit_text(recipe: str, dashboard: str = "http://127.0.0.1:8265", overrides: Sequence[str] = ()) -> str:
     """The same command as one shell line (for docs and `kimi cluster job-command`)."""
-    return shlex.join(job_submit_command(recipe, dashboard, overrides))
+    return shlex.join(ray_submit_command(recipe, dashboard, overrides))

@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from kimi_pipeline.engine.model import EngineModel
+from kimi_pipeline.engine.static_decode import StaticDecoder, resolve_decode_mode
 from kimi_pipeline.errors import PermanentError
-from kimi_pipeline.rl.engine.model import EngineModel
-from kimi_pipeline.rl.engine.static_decode import StaticDecoder, resolve_decode_mode
 
 # what an engine releases and resumes around a colocated train phase (sglang 0.5.23 `srt/constants.py:2-6`)
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")

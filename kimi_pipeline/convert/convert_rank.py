@@ -1,35 +1,34 @@
-"""One rank of the HF -> Megatron torch_dist conversion: `python -m kimi_pipeline.convert.job --job JOB.json`.
+"""One rank of the HF -> Megatron torch_dist conversion: `python -m kimi_pipeline.convert.convert_rank --job JOB.json`.
 
-Launched by `launch.launch_local` (N torchrun agents) or by the same torchrun command on every node of
+Launched by `weightjobs.launch.launch_local` (N torchrun agents) or by the same torchrun command on every node of
 a cluster. Each rank builds only its pipeline stage's model slice, reads only the HF tensors that slice
 owns (its layers, its experts) through the memory-mapped reader, dequantizing on the fly, saves its
 shards of the torch_dist checkpoint (the tracker is written last, by rank 0, after every shard), and
 records what it read and its peak RSS in `rank_<r>.json`.
 
-Top-level imports are stdlib only: megatron's checkpoint writer spawns a helper process that re-imports
-this `__main__` module, and a light module saves seconds per rank there.
+The rank's worker boundary is `convert_rank`: megatron and the model code are imported there, not at module top,
+because megatron's checkpoint writer spawns a helper process that re-imports this `__main__` module, and a light
+module (stdlib, torch and the job plumbing of `weightjobs`) saves seconds per rank there.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
-import resource
 import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kimi_pipeline.convert.launch import job_main
 from kimi_pipeline.errors import PermanentError
 from kimi_pipeline.util.files import atomic_write_json
 from kimi_pipeline.util.lifetime import watch_parent
+from kimi_pipeline.weightjobs.job_file import current_rss_mb, peak_rss_mb
+from kimi_pipeline.weightjobs.launch import job_main
 
 if TYPE_CHECKING:
     import torch
 
-    from kimi_pipeline.recipes.models import ModelSpec
 
 T_IMPORT = time.time()  # wall clock when this rank's interpreter reached the job (startup cost)
 if __name__ == "__mp_main__":
@@ -37,43 +36,8 @@ if __name__ == "__mp_main__":
     watch_parent()
 
 
-def dtype_of(name: str) -> torch.dtype:
-    import torch
-
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
-
-
 class UnloadedParameterError(PermanentError):
     """A megatron parameter received no value from the HF checkpoint (mapping gap or NaN in the source)."""
-
-
-def write_job_file(path: str | Path, *, model: ModelSpec, layout, device: str, model_dir: str | Path,
-                   out_dir: str | Path, report_dir: str | Path, text_config_key: str | None = None,
-                   **extra: Any) -> Path:
-    """Everything a rank needs, in one JSON file on the shared filesystem (the command line stays short).
-    `device` is the recipe's `cluster.device`; each rank resolves it with `model.device.job_device`."""
-    payload = {
-        "model": model.model_dump(mode="json"),
-        "layout": dataclasses.asdict(layout),
-        "device": device,
-        "model_dir": str(model_dir),
-        "out_dir": str(out_dir),
-        "report_dir": str(report_dir),
-        "text_config_key": text_config_key,
-        **extra,
-    }
-    return atomic_write_json(Path(path), payload)
-
-
-def peak_rss_mb() -> float:
-    """Peak resident set size of this process (Linux reports ru_maxrss in KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-
-
-def current_rss_mb() -> float:
-    import psutil
-
-    return psutil.Process().memory_info().rss / 2**20
 
 
 def poison_parameters(model: torch.nn.Module) -> None:

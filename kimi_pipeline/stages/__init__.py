@@ -1,0 +1,43 @@
+"""The pipeline's DAG: one module per stage, each declaring a `Stage` (name, the recipe sections it reads, the
+earlier stages it needs, its outputs, its report and one `run` function), all run by `runner.run_stage`, which
+owns the run summary, timing, errors and reports. Prefect tasks (tasks/), the flow and the CLI call exactly
+these; nothing here imports Prefect."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kimi_pipeline.recipes import Recipe, recipe_to_yaml
+from kimi_pipeline.report.summary import RunSummary
+from kimi_pipeline.stages.cluster import CLUSTER
+from kimi_pipeline.stages.convert import CONVERT
+from kimi_pipeline.stages.download import DOWNLOAD
+from kimi_pipeline.stages.export import EXPORT
+from kimi_pipeline.stages.runner import Stage, StageReport, run_stage
+from kimi_pipeline.stages.train import TRAIN
+from kimi_pipeline.stages.validate import VALIDATE
+from kimi_pipeline.util.files import atomic_write_text
+from kimi_pipeline.util.paths import new_run_dir, resolve_path
+
+DAG: tuple[Stage, ...] = (DOWNLOAD, VALIDATE, CONVERT, CLUSTER, TRAIN, EXPORT)
+STAGES = tuple(s.name for s in DAG)
+
+
+def prepare_run(recipe: Recipe, run_dir: str | Path | None = None) -> Path:
+    """Create the run directory, write the resolved recipe and start summary.json."""
+    path = resolve_path(run_dir, recipe.paths.base_dir) if run_dir else new_run_dir(recipe.paths.base_dir, recipe.name)
+    path.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path / "recipe.yaml", recipe_to_yaml(recipe))
+    RunSummary(path, recipe.name)
+    return path
+
+
+def mark_skipped(run_dir: Path, names: list[str]) -> None:
+    """Record the stages a run leaves out (`kimi run --until`) as skipped."""
+    summary = RunSummary(run_dir)
+    for name in names:
+        summary.set_stage(name, "skipped", 0.0)
+
+
+__all__ = ["CLUSTER", "CONVERT", "DAG", "DOWNLOAD", "EXPORT", "STAGES", "Stage", "StageReport", "TRAIN", "VALIDATE",
+           "mark_skipped", "prepare_run", "run_stage"]

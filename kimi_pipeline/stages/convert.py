@@ -1,0 +1,37 @@
+"""Stage `convert`: the downloaded HF checkpoint → megatron torch_dist, as a distributed weight job over the
+recipe's conversion nodes, verified against the source (`kimi_pipeline.convert.torch_dist`). A recipe that loads
+HF weights into the trainer directly (`convert.mode=bridge`, K2.5) skips it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from kimi_pipeline.convert.torch_dist import CKPT_NAME, MARKER, run_convert
+from kimi_pipeline.hub.download import read_manifest
+from kimi_pipeline.model.checkpoint_dirs import TRACKER
+from kimi_pipeline.recipes import Recipe
+from kimi_pipeline.report.stage_reports import convert_report
+from kimi_pipeline.stages.runner import Stage, StageReport
+
+
+def run(recipe: Recipe, run_dir: Path) -> dict[str, Any]:
+    model = read_manifest(run_dir)["model"]
+    return run_convert(recipe, run_dir, model["root"], source_files=model["files"])
+
+
+def skip(recipe: Recipe) -> dict[str, Any] | None:
+    if recipe.convert.mode == "bridge":  # K2.5: the trainer loads HF weights itself; nothing to convert
+        return {"mode": "bridge", "verified": False, "skipped": "convert.mode=bridge loads HF weights directly"}
+    return None
+
+
+CONVERT = Stage(
+    name="convert",
+    run=run,
+    skip=skip,
+    reads=("model", "parallel", "convert", "cluster"),
+    needs=("download",),
+    outputs=(f"convert/{CKPT_NAME}/{TRACKER}", f"convert/{MARKER}"),
+    report=StageReport(key="convert", render=convert_report, title="HF → torch_dist conversion"),
+)

@@ -1,0 +1,6 @@
+"""The distributed weight jobs: conversion (HF → torch_dist), its verification, and the INT4 export all run as one
+kind of job, here: a job file on the shared filesystem (`job_file`), one torchrun agent per node started on this
+host, by hand, or by a Ray agent per node (`launch`, `ray_agents`), per-rank reports and failures turned into one
+error naming the rank and its node (`launch`), and the one entry both stages call (`run.run_weight_job`).
+
+What a rank does lives with its job: `convert.convert_rank`, `convert.verify`, `quant.export_rank`."""
