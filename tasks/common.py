@@ -57,7 +57,7 @@ def publish_artifact(recipe: Recipe) -> Callable[[StageReport, dict[str, Any], b
 
     def publish(report: StageReport, section: dict[str, Any], failed: bool) -> None:
         title = (report.failed_title if failed else report.title) or ""
-        description = title.format(recipe=recipe.name, **section)
+        description = title.format_map({**section, "recipe": recipe.name})
         create = create_table_artifact if report.table else create_markdown_artifact
         create(report.render(section), key=report.key, description=description)
 

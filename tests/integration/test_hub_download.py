@@ -81,6 +81,12 @@ def hub(monkeypatch, weights_bytes, tmp_path):
     monkeypatch.setattr(constants, "HF_HOME", str(tmp_path / "hf-home"))
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf-home" / "hub"))
     monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "hf-home" / "token"))
+    # huggingface_hub fetches its AI-agent-harness registry from the endpoint (no token) once a day, at the first
+    # request of a process whose cache is stale; a fresh cached copy keeps the fake hub's log to our own requests
+    registry = tmp_path / "hf-home" / ".agent_harnesses.json"
+    registry.parent.mkdir(parents=True, exist_ok=True)
+    registry.write_text(json.dumps({"standardEnvVars": [], "harnesses": {}}))
+    monkeypatch.setattr(constants, "AGENT_HARNESSES_PATH", str(registry))
     yield fake
     fake.stop()
 

@@ -315,8 +315,8 @@ def scenario_grpo_dp(out_dir: Path, args: dict) -> dict:
     term on). Before each optimizer step every parameter's gradient (HF names, full over DP) goes to
     `grads<k>.safetensors`; returns the rank's metrics with their reductions and the weights after the rollout."""
 
-    from kimi_pipeline.model import megatron_train as mt
     from kimi_pipeline.recipes import load_recipe
+    from kimi_pipeline.rl import policy
     from kimi_pipeline.rl.policy import PolicyWorker
     from kimi_pipeline.rl.samples import share_rollout
 
@@ -327,7 +327,7 @@ def scenario_grpo_dp(out_dir: Path, args: dict) -> dict:
     worker = PolicyWorker(recipe, rank, world, "127.0.0.1", int(os.environ["MASTER_PORT"]))
     worker.load(str(out_dir / "no-checkpoints"), args["model"])
     shares, split = share_rollout(_fixed_rollout(recipe.model.vocab_size), recipe)
-    real_step, steps = mt.optimizer_step, []
+    real_step, steps = policy.optimizer_step, []  # patched where the trainer looks it up
 
     def step_after_export(optimizer, scheduler=None):  # the real step, after recording the gradients it applies
         _gather_dp_grads(worker.model)
@@ -335,11 +335,11 @@ def scenario_grpo_dp(out_dir: Path, args: dict) -> dict:
         steps.append(len(steps))
         return real_step(optimizer, scheduler)
 
-    mt.optimizer_step = step_after_export
+    policy.optimizer_step = step_after_export
     try:
         metrics = worker.train(shares[worker._dp_rank()], 1)
     finally:
-        mt.optimizer_step = real_step
+        policy.optimizer_step = real_step
     _export(worker.model, recipe.model, worker.layout, out_dir / "weights.safetensors")
     return {"metrics": {k: [float(v), getattr(v, "reduce", "mean"), getattr(v, "weight", 1.0)]
                         for k, v in metrics.items()},
