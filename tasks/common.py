@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
 
@@ -14,6 +13,7 @@ from prefect.tasks import exponential_backoff
 from kimi_pipeline.errors import is_permanent
 from kimi_pipeline.recipes import Recipe
 from kimi_pipeline.stages import Stage, StageReport, run_stage
+from kimi_pipeline.stages.runner import Publish
 from kimi_pipeline.util.files import sha256_json
 
 P = ParamSpec("P")
@@ -52,7 +52,7 @@ def cached(task: Task[P, R], stage: Stage, run_dir: str | Path) -> Task[P, R]:
     return task.with_options(refresh_cache=not outputs_present(run_dir, *stage.outputs))
 
 
-def publish_artifact(recipe: Recipe) -> Callable[[StageReport, dict[str, Any], bool], None]:
+def publish_artifact(recipe: Recipe) -> Publish:
     """The stage runner's `publish` for a Prefect task: the stage's report as a markdown (or table) artifact."""
 
     def publish(report: StageReport, section: dict[str, Any], failed: bool) -> None:
