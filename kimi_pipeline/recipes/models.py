@@ -232,7 +232,7 @@ class ClusterSpec(Section):
 
 class RolloutSpec(Section):
     """Generation and rewards per rollout, and the step schedule. Read by: `rl.rollout` / `rl.rollout_manager`
-    (sampling, dynamic sampling, rewards), `rl.samples` (the split into steps), `rl.policy`, `rl.weight_sync`,
+    (sampling, dynamic sampling, rewards), `rl.samples` (the split into steps), `rl.policy`, `rl.weight_sync.SyncTarget`,
     `rl.loop`, `data.validate` (prompt length)."""
 
     engine: Literal["sglang", "embedded"] = "sglang"
@@ -283,7 +283,7 @@ class RolloutSpec(Section):
 
 class SGLangSpec(Section):
     """SGLang's own server settings. Read by: `engine.sglang` (its launch command, through `engine.kinds`),
-    `rl.actor_layout` (GPUs per engine), `rl.weight_sync`."""
+    `rl.actor_layout` (GPUs per engine), `rl.weight_sync.SyncTarget`."""
 
     gpus_per_engine: int = Field(8, gt=0)
     mem_fraction_static: float = Field(0.7, gt=0, le=1)
@@ -347,7 +347,7 @@ class OptimizerSpec(Section):
 
 
 class QuantSpec(Section):
-    """INT4 QAT in training and the export format. Read by: `rl.policy` (QAT), `rl.weight_sync` and
+    """INT4 QAT in training and the export format. Read by: `rl.policy` (QAT), `rl.weight_sync.SyncTarget` and
     `quant.engine_format` (what the engines are sent), the export stage (`quant.checkpoint_export`)."""
 
     int4_qat: bool = Field(False, description="fake-INT4 routed experts in the forward (env OPEN_TRAINING_INT4_FAKE_QAT_FLAG)")

@@ -116,12 +116,13 @@ class ActorLayout:
 # --------------------------------------------------------------------------- the layout
 
 
-def worker_env(recipe: Recipe, threads: int = 1, *, choose_own_gpu: bool = False) -> dict[str, str]:
-    """Environment of every trainer/engine actor: this interpreter's packages, no torch.compile, `threads`
-    intra-op threads; on CUDA the seeds' NCCL/CUDA settings, and (colocated) no Ray-set CUDA_VISIBLE_DEVICES."""
+def worker_env(device: str, threads: int = 1, *, choose_own_gpu: bool = False) -> dict[str, str]:
+    """Environment of every trainer/engine actor on `device` (`cluster.device`): this interpreter's packages, no
+    torch.compile, `threads` intra-op threads; on CUDA the seeds' NCCL/CUDA settings, and (colocated) no Ray-set
+    CUDA_VISIBLE_DEVICES."""
     env = {"TORCHDYNAMO_DISABLE": "1", "OMP_NUM_THREADS": str(max(1, threads)), "TOKENIZERS_PARALLELISM": "false",
            "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    if recipe.cluster.device == "cuda":
+    if device == "cuda":
         env.update(SEED_CUDA_ENV)
         if choose_own_gpu:
             env[NOSET_VISIBLE_DEVICES] = "1"
@@ -159,7 +160,7 @@ def lay_out_actors(recipe: Recipe, model_path: str = MODEL_PLACEHOLDER) -> Actor
         cluster.gpus_per_node,
         cluster.colocate,
         None,
-        env=worker_env(recipe, choose_own_gpu=cluster.colocate),
+        env=worker_env(cluster.device, choose_own_gpu=cluster.colocate),
     )
     add = lambda f, m: actor_layout.problems.append(Problem(f, m))  # noqa: E731
     parallel = recipe.parallel
@@ -223,7 +224,7 @@ def _engines(recipe: Recipe, placement: Placement, model_path: str, add) -> list
 # --------------------------------------------------------------------------- Ray actor options
 
 
-def trainer_options(actor_layout: ActorLayout, recipe: Recipe, pg, rank: int, threads: int) -> dict[str, Any]:
+def trainer_options(actor_layout: ActorLayout, pg, rank: int, threads: int) -> dict[str, Any]:
     """`ray.remote(...).options(**these)` for trainer rank `rank`: its node's bundle, a GPU share, its env."""
 
     assert actor_layout.placement is not None
@@ -234,12 +235,12 @@ def trainer_options(actor_layout: ActorLayout, recipe: Recipe, pg, rank: int, th
         "scheduling_strategy": PlacementGroupSchedulingStrategy(
             pg, placement_group_bundle_index=actor_layout.ranks[rank].node
         ),
-        "runtime_env": {"env_vars": worker_env(recipe, threads, choose_own_gpu=actor_layout.colocate)},
+        "runtime_env": {"env_vars": worker_env(actor_layout.device, threads, choose_own_gpu=actor_layout.colocate)},
     }
 
 
 def engine_options(
-    actor_layout: ActorLayout, recipe: Recipe, pgs: dict[str, Any], engine: int, node_rank: int, threads: int
+    actor_layout: ActorLayout, pgs: dict[str, Any], engine: int, node_rank: int, threads: int
 ) -> dict[str, Any]:
     """Options for engine `engine`'s process on its `node_rank`-th node (colocated: a share of the trainer
     bundle; otherwise the whole GPUs of its own rollout bundle, which Ray makes visible)."""
@@ -255,18 +256,18 @@ def engine_options(
         "num_cpus": res.get("CPU", 0.0),
         "num_gpus": res.get("GPU", 0.0),
         "scheduling_strategy": PlacementGroupSchedulingStrategy(pgs[slot.group], placement_group_bundle_index=bundle),
-        "runtime_env": {"env_vars": worker_env(recipe, threads, choose_own_gpu=actor_layout.colocate)},
+        "runtime_env": {"env_vars": worker_env(actor_layout.device, threads, choose_own_gpu=actor_layout.colocate)},
     }
 
 
-def rollout_manager_options(recipe: Recipe) -> dict[str, Any]:
+def rollout_manager_options(device: str) -> dict[str, Any]:
     """Options for the `RolloutManager` actor: the driver's node (where the train task runs the loop), no CPU
     or GPU reserved (the layout's bundles are the trainers' and engines'), one intra-op thread."""
 
     return {
         "num_cpus": 0, "num_gpus": 0,
         "scheduling_strategy": NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
-        "runtime_env": {"env_vars": worker_env(recipe, 1)},
+        "runtime_env": {"env_vars": worker_env(device, 1)},
     }
 
 

@@ -43,7 +43,7 @@ def _start_engine(
     actors, head = [], None
     for n in engine.nodes:
         args, kwargs = kind.actor_args(recipe, model_dir, n.node_rank, n.base_gpu_id, addr)
-        actor = cls.options(**engine_options(actor_layout, recipe, pgs, engine.id, n.node_rank, threads)).remote(
+        actor = cls.options(**engine_options(actor_layout, pgs, engine.id, n.node_rank, threads)).remote(
             *args, **kwargs
         )
         actors.append(actor)

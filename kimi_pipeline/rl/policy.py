@@ -42,21 +42,29 @@ from kimi_pipeline.model.parallel import Layout, destroy, init_distributed
 from kimi_pipeline.quant.policy_weights import policy_tensors
 from kimi_pipeline.quant.qat import enable_int4_qat
 from kimi_pipeline.recipes import Recipe
+from kimi_pipeline.recipes.models import (
+    ClusterSpec,
+    GRPOSpec,
+    ModelSpec,
+    OptimizerSpec,
+    ParallelSpec,
+    QuantSpec,
+    RolloutSpec,
+)
 from kimi_pipeline.rl.batching import split_micro_batches
 from kimi_pipeline.rl.grpo import grpo_loss
 from kimi_pipeline.rl.metrics import Metric, reduce_metrics
 from kimi_pipeline.rl.samples import MicroBatch, RankShare, Sample, collate, padding_micro_batch, response_values
-from kimi_pipeline.rl.weight_sync import choose_weight_sync
+from kimi_pipeline.rl.weight_sync import SyncTarget, choose_weight_sync
 
 log = logging.getLogger(__name__)
 
 
-def trainer_config_overrides(recipe: Recipe, device: torch.device) -> dict[str, Any]:
+def trainer_config_overrides(parallel: ParallelSpec, routing_replay: bool, device: torch.device) -> dict[str, Any]:
     """The recipe's megatron TransformerConfig settings beyond the model shape: routing replay, activation
     recompute, the MoE token dispatcher (flex/DeepEP only where it can run, else alltoall)."""
-    parallel = recipe.parallel
     out: dict[str, Any] = {}
-    if recipe.rollout.routing_replay:
+    if routing_replay:
         out["moe_enable_routing_replay"] = True
     if parallel.recompute_granularity is not None:
         out.update(recompute_granularity=parallel.recompute_granularity, recompute_method=parallel.recompute_method,
@@ -101,34 +109,48 @@ def microbatch_loss(logits: torch.Tensor, batch: dict[str, Any], grpo, temperatu
     return loss * rows, rows, {k: Metric(v, getattr(v, "reduce", "mean"), rows) for k, v in m.items()}
 
 
+def policy_sections(recipe: Recipe) -> dict[str, Any]:
+    """The recipe sections a trainer rank reads, as `PolicyWorker`'s keyword arguments (the trainer group and the
+    tests build ranks from a recipe through this one helper). The hub section stays on the driver: a rank only
+    needs where the checkpoint keeps its text config, never the token."""
+    return {"spec": recipe.model, "parallel": recipe.parallel, "optimizer": recipe.optimizer, "grpo": recipe.grpo,
+            "quant": recipe.quant, "rollout": recipe.rollout, "cluster": recipe.cluster,
+            "target": SyncTarget.of(recipe), "text_config_key": recipe.hub.text_config_key}
+
+
 class PolicyWorker:
-    def __init__(self, recipe: Recipe | dict, rank: int = 0, world_size: int = 1, master_addr: str = "127.0.0.1",
+    def __init__(self, *, spec: ModelSpec, parallel: ParallelSpec, optimizer: OptimizerSpec, grpo: GRPOSpec,
+                 quant: QuantSpec, rollout: RolloutSpec, cluster: ClusterSpec, target: SyncTarget,
+                 text_config_key: str | None, rank: int = 0, world_size: int = 1, master_addr: str = "127.0.0.1",
                  master_port: int | None = None, total_steps: int | None = None, threads: int | None = None,
                  local_gpu: int = 0):
-        """`local_gpu`: the node-local GPU the actor layout gave this rank (used as such when the actor picks
+        """The sections it reads (`policy_sections`): `spec` the model it builds, `parallel` its process groups,
+        `optimizer` / `grpo` / `quant` the update (QAT included), `rollout` the seed, schedule length, sampling
+        temperature and routing replay, `cluster` its device and ranks per node, `target` the engines its
+        weights go to, `text_config_key` where an HF starting checkpoint keeps its text config.
+        `local_gpu`: the node-local GPU the actor layout gave this rank (used as such when the actor picks
         its own GPU, colocated; otherwise Ray made exactly that GPU visible, as index 0)."""
-        recipe = recipe if isinstance(recipe, Recipe) else Recipe.model_validate(recipe)
-        self.recipe = recipe
-        self.device = resolve_device(recipe.cluster.device, actor_gpu_index(local_gpu))
+        self.spec, self.parallel, self.grpo, self.quant, self.rollout = spec, parallel, grpo, quant, rollout
+        self.target, self.text_config_key = target, text_config_key
+        self.device = resolve_device(cluster.device, actor_gpu_index(local_gpu))
         if world_size > 1 or master_port is not None:
-            per_node = min(world_size, recipe.cluster.gpus_per_node)  # ranks per node (GPUs, or CPU ranks)
+            per_node = min(world_size, cluster.gpus_per_node)  # ranks per node (GPUs, or CPU ranks)
             os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank % per_node),
                               LOCAL_WORLD_SIZE=str(per_node), MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
         if threads:
             os.environ["OMP_NUM_THREADS"] = str(threads)
 
-        self.layout = Layout.from_parallel(recipe.parallel, world_size)
+        self.layout = Layout.from_parallel(parallel, world_size)
         self.world_size = world_size
-        self.rank = init_distributed(self.layout, device=self.device, seed=recipe.rollout.seed)
-        overrides = trainer_config_overrides(recipe, self.device)
-        self.model, self.optimizer = build_trainable(recipe.model, self.layout, recipe.optimizer, device=self.device,
-                                                     **overrides)
-        total = total_steps or recipe.rollout.num_rollout * recipe.rollout.num_steps_per_rollout
-        self.scheduler = lr_scheduler(self.optimizer, recipe.optimizer, total)
+        self.rank = init_distributed(self.layout, device=self.device, seed=rollout.seed)
+        overrides = trainer_config_overrides(parallel, rollout.routing_replay, self.device)
+        self.model, self.optimizer = build_trainable(spec, self.layout, optimizer, device=self.device, **overrides)
+        total = total_steps or rollout.num_rollout * rollout.num_steps_per_rollout
+        self.scheduler = lr_scheduler(self.optimizer, optimizer, total)
         self.qat: list[str] = []
-        if recipe.quant.int4_qat:
+        if quant.int4_qat:
             for m in self.model:
-                self.qat += enable_int4_qat(m, recipe.quant.group_size)
+                self.qat += enable_int4_qat(m, quant.group_size)
         self.ref_model = None  # built on load() only when the KL term is on
         self.hf_layout = HFLayout()  # how the engines' checkpoint names the language model (set by load())
         self._sync = None  # this rank's weight updater (its engine client and shared-memory segment), kept across syncs
@@ -178,8 +200,8 @@ class PolicyWorker:
                 self.scheduler.load_state_dict(sched)
         else:
             self._load_initial(self.model[0], Path(init_ckpt_dir))
-        if self.recipe.grpo.use_kl_loss and self.recipe.grpo.kl_loss_coef > 0:
-            self.ref_model = build_model(self.recipe.model, self.layout, device=self.device)
+        if self.grpo.use_kl_loss and self.grpo.kl_loss_coef > 0:
+            self.ref_model = build_model(self.spec, self.layout, device=self.device)
             self._load_initial(self.ref_model, Path(ref_ckpt_dir or init_ckpt_dir))
             for p in self.ref_model.parameters():
                 p.requires_grad_(False)
@@ -193,9 +215,9 @@ class PolicyWorker:
             load_model_only(init, [model])
             return
 
-        ckpt = HFCheckpoint(init, text_config_key=self.recipe.hub.text_config_key)
+        ckpt = HFCheckpoint(init, text_config_key=self.text_config_key)
         try:
-            load_hf_tensors_into_model(unwrap(model), ckpt.get, self.recipe.model, self.layout)
+            load_hf_tensors_into_model(unwrap(model), ckpt.get, self.spec, self.layout)
         finally:
             ckpt.close()
 
@@ -212,8 +234,8 @@ class PolicyWorker:
         multiple = seq_multiple(lay.tp, lay.cp, lay.sequence_parallel)
         if mb:
             return collate([samples[i] for i in mb], mb, pad_id=0, pad_to_multiple=multiple).to(self.device)
-        model = self.recipe.model
-        replay = self.recipe.rollout.routing_replay  # a rank with no sample of its own still replays (zero ids)
+        model = self.spec
+        replay = self.rollout.routing_replay  # a rank with no sample of its own still replays (zero ids)
         return padding_micro_batch(
             0, (model.num_layers - model.first_k_dense, model.moe_router_topk) if replay else None, width=multiple
         ).to(self.device)
@@ -222,7 +244,7 @@ class PolicyWorker:
         """Which of the rollout's MoE layers (engine order) the routers of this pipeline stage are."""
         from megatron.core import parallel_state as ps
 
-        spec = self.recipe.model
+        spec = self.spec
         layers = self.layout.pp_stage_layers(spec.num_layers)
         pp = ps.get_pipeline_model_parallel_rank()
         start = sum(layers[:pp])
@@ -248,7 +270,7 @@ class PolicyWorker:
         """Run `fn` with routing replay: before each micro-batch's forward, its rollout expert ids are
         installed in megatron's RouterReplay (routing from the rollout, probabilities from the live router).
         With replay on, samples without expert ids are an error, never a silent fall back to live routing."""
-        if not self.recipe.rollout.routing_replay:
+        if not self.rollout.routing_replay:
             return fn()
         if any(mb.routed_experts is None for mb in mbs):
             raise PermanentError(
@@ -276,7 +298,7 @@ class PolicyWorker:
         """Per-token logprobs [b, s] of every micro-batch (no grad, on every rank, 0 outside the response
         mask), all micro-batches in one forward schedule: pipelined at PP > 1, not one schedule each."""
 
-        temperature = self.recipe.rollout.temperature or 1.0
+        temperature = self.rollout.temperature or 1.0
         batches = [{"tokens": mb.tokens, "targets": mb.targets, "lengths": mb.lengths} for mb in mbs]
         lps = self._with_replay(mbs, lambda: micro_batch_logprobs(model_chunks, batches, temperature=temperature))
         return [lp * mb.mask for lp, mb in zip(lps, mbs)]
@@ -284,7 +306,7 @@ class PolicyWorker:
     def _token_logprobs(self, model_chunks, samples: list[Sample]) -> list[list[float]]:
         """Per-response-token logprobs of each sample, in sample order (diagnostics and tests)."""
 
-        micro_batches = split_micro_batches([s.num_tokens for s in samples], self.recipe.parallel.max_tokens_per_gpu, 1)
+        micro_batches = split_micro_batches([s.num_tokens for s in samples], self.parallel.max_tokens_per_gpu, 1)
         mbs = [collate([samples[i] for i in mb], mb, pad_id=0).to(self.device) for mb in micro_batches.ranks[0] if mb]
         out: list[list[float]] = [[] for _ in samples]
         for mb, lp in zip(mbs, self._logprobs(model_chunks, mbs)):
@@ -303,8 +325,7 @@ class PolicyWorker:
             )
         self._require_awake("training")
         t0 = time.perf_counter()
-        r = self.recipe
-        temperature = r.rollout.temperature or 1.0
+        temperature = self.rollout.temperature or 1.0
         samples = share.samples
         steps = [[self._collate(samples, mb) for mb in st] for st in share.steps]
         flat = [mb for st in steps for mb in st]
@@ -314,7 +335,7 @@ class PolicyWorker:
         grad_norms, updated, tokens, j = [], 0, 0, 0
 
         def loss_fn(logits: torch.Tensor, batch: dict):
-            return microbatch_loss(logits, batch, r.grpo, temperature)
+            return microbatch_loss(logits, batch, self.grpo, temperature)
 
         for mbs in steps:
             batches = []
@@ -346,8 +367,8 @@ class PolicyWorker:
         trainer optimizes."""
 
         fq = self.qat if fake_quant is None else fake_quant
-        return policy_tensors(self.model[0], self.recipe.model, self.layout, dst=0,
-                              qat_group_size=self.recipe.quant.group_size if fq else None)
+        return policy_tensors(self.model[0], self.spec, self.layout, dst=0,
+                              qat_group_size=self.quant.group_size if fq else None)
 
     def sync_weights(self, engine_urls: list[str], version: str) -> dict[str, float]:
         """Make the engines serve the current weights as `version` (collective: every trainer rank calls it).
@@ -358,10 +379,10 @@ class PolicyWorker:
         urls = [u.rstrip("/") for u in engine_urls]
         if self._sync is None or self._sync.router.urls != urls:
             self.release()
-            m = self.recipe.model
+            m = self.spec
             # colocated: shared memory with the engine on this host; otherwise a process group (gloo / NCCL)
             router = Router(urls, num_layers=m.num_layers, topk=m.moe_router_topk, first_k_dense=m.first_k_dense,
-                            weight_transport="auto" if self.recipe.cluster.colocate else "distributed",
+                            weight_transport="auto" if self.target.colocate else "distributed",
                             group_backend="nccl" if self.device.type == "cuda" else "gloo")
             self._sync = choose_weight_sync(self, router)
         return self._sync.update(version)

@@ -224,7 +224,7 @@ def _stand_ins(actor_layout, recipe, pgs, where, index: dict[str, int], stand_in
     started: list[tuple[str, int, list[int], Any]] = []
     for r in actor_layout.ranks:
         if r.node < stand_in_nodes:
-            a = actor.options(**trainer_options(actor_layout, recipe, pgs["trainer"], r.rank, 1)).remote(
+            a = actor.options(**trainer_options(actor_layout, pgs["trainer"], r.rank, 1)).remote(
                 f"rank {r.rank}"
             )
             started.append((f"rank {r.rank}", where["trainer"][r.node], list(r.gpus), a))
@@ -233,13 +233,13 @@ def _stand_ins(actor_layout, recipe, pgs, where, index: dict[str, int], stand_in
         slot = actor_layout.placement.engines[e.id]
         for n in e.nodes:
             if where[slot.group][n.node] in hosts:
-                a = actor.options(**engine_options(actor_layout, recipe, pgs, e.id, n.node_rank, 1)).remote(
+                a = actor.options(**engine_options(actor_layout, pgs, e.id, n.node_rank, 1)).remote(
                     f"engine {e.id} node {n.node_rank}"
                 )
                 started.append((f"engine {e.id} node {n.node_rank}", where[slot.group][n.node], list(n.gpus), a))
     driver_node = index.get(ray.get_runtime_context().get_node_id(), -1)
     started.append(("rollout manager", driver_node, [],
-                    actor.options(**rollout_manager_options(recipe)).remote("rollout manager")))
+                    actor.options(**rollout_manager_options(actor_layout.device)).remote("rollout manager")))
     reports = ray.get([a.report.remote() for *_, a in started], timeout=300)
     observed = []
     for (name, expected, gpus, a), rep in zip(started, reports):

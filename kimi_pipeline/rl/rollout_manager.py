@@ -185,7 +185,7 @@ def start_rollout_manager(recipe: Recipe, run_dir: Path, model_dir: Path, actor_
     the validated prompts of `run_dir` and saves each rollout under `save_dir` (None: not saved)."""
 
     data = recipe.worker_dump()
-    manager = ray.remote(RolloutManager).options(**rollout_manager_options(recipe)).remote(
+    manager = ray.remote(RolloutManager).options(**rollout_manager_options(recipe.cluster.device)).remote(
         data, str(run_dir / "validate" / "train.jsonl"), str(model_dir), str(save_dir) if save_dir else None)
     try:
         urls = ray.get(manager.start.remote(actor_layout, pgs, threads))

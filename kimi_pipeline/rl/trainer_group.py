@@ -13,7 +13,7 @@ from kimi_pipeline.convert.names import HFLayout
 from kimi_pipeline.recipes import Recipe
 from kimi_pipeline.rl.actor_layout import trainer_options
 from kimi_pipeline.rl.metrics import reduce_metrics
-from kimi_pipeline.rl.policy import PolicyWorker
+from kimi_pipeline.rl.policy import PolicyWorker, policy_sections
 
 
 class TrainerGroup:
@@ -23,10 +23,11 @@ class TrainerGroup:
         self.actor_layout = actor_layout
         world = recipe.cluster.world_size
         addr, port = free_port_on(pg, actor_layout.master_addr_node)
-        data = recipe.worker_dump()
+        sections = policy_sections(recipe)  # the sections a rank reads: the hub token stays here
         cls = ray.remote(PolicyWorker)
-        self.workers = [cls.options(**trainer_options(actor_layout, recipe, pg, rank, threads)).remote(
-                            data, rank, world, addr, port, local_gpu=next(iter(actor_layout.ranks[rank].gpus), 0))
+        self.workers = [cls.options(**trainer_options(actor_layout, pg, rank, threads)).remote(
+                            **sections, rank=rank, world_size=world, master_addr=addr, master_port=port,
+                            local_gpu=next(iter(actor_layout.ranks[rank].gpus), 0))
                         for rank in range(world)]
 
     def load(self, ckpt_dir: Path, init_checkpoint: Path, ref_checkpoint: Path, hf_layout: HFLayout) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import shutil
 import time
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -30,19 +31,42 @@ from kimi_pipeline.convert.names import HFLayout
 from kimi_pipeline.engine.client import chunk_named_tensors, paused, weight_update_session
 from kimi_pipeline.engine.cuda_ipc import build_update_request, serialize_bucket
 from kimi_pipeline.engine.dist_update import dtype_from_name
-from kimi_pipeline.engine.kinds import engine_kind
+from kimi_pipeline.engine.kinds import ENGINE_KINDS
 from kimi_pipeline.model.hf_config import hf_config_dict
-from kimi_pipeline.quant.engine_format import engine_quant_config, engine_weight_format, to_engine_format
+from kimi_pipeline.quant.engine_format import EngineFormat, engine_quant_config, engine_weight_format, to_engine_format
 from kimi_pipeline.quant.policy_weights import policy_tensors
 from kimi_pipeline.recipes import Recipe
+from kimi_pipeline.recipes.models import ModelSpec
 from kimi_pipeline.util.files import atomic_write_json
 from kimi_pipeline.util.shards import ShardWriter, finish_shards
+
+
+@dataclass(frozen=True)
+class SyncTarget:
+    """What the engines serve and how a trainer rank's weights reach them: resolved once on the driver from the
+    rollout, sglang, cluster, quant and hub sections (`SyncTarget.of`), so a trainer rank reads this, not them."""
+
+    engine: str  # rollout.engine: the `engine.kinds.ENGINE_KINDS` entry
+    weight_format: EngineFormat  # rollout.engine_weight_format with `auto` resolved (`quant.engine_format`)
+    weight_sync: str  # rollout.weight_sync: "disk" forces the disk fallback
+    buffer_bytes: int  # rollout.update_weight_buffer_size: one bucket
+    group_size: int  # quant.group_size: INT4 groups (fake-quant and the engines' packed format)
+    gpus_per_engine: int  # sglang.gpus_per_engine: the engine ranks a CUDA-IPC bucket goes to
+    colocate: bool  # cluster.colocate: engines share the trainers' GPUs and hosts
+
+    @classmethod
+    def of(cls, recipe: Recipe) -> SyncTarget:
+        rollout = recipe.rollout
+        return cls(engine=rollout.engine, weight_format=engine_weight_format(recipe), weight_sync=rollout.weight_sync,
+                   buffer_bytes=rollout.update_weight_buffer_size, group_size=recipe.quant.group_size,
+                   gpus_per_engine=recipe.sglang.gpus_per_engine, colocate=recipe.cluster.colocate)
 
 
 class TrainerRank(Protocol):
     """What an updater reads of a trainer rank (`rl.policy.PolicyWorker`)."""
 
-    recipe: Recipe
+    target: SyncTarget
+    spec: ModelSpec
     model: list[torch.nn.Module]
     layout: Any
     rank: int
@@ -58,8 +82,8 @@ class WeightSync(ABC):
     name: str
 
     def __init__(self, trainer: TrainerRank, router) -> None:
-        self.trainer, self.router, self.recipe = trainer, router, trainer.recipe
-        self.format = engine_weight_format(self.recipe)
+        self.trainer, self.router, self.target = trainer, router, trainer.target
+        self.format = self.target.weight_format
         # an INT4 engine dequantizes the packed stored weights to exactly the fake-quant ones
         self.fake_quant = bool(trainer.qat) and self.format != "int4"
 
@@ -71,12 +95,11 @@ class WeightSync(ABC):
         """The trainer's tensors as the engines' checkpoint stores them: its format, under its names (K2.5's
         `language_model.` prefix, which SGLang's K2.5 model loads)."""
 
-        return self.trainer.hf_layout.stored_items(to_engine_format(named, self.format, self.recipe.quant.group_size))
+        return self.trainer.hf_layout.stored_items(to_engine_format(named, self.format, self.target.group_size))
 
     def _policy_tensors(self, **kw):
-        r = self.recipe
-        return policy_tensors(self.trainer.model[0], r.model, self.trainer.layout,
-                              qat_group_size=r.quant.group_size if self.fake_quant else None, **kw)
+        return policy_tensors(self.trainer.model[0], self.trainer.spec, self.trainer.layout,
+                              qat_group_size=self.target.group_size if self.fake_quant else None, **kw)
 
     def _gathered_on_rank0(self):
         """HF tensors on rank 0 (each received from its holder); None on the other ranks, which must still
@@ -98,7 +121,7 @@ class OwnedBuckets(WeightSync):
 
     def update(self, version: str) -> dict[str, float]:
         t0 = time.perf_counter()
-        buffer = self.recipe.rollout.update_weight_buffer_size
+        buffer = self.target.buffer_bytes
         barrier = dist.barrier if self.trainer.world_size > 1 else (lambda: None)
         lead = self.trainer.rank == 0
         with paused(self.router, lead), weight_update_session(self.router, lead):
@@ -119,7 +142,7 @@ class GatheredPush(WeightSync):
         named = self._gathered_on_rank0()
         chunks = 0
         if named is not None:
-            chunks = self.router.update_weights(named, self.recipe.rollout.update_weight_buffer_size,
+            chunks = self.router.update_weights(named, self.target.buffer_bytes,
                                                 weight_version=version)
         return {"sync_seconds": time.perf_counter() - t0, "sync_chunks": float(chunks or 0)}
 
@@ -141,7 +164,7 @@ class CudaIpcBuckets(WeightSync):
 
     def __init__(self, trainer: TrainerRank, router) -> None:
         super().__init__(trainer, router)
-        g = self.recipe.sglang.gpus_per_engine
+        g = self.target.gpus_per_engine
         self.engine_index, self.tp_rank = divmod(trainer.rank, g)
         # one gloo group per engine for the entries (strings), made by every rank in the same order
         groups = [dist.new_group(list(range(e * g, (e + 1) * g)), backend="gloo")
@@ -153,11 +176,11 @@ class CudaIpcBuckets(WeightSync):
         t0 = time.perf_counter()
         lead = self.trainer.rank == 0
         named = self._gathered_on_rank0()
-        chunks = iter(chunk_named_tensors(named, self.recipe.rollout.update_weight_buffer_size)) if lead else None
+        chunks = iter(chunk_named_tensors(named, self.target.buffer_bytes)) if lead else None
         count = 0
         with paused(self.router, lead), weight_update_session(self.router, lead):
             while (bucket := self._next_bucket(chunks)) is not None:
-                entries = [None] * self.recipe.sglang.gpus_per_engine if self.client is not None else None
+                entries = [None] * self.target.gpus_per_engine if self.client is not None else None
                 dist.gather_object(serialize_bucket(list(bucket.items())), entries, dst=self.lead, group=self.group)
                 if self.client is not None:
                     self.client.post_tensor_request(build_update_request(entries))
@@ -207,9 +230,9 @@ class DiskCheckpoint(WeightSync):
         out, tmp = root / version, root / f"{version}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        finish_shards(tmp, ShardWriter(tmp, self.recipe.rollout.update_weight_buffer_size).add_all(named).close())
-        config = hf_config_dict(self.recipe.model)
-        if (qc := engine_quant_config(self.format, self.recipe.quant.group_size)) is not None:
+        finish_shards(tmp, ShardWriter(tmp, self.target.buffer_bytes).add_all(named).close())
+        config = hf_config_dict(self.trainer.spec)
+        if (qc := engine_quant_config(self.format, self.target.group_size)) is not None:
             config["quantization_config"] = qc
         atomic_write_json(tmp / "config.json", config)
         shutil.rmtree(out, ignore_errors=True)
@@ -235,10 +258,11 @@ def _all_engines_local(trainer: TrainerRank, router) -> bool:
 def choose_weight_sync(trainer: TrainerRank, router) -> WeightSync:
     """The run's updater (collective: every trainer rank calls it with the same engines)."""
 
-    r, kind = trainer.recipe, engine_kind(trainer.recipe)
-    if r.rollout.weight_sync == "disk":
+    target = trainer.target
+    kind = ENGINE_KINDS[target.engine]
+    if target.weight_sync == "disk":
         return DiskCheckpoint(trainer, router)
-    if r.cluster.colocate and kind.colocated_updates_by_cuda_ipc:
+    if target.colocate and kind.colocated_updates_by_cuda_ipc:
         return CudaIpcBuckets(trainer, router)
     if kind.owned_bucket_updates and _all_engines_local(trainer, router):
         return OwnedBuckets(trainer, router)

@@ -14,12 +14,17 @@ pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(scope="module")
-def worker(cuda):
+def recipe():
     from kimi_pipeline.recipes import load_recipe
-    from kimi_pipeline.rl.policy import PolicyWorker
 
-    recipe = load_recipe("tiny", ["rollout.routing_replay=true", "quant.int4_qat=false", "cluster.device=cuda"])
-    w = PolicyWorker(recipe)
+    return load_recipe("tiny", ["rollout.routing_replay=true", "quant.int4_qat=false", "cluster.device=cuda"])
+
+
+@pytest.fixture(scope="module")
+def worker(cuda, recipe):
+    from kimi_pipeline.rl.policy import PolicyWorker, policy_sections
+
+    w = PolicyWorker(**policy_sections(recipe))
     assert w.device == cuda  # resolved from cluster.device, not from what torch happens to see
     assert w.load("/nonexistent-checkpoints", str(TINY / "model")) is None  # fresh start, bridge load
     assert off_device(w.model[0], cuda) == []
@@ -27,8 +32,8 @@ def worker(cuda):
     w.close()
 
 
-def test_replayed_routing_reproduces_engine_logprobs_and_drives_the_routers_on_the_gpu(worker, cuda):
-    samples = engine_samples(worker.recipe, cuda)
+def test_replayed_routing_reproduces_engine_logprobs_and_drives_the_routers_on_the_gpu(worker, cuda, recipe):
+    samples = engine_samples(recipe, cuda)
     assert all(s.routed_experts.shape[1:] == (3, 4) for s in samples)  # 3 MoE layers, top-4
     d = replay_diffs(worker, samples)
     assert d["replayed"] < 1e-3, d  # the engine's own ids: the engine's logprobs

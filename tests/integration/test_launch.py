@@ -110,7 +110,7 @@ def test_recompute_and_dispatcher_fields_reach_the_megatron_config():
     r = load_recipe("tiny", ["parallel.recompute_granularity=full", "parallel.recompute_method=uniform",
                              "parallel.recompute_num_layers=1", "parallel.moe_token_dispatcher_type=flex"])
     config = transformer_config(r.model, Layout.from_parallel(r.parallel, 1), device=CPU, use_te=False,
-                                **trainer_config_overrides(r, CPU))
+                                **trainer_config_overrides(r.parallel, r.rollout.routing_replay, CPU))
     assert (config.recompute_granularity, config.recompute_method, config.recompute_num_layers) == ("full", "uniform", 1)
     assert config.moe_token_dispatcher_type == "alltoall"  # flex needs DeepEP on a GPU and TP x EP > 1: not here
     assert load_recipe("kimi-k2-instruct").parallel.moe_token_dispatcher_type == "flex"  # seed 000

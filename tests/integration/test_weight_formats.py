@@ -174,12 +174,12 @@ def test_policy_sync_in_int4_gives_the_engine_the_trainers_fake_quant_policy(col
     uses; the rest is the bf16 an INT4 checkpoint stores."""
     from kimi_pipeline.engine.sampler import RolloutEngine
     from kimi_pipeline.engine.server import EngineServer
-    from kimi_pipeline.rl.policy import PolicyWorker
+    from kimi_pipeline.rl.policy import PolicyWorker, policy_sections
 
     recipe = load_recipe("tiny", ["quant.int4_qat=true", "rollout.engine_weight_format=int4",
                                   "rollout.update_weight_buffer_size=262144", f"cluster.colocate={str(colocate).lower()}",
                                   f"rollout.weight_sync={weight_sync}"])
-    w = PolicyWorker(recipe)
+    w = PolicyWorker(**policy_sections(recipe))
     engine = RolloutEngine(EngineModel.from_pretrained(TINY_MODEL), seed=0)
     try:
         w.load(str(tmp_path / "checkpoints"), str(TINY_MODEL))

@@ -162,7 +162,7 @@ def replay_diffs(worker, samples) -> dict[str, float]:
     base = worker._token_logprobs(worker.model, samples)
     assert [len(b) for b in base] == [len(s.rollout_logprobs) for s in samples]
     out = {"replayed": max_diff(base, [s.rollout_logprobs for s in samples])}
-    experts = worker.recipe.model.num_experts
+    experts = worker.spec.num_experts
     for s in samples:
         s.routed_experts = ((s.routed_experts.astype(np.int64) + 5) % experts).astype(np.int16)
     out["moved"] = max_diff(base, worker._token_logprobs(worker.model, samples))
@@ -170,11 +170,11 @@ def replay_diffs(worker, samples) -> dict[str, float]:
         s.routed_experts = None
     with pytest.raises(PermanentError, match="no routed expert ids"):  # never a silent fall back to live routing
         worker._token_logprobs(worker.model, samples)
-    worker.recipe.rollout.routing_replay = False
+    worker.rollout.routing_replay = False
     try:
         out["live"] = max_diff(base, worker._token_logprobs(worker.model, samples))
     finally:
-        worker.recipe.rollout.routing_replay = True
+        worker.rollout.routing_replay = True
     return out
 
 

@@ -252,14 +252,14 @@ def scenario_replay(out_dir: Path, args: dict) -> dict:
     """The trainer's (PolicyWorker's) per-token logprobs of rollout samples under routing replay, at the
     layout in args (tp, sp); every rank returns them."""
     from kimi_pipeline.recipes import load_recipe
-    from kimi_pipeline.rl.policy import PolicyWorker
+    from kimi_pipeline.rl.policy import PolicyWorker, policy_sections
     from kimi_pipeline.rl.samples import Sample
 
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     recipe = load_recipe("tiny", ["rollout.routing_replay=true", "quant.int4_qat=false", f"parallel.tp={args['tp']}",
                                   f"parallel.sequence_parallel={str(args['sp']).lower()}", f"cluster.gpus_per_node={world}",
                                   f"parallel.ep={args.get('ep', 1)}", f"parallel.etp={args.get('etp', 1)}"])
-    worker = PolicyWorker(recipe, rank, world, "127.0.0.1", int(os.environ["MASTER_PORT"]))
+    worker = PolicyWorker(**policy_sections(recipe), rank=rank, world_size=world, master_port=int(os.environ["MASTER_PORT"]))
     worker.load(str(out_dir / "no-checkpoints"), args["model"])
     samples = [Sample(**s) for s in args["samples"]]
     return {"logprobs": worker._token_logprobs(worker.model, samples)}
@@ -317,14 +317,14 @@ def scenario_grpo_dp(out_dir: Path, args: dict) -> dict:
 
     from kimi_pipeline.recipes import load_recipe
     from kimi_pipeline.rl import policy
-    from kimi_pipeline.rl.policy import PolicyWorker
+    from kimi_pipeline.rl.policy import PolicyWorker, policy_sections
     from kimi_pipeline.rl.samples import share_rollout
 
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     recipe = load_recipe("tiny", [f"cluster.gpus_per_node={world}", "rollout.global_batch_size=8",
                                   "rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4", "rollout.num_steps_per_rollout=2",
                                   "parallel.max_tokens_per_gpu=40", "grpo.use_kl_loss=true", "grpo.kl_loss_coef=0.05"])
-    worker = PolicyWorker(recipe, rank, world, "127.0.0.1", int(os.environ["MASTER_PORT"]))
+    worker = PolicyWorker(**policy_sections(recipe), rank=rank, world_size=world, master_port=int(os.environ["MASTER_PORT"]))
     worker.load(str(out_dir / "no-checkpoints"), args["model"])
     shares, split = share_rollout(_fixed_rollout(recipe.model.vocab_size), recipe)
     real_step, steps = policy.optimizer_step, []  # patched where the trainer looks it up

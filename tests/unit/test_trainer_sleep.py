@@ -24,9 +24,9 @@ def _share(recipe):
 
 
 def _two_steps(recipe, share, sleep_between: bool):
-    from kimi_pipeline.rl.policy import PolicyWorker
+    from kimi_pipeline.rl.policy import PolicyWorker, policy_sections
 
-    w = PolicyWorker(recipe)
+    w = PolicyWorker(**policy_sections(recipe))
     try:
         w.load("/nonexistent-checkpoints", str(TINY / "model"))
         w.train(share, 0)
