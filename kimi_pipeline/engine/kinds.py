@@ -16,15 +16,43 @@ from typing import Any
 from kimi_pipeline.engine.embedded import EmbeddedEngine
 from kimi_pipeline.engine.sglang import SGLangEngine
 from kimi_pipeline.recipes import Recipe
+from kimi_pipeline.recipes.models import SGLangSpec
 from kimi_pipeline.util.net import NODE_ADDRESS
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """What every engine process of a run starts with: resolved once on the driver from the rollout, sglang,
+    cluster and hub sections (`EngineSettings.of`), so the engine side never reads the recipe."""
+
+    kind: str  # rollout.engine: the `ENGINE_KINDS` entry
+    sglang: SGLangSpec  # SGLang's own server settings (its launch command)
+    seed: int  # rollout.seed
+    routing_replay: bool  # rollout.routing_replay: engines return the routed expert ids
+    device: str  # cluster.device
+    gpus_per_node: int  # cluster.gpus_per_node
+    colocate: bool  # cluster.colocate: the engines share the trainers' GPUs (SGLang's memory saver)
+    trust_remote_code: bool  # hub.trust_remote_code
+    host: str  # where an engine binds
+
+    @classmethod
+    def of(cls, recipe: Recipe) -> EngineSettings:
+        """`host`: the recipe's host (loopback by default) on one node; the node's own address when the layout spans
+        nodes, so trainers and the router on other nodes reach it (with the cluster's key,
+        `cluster.env.engine_api_key`)."""
+        rollout, cluster = recipe.rollout, recipe.cluster
+        return cls(kind=rollout.engine, sglang=recipe.sglang, seed=rollout.seed, routing_replay=rollout.routing_replay,
+                   device=cluster.device, gpus_per_node=cluster.gpus_per_node, colocate=cluster.colocate,
+                   trust_remote_code=recipe.hub.trust_remote_code,
+                   host=recipe.sglang.host if cluster.nodes == 1 else NODE_ADDRESS)
 
 
 @dataclass(frozen=True)
 class EngineKind:
     name: str
     actor_class: Callable[[], type]  # imported lazily: SGLang's actor module must not load on CPU-only drivers
-    # constructor arguments of one engine process: (recipe, model_dir, node_rank, base_gpu_id, multi-node address)
-    actor_args: Callable[[Recipe, Path, int, int, str | None], tuple[tuple, dict[str, Any]]]
+    # constructor arguments of one engine process: (settings, model_dir, node_rank, base_gpu_id, multi-node address)
+    actor_args: Callable[[EngineSettings, Path, int, int, str | None], tuple[tuple, dict[str, Any]]]
     one_process_per_node: bool  # a node-spanning engine runs one process per node (a command line each)
     owned_bucket_updates: bool  # each trainer rank can hand it its own buckets through this host's shared memory
     colocated_updates_by_cuda_ipc: bool  # colocated, it takes CUDA-IPC handles of the trainer's GPU buckets
@@ -34,28 +62,20 @@ def _embedded_class() -> type:
     return EmbeddedEngine
 
 
-def engine_host(recipe: Recipe) -> str:
-    """Where an engine binds: the recipe's host (loopback by default) on one node; the node's own address when the
-    layout spans nodes, so trainers and the router on other nodes reach it (with the cluster's key,
-    `cluster.env.engine_api_key`)."""
-    return recipe.sglang.host if recipe.cluster.nodes == 1 else NODE_ADDRESS
-
-
-def _embedded_args(recipe: Recipe, model_dir: Path, node_rank: int, base_gpu_id: int, addr: str | None):
-    return (str(model_dir), recipe.rollout.seed), {"host": engine_host(recipe), "device": recipe.cluster.device,
-                                                    "base_gpu_id": base_gpu_id}
+def _embedded_args(settings: EngineSettings, model_dir: Path, node_rank: int, base_gpu_id: int, addr: str | None):
+    return (str(model_dir), settings.seed), {"host": settings.host, "device": settings.device,
+                                             "base_gpu_id": base_gpu_id}
 
 
 def _sglang_class() -> type:
     return SGLangEngine
 
 
-def _sglang_args(recipe: Recipe, model_dir: Path, node_rank: int, base_gpu_id: int, addr: str | None):
-    return (str(model_dir), recipe.sglang), {
-        "gpus_per_node": recipe.cluster.gpus_per_node, "node_rank": node_rank, "dist_init_addr": addr,
-        "base_gpu_id": base_gpu_id, "routing_replay": recipe.rollout.routing_replay, "seed": recipe.rollout.seed,
-        "trust_remote_code": recipe.hub.trust_remote_code, "memory_saver": recipe.cluster.colocate,
-        "host": engine_host(recipe)}
+def _sglang_args(settings: EngineSettings, model_dir: Path, node_rank: int, base_gpu_id: int, addr: str | None):
+    return (str(model_dir), settings.sglang), {
+        "gpus_per_node": settings.gpus_per_node, "node_rank": node_rank, "dist_init_addr": addr,
+        "base_gpu_id": base_gpu_id, "routing_replay": settings.routing_replay, "seed": settings.seed,
+        "trust_remote_code": settings.trust_remote_code, "memory_saver": settings.colocate, "host": settings.host}
 
 
 ENGINE_KINDS: dict[str, EngineKind] = {
@@ -68,5 +88,6 @@ ENGINE_KINDS: dict[str, EngineKind] = {
 }
 
 
-def engine_kind(recipe: Recipe) -> EngineKind:
-    return ENGINE_KINDS[recipe.rollout.engine]
+def engine_kind(engine: str) -> EngineKind:
+    """The kind behind `rollout.engine`."""
+    return ENGINE_KINDS[engine]

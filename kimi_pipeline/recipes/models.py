@@ -280,6 +280,13 @@ class RolloutSpec(Section):
     def samples_per_rollout(self) -> int:
         return self.rollout_batch_size * self.n_samples_per_prompt
 
+    @property
+    def samples_per_step(self) -> int:
+        """Samples per optimizer step: `global_batch_size`, else the rollout over `num_steps_per_rollout` steps."""
+        if self.global_batch_size is not None:
+            return self.global_batch_size
+        return self.samples_per_rollout // self.num_steps_per_rollout
+
 
 class SGLangSpec(Section):
     """SGLang's own server settings. Read by: `engine.sglang` (its launch command, through `engine.kinds`),

@@ -49,10 +49,7 @@ class Recipe(Section):
 
     @property
     def global_batch_size(self) -> int:
-        r = self.rollout
-        if r.global_batch_size is not None:
-            return r.global_batch_size
-        return r.samples_per_rollout // r.num_steps_per_rollout
+        return self.rollout.samples_per_step
 
     def worker_dump(self) -> dict:
         """The whole recipe as JSON for another process (a Ray actor, a child, a log, the run's recipe.yaml):

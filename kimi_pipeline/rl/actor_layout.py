@@ -26,7 +26,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 
 from kimi_pipeline.cluster.errors import ClusterConfigError
 from kimi_pipeline.cluster.placement import Placement, compute_placement
-from kimi_pipeline.engine.kinds import engine_host, engine_kind
+from kimi_pipeline.engine.kinds import EngineSettings, engine_kind
 from kimi_pipeline.engine.sglang import sglang_command
 from kimi_pipeline.model.device import NOSET_VISIBLE_DEVICES
 from kimi_pipeline.model.parallel import Layout, LayoutError
@@ -188,31 +188,29 @@ def lay_out_actors(recipe: Recipe, model_path: str = MODEL_PLACEHOLDER) -> Actor
             gpus = (r % cluster.gpus_per_node,) if cuda else ()
             actor_layout.ranks.append(RankPlacement(r, r // cluster.gpus_per_node, gpus, **coords[r]))
     if actor_layout.placement is not None:
-        actor_layout.engines = _engines(recipe, actor_layout.placement, model_path, add)
+        actor_layout.engines = _engines(EngineSettings.of(recipe), actor_layout.placement, model_path, add)
     return actor_layout
 
 
-def _engines(recipe: Recipe, placement: Placement, model_path: str, add) -> list[EnginePlacement]:
-    cluster = recipe.cluster
+def _engines(settings: EngineSettings, placement: Placement, model_path: str, add) -> list[EnginePlacement]:
     out = []
     for e, slot in enumerate(placement.engines):
-        g, per = slot.devices, cluster.gpus_per_node
+        g, per = slot.devices, settings.gpus_per_node
         # GPUs on each node: a whole node for a node-spanning engine, else g from the first GPU it shares
         base = (e * g) % per if placement.colocate else 0
         local = tuple(range(per)) if g >= per else tuple(range(base, base + g))
-        if not engine_kind(recipe).one_process_per_node:  # the embedded engine: one process, no command line
-            gpus = local[:1] if cluster.device == "cuda" else ()  # it computes on the first GPU of its share
+        if not engine_kind(settings.kind).one_process_per_node:  # the embedded engine: one process, no command line
+            gpus = local[:1] if settings.device == "cuda" else ()  # it computes on the first GPU of its share
             out.append(EnginePlacement(e, (EngineNode(slot.bundles[0], 0, gpus, next(iter(gpus), 0), ()),)))
             continue
         addr = f"<node {slot.bundles[0]} ip>:<port>" if len(slot.bundles) > 1 else None
         nodes = []
         for j, bundle in enumerate(slot.bundles):
             try:
-                cmd = sglang_command(model_path, recipe.sglang, port=0, gpus_per_node=per, node_rank=j,
-                                     dist_init_addr=addr, base_gpu_id=local[0],
-                                     routing_replay=recipe.rollout.routing_replay, seed=recipe.rollout.seed,
-                                     trust_remote_code=recipe.hub.trust_remote_code,
-                                     memory_saver=placement.colocate, python="python", host=engine_host(recipe))
+                cmd = sglang_command(model_path, settings.sglang, port=0, gpus_per_node=per, node_rank=j,
+                                     dist_init_addr=addr, base_gpu_id=local[0], routing_replay=settings.routing_replay,
+                                     seed=settings.seed, trust_remote_code=settings.trust_remote_code,
+                                     memory_saver=placement.colocate, python="python", host=settings.host)
             except Exception as exc:  # noqa: BLE001 - a recipe SGLang cannot run: report it, with its field
                 add("sglang", str(exc))
                 cmd = []

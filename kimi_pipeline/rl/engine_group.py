@@ -10,8 +10,7 @@ from typing import Any
 import ray
 
 from kimi_pipeline.cluster.placement import free_port_on
-from kimi_pipeline.engine.kinds import engine_kind
-from kimi_pipeline.recipes import Recipe
+from kimi_pipeline.engine.kinds import EngineSettings, engine_kind
 from kimi_pipeline.rl.actor_layout import ActorLayout, engine_options
 
 
@@ -29,10 +28,10 @@ class EngineGroup:
 
 
 def _start_engine(
-    recipe: Recipe, actor_layout: ActorLayout, pgs: dict, model_dir: Path, threads: int, e: int
+    settings: EngineSettings, actor_layout: ActorLayout, pgs: dict, model_dir: Path, threads: int, e: int
 ) -> tuple[list, Any]:
     """Engine e's processes, where the actor layout puts it (started, not yet serving): (actors, its node-0 actor)."""
-    kind = engine_kind(recipe)
+    kind = engine_kind(settings.kind)
     cls = ray.remote(kind.actor_class())
     engine = actor_layout.engines[e]
     slot = actor_layout.placement.engines[engine.id]
@@ -42,7 +41,7 @@ def _start_engine(
         addr = f"{ip}:{port}"
     actors, head = [], None
     for n in engine.nodes:
-        args, kwargs = kind.actor_args(recipe, model_dir, n.node_rank, n.base_gpu_id, addr)
+        args, kwargs = kind.actor_args(settings, model_dir, n.node_rank, n.base_gpu_id, addr)
         actor = cls.options(**engine_options(actor_layout, pgs, engine.id, n.node_rank, threads)).remote(
             *args, **kwargs
         )
@@ -51,17 +50,20 @@ def _start_engine(
     return actors, head
 
 
-def start_engines(recipe: Recipe, actor_layout: ActorLayout, pgs: dict, model_dir: Path, threads: int) -> EngineGroup:
+def start_engines(
+    settings: EngineSettings, actor_layout: ActorLayout, pgs: dict, model_dir: Path, threads: int
+) -> EngineGroup:
     """One actor per engine process, where the actor layout puts it (`rl.actor_layout`); waits until each serves."""
     started = [
-        _start_engine(recipe, actor_layout, pgs, model_dir, threads, e) for e in range(len(actor_layout.engines))
+        _start_engine(settings, actor_layout, pgs, model_dir, threads, e) for e in range(len(actor_layout.engines))
     ]
     ray.get([a.start.remote() for actors, _ in started for a in actors])
     return EngineGroup([actors for actors, _ in started], ray.get([head.get_url.remote() for _, head in started]))
 
 
 def restart_engine(
-    group: EngineGroup, e: int, recipe: Recipe, actor_layout: ActorLayout, pgs: dict, model_dir: Path, threads: int
+    group: EngineGroup, e: int, settings: EngineSettings, actor_layout: ActorLayout, pgs: dict, model_dir: Path,
+    threads: int,
 ) -> str:
     """Engine e again, in its placement (its old processes killed first, which frees their bundle share);
     serving the model it started with. Returns its URL."""
@@ -70,7 +72,7 @@ def restart_engine(
             ray.kill(actor)
         except Exception:  # noqa: BLE001 - the dead process's actor may already be gone
             pass
-    actors, head = _start_engine(recipe, actor_layout, pgs, model_dir, threads, e)
+    actors, head = _start_engine(settings, actor_layout, pgs, model_dir, threads, e)
     group.by_engine[e] = actors
     ray.get([a.start.remote() for a in actors])
     group.urls[e] = ray.get(head.get_url.remote())

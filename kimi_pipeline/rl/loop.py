@@ -219,11 +219,11 @@ def run_training(recipe: Recipe, run_dir: Path, *, init_checkpoint: Path, model_
         if engines:
             source = LiveRollouts(rollouts, urls, trainers, handoff, ray.get(rollouts.connect.remote()))
         else:
-            source = SavedRollouts(replay, recipe)
+            source = SavedRollouts(replay, recipe.model, recipe.rollout, recipe.parallel, recipe.data_parallel_size)
             log.info("training on the rollouts saved in %s (no engines)", replay)
         _loop(recipe, source, trainers, handoff, evaluator, metrics_log, paths, start, end, on_step)
     except (ray.exceptions.RayError, EngineRequestError) as e:
-        actor = engine_kind(recipe).actor_class().__name__ if urls else ""
+        actor = engine_kind(recipe.rollout.engine).actor_class().__name__ if urls else ""
         err = stage_error(e, {url: f"rollout engine {i} ({actor} actor)" for i, url in enumerate(urls)})
         if err is e:
             raise

@@ -1,5 +1,6 @@
 """One rollout: prompts → n samples per prompt from the engines → rewards → group-normalized advantages
-(DAPO dynamic sampling when the recipe asks) and the rollout's metrics. Seeded by (recipe seed, step)."""
+(DAPO dynamic sampling when the recipe asks) and the rollout's metrics. Seeded by (`rollout.seed`, step).
+Reads the rollout section and the GRPO advantage estimator's name."""
 
 from __future__ import annotations
 
@@ -9,22 +10,21 @@ import torch
 
 from kimi_pipeline.engine.sampler import SamplingParams
 from kimi_pipeline.model.tokenizer import decode_responses
-from kimi_pipeline.recipes import Recipe
+from kimi_pipeline.recipes.models import RolloutSpec
 from kimi_pipeline.rl.grpo import ADVANTAGE_ESTIMATORS
 from kimi_pipeline.rl.prompts import Prompt, PromptStream
 from kimi_pipeline.rl.samples import Sample
 from kimi_pipeline.rl.sampling import collect_groups
 
 
-def rollout_seed(recipe: Recipe, step: int) -> int:
-    return recipe.rollout.seed * 1_000_003 + step
+def rollout_seed(rollout: RolloutSpec, step: int) -> int:
+    return rollout.seed * 1_000_003 + step
 
 
-def generate_groups(client, tokenizer, reward, prompts: list[Prompt], recipe: Recipe, seed: int,
+def generate_groups(client, tokenizer, reward, prompts: list[Prompt], rollout: RolloutSpec, seed: int,
                     first_group: int = 0) -> list[list[Sample]]:
     """n samples per prompt from the engines, graded; one list of samples per prompt (a group)."""
 
-    rollout = recipe.rollout
     params = SamplingParams(temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,
                             max_new_tokens=rollout.max_response_len, seed=seed)
     n = rollout.n_samples_per_prompt
@@ -46,18 +46,19 @@ def generate_groups(client, tokenizer, reward, prompts: list[Prompt], recipe: Re
     return groups
 
 
-def rollout(client, tokenizer, reward, stream: PromptStream, recipe: Recipe, step: int) -> tuple[list[Sample], dict]:
-    """One rollout's samples with group-normalized advantages (dynamic sampling when the recipe asks)."""
+def rollout(client, tokenizer, reward, stream: PromptStream, rollout: RolloutSpec, advantage_estimator: str,
+            step: int) -> tuple[list[Sample], dict]:
+    """One rollout's samples with group-normalized advantages (`grpo.advantage_estimator`; dynamic sampling when
+    the rollout section asks)."""
 
-    rollout = recipe.rollout
     t0 = time.perf_counter()
     if rollout.dynamic_sampling:
         per_draw = rollout.over_sampling_batch_size or rollout.rollout_batch_size
         seen: list[Sample] = []  # every sample drawn: the policy's reward, not the filtered batch's
 
         def draw(d: int) -> list[list[Sample]]:
-            drawn = generate_groups(client, tokenizer, reward, stream.take(per_draw), recipe,
-                                    rollout_seed(recipe, step) * 31 + d, first_group=d * per_draw)
+            drawn = generate_groups(client, tokenizer, reward, stream.take(per_draw), rollout,
+                                    rollout_seed(rollout, step) * 31 + d, first_group=d * per_draw)
             seen.extend(s for g in drawn for s in g)
             return drawn
 
@@ -67,11 +68,11 @@ def rollout(client, tokenizer, reward, stream: PromptStream, recipe: Recipe, ste
         groups, extra = kept, {"dynamic_kept_groups": float(report.kept), "dynamic_dropped_groups": float(report.dropped),
                                "dynamic_draws": float(report.draws)}
         if not groups:  # every group was all-right or all-wrong: nothing to learn from this rollout
-            groups = generate_groups(client, tokenizer, reward, stream.take(rollout.rollout_batch_size), recipe,
-                                     rollout_seed(recipe, step))
+            groups = generate_groups(client, tokenizer, reward, stream.take(rollout.rollout_batch_size), rollout,
+                                     rollout_seed(rollout, step))
     else:
-        groups = generate_groups(client, tokenizer, reward, stream.take(rollout.rollout_batch_size), recipe,
-                                 rollout_seed(recipe, step))
+        groups = generate_groups(client, tokenizer, reward, stream.take(rollout.rollout_batch_size), rollout,
+                                 rollout_seed(rollout, step))
         seen, extra = [], {}
     gen_seconds = time.perf_counter() - t0
     samples = [s for g in groups for s in g]
@@ -80,7 +81,7 @@ def rollout(client, tokenizer, reward, stream: PromptStream, recipe: Recipe, ste
     if rollout.dynamic_sampling:
         extra["reward_trained_mean"] = float(rewards.mean())
     seen_rewards = torch.tensor([s.reward for s in seen])
-    adv = ADVANTAGE_ESTIMATORS[recipe.grpo.advantage_estimator](rewards, rollout.n_samples_per_prompt)
+    adv = ADVANTAGE_ESTIMATORS[advantage_estimator](rewards, rollout.n_samples_per_prompt)
     for s, a in zip(samples, adv.tolist()):
         s.advantage = float(a)
     n = rollout.n_samples_per_prompt

@@ -26,6 +26,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save
 
 from kimi_pipeline.errors import PermanentError
+from kimi_pipeline.recipes.models import ModelSpec, ParallelSpec, RolloutSpec
 from kimi_pipeline.rl.samples import Sample, share_rollout
 from kimi_pipeline.util.files import atomic_write_bytes, atomic_write_json
 
@@ -138,8 +139,10 @@ class SavedRollouts:
 
     urls: list[str] = []  # no engines: nothing takes weights or evaluates
 
-    def __init__(self, directory: Path, recipe: Any) -> None:
-        self.directory, self.recipe = Path(directory), recipe
+    def __init__(self, directory: Path, spec: ModelSpec, rollout: RolloutSpec, parallel: ParallelSpec, dp: int) -> None:
+        """Checked against the model (`spec`) and routing replay (`rollout`); split as the rollout manager splits
+        (`rollout`, `parallel`, `dp` data-parallel ranks: `samples.share_rollout`)."""
+        self.directory, self.spec, self.rollout, self.parallel, self.dp = Path(directory), spec, rollout, parallel, dp
         if not self.directory.is_dir():
             raise RolloutDataError(f"{self.directory}: no such rollout directory (a run's train/rollouts, written "
                                    f"with rollout.save_data=true)")
@@ -147,10 +150,10 @@ class SavedRollouts:
     def take(self, step: int) -> tuple[list, dict[str, Any], int]:
         """(one object-store reference per data-parallel rank, the rollout's metrics as recorded, 0 restarts)."""
         samples, metrics = load_rollout(self.directory, step + 1)
-        model = self.recipe.model
+        model = self.spec
         check_fits(samples, self.directory / f"{step_stem(step + 1)}.safetensors", model.vocab_size,
-                   self.recipe.rollout.routing_replay, model.num_layers - model.first_k_dense, model.moe_router_topk)
-        shares, _ = share_rollout(samples, self.recipe)
+                   self.rollout.routing_replay, model.num_layers - model.first_k_dense, model.moe_router_topk)
+        shares, _ = share_rollout(samples, self.rollout, self.parallel, self.dp)
         return [ray.put(s) for s in shares], metrics, 0
 
     def state(self) -> dict[str, Any]:

@@ -17,8 +17,10 @@ from typing import Any
 import ray
 
 from kimi_pipeline.engine.client import EngineRequestError, EnginesDown, Router
+from kimi_pipeline.engine.kinds import EngineSettings
 from kimi_pipeline.model.tokenizer import load_tokenizer
 from kimi_pipeline.recipes import Recipe
+from kimi_pipeline.recipes.models import DataSpec, ModelSpec, ParallelSpec, RolloutSpec
 from kimi_pipeline.reward import AnswerGrader
 from kimi_pipeline.rl.actor_layout import rollout_manager_options
 from kimi_pipeline.rl.engine_group import EngineGroup, restart_engine, start_engines
@@ -38,9 +40,15 @@ class EngineRestartsExhausted(EngineRequestError):
 class RolloutManager:
     """Constructed by `start_rollout_manager`; every method is called through Ray (`.remote`)."""
 
-    def __init__(self, recipe_data: dict[str, Any], train_file: str, model_dir: str, save_dir: str | None = None) -> None:
-        """`save_dir`: where each rollout is saved (`rollout_data`), None: not saved."""
-        self.recipe = Recipe.model_validate(recipe_data)  # sent without the hub token
+    def __init__(self, *, spec: ModelSpec, data: DataSpec, rollout: RolloutSpec, advantage_estimator: str,
+                 parallel: ParallelSpec, dp: int, engine_settings: EngineSettings, train_file: str, model_dir: str,
+                 save_dir: str | None = None) -> None:
+        """The sections it reads: `data` the prompt columns, `rollout` sampling, rewards and the step schedule,
+        `advantage_estimator` (`grpo.advantage_estimator`), `parallel` and `dp` (data-parallel ranks) the split over
+        the trainer, `spec` the model shape (routed-expert ids), `engine_settings` how its engines start (the tokenizer
+        trusts remote code as they do). `save_dir`: where each rollout is saved (`rollout_data`), None: not saved."""
+        self.spec, self.data, self.rollout, self.advantage_estimator = spec, data, rollout, advantage_estimator
+        self.parallel, self.dp, self.settings = parallel, dp, engine_settings
         self.train_file, self.model_dir = Path(train_file), Path(model_dir)
         self.save_dir = Path(save_dir) if save_dir else None
         self.engines: EngineGroup | None = None
@@ -53,13 +61,13 @@ class RolloutManager:
         """Load the tokenizer and prompts, start the reward pool and the engines where the actor layout puts them;
         the engines' URLs. On failure, whatever started is stopped before the error is raised."""
 
-        data, rollout = self.recipe.data, self.recipe.rollout
+        data, rollout = self.data, self.rollout
         try:
-            self.tokenizer = load_tokenizer(self.model_dir, self.recipe.hub.trust_remote_code)
+            self.tokenizer = load_tokenizer(self.model_dir, self.settings.trust_remote_code)
             self.prompts = PromptStream(load_prompts(self.train_file, self.tokenizer, data.input_key, data.label_key,
                                                      data.apply_chat_template), rollout.seed, rollout.shuffle)
             self.reward = AnswerGrader(rollout.rm_type, rollout.thinking, strict=rollout.reward_strict)
-            self.engines = start_engines(self.recipe, actor_layout, pgs, self.model_dir, threads)
+            self.engines = start_engines(self.settings, actor_layout, pgs, self.model_dir, threads)
             self._placed = (actor_layout, pgs, threads)  # where a restarted engine goes
         except BaseException:
             self.close()
@@ -83,12 +91,12 @@ class RolloutManager:
         first handoff comes before the first weight sync)."""
 
         if self.router is None:
-            self.router = Router(self.engines.urls, server_concurrency=self.recipe.sglang.server_concurrency,
+            self.router = Router(self.engines.urls, server_concurrency=self.settings.sglang.server_concurrency,
                                  **self._shape())
         return self.router
 
     def _shape(self) -> dict[str, int]:
-        model = self.recipe.model
+        model = self.spec
         return {"num_layers": model.num_layers, "topk": model.moe_router_topk, "first_k_dense": model.first_k_dense}
 
     def generate(self, step: int) -> tuple[list, dict[str, float]] | None:
@@ -99,7 +107,8 @@ class RolloutManager:
 
         start = self.prompts.state()
         try:
-            samples, metrics = rollout(self.router, self.tokenizer, self.reward, self.prompts, self.recipe, step)
+            samples, metrics = rollout(self.router, self.tokenizer, self.reward, self.prompts, self.rollout,
+                                       self.advantage_estimator, step)
         except EnginesDown as e:
             log.warning("step %d: %s; the rollout runs again after the engines restart", step + 1, e)
             self.prompts.restore(start)
@@ -123,7 +132,7 @@ class RolloutManager:
             if e not in router.down and not client.health():
                 router.down[e] = f"{client.url}/health: no answer"
         dead = sorted(router.down)
-        limit = self.recipe.rollout.max_engine_restarts
+        limit = self.rollout.max_engine_restarts
         for e in dead:
             self.restarts[e] = self.restarts.get(e, 0) + 1
             if self.restarts[e] > limit:
@@ -133,7 +142,7 @@ class RolloutManager:
                     f"stage starts every engine afresh")
             log.warning("restarting rollout engine %d (%s), restart %d of at most %d", e, router.clients[e].url,
                         self.restarts[e], limit)
-            url = restart_engine(self.engines, e, self.recipe, *self._placed[:2], self.model_dir, self._placed[2])
+            url = restart_engine(self.engines, e, self.settings, *self._placed[:2], self.model_dir, self._placed[2])
             router.replace(e, url)
         return list(self.engines.urls), len(dead)
 
@@ -150,7 +159,7 @@ class RolloutManager:
 
     def _split(self, samples: list[Sample], step: int) -> tuple[list[RankShare], dict[str, float]]:
         """Each data-parallel rank's share (optimizer steps × micro-batches) and the split's metrics."""
-        shares, split = share_rollout(samples, self.recipe)
+        shares, split = share_rollout(samples, self.rollout, self.parallel, self.dp)
         if split.trimmed:
             log.info("step %d: %d samples past the last full global batch (%d) not trained", step + 1,
                      len(split.trimmed), split.global_batch_size)
@@ -182,11 +191,14 @@ class RolloutManager:
 def start_rollout_manager(recipe: Recipe, run_dir: Path, model_dir: Path, actor_layout, pgs: dict, threads: int,
                           save_dir: Path | None = None):
     """The run's `RolloutManager` actor, started (engines serving) on the driver's node; its engines' URLs. It reads
-    the validated prompts of `run_dir` and saves each rollout under `save_dir` (None: not saved)."""
+    the validated prompts of `run_dir` and saves each rollout under `save_dir` (None: not saved). It is sent the
+    sections it reads (the hub token stays here)."""
 
-    data = recipe.worker_dump()
     manager = ray.remote(RolloutManager).options(**rollout_manager_options(recipe.cluster.device)).remote(
-        data, str(run_dir / "validate" / "train.jsonl"), str(model_dir), str(save_dir) if save_dir else None)
+        spec=recipe.model, data=recipe.data, rollout=recipe.rollout, advantage_estimator=recipe.grpo.advantage_estimator,
+        parallel=recipe.parallel, dp=recipe.data_parallel_size, engine_settings=EngineSettings.of(recipe),
+        train_file=str(run_dir / "validate" / "train.jsonl"), model_dir=str(model_dir),
+        save_dir=str(save_dir) if save_dir else None)
     try:
         urls = ray.get(manager.start.remote(actor_layout, pgs, threads))
     except BaseException:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kimi_pipeline.recipes.models import ParallelSpec, RolloutSpec
 from kimi_pipeline.rl.batching import RolloutSplit, split_rollout, step_batch_size
 
 
@@ -105,14 +106,14 @@ class RankShare:
     steps: list[list[list[int]]]
 
 
-def share_rollout(samples: list[Sample], recipe) -> tuple[list[RankShare], RolloutSplit]:
-    """The recipe's split of a rollout over DP ranks and optimizer steps (see `batching.split_rollout`):
-    steps of `rollout.global_batch_size` samples as the seeds (or one step of all with a dynamic global
-    batch); with no global batch set, `num_steps_per_rollout` steps of whatever dynamic sampling kept."""
-    rollout, parallel = recipe.rollout, recipe.parallel
-    dp = recipe.data_parallel_size
+def share_rollout(samples: list[Sample], rollout: RolloutSpec, parallel: ParallelSpec,
+                  dp: int) -> tuple[list[RankShare], RolloutSplit]:
+    """The recipe's split of a rollout over `dp` data-parallel ranks (`Recipe.data_parallel_size`) and optimizer
+    steps (see `batching.split_rollout`): steps of `rollout.global_batch_size` samples as the seeds (or one step
+    of all with a dynamic global batch); with no global batch set, `num_steps_per_rollout` steps of whatever
+    dynamic sampling kept."""
     if rollout.use_dynamic_global_batch_size or rollout.global_batch_size is not None:
-        size = step_batch_size(len(samples), recipe.global_batch_size, dp, rollout.use_dynamic_global_batch_size)
+        size = step_batch_size(len(samples), rollout.samples_per_step, dp, rollout.use_dynamic_global_batch_size)
         steps = {"global_batch_size": size}
     else:
         steps = {"num_steps": rollout.num_steps_per_rollout}

@@ -31,7 +31,7 @@ from kimi_pipeline.convert.names import HFLayout
 from kimi_pipeline.engine.client import chunk_named_tensors, paused, weight_update_session
 from kimi_pipeline.engine.cuda_ipc import build_update_request, serialize_bucket
 from kimi_pipeline.engine.dist_update import dtype_from_name
-from kimi_pipeline.engine.kinds import ENGINE_KINDS
+from kimi_pipeline.engine.kinds import engine_kind
 from kimi_pipeline.model.hf_config import hf_config_dict
 from kimi_pipeline.quant.engine_format import EngineFormat, engine_quant_config, engine_weight_format, to_engine_format
 from kimi_pipeline.quant.policy_weights import policy_tensors
@@ -46,7 +46,7 @@ class SyncTarget:
     """What the engines serve and how a trainer rank's weights reach them: resolved once on the driver from the
     rollout, sglang, cluster, quant and hub sections (`SyncTarget.of`), so a trainer rank reads this, not them."""
 
-    engine: str  # rollout.engine: the `engine.kinds.ENGINE_KINDS` entry
+    engine: str  # rollout.engine (`engine.kinds.engine_kind`)
     weight_format: EngineFormat  # rollout.engine_weight_format with `auto` resolved (`quant.engine_format`)
     weight_sync: str  # rollout.weight_sync: "disk" forces the disk fallback
     buffer_bytes: int  # rollout.update_weight_buffer_size: one bucket
@@ -259,7 +259,7 @@ def choose_weight_sync(trainer: TrainerRank, router) -> WeightSync:
     """The run's updater (collective: every trainer rank calls it with the same engines)."""
 
     target = trainer.target
-    kind = ENGINE_KINDS[target.engine]
+    kind = engine_kind(target.engine)
     if target.weight_sync == "disk":
         return DiskCheckpoint(trainer, router)
     if target.colocate and kind.colocated_updates_by_cuda_ipc:

@@ -29,7 +29,7 @@ def _rollout(url: str, sets: list[str], step: int = 0):
     tok = load_tokenizer(TINY / "model")
     stream = PromptStream(load_prompts(TINY / "dapo-math-tiny.jsonl", tok), seed=1)
     with Router([url]) as client, AnswerGrader("math") as rm:
-        samples, metrics = rollout(client, tok, rm, stream, recipe, step)
+        samples, metrics = rollout(client, tok, rm, stream, recipe.rollout, recipe.grpo.advantage_estimator, step)
     return recipe, stream, samples, metrics
 
 

@@ -326,7 +326,8 @@ def scenario_grpo_dp(out_dir: Path, args: dict) -> dict:
                                   "parallel.max_tokens_per_gpu=40", "grpo.use_kl_loss=true", "grpo.kl_loss_coef=0.05"])
     worker = PolicyWorker(**policy_sections(recipe), rank=rank, world_size=world, master_port=int(os.environ["MASTER_PORT"]))
     worker.load(str(out_dir / "no-checkpoints"), args["model"])
-    shares, split = share_rollout(_fixed_rollout(recipe.model.vocab_size), recipe)
+    shares, split = share_rollout(_fixed_rollout(recipe.model.vocab_size), recipe.rollout, recipe.parallel,
+                                  recipe.data_parallel_size)
     real_step, steps = policy.optimizer_step, []  # patched where the trainer looks it up
 
     def step_after_export(optimizer, scheduler=None):  # the real step, after recording the gradients it applies

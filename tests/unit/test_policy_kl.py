@@ -44,7 +44,8 @@ def test_reference_model_only_with_a_kl_coefficient():
         rewards = torch.tensor([float(i % 2) for i in range(len(samples))])
         for s, a, r in zip(samples, group_advantages(rewards, 4).tolist(), rewards.tolist()):
             s.advantage, s.reward = a, r
-        (share,), _ = share_rollout(samples, recipe)  # one DP rank: the whole rollout
+        # one DP rank: the whole rollout
+        (share,), _ = share_rollout(samples, recipe.rollout, recipe.parallel, recipe.data_parallel_size)
         first = w.train(share, 0)  # its loss is computed before the update: policy = reference
         assert first["optimizer_steps"] == 1
         assert first["kl"] == pytest.approx(0.0, abs=1e-9)

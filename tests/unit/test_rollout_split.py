@@ -57,7 +57,7 @@ def test_without_a_global_batch_the_rollout_is_num_steps_slices_of_what_dynamic_
     assert [sum(len(mb) for mb in step[0]) for step in split.steps] == [13, 13, 13, 11] and split.trimmed == []
     recipe = load_recipe("tiny")  # no rollout.global_batch_size: num_steps_per_rollout updates per rollout
     samples = [Sample(prompt_ids=[1] * 5, response_ids=[2] * 5, rollout_logprobs=[0.0] * 5) for _ in range(48)]
-    _, split = share_rollout(samples, recipe)
+    _, split = share_rollout(samples, recipe.rollout, recipe.parallel, recipe.data_parallel_size)
     assert len(split.steps) == recipe.rollout.num_steps_per_rollout == 4
     with pytest.raises(ValueError, match="exactly one"):
         split_rollout([10], dp_size=1, balance=True)
@@ -81,7 +81,7 @@ def test_presets_split_their_rollout_over_their_dp_ranks(preset):
     lengths = _lengths(recipe.rollout.samples_per_rollout, seed=3)
     samples = [Sample(prompt_ids=[1] * 10, response_ids=[2] * (n - 10), rollout_logprobs=[0.0] * (n - 10))
                for n in lengths]
-    shares, split = share_rollout(samples, recipe)
+    shares, split = share_rollout(samples, recipe.rollout, recipe.parallel, recipe.data_parallel_size)
     dp = recipe.data_parallel_size
     assert len(shares) == dp == 4 and [s.dp_rank for s in shares] == list(range(dp))
     assert len(split.steps) == recipe.rollout.num_steps_per_rollout

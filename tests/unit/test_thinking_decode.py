@@ -48,6 +48,6 @@ def test_rollout_grades_a_thinking_response_through_the_real_decode_path():
     recipe = load_recipe("tiny", ["rollout.thinking=true", "rollout.n_samples_per_prompt=2"])
     prompts = [Prompt(ids=tok.encode("1+6=?", add_special_tokens=False), label="7", text="1+6=?")]
     with AnswerGrader(recipe.rollout.rm_type, thinking=True) as reward:
-        (group,) = generate_groups(_Engine(_thinking_response(tok)), tok, reward, prompts, recipe, seed=0)
+        (group,) = generate_groups(_Engine(_thinking_response(tok)), tok, reward, prompts, recipe.rollout, seed=0)
     assert [s.reward for s in group] == [1.0, 1.0]
     assert all("</think>" in s.response_text for s in group)

@@ -19,7 +19,7 @@ def _share(recipe):
     rewards = torch.tensor([float(i % 3 == 0) for i in range(len(samples))])
     for s, a, r in zip(samples, group_advantages(rewards, 4).tolist(), rewards.tolist()):
         s.advantage, s.reward = a, r
-    (share,), _ = share_rollout(samples, recipe)
+    (share,), _ = share_rollout(samples, recipe.rollout, recipe.parallel, recipe.data_parallel_size)
     return share
 
 
