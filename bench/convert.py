@@ -32,7 +32,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kimi_pipeline.convert.torch_dist import run_convert  # noqa: E402
+from kimi_pipeline.convert.torch_dist import ConvertSections, run_convert  # noqa: E402
 from kimi_pipeline.model.hf_config import hf_config_dict  # noqa: E402
 from kimi_pipeline.recipes import load_recipe  # noqa: E402
 from kimi_pipeline.recipes.models import ModelSpec  # noqa: E402
@@ -126,7 +126,7 @@ def main() -> None:
 
         run_dir = work / "run"
         shutil.rmtree(run_dir, ignore_errors=True)
-        section = run_convert(recipe, run_dir, src, source_files={}, verify=False, reuse=False)
+        section = run_convert(ConvertSections.of(recipe), run_dir, src, source_files={}, verify=False, reuse=False)
         reports = [json.loads(p.read_text()) for p in sorted((run_dir / "convert" / "work" / "reports").glob("rank_*.json"))]
         conv_s = section["seconds"]
         data_s = max(r["seconds"]["load"] + r["seconds"]["save"] for r in reports)

@@ -20,7 +20,7 @@ from kimi_pipeline.cluster.lifecycle import attach_driver
 from kimi_pipeline.cluster.preflight import report_markdown, run_preflight
 from kimi_pipeline.data.tiny_assets import BASE_POLICY_TOLERANCE, build_tiny_assets_reproducibly, compare_builds
 from kimi_pipeline.errors import PermanentError
-from kimi_pipeline.eval.record import base_policy_scores, evaluate_checkpoint
+from kimi_pipeline.eval.record import EvalSections, base_policy_scores, evaluate_checkpoint
 from kimi_pipeline.hub.download import DownloadError
 from kimi_pipeline.plan import plan_command
 from kimi_pipeline.recipes import RecipeError, check_recipe, load_recipe, pipeline_layers, preset_names, recipe_to_yaml
@@ -320,7 +320,8 @@ def eval_(
         err.print("error: the recipe's eval set is on the hub; pass --data FILE (or run `kimi download` first)")
         raise typer.Exit(2)
     mdir = model_dir or (resolve_path(r.hub.model.path) if r.hub.model.kind == "local" else None)
-    result = _run_or_exit(lambda: evaluate_checkpoint(r, checkpoint, out, model_dir=mdir, data_file=Path(data_file)))
+    result = _run_or_exit(lambda: evaluate_checkpoint(EvalSections.of(r), checkpoint, out, model_dir=mdir,
+                                                      data_file=Path(data_file)))
     console.print_json(json.dumps(result, default=str))
 
 
@@ -360,11 +361,13 @@ def recipe_check(
         for p in problems:
             err.print(f"  - {p}", highlight=False, markup=False)
         raise typer.Exit(1)
-    p = r.parallel
-    split = pipeline_layers(r.model.num_layers, p.pp, p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers)
+    parallel = r.parallel
+    split = pipeline_layers(r.model.num_layers, parallel.pp, parallel.decoder_first_pipeline_num_layers,
+                            parallel.decoder_last_pipeline_num_layers)
     console.print(
         f"[green]ok[/green] {r.name}: {r.cluster.nodes}×{r.cluster.gpus_per_node} {r.cluster.device}, "
-        f"TP{p.tp} PP{p.pp} CP{p.cp} DP{r.data_parallel_size} EP{p.ep} ETP{p.etp}, layers per pipeline stage {split}, "
+        f"TP{parallel.tp} PP{parallel.pp} CP{parallel.cp} DP{r.data_parallel_size} EP{parallel.ep} "
+        f"ETP{parallel.etp}, layers per pipeline stage {split}, "
         f"global batch {r.global_batch_size}",
         highlight=False,
     )
@@ -396,8 +399,9 @@ def data_make_tiny(
             console.print("shipped tiny assets match a fresh build byte for byte")
             return
         recipe, eval_file = load_recipe("tiny"), out / "aime-tiny.jsonl"
-        shipped = base_policy_scores(recipe, out / "model", eval_file, Path(tmp) / "eval-shipped")
-        rebuilt = base_policy_scores(recipe, fresh / "model", eval_file, Path(tmp) / "eval-fresh")
+        sections = EvalSections.of(recipe)
+        shipped = base_policy_scores(sections, out / "model", eval_file, Path(tmp) / "eval-shipped")
+        rebuilt = base_policy_scores(sections, fresh / "model", eval_file, Path(tmp) / "eval-fresh")
     gaps = {k: abs(rebuilt[k] - shipped[k]) for k in BASE_POLICY_TOLERANCE}
     line = ", ".join(f"{k} {shipped[k]:.3f} shipped vs {rebuilt[k]:.3f} rebuilt (gap {gaps[k]:.3f}, tolerance "
                      f"{BASE_POLICY_TOLERANCE[k]:.3f})" for k in BASE_POLICY_TOLERANCE)

@@ -15,7 +15,7 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 
-from kimi_pipeline.eval.record import run_eval_step
+from kimi_pipeline.eval.record import EvalSections, run_eval_step
 from kimi_pipeline.hub.download import model_root
 from kimi_pipeline.recipes import Recipe
 from kimi_pipeline.rl.actor_layout import ActorLayout, layout_markdown
@@ -33,7 +33,7 @@ from tasks.common import RETRY_DELAYS, retry_unless_permanent, run_stage_task
     persist_result=False,
 )
 def eval_task(recipe: Recipe, run_dir: str, step: int, engine_urls: list[str], model_dir: str) -> dict[str, Any]:
-    result = run_eval_step(recipe, Path(run_dir), step, engine_urls, Path(model_dir))
+    result = run_eval_step(EvalSections.of(recipe), Path(run_dir), step, engine_urls, Path(model_dir))
     create_markdown_artifact(result.pop("markdown"), key="eval", description=f"AIME-style eval at step {step}")
     return result
 

@@ -18,6 +18,7 @@ import ray
 
 from kimi_pipeline.cluster.env import gcs_reachable
 from kimi_pipeline.cluster.errors import ClusterError, ClusterHealthError
+from kimi_pipeline.recipes.models import ClusterSpec
 
 log = logging.getLogger(__name__)
 GB = 1024**3
@@ -33,10 +34,9 @@ class Requirements:
     resources_per_node: dict[str, float] = field(default_factory=dict)
 
     @classmethod
-    def from_recipe(cls, recipe) -> Requirements:
-        """cuda: the recipe's GPUs per node; cpu: no GPUs, one CPU per trainer rank (gpus_per_node counts
+    def of(cls, cluster: ClusterSpec) -> Requirements:
+        """cuda: the cluster section's GPUs per node; cpu: no GPUs, one CPU per trainer rank (gpus_per_node counts
         ranks) plus one for the embedded engine when it is not colocated."""
-        cluster = recipe.cluster
         ranks = cluster.gpus_per_node
         default_cpus = ranks + (0 if cluster.colocate else 1) if cluster.device == "cpu" else 1
         cpus = cluster.cpus_per_node if cluster.cpus_per_node is not None else default_cpus

@@ -29,6 +29,7 @@ from kimi_pipeline.cluster.errors import ClusterConfigError, ClusterHealthError,
 from kimi_pipeline.cluster.health import ClusterFacts, Requirements, wait_until_healthy
 from kimi_pipeline.cluster.local import LocalCluster, NodeSpec
 from kimi_pipeline.cluster.preflight import report_markdown, run_preflight
+from kimi_pipeline.recipes.models import ClusterSpec
 from kimi_pipeline.report.stage_reports import cluster_report
 from kimi_pipeline.report.summary import RunSummary
 from kimi_pipeline.util.files import atomic_write_json, atomic_write_text
@@ -53,10 +54,9 @@ def local_gpu_count() -> int:
     return sum(1 for line in out.splitlines() if line.startswith("GPU "))
 
 
-def embedded_layout(recipe) -> tuple[NodeSpec, list[NodeSpec]]:
+def embedded_layout(cluster: ClusterSpec) -> tuple[NodeSpec, list[NodeSpec]]:
     """Head + simulated worker specs for an embedded cluster, or a clear error if this host cannot."""
-    cluster = recipe.cluster
-    req = Requirements.from_recipe(recipe)
+    req = Requirements.of(cluster)
     total_gb = psutil.virtual_memory().total / 1024**3
     if req.memory_gb_per_node and total_gb < req.memory_gb_per_node:
         raise LocalClusterTooSmall(
@@ -159,15 +159,15 @@ def _section(
 def bring_up(recipe, run_dir: Path, timeout_s: float | None = None, owner_pid: int | None = None) -> dict[str, Any]:
     """Start or attach, wait until healthy, write facts; returns the summary section."""
     run_dir = Path(run_dir)
-    c = recipe.cluster
-    req = Requirements.from_recipe(recipe)
+    wanted = recipe.cluster
+    req = Requirements.of(wanted)
     t0 = time.monotonic()
     cdir = run_dir / "cluster"
     cdir.mkdir(parents=True, exist_ok=True)
     cluster: LocalCluster | None = None
     previous = LocalCluster.load(run_dir)
-    if c.address:
-        address = attach_driver(c.address)
+    if wanted.address:
+        address = attach_driver(wanted.address)
         mode, auth = "existing", auth_mode()
         if previous is not None and previous.state.get("mode") == "embedded" and not previous.stopped:
             previous.stop()  # the run dir's own cluster must not outlive the record that tracks it
@@ -182,11 +182,12 @@ def bring_up(recipe, run_dir: Path, timeout_s: float | None = None, owner_pid: i
             else:
                 previous.stop()  # leftovers of a crashed attempt
         if cluster is None:
-            head, workers = embedded_layout(recipe)
+            head, workers = embedded_layout(wanted)
             if auth == "token":
                 ensure_token()
-            dashboard = c.keep or c.device == "cuda" or os.environ.get("KIMI_RAY_DASHBOARD") == "1"
-            cluster = LocalCluster.start(run_dir, head, workers, dashboard=dashboard, owner_pid=None if c.keep else owner_pid)
+            dashboard = wanted.keep or wanted.device == "cuda" or os.environ.get("KIMI_RAY_DASHBOARD") == "1"
+            cluster = LocalCluster.start(run_dir, head, workers, dashboard=dashboard,
+                                         owner_pid=None if wanted.keep else owner_pid)
         auth = cluster.env.get("RAY_AUTH_MODE", auth)  # a reused cluster keeps the mode it started with
         try:
             export_driver_env(auth)
@@ -197,9 +198,9 @@ def bring_up(recipe, run_dir: Path, timeout_s: float | None = None, owner_pid: i
         except BaseException:
             cluster.stop()
             raise
-        cluster.state["keep"] = c.keep
+        cluster.state["keep"] = wanted.keep
         cluster.save()
-    section = _section(facts, req, mode, auth, time.monotonic() - t0, cluster, c.keep)
+    section = _section(facts, req, mode, auth, time.monotonic() - t0, cluster, wanted.keep)
     report = fast_preflight(recipe, facts.address, cdir)
     section["preflight"] = {"ok": report["ok"], "seconds": report["seconds"], "failed": report["failed"]}
     atomic_write_json(cdir / "facts.json", section)

@@ -24,6 +24,7 @@ from ray.util.placement_group import placement_group, placement_group_table, rem
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from kimi_pipeline.cluster.errors import ClusterConfigError, PlacementError
+from kimi_pipeline.recipes.models import ClusterSpec
 from kimi_pipeline.util.net import free_port
 
 log = logging.getLogger(__name__)
@@ -81,9 +82,9 @@ class Placement:
         return d
 
 
-def compute_placement(recipe, rollout_devices: int | None = None) -> Placement:
-    """The placement groups for `recipe`. `rollout_devices`: GPUs for non-colocated engines (default: the trainer's)."""
-    cluster = recipe.cluster
+def compute_placement(cluster: ClusterSpec, gpus_per_engine: int, rollout_devices: int | None = None) -> Placement:
+    """The placement groups for the cluster section with engines of `gpus_per_engine` GPUs
+    (`sglang.gpus_per_engine`). `rollout_devices`: GPUs for non-colocated engines (default: the trainer's)."""
     per_node, nodes = cluster.gpus_per_node, cluster.nodes
     cuda = cluster.device == "cuda"
     res = "GPU" if cuda else "CPU"
@@ -100,7 +101,7 @@ def compute_placement(recipe, rollout_devices: int | None = None) -> Placement:
         engines = tuple(EngineSlot("rollout", (i,), 1) for i in range(nodes))
         return Placement((trainer, rollout), per_node, engines, False, cluster.device, trainer_actor, {"CPU": 1.0})
 
-    gpe = recipe.sglang.gpus_per_engine
+    gpe = gpus_per_engine
     if gpe > per_node and gpe % per_node:
         raise ClusterConfigError(
             f"sglang.gpus_per_engine={gpe} spans nodes but is not a multiple of cluster.gpus_per_node={per_node}"

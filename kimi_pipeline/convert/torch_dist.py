@@ -16,6 +16,7 @@ import logging
 import shutil
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ from kimi_pipeline.hub.manifest import build_manifest, list_files
 from kimi_pipeline.model.checkpoint_dirs import TRACKER
 from kimi_pipeline.model.parallel import Layout
 from kimi_pipeline.recipes import Recipe
+from kimi_pipeline.recipes.models import ClusterSpec, ConvertSpec, ModelSpec
 from kimi_pipeline.util.files import atomic_write_json, sha256_json
 from kimi_pipeline.weightjobs.job_file import write_job_file
 from kimi_pipeline.weightjobs.launch import read_rank_reports
@@ -57,11 +59,28 @@ def checkpoint_dir(run_dir: str | Path) -> Path:
     return convert_dir(run_dir) / CKPT_NAME
 
 
-def fingerprint(recipe: Recipe, source_files: dict[str, Any]) -> str:
+@dataclass(frozen=True)
+class ConvertSections:
+    """What a conversion reads of the recipe (`ConvertSections.of`): `convert` its layout, nodes and launcher,
+    `spec` the model, `cluster` the device and where its agents run, `text_config_key` where the checkpoint keeps
+    its text config; `key` the model / parallel / convert sections as the fingerprint records them."""
+
+    convert: ConvertSpec
+    spec: ModelSpec
+    cluster: ClusterSpec
+    text_config_key: str | None
+    key: dict[str, Any]
+
+    @classmethod
+    def of(cls, recipe: Recipe) -> ConvertSections:
+        return cls(recipe.convert, recipe.model, recipe.cluster, recipe.hub.text_config_key,
+                   recipe.section_dump("model", "parallel", "convert"))
+
+
+def fingerprint(sections: ConvertSections, source_files: dict[str, Any]) -> str:
     """Content of the conversion: source file hashes + the recipe sections that shape the checkpoint."""
     files = {k: (v.get("sha256") or v.get("size")) for k, v in sorted(source_files.items())}
-    return sha256_json({"v": FORMAT_VERSION, "files": files,
-                        "recipe": recipe.section_dump("model", "parallel", "convert")})
+    return sha256_json({"v": FORMAT_VERSION, "files": files, "recipe": sections.key})
 
 
 def source_manifest(model_dir: Path) -> dict[str, Any]:
@@ -102,12 +121,13 @@ def _dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def run_convert(recipe: Recipe, run_dir: str | Path, model_dir: str | Path, *,
+def run_convert(sections: ConvertSections, run_dir: str | Path, model_dir: str | Path, *,
                 source_files: dict[str, Any] | None = None, verify: bool | None = None,
                 reuse: bool = True, timeout: float | None = None) -> dict[str, Any]:
-    """Convert `model_dir` per recipe.convert into DIR/convert/torch_dist, verify, return the summary section."""
+    """Convert `model_dir` per the convert section into DIR/convert/torch_dist, verify, return the summary
+    section."""
 
-    convert = recipe.convert
+    convert, spec, cluster = sections.convert, sections.spec, sections.cluster
     if convert.mode != "torch_dist":
         raise ConvertStageError(
             f"convert.mode={convert.mode!r}: only torch_dist is converted here (bridge mode loads HF weights directly)"
@@ -115,7 +135,7 @@ def run_convert(recipe: Recipe, run_dir: str | Path, model_dir: str | Path, *,
     run_dir, model_dir = Path(run_dir), Path(model_dir)
     out = convert_dir(run_dir)
     out.mkdir(parents=True, exist_ok=True)
-    fp = fingerprint(recipe, source_files if source_files is not None else source_manifest(model_dir))
+    fp = fingerprint(sections, source_files if source_files is not None else source_manifest(model_dir))
     if reuse and (prev := completed(run_dir, fp)) is not None:
         log.info("convert: %s already holds this conversion (fingerprint %s); reusing it", checkpoint_dir(run_dir), fp[:12])
         return {**prev, "reused": True}
@@ -124,19 +144,19 @@ def run_convert(recipe: Recipe, run_dir: str | Path, model_dir: str | Path, *,
         log.warning("convert: removed the leftovers of an interrupted conversion: %s", ", ".join(removed))
 
     layout = Layout.from_convert(convert)
-    layout.check_model(recipe.model)
-    reader = HFCheckpoint(model_dir, text_config_key=recipe.hub.text_config_key)  # fails early on a bad index
+    layout.check_model(spec)
+    reader = HFCheckpoint(model_dir, text_config_key=sections.text_config_key)  # fails early on a bad index
     source_bytes = reader.total_bytes()
     work = out / "work"
     shutil.rmtree(work, ignore_errors=True)
     reports = work / "reports"
     tmp = out / f"{CKPT_NAME}.tmp-{uuid.uuid4().hex[:8]}"
-    job = write_job_file(work / "job.json", model=recipe.model, layout=layout, device=recipe.cluster.device,
+    job = write_job_file(work / "job.json", model=spec, layout=layout, device=cluster.device,
                          model_dir=model_dir.resolve(),
-                         out_dir=tmp.resolve(), report_dir=reports.resolve(), text_config_key=recipe.hub.text_config_key)
+                         out_dir=tmp.resolve(), report_dir=reports.resolve(), text_config_key=sections.text_config_key)
     t0 = time.monotonic()
     job_result, ranks, command = run_weight_job(
-        recipe.convert, recipe.cluster, "kimi_pipeline.convert.convert_rank", job, reports, "convert", "rank", timeout
+        convert, cluster, "kimi_pipeline.convert.convert_rank", job, reports, "convert", "rank", timeout
     )
     seconds = time.monotonic() - t0
     if not (tmp / TRACKER).is_file():
@@ -165,7 +185,7 @@ def run_convert(recipe: Recipe, run_dir: str | Path, model_dir: str | Path, *,
 
     do_verify = convert.verify if verify is None else verify
     if do_verify:
-        section.update(verify_conversion(recipe, model_dir, tmp, work, timeout))
+        section.update(verify_conversion(sections, model_dir, tmp, work, timeout))
     else:
         section["verify_skipped"] = "convert.verify=false"
         log.warning("convert: verification skipped by convert.verify=false; the checkpoint is NOT verified")
@@ -179,23 +199,23 @@ def run_convert(recipe: Recipe, run_dir: str | Path, model_dir: str | Path, *,
 
 
 def verify_conversion(
-    recipe: Recipe, model_dir: str | Path, ckpt: str | Path, work: str | Path, timeout: float | None = None
+    sections: ConvertSections, model_dir: str | Path, ckpt: str | Path, work: str | Path, timeout: float | None = None
 ) -> dict[str, Any]:
-    """Verify the torch_dist checkpoint `ckpt`, written in recipe.convert's layout, against the HF checkpoint
+    """Verify the torch_dist checkpoint `ckpt`, written in the convert section's layout, against the HF checkpoint
     `model_dir` (`kimi_pipeline.convert.verify`, reloaded under another layout); returns the verdict's fields
     for the convert section. Raises ConversionVerifyError listing every tensor that differs (the whole
     verdict is then in WORK/verify_failed.json)."""
-    convert = recipe.convert
+    convert, spec, cluster = sections.convert, sections.spec, sections.cluster
     model_dir, ckpt, work = Path(model_dir), Path(ckpt), Path(work)
     reports = work / "reports"
     layout = Layout.from_convert(convert)
-    small = model_bytes(recipe.model) <= SMALL_MODEL_BYTES
-    vlayout = verify_layout(recipe.model, layout, small)
+    small = model_bytes(spec) <= SMALL_MODEL_BYTES
+    vlayout = verify_layout(spec, layout, small)
     same_world = vlayout.world_size == layout.world_size
-    vjob = write_job_file(work / "verify.json", model=recipe.model, layout=vlayout, device=recipe.cluster.device,
+    vjob = write_job_file(work / "verify.json", model=spec, layout=vlayout, device=cluster.device,
                           model_dir=model_dir.resolve(),
                           out_dir=ckpt.resolve(), ckpt_dir=ckpt.resolve(), report_dir=reports.resolve(),
-                          text_config_key=recipe.hub.text_config_key, logits=small)
+                          text_config_key=sections.text_config_key, logits=small)
     t1 = time.monotonic()
     launch(
         "kimi_pipeline.convert.verify",
@@ -207,7 +227,7 @@ def verify_conversion(
         name="verify",
         timeout=timeout,
         report_prefix="verify_rank",
-        **launch_target(recipe.convert, recipe.cluster),
+        **launch_target(convert, cluster),
     )
     verdict = summarize(read_rank_reports(reports, "verify_rank", vlayout.world_size), logits_expected=small)
     section = {k: v for k, v in verdict.items() if k != "problems"}

@@ -19,11 +19,16 @@ import datasets
 import pandas as pd
 import pandera.errors as pa_errors
 
-from kimi_pipeline.data.rows import (as_messages, label_value_problem, normalize_problem, problem_signature,
-                                     prompt_problem)
+from kimi_pipeline.data.rows import (
+    as_messages,
+    label_value_problem,
+    normalize_problem,
+    problem_signature,
+    prompt_problem,
+)
 from kimi_pipeline.data.schemas import row_schema
 from kimi_pipeline.errors import SectionError
-from kimi_pipeline.recipes import Recipe
+from kimi_pipeline.recipes.models import DataSpec
 from kimi_pipeline.util.files import atomic_write_json, atomic_write_jsonl
 
 RAW_PREVIEW_CHARS = 2000
@@ -77,10 +82,10 @@ def _render(prompts: list[Any], tokenizer, apply_chat_template: bool) -> list[in
 
 
 def validate_split(
-    split: str, path: Path, recipe: Recipe, tokenizer, cache_dir: Path | None = None
+    split: str, path: Path, data: DataSpec, max_prompt_len: int, tokenizer, cache_dir: Path | None = None
 ) -> tuple[list[dict], list[dict], dict[str, Any]]:
     """(clean rows, quarantined rows, stats) for one data file."""
-    ikey, lkey = recipe.data.input_key, recipe.data.label_key
+    ikey, lkey = data.input_key, data.label_key
     path = Path(path)
     rows = load_rows(path, cache_dir)
     frame = []
@@ -102,10 +107,10 @@ def validate_split(
     df["prompt_tokens"] = pd.Series([math.nan] * len(frame), dtype=float)
     valid_idx = [i for i, r in enumerate(frame) if r["json_error"] is None and prompt_problem(r["prompt"]) is None]
     if valid_idx:
-        lengths = _render([frame[i]["prompt"] for i in valid_idx], tokenizer, recipe.data.apply_chat_template)
+        lengths = _render([frame[i]["prompt"] for i in valid_idx], tokenizer, data.apply_chat_template)
         df.loc[valid_idx, "prompt_tokens"] = [float(n) for n in lengths]
     reasons: dict[int, list[tuple[str, str]]] = collections.defaultdict(list)
-    max_tokens = recipe.rollout.max_prompt_len
+    max_tokens = max_prompt_len
     try:
         row_schema(f"{split}:{path.name}", max_tokens).validate(df, lazy=True)
     except pa_errors.SchemaErrors as e:
@@ -190,20 +195,21 @@ def contamination(train_rows: list[dict], eval_rows: list[dict], key: str, label
     }
 
 
-def run_validate(recipe: Recipe, run_dir: Path, train_path: Path, eval_path: Path, tokenizer) -> dict[str, Any]:
+def run_validate(data: DataSpec, max_prompt_len: int, run_dir: Path, train_path: Path, eval_path: Path,
+                 tokenizer) -> dict[str, Any]:
     """Validate both splits, write clean + quarantine files and a report; return the summary section."""
     out = Path(run_dir) / "validate"
     cache = Path(run_dir) / ".cache" / "datasets"
     splits: dict[str, dict[str, Any]] = {}
     clean: dict[str, list[dict]] = {}
     for split, path in (("train", Path(train_path)), ("eval", Path(eval_path))):
-        rows, bad, stats = validate_split(split, path, recipe, tokenizer, cache)
+        rows, bad, stats = validate_split(split, path, data, max_prompt_len, tokenizer, cache)
         atomic_write_jsonl(out / f"quarantine-{split}.jsonl", bad)
         stats["quarantine"] = str(out / f"quarantine-{split}.jsonl")
         stats["examples"] = [{"line": b["line"], "reasons": b["reasons"], "raw": b["raw"][:300]} for b in bad[:5]]
         splits[split] = stats
         clean[split] = rows
-    cont = contamination(clean["train"], clean["eval"], recipe.data.input_key, recipe.data.label_key)
+    cont = contamination(clean["train"], clean["eval"], data.input_key, data.label_key)
     section = {
         "rows": sum(s["rows"] for s in splits.values()),
         "bad_rows": sum(s["bad_rows"] for s in splits.values()),
@@ -214,16 +220,16 @@ def run_validate(recipe: Recipe, run_dir: Path, train_path: Path, eval_path: Pat
     for split, s in splits.items():
         if s["rows"] - s["bad_rows"] == 0:
             failures.append(f"{split}: no valid rows in {s['file']}")
-        elif s["bad_fraction"] > recipe.data.max_bad_fraction:
+        elif s["bad_fraction"] > data.max_bad_fraction:
             failures.append(
                 f"{split}: {s['bad_rows']}/{s['rows']} rows bad ({s['bad_fraction']:.2%}) > data.max_bad_fraction="
-                f"{recipe.data.max_bad_fraction:.2%}; reasons {s['reasons']}; see {s['quarantine']}"
+                f"{data.max_bad_fraction:.2%}; reasons {s['reasons']}; see {s['quarantine']}"
             )
-    if cont["fraction"] > recipe.data.max_contamination:
+    if cont["fraction"] > data.max_contamination:
         failures.append(
             f"contamination: {cont['overlap']}/{cont['eval_rows']} eval prompts also appear in train "
             f"({cont['equivalent']} as equivalent problems: same numbers and answer, reordered or reworded) "
-            f"({cont['fraction']:.2%} > data.max_contamination={recipe.data.max_contamination:.2%}); "
+            f"({cont['fraction']:.2%} > data.max_contamination={data.max_contamination:.2%}); "
             f"first eval lines: {[e['line'] for e in cont['examples']]}"
         )
     section["passed"] = not failures

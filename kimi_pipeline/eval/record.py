@@ -6,7 +6,9 @@ own retried task run), and by `kimi eval --checkpoint` on any HF or torch_dist c
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,12 +20,12 @@ from kimi_pipeline.engine.sampler import RolloutEngine
 from kimi_pipeline.engine.server import EngineServer
 from kimi_pipeline.errors import PermanentError
 from kimi_pipeline.eval.run import eval_step_path, evaluate
-from kimi_pipeline.eval.run import evaluate as run
 from kimi_pipeline.model.checkpoint_dirs import TRACKER, latest_step
 from kimi_pipeline.model.device import resolve_device
 from kimi_pipeline.model.tokenizer import load_tokenizer
 from kimi_pipeline.quant.policy_weights import checkpoint_model, policy_tensors
 from kimi_pipeline.recipes import Recipe
+from kimi_pipeline.recipes.models import DataSpec, EvalSpec, ModelSpec, QuantSpec, RolloutSpec
 from kimi_pipeline.report.stage_reports import eval_report
 from kimi_pipeline.report.summary import RunSummary
 from kimi_pipeline.rl.prompts import load_prompts
@@ -31,27 +33,55 @@ from kimi_pipeline.rl.prompts import load_prompts
 SUMMARY_KEYS = ("step", "avg_at_n", "pass_at_1", "pass_at_n", "maj_at_n")
 
 
-def eval_prompts(recipe: Recipe, run_dir: Path, tokenizer):
+@dataclass(frozen=True)
+class EvalSections:
+    """What an evaluation reads of the recipe (`EvalSections.of`): `eval` its sampling and sizes, `data` the prompt
+    columns, `rollout` the seed and the grader (rm_type, thinking, reward_strict, top_k), `spec` / `quant` /
+    `device` how a torch_dist checkpoint is read back (QAT fake-quant as the policy sampled), and the hub's
+    `trust_remote_code` and SGLang's `server_concurrency`."""
+
+    eval: EvalSpec
+    data: DataSpec
+    rollout: RolloutSpec
+    spec: ModelSpec
+    quant: QuantSpec
+    device: str
+    trust_remote_code: bool
+    server_concurrency: int
+
+    @classmethod
+    def of(cls, recipe: Recipe) -> EvalSections:
+        return cls(recipe.eval, recipe.data, recipe.rollout, recipe.model, recipe.quant, recipe.cluster.device,
+                   recipe.hub.trust_remote_code, recipe.sglang.server_concurrency)
+
+
+def eval_prompts(data: DataSpec, run_dir: Path, tokenizer):
     path = Path(run_dir) / "validate" / "eval.jsonl"
-    return load_prompts(path, tokenizer, recipe.data.input_key, recipe.data.label_key, recipe.data.apply_chat_template)
+    return load_prompts(path, tokenizer, data.input_key, data.label_key, data.apply_chat_template)
 
 
-def run_eval_step(recipe: Recipe, run_dir: Path, step: int, engine_urls: list[str], model_dir: Path) -> dict[str, Any]:
+def _evaluate(client, tokenizer, prompts, sections: EvalSections, step: int, out_dir: Path) -> dict[str, Any]:
+    """`eval.run.evaluate` with the recipe's seed and grader."""
+    rollout = sections.rollout
+    return evaluate(client, tokenizer, prompts, sections.eval, step=step, seed=rollout.seed, rm_type=rollout.rm_type,
+                    thinking=rollout.thinking, strict=rollout.reward_strict, out_dir=out_dir, top_k=rollout.top_k)
+
+
+def run_eval_step(sections: EvalSections, run_dir: Path, step: int, engine_urls: list[str],
+                  model_dir: Path) -> dict[str, Any]:
     """Evaluate the engines' current weights at `step`; returns the eval.jsonl row (+ `markdown`)."""
 
-    tokenizer = load_tokenizer(model_dir, recipe.hub.trust_remote_code)
-    prompts = eval_prompts(recipe, run_dir, tokenizer)
+    tokenizer = load_tokenizer(model_dir, sections.trust_remote_code)
+    prompts = eval_prompts(sections.data, run_dir, tokenizer)
     out_dir = Path(run_dir) / "eval"
-    with Router(engine_urls, server_concurrency=recipe.sglang.server_concurrency) as client:
-        result = evaluate(client, tokenizer, prompts, recipe.eval, step=step, seed=recipe.rollout.seed,
-                          rm_type=recipe.rollout.rm_type, thinking=recipe.rollout.thinking,
-                          strict=recipe.rollout.reward_strict, out_dir=out_dir, top_k=recipe.rollout.top_k)
+    with Router(engine_urls, server_concurrency=sections.server_concurrency) as client:
+        result = _evaluate(client, tokenizer, prompts, sections, step, out_dir)
     RunSummary(run_dir).upsert_row("eval", {k: result[k] for k in SUMMARY_KEYS})
     table = json.loads(eval_step_path(out_dir, step).read_text()).get("problems_table")
     return {**result, "markdown": eval_report(result, table)}
 
 
-def evaluate_checkpoint(recipe: Recipe, checkpoint: Path, run_dir: Path, *, model_dir: Path | None = None,
+def evaluate_checkpoint(sections: EvalSections, checkpoint: Path, run_dir: Path, *, model_dir: Path | None = None,
                         data_file: Path | None = None, step: int | None = None) -> dict[str, Any]:
     """`kimi eval --checkpoint`: an HF directory (config.json) or a torch_dist checkpoint, evaluated on
     an in-process embedded engine. Eval prompts: `data_file` or the run's validated eval set."""
@@ -68,27 +98,26 @@ def evaluate_checkpoint(recipe: Recipe, checkpoint: Path, run_dir: Path, *, mode
                                  "it was converted from (--model-dir, or the run's download stage)")
         tokenizer_dir = model_dir
         engine_model = EngineModel.from_pretrained(model_dir)
-        engine_model.load_weights(_torch_dist_hf_tensors(recipe, checkpoint), strict=True)
+        engine_model.load_weights(_torch_dist_hf_tensors(sections, checkpoint), strict=True)
     else:
         raise PermanentError(f"{checkpoint}: neither an HF checkpoint (config.json) nor a torch_dist checkpoint "
                              f"({TRACKER} or iter_NNNNNNN/)")
-    tokenizer = load_tokenizer(tokenizer_dir, recipe.hub.trust_remote_code)
-    prompts = (load_prompts(data_file, tokenizer, recipe.data.input_key, recipe.data.label_key,
-                            recipe.data.apply_chat_template) if data_file else eval_prompts(recipe, run_dir, tokenizer))
-    with EngineServer(RolloutEngine(engine_model, seed=recipe.rollout.seed)) as server:
+    tokenizer = load_tokenizer(tokenizer_dir, sections.trust_remote_code)
+    data = sections.data
+    prompts = (load_prompts(data_file, tokenizer, data.input_key, data.label_key, data.apply_chat_template)
+               if data_file else eval_prompts(data, run_dir, tokenizer))
+    with EngineServer(RolloutEngine(engine_model, seed=sections.rollout.seed)) as server:
         with EngineClient(server.url) as client:
-            torch.manual_seed(recipe.rollout.seed)
-            return run(client, tokenizer, prompts, recipe.eval, step=step or 0, seed=recipe.rollout.seed,
-                       rm_type=recipe.rollout.rm_type, thinking=recipe.rollout.thinking,
-                       strict=recipe.rollout.reward_strict, out_dir=Path(run_dir) / "eval", top_k=recipe.rollout.top_k)
+            torch.manual_seed(sections.rollout.seed)
+            return _evaluate(client, tokenizer, prompts, sections, step or 0, Path(run_dir) / "eval")
 
 
-def base_policy_scores(recipe: Recipe, model_dir: Path, data_file: Path, work_dir: Path) -> dict[str, float]:
+def base_policy_scores(sections: EvalSections, model_dir: Path, data_file: Path, work_dir: Path) -> dict[str, float]:
     """How an HF checkpoint behaves on an eval set, as the pipeline measures it: the recipe's sampled eval at
     step 0 (`avg_at_n`, its seed) and a greedy pass (temperature 0, one sample: `greedy`)."""
-    greedy = recipe.model_copy(update={"eval": recipe.eval.model_copy(update={"temperature": 0.0,
-                                                                              "n_samples_per_prompt": 1})})
-    sampled = evaluate_checkpoint(recipe, model_dir, Path(work_dir) / "sampled", data_file=data_file, step=0)
+    greedy = dataclasses.replace(sections, eval=sections.eval.model_copy(update={"temperature": 0.0,
+                                                                                "n_samples_per_prompt": 1}))
+    sampled = evaluate_checkpoint(sections, model_dir, Path(work_dir) / "sampled", data_file=data_file, step=0)
     first = evaluate_checkpoint(greedy, model_dir, Path(work_dir) / "greedy", data_file=data_file, step=0)
     return {"avg_at_n": sampled["avg_at_n"], "greedy": first["avg_at_n"], "problems": sampled["problems"]}
 
@@ -99,12 +128,12 @@ def _checkpoint_step(checkpoint: Path) -> int:
     return latest_step(checkpoint) or 0
 
 
-def _torch_dist_hf_tensors(recipe: Recipe, checkpoint: Path) -> dict:
+def _torch_dist_hf_tensors(sections: EvalSections, checkpoint: Path) -> dict:
     """A torch_dist checkpoint's HF-named tensors in this (one-rank) process, as the policy sampled them."""
 
     ckpt_dir, step = (checkpoint.parent, int(checkpoint.name.split("_")[1])) if checkpoint.name.startswith("iter_") \
         else (checkpoint, None)
-    with checkpoint_model(recipe.model, ckpt_dir, step, device=resolve_device(recipe.cluster.device)) as (
-            model, layout, _):
-        qat = recipe.quant.group_size if recipe.quant.int4_qat else None
-        return dict(policy_tensors(model, recipe.model, layout, qat_group_size=qat))
+    spec, quant = sections.spec, sections.quant
+    with checkpoint_model(spec, ckpt_dir, step, device=resolve_device(sections.device)) as (model, layout, _):
+        qat = quant.group_size if quant.int4_qat else None
+        return dict(policy_tensors(model, spec, layout, qat_group_size=qat))

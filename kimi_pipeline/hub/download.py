@@ -38,8 +38,7 @@ from kimi_pipeline.model.hf_config import (
     text_config,
     vision_mismatches,
 )
-from kimi_pipeline.recipes import Recipe
-from kimi_pipeline.recipes.models import Source
+from kimi_pipeline.recipes.models import DataSpec, HubSpec, ModelSpec, Source
 from kimi_pipeline.util.files import atomic_write_json
 from kimi_pipeline.util.paths import resolve_path
 
@@ -92,8 +91,9 @@ def _issues_text(issues: list[FileIssue]) -> str:
 
 
 # ---------------------------------------------------------------- local sources
-def fetch_local(name: str, source: Source, recipe: Recipe, previous: dict | None, verify: str) -> Fetched:
-    target = resolve_path(source.path or "", recipe.paths.base_dir)
+def fetch_local(name: str, source: Source, base_dir: str, previous: dict | None, verify: str) -> Fetched:
+    """`base_dir` (`paths.base_dir`): what a relative source path is relative to."""
+    target = resolve_path(source.path or "", base_dir)
     if source.filename and target.is_dir():
         target = target / source.filename
     if not target.exists():
@@ -156,10 +156,10 @@ def _hub_expected(api, source: Source, token: str | None, patterns: list[str] | 
     return out, info.sha
 
 
-def fetch_hub(name: str, source: Source, recipe: Recipe, token: str | None, offline: bool, verify: str) -> Fetched:
+def fetch_hub(name: str, source: Source, base_dir: str, token: str | None, offline: bool, verify: str) -> Fetched:
     if not source.repo_id:
         raise DownloadError(f"{name}: hub source needs repo_id")
-    base = resolve_path(recipe.paths.base_dir, recipe.paths.base_dir)
+    base = resolve_path(base_dir, base_dir)
     kind_dir = "datasets" if source.repo_type == "dataset" else "models"
     local_dir = base / "hub" / kind_dir / source.repo_id.replace("/", "--") / source.revision
     patterns = [source.filename] if source.filename else (source.allow_patterns or DEFAULT_MODEL_PATTERNS)
@@ -243,7 +243,7 @@ def weight_format(qc: dict[str, Any] | None) -> str:
     return "bf16"
 
 
-def inspect_model(fetched: Fetched, recipe: Recipe) -> dict[str, Any]:
+def inspect_model(fetched: Fetched, spec: ModelSpec, hub: HubSpec) -> dict[str, Any]:
     cfg_path = fetched.root / "config.json"
     if not cfg_path.is_file():
         raise LocalSourceError(f"model: {fetched.root} has no config.json; is {fetched.source} a model checkpoint?")
@@ -251,17 +251,17 @@ def inspect_model(fetched: Fetched, recipe: Recipe) -> dict[str, Any]:
         config = json.loads(cfg_path.read_text())
     except json.JSONDecodeError as e:
         raise LocalSourceError(f"model: {cfg_path} is not valid JSON ({e})") from None
-    tcfg = text_config(config, recipe.hub.text_config_key)
-    problems = shape_mismatches(recipe.model, tcfg) + vision_mismatches(recipe.model, config)
+    tcfg = text_config(config, hub.text_config_key)
+    problems = shape_mismatches(spec, tcfg) + vision_mismatches(spec, config)
     if problems:
         raise LocalSourceError(
             f"model: {cfg_path} does not match the recipe's model shape (wrong repo or revision?):\n"
             + "\n".join(f"  - {p}" for p in problems)
         )
-    fmt = weight_format(quantization_config(config, recipe.hub.text_config_key))
-    if fmt != recipe.hub.source_format:
+    fmt = weight_format(quantization_config(config, hub.text_config_key))
+    if fmt != hub.source_format:
         raise LocalSourceError(
-            f"model: {cfg_path} holds {fmt} weights but the recipe says hub.source_format={recipe.hub.source_format}; "
+            f"model: {cfg_path} holds {fmt} weights but the recipe says hub.source_format={hub.source_format}; "
             f"set hub.source_format={fmt} (the converter dequantizes fp8/int4 on the fly)"
         )
     model_type = tcfg.get("model_type", config.get("model_type"))
@@ -280,30 +280,33 @@ def inspect_model(fetched: Fetched, recipe: Recipe) -> dict[str, Any]:
         "format": fmt,
         "safetensors_files": n_weights,
         "language_model_prefix": HFLayout.of_config(config).prefix,
-        "vision_params": recipe.model.vision.num_params(recipe.model.hidden_size) if recipe.model.vision else 0,
+        "vision_params": spec.vision.num_params(spec.hidden_size) if spec.vision else 0,
     }
 
 
 # ---------------------------------------------------------------- the stage
-def run_download(recipe: Recipe, run_dir: Path, token: str | None = None) -> dict[str, Any]:
-    """Fetch + verify every source of the recipe; write DIR/download/manifest.json; return the summary section."""
+def run_download(hub: HubSpec, data: DataSpec, spec: ModelSpec, base_dir: str, run_dir: Path,
+                 token: str | None = None) -> dict[str, Any]:
+    """Fetch + verify every source (`hub`'s model and reference, `data`'s sets; relative local paths under
+    `base_dir`, `paths.base_dir`), check the model against `spec`; write DIR/download/manifest.json; return the
+    summary section."""
     run_dir = Path(run_dir)
     out_dir = run_dir / "download"
     manifest_path = out_dir / "manifest.json"
     previous = json.loads(manifest_path.read_text()) if manifest_path.is_file() else {}
-    token = resolve_token(token or (recipe.hub.token.get_secret_value() if recipe.hub.token else None))
-    offline = recipe.hub.offline or os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true")
-    sources: dict[str, Source] = {"model": recipe.hub.model, "train": recipe.data.train, "eval": recipe.data.eval}
-    if recipe.hub.ref_model is not None:
-        sources["ref_model"] = recipe.hub.ref_model
+    token = resolve_token(token or (hub.token.get_secret_value() if hub.token else None))
+    offline = hub.offline or os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true")
+    sources: dict[str, Source] = {"model": hub.model, "train": data.train, "eval": data.eval}
+    if hub.ref_model is not None:
+        sources["ref_model"] = hub.ref_model
     fetched: dict[str, Fetched] = {}
     for name, src in sources.items():
         if src.kind == "local":
-            fetched[name] = fetch_local(name, src, recipe, previous.get(name), recipe.hub.verify)
+            fetched[name] = fetch_local(name, src, base_dir, previous.get(name), hub.verify)
         else:
-            fetched[name] = fetch_hub(name, src, recipe, token, offline, recipe.hub.verify)
+            fetched[name] = fetch_hub(name, src, base_dir, token, offline, hub.verify)
         log.info("%s: %s -> %s (%d files, %d bytes)", name, src.describe(), fetched[name].root, len(fetched[name].files), fetched[name].bytes)
-    model_info = inspect_model(fetched["model"], recipe)
+    model_info = inspect_model(fetched["model"], spec, hub)
     manifest = {name: f.to_json() for name, f in fetched.items()}
     manifest["model"]["info"] = model_info
     atomic_write_json(manifest_path, manifest)

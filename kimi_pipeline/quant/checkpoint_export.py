@@ -5,7 +5,7 @@ sharded safetensors + index, tokenizer files) and `<run_dir>/export/export.json`
 section, written last: its presence marks a finished export).
 
 `export_checkpoint` exports a megatron torch_dist training checkpoint (the tracker's
-latest, or a chosen step). It is distributed like the conversion, in `recipe.convert`'s layout (one
+latest, or a chosen step). It is distributed like the conversion, in the convert section's layout (one
 rank per GPU over its nodes): every rank loads its slice, quantizes and writes the tensors it owns and
 checks them bit for bit (`quant/export_rank.py`); then this process names the shards and writes the index
 last. When the model fits in this host's memory, a one-rank child process then reloads the export with
@@ -25,6 +25,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +54,8 @@ from kimi_pipeline.quant.verify import (
     check_tensors,
     model_check_problems,
 )
-from kimi_pipeline.recipes import Recipe, load_recipe, recipe_to_yaml
+from kimi_pipeline.recipes import Recipe
+from kimi_pipeline.recipes.models import ClusterSpec, ConvertSpec, ModelSpec, QuantSpec
 from kimi_pipeline.util.files import atomic_write_json, sha256_files, sha256_json
 from kimi_pipeline.util.lifetime import die_with_parent
 from kimi_pipeline.weightjobs.job_file import write_job_file
@@ -71,19 +73,35 @@ class ExportInputError(PermanentError):
     pass
 
 
+@dataclass(frozen=True)
+class ExportSections:
+    """What the export reads of the recipe (`ExportSections.of`): `spec` the model, `quant` the format, group
+    size and whether the policy trained with QAT, `convert` the layout and nodes of the distributed job,
+    `cluster` its device and where its agents run."""
+
+    spec: ModelSpec
+    quant: QuantSpec
+    convert: ConvertSpec
+    cluster: ClusterSpec
+
+    @classmethod
+    def of(cls, recipe: Recipe) -> ExportSections:
+        return cls(recipe.model, recipe.quant, recipe.convert, recipe.cluster)
+
+
 def export_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / "export"
 
 
-def shard_bytes(recipe: Recipe) -> int:
+def shard_bytes(spec: ModelSpec) -> int:
     """~4 shards for small models (so sharding is exercised), 5 GiB shards for real ones."""
-    return int(min(MAX_SHARD, max(MIN_SHARD, count_params(recipe.model).total * 2 // 4)))
+    return int(min(MAX_SHARD, max(MIN_SHARD, count_params(spec).total * 2 // 4)))
 
 
-def model_check_fits(recipe: Recipe) -> tuple[bool, str | None]:
+def model_check_fits(spec: ModelSpec) -> tuple[bool, str | None]:
     """Reloading on CPU holds three fp32 copies of the model (export + two references)."""
 
-    need = count_params(recipe.model).total * 4 * 3 * 3 // 2
+    need = count_params(spec).total * 4 * 3 * 3 // 2
     avail = psutil.virtual_memory().available
     if need > avail:
         return False, f"needs ~{need / 2**30:.1f} GiB of RAM for a CPU reload, {avail / 2**30:.1f} GiB available"
@@ -91,7 +109,8 @@ def model_check_fits(recipe: Recipe) -> tuple[bool, str | None]:
 
 
 def run_export(
-    recipe: Recipe,
+    spec: ModelSpec,
+    quant: QuantSpec,
     run_dir: str | Path,
     hf_tensors_source: TensorSource,
     *,
@@ -111,24 +130,23 @@ def run_export(
     checkpoint: what was exported (recorded).
     """
     t0 = time.monotonic()
-    quant = recipe.quant
     if quant.export_format != "int4":
         return {"skipped": f"quant.export_format={quant.export_format!r}: only the INT4 export is written here"}
     config = base_config(model_dir)
     out = export_dir(run_dir) / name
     (export_dir(run_dir) / SECTION_FILE).unlink(missing_ok=True)
     info = export_int4(
-        hf_tensors_source(), config, model_dir, out, quant.group_size, max_shard_bytes=shard_bytes(recipe)
+        hf_tensors_source(), config, model_dir, out, quant.group_size, max_shard_bytes=shard_bytes(spec)
     )
     log.info("export: wrote %s (%d packed experts, %d bytes, %d tensors carried as stored)", out, info.num_quantized,
              info.disk_bytes, info.carried_tensors)
-    section = _section(recipe, info, check_tensors(out, hf_tensors_source(), quant.group_size), checkpoint)
+    section = _section(quant, info, check_tensors(out, hf_tensors_source(), quant.group_size), checkpoint)
     if verify_model is None:
-        verify_model = model_check_fits(recipe)[0]
+        verify_model = model_check_fits(spec)[0]
     if verify_model:
-        check_model_into(section, recipe, out, hf_tensors_source(), reference_logits, parity_tol)
+        check_model_into(section, spec, quant, out, hf_tensors_source(), reference_logits, parity_tol)
     else:
-        section["model_check"] = f"skipped: {model_check_fits(recipe)[1] or 'disabled'}"
+        section["model_check"] = f"skipped: {model_check_fits(spec)[1] or 'disabled'}"
     return _finish(run_dir, section, t0)
 
 
@@ -139,8 +157,7 @@ def base_config(model_dir: str | Path) -> dict[str, Any]:
     return json.loads(cfg_path.read_text())
 
 
-def _section(recipe: Recipe, info: ExportInfo, tensors: TensorCheck, checkpoint: str | None) -> dict[str, Any]:
-    quant = recipe.quant
+def _section(quant: QuantSpec, info: ExportInfo, tensors: TensorCheck, checkpoint: str | None) -> dict[str, Any]:
     section: dict[str, Any] = {
         "path": info.path,
         "format": "compressed-tensors pack-quantized int4",
@@ -159,15 +176,15 @@ def _section(recipe: Recipe, info: ExportInfo, tensors: TensorCheck, checkpoint:
 
 def check_model_into(
     section: dict[str, Any],
-    recipe: Recipe,
+    spec: ModelSpec,
+    quant: QuantSpec,
     out: Path,
     tensors,
     reference_logits: LogitsFn | None,
     parity_tol: float | None = None,
 ) -> None:
     """Model-level check (reload, logits, generate) merged into `section`, its failures into `problems`."""
-    quant = recipe.quant
-    parity_tol = PARITY_TOL_BY_DTYPE.get(recipe.model.params_dtype, PARITY_TOL) if parity_tol is None else parity_tol
+    parity_tol = PARITY_TOL_BY_DTYPE.get(spec.params_dtype, PARITY_TOL) if parity_tol is None else parity_tol
     result = check_model(out, tensors, quant.group_size, reference_logits=reference_logits, parity_tol=parity_tol)
     section.update(result)
     gate = model_check_problems(result, parity_tol)
@@ -215,7 +232,7 @@ def checkpoint_content_hash(checkpoint_dir: str | Path, step: int | None = None)
 
 
 def export_distributed(
-    recipe: Recipe,
+    sections: ExportSections,
     run_dir: Path,
     checkpoint_dir: str | Path,
     step: int,
@@ -223,11 +240,11 @@ def export_distributed(
     name: str = "int4",
     timeout_s: float | None = None,
 ) -> tuple[ExportInfo, dict[str, Any]]:
-    """Every rank of recipe.convert's layout writes the experts it owns; the index is merged here, last."""
+    """Every rank of the convert section's layout writes the experts it owns; the index is merged here, last."""
 
-    convert, quant = recipe.convert, recipe.quant
+    convert, quant, spec = sections.convert, sections.quant, sections.spec
     layout = Layout.from_convert(convert)
-    layout.check_model(recipe.model)
+    layout.check_model(spec)
     config = base_config(model_dir)
     out = export_dir(run_dir)
     final = out / name
@@ -240,23 +257,23 @@ def export_distributed(
     reports = work / "reports"
     job = write_job_file(
         work / "job.json",
-        model=recipe.model,
+        model=spec,
         layout=layout,
-        device=recipe.cluster.device,
+        device=sections.cluster.device,
         model_dir=model_dir.resolve(),
         out_dir=tmp.resolve(),
         report_dir=reports.resolve(),
         checkpoint_dir=str(Path(checkpoint_dir).resolve()),
         step=step,
         group_size=quant.group_size,
-        max_shard_bytes=shard_bytes(recipe),
+        max_shard_bytes=shard_bytes(spec),
         hf_prefix=HFLayout.of_config(config).prefix,
     )
     t0 = time.monotonic()
     try:
         job_result, ranks, command = run_weight_job(
-            recipe.convert,
-            recipe.cluster,
+            convert,
+            sections.cluster,
             "kimi_pipeline.quant.export_rank",
             job,
             reports,
@@ -271,7 +288,7 @@ def export_distributed(
             config,
             model_dir,
             quant.group_size,
-            max_shard_bytes=shard_bytes(recipe),
+            max_shard_bytes=shard_bytes(spec),
         )
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -298,14 +315,14 @@ def export_distributed(
     return info, {"tensors": tensors, **extra}
 
 
-def check_checkpoint_model(recipe: Recipe, out: Path, checkpoint_dir: str | Path, step: int) -> dict[str, Any]:
-    """In THIS process (the child): the export vs the checkpoint's one-rank megatron forward (fake-quant
-    experts when the recipe trains with QAT); returns the model-check section fields and problems."""
+def check_checkpoint_model(spec: ModelSpec, quant: QuantSpec, device: str, out: Path, checkpoint_dir: str | Path,
+                           step: int) -> dict[str, Any]:
+    """In THIS process (the child): the export vs the checkpoint's one-rank megatron forward on `device`
+    (fake-quant experts when the policy trains with QAT); returns the model-check section fields and problems."""
 
-    with checkpoint_model(recipe.model, checkpoint_dir, step, device=resolve_device(recipe.cluster.device)) as (
-            model, layout, _):
-        if recipe.quant.int4_qat:
-            enable_int4_qat(model, recipe.quant.group_size)
+    with checkpoint_model(spec, checkpoint_dir, step, device=resolve_device(device)) as (model, layout, _):
+        if quant.int4_qat:
+            enable_int4_qat(model, quant.group_size)
         model.eval()
 
         @torch.no_grad()
@@ -313,12 +330,12 @@ def check_checkpoint_model(recipe: Recipe, out: Path, checkpoint_dir: str | Path
             return causal_forward(model, ids.to(model_device(model))).cpu()
 
         section: dict[str, Any] = {}
-        check_model_into(section, recipe, out, policy_tensors(model, recipe.model, layout), trainer_logits)
+        check_model_into(section, spec, quant, out, policy_tensors(model, spec, layout), trainer_logits)
         return section
 
 
 def export_checkpoint(
-    recipe: Recipe,
+    sections: ExportSections,
     run_dir: Path,
     checkpoint_dir: str | Path,
     step: int | None,
@@ -334,7 +351,7 @@ def export_checkpoint(
     out.mkdir(parents=True, exist_ok=True)
     for stale in (SECTION_FILE, ERROR_FILE):
         (out / stale).unlink(missing_ok=True)
-    info, dist_info = export_distributed(recipe, run_dir, checkpoint_dir, step, model_dir, timeout_s=timeout_s)
+    info, dist_info = export_distributed(sections, run_dir, checkpoint_dir, step, model_dir, timeout_s=timeout_s)
     log.info(
         "export: wrote %s (%d packed experts, %d bytes) from %d ranks",
         info.path,
@@ -342,10 +359,10 @@ def export_checkpoint(
         info.disk_bytes,
         dist_info["ranks"],
     )
-    section = {**_section(recipe, info, dist_info.pop("tensors"), str(path)), **dist_info}
-    fits, reason = model_check_fits(recipe)
+    section = {**_section(sections.quant, info, dist_info.pop("tensors"), str(path)), **dist_info}
+    fits, reason = model_check_fits(sections.spec)
     if fits:
-        checked = _model_check_child(recipe, run_dir, checkpoint_dir, step, Path(info.path), timeout_s)
+        checked = _model_check_child(sections, run_dir, checkpoint_dir, step, Path(info.path), timeout_s)
         problems = section.pop("problems", []) + checked.pop("problems", [])
         section.update(checked, **({"problems": problems} if problems else {}))
     else:
@@ -354,15 +371,16 @@ def export_checkpoint(
 
 
 def _model_check_child(
-    recipe: Recipe, run_dir: Path, checkpoint_dir: str | Path, step: int, export: Path, timeout_s: float | None
+    sections: ExportSections, run_dir: Path, checkpoint_dir: str | Path, step: int, export: Path,
+    timeout_s: float | None,
 ) -> dict[str, Any]:
     """`check_checkpoint_model` in a child: megatron's process groups and gloo rendezvous stay out of the
-    flow process. Returns its fields (with `problems` when a gate failed)."""
+    flow process. It is sent the sections it reads. Returns its fields (with `problems` when a gate failed)."""
 
     out = export_dir(run_dir)
-    (out / "recipe.yaml").write_text(recipe_to_yaml(recipe))
     job = {"checkpoint_dir": str(checkpoint_dir), "step": step, "export": str(export),
-           "recipe": str(out / "recipe.yaml"), "result": str(out / "work" / "model_check.json")}
+           "model": sections.spec.model_dump(mode="json"), "quant": sections.quant.model_dump(mode="json"),
+           "device": sections.cluster.device, "result": str(out / "work" / "model_check.json")}
     atomic_write_json(out / "job.json", job)
     env = {**os.environ, "TORCHDYNAMO_DISABLE": "1"}
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT"):
@@ -391,8 +409,8 @@ def main(argv: list[str] | None = None) -> None:
     job = json.loads(job_path.read_text())
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
-        recipe = load_recipe(job["recipe"], env={})
-        result = check_checkpoint_model(recipe, Path(job["export"]), job["checkpoint_dir"], job["step"])
+        result = check_checkpoint_model(ModelSpec.model_validate(job["model"]), QuantSpec.model_validate(job["quant"]),
+                                        job["device"], Path(job["export"]), job["checkpoint_dir"], job["step"])
         atomic_write_json(Path(job["result"]), result)
     except BaseException as e:
         atomic_write_json(job_path.parent / ERROR_FILE, {

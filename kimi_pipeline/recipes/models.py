@@ -138,7 +138,8 @@ class HubSpec(Section):
     """Model sources: the policy checkpoint, an optional separate reference checkpoint, and access.
 
     Read by: the download stage (`hub.download`); `text_config_key` / `trust_remote_code` by every reader of the
-    checkpoint (`convert.torch_dist`, `rl.policy`, `stages.validate`, `eval.record`)."""
+    checkpoint (`convert.torch_dist.ConvertSections`, `rl.policy`, `stages.validate`, `eval.record.EvalSections`,
+    the engines' `engine.kinds.EngineSettings`)."""
 
     model: Source
     ref_model: Source | None = Field(None, description="separate reference checkpoint (K2.5: BF16 ref)")
@@ -214,7 +215,9 @@ class ParallelSpec(Section):
 
 class ClusterSpec(Section):
     """The Ray cluster a run needs. Read by: the cluster stage (`cluster.lifecycle`, `cluster.health`,
-    `cluster.preflight`), `cluster.placement` and `rl.actor_layout` (where actors go), `weightjobs.run`."""
+    `cluster.preflight`), `cluster.placement` and `rl.actor_layout` (where actors go), `weightjobs.run`, and the
+    records that resolve it for a component: `rl.weight_sync.SyncTarget`, `engine.kinds.EngineSettings`,
+    `convert.torch_dist.ConvertSections`, `quant.checkpoint_export.ExportSections`, `eval.record.EvalSections`."""
 
     nodes: int = Field(1, gt=0, description="actor nodes (--actor-num-nodes)")
     gpus_per_node: int = Field(8, gt=0, description="GPUs per node; on device=cpu, trainer ranks per node")
@@ -232,7 +235,8 @@ class ClusterSpec(Section):
 
 class RolloutSpec(Section):
     """Generation and rewards per rollout, and the step schedule. Read by: `rl.rollout` / `rl.rollout_manager`
-    (sampling, dynamic sampling, rewards), `rl.samples` (the split into steps), `rl.policy`, `rl.weight_sync.SyncTarget`,
+    (sampling, dynamic sampling, rewards), `rl.samples` (the split into steps), `rl.policy`,
+    `rl.weight_sync.SyncTarget`, `engine.kinds.EngineSettings`, `eval.record.EvalSections` (seed and grader),
     `rl.loop`, `data.validate` (prompt length)."""
 
     engine: Literal["sglang", "embedded"] = "sglang"
@@ -289,7 +293,8 @@ class RolloutSpec(Section):
 
 
 class SGLangSpec(Section):
-    """SGLang's own server settings. Read by: `engine.sglang` (its launch command, through `engine.kinds`),
+    """SGLang's own server settings. Read by: `engine.sglang` (its launch command, through
+    `engine.kinds.EngineSettings`),
     `rl.actor_layout` (GPUs per engine), `rl.weight_sync.SyncTarget`."""
 
     gpus_per_engine: int = Field(8, gt=0)
@@ -325,7 +330,8 @@ class GRPOSpec(Section):
 
 
 class EvalSpec(Section):
-    """The periodic evaluation. Read by: `eval.record` / `eval.run` and `rl.loop` (when it runs)."""
+    """The periodic evaluation. Read by: `eval.record` (`EvalSections`) / `eval.run` and `rl.loop` (when it
+    runs)."""
 
     name: str = Field("aime", description="the eval set's name: labels its reports and eval.jsonl rows (eval_set)")
     interval: int = Field(20, gt=0, description="evaluate every N rollouts")
@@ -355,7 +361,7 @@ class OptimizerSpec(Section):
 
 class QuantSpec(Section):
     """INT4 QAT in training and the export format. Read by: `rl.policy` (QAT), `rl.weight_sync.SyncTarget` and
-    `quant.engine_format` (what the engines are sent), the export stage (`quant.checkpoint_export`)."""
+    `quant.engine_format` (what the engines are sent), the export stage (`quant.checkpoint_export.ExportSections`)."""
 
     int4_qat: bool = Field(False, description="fake-INT4 routed experts in the forward (env OPEN_TRAINING_INT4_FAKE_QAT_FLAG)")
     group_size: int = Field(32, gt=0, description="env OPEN_TRAINING_INT4_GROUP_SIZE")

@@ -179,7 +179,7 @@ def lay_out_actors(recipe: Recipe, model_path: str = MODEL_PLACEHOLDER) -> Actor
     if parallel.dp is not None and layout is not None and parallel.dp != layout.dp:
         add("parallel.dp", f"dp={parallel.dp} but {cluster.world_size} ranks / (tp·pp·cp) = {layout.dp}")
     try:
-        actor_layout.placement = compute_placement(recipe)
+        actor_layout.placement = compute_placement(cluster, recipe.sglang.gpus_per_engine)
     except ClusterConfigError as e:
         add("sglang.gpus_per_engine", str(e))
     if layout is not None:

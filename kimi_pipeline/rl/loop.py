@@ -29,6 +29,7 @@ from kimi_pipeline.engine.kinds import engine_kind
 from kimi_pipeline.errors import PermanentError
 from kimi_pipeline.model.checkpoint_dirs import iteration_dir, latest_step, prune_checkpoints
 from kimi_pipeline.recipes import Recipe
+from kimi_pipeline.recipes.models import ClusterSpec
 from kimi_pipeline.report.metrics import MetricsLog, first_last_mean, open_wandb, read_jsonl
 from kimi_pipeline.report.progress import TrainProgress
 from kimi_pipeline.rl.actor_layout import ActorLayout, check_layout, lay_out_actors
@@ -68,10 +69,10 @@ class TrainPaths:
         return self.root / "rollouts"
 
 
-def _cpu_threads(recipe: Recipe, ranks_per_node: int) -> int:
-    if recipe.cluster.device == "cuda":
+def _cpu_threads(cluster: ClusterSpec, ranks_per_node: int) -> int:
+    if cluster.device == "cuda":
         return 1
-    cores = recipe.cluster.cpus_per_node or os.cpu_count() or 1
+    cores = cluster.cpus_per_node or os.cpu_count() or 1
     return max(1, cores // max(1, ranks_per_node))
 
 
@@ -122,11 +123,11 @@ def _first_line(e: BaseException) -> str:
     return text.splitlines()[0][:300] if text else ""
 
 
-def _require_healthy_cluster(recipe: Recipe, address: str | None, timeout_s: float = 60.0) -> None:
+def _require_healthy_cluster(cluster: ClusterSpec, address: str | None, timeout_s: float = 60.0) -> None:
     """Actors on a cluster that lost a node would wait forever for resources: check first, fail clearly
     (a transient error: the task retry waits again, e.g. for the node to come back)."""
 
-    wait_until_healthy(address or ray.get_runtime_context().gcs_address, Requirements.from_recipe(recipe),
+    wait_until_healthy(address or ray.get_runtime_context().gcs_address, Requirements.of(cluster),
                        timeout_s=timeout_s, progress=log.info)
 
 
@@ -160,7 +161,7 @@ def run_training(recipe: Recipe, run_dir: Path, *, init_checkpoint: Path, model_
         if ray_address is None:
             raise PermanentError("no Ray cluster: run the cluster stage first (or pass --ray-address)")
         ray.init(address=ray_address, log_to_driver=False)
-    _require_healthy_cluster(recipe, ray_address)
+    _require_healthy_cluster(recipe.cluster, ray_address)
     total = recipe.rollout.num_rollout
     engines = replay is None  # replaying saved rollouts starts no engine, so nothing evaluates or takes weights
     evaluator = PeriodicEval(evaluate, recipe.eval.interval, total) if evaluate and engines and not rollout_only \
@@ -192,7 +193,7 @@ def run_training(recipe: Recipe, run_dir: Path, *, init_checkpoint: Path, model_
                 model_dir,
                 actor_layout,
                 pgs,
-                _cpu_threads(recipe, 1),
+                _cpu_threads(recipe.cluster, 1),
                 paths.rollouts if recipe.rollout.save_data else None,
             )
         if rollout_only:
@@ -201,7 +202,7 @@ def run_training(recipe: Recipe, run_dir: Path, *, init_checkpoint: Path, model_
             return _train_section(paths)
         handoff.to("train")  # colocated: the engines give their GPUs to the trainer while it builds and loads
         trainers = TrainerGroup(
-            recipe, actor_layout, pgs["trainer"], _cpu_threads(recipe, recipe.cluster.gpus_per_node)
+            recipe, actor_layout, pgs["trainer"], _cpu_threads(recipe.cluster, recipe.cluster.gpus_per_node)
         )
         extra = trainers.load(paths.checkpoints, init_checkpoint, ref_checkpoint or init_checkpoint,
                               HFLayout.of_dir(model_dir))

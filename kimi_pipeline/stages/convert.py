@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kimi_pipeline.convert.torch_dist import CKPT_NAME, MARKER, run_convert
+from kimi_pipeline.convert.torch_dist import CKPT_NAME, MARKER, ConvertSections, run_convert
 from kimi_pipeline.hub.download import read_manifest
 from kimi_pipeline.model.checkpoint_dirs import TRACKER
 from kimi_pipeline.recipes import Recipe
@@ -17,7 +17,7 @@ from kimi_pipeline.stages.runner import Stage, StageReport
 
 def run(recipe: Recipe, run_dir: Path) -> dict[str, Any]:
     model = read_manifest(run_dir)["model"]
-    return run_convert(recipe, run_dir, model["root"], source_files=model["files"])
+    return run_convert(ConvertSections.of(recipe), run_dir, model["root"], source_files=model["files"])
 
 
 def skip(recipe: Recipe) -> dict[str, Any] | None:

@@ -14,7 +14,7 @@ from kimi_pipeline.stages.runner import Stage, StageReport
 
 def run(recipe: Recipe, run_dir: Path, token: str | None = None) -> dict[str, Any]:
     """`token`: the Hugging Face token (from HF_TOKEN or a Prefect Secret block), never logged."""
-    return run_download(recipe, run_dir, token)
+    return run_download(recipe.hub, recipe.data, recipe.model, recipe.paths.base_dir, run_dir, token)
 
 
 DOWNLOAD = Stage(

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from kimi_pipeline.hub.download import model_root
-from kimi_pipeline.quant.checkpoint_export import SECTION_FILE, export_checkpoint
+from kimi_pipeline.quant.checkpoint_export import SECTION_FILE, ExportSections, export_checkpoint
 from kimi_pipeline.recipes import Recipe
 from kimi_pipeline.report.stage_reports import export_report
 from kimi_pipeline.stages.runner import Stage, StageReport
@@ -21,7 +21,7 @@ def run(recipe: Recipe, run_dir: Path, checkpoint_dir: str | Path, *, step: int 
     if recipe.quant.export_format != "int4":
         return {"skipped": f"quant.export_format={recipe.quant.export_format!r}"}
     model_dir = Path(model_dir) if model_dir else model_root(run_dir)
-    return export_checkpoint(recipe, run_dir, checkpoint_dir, step, model_dir, timeout_s)
+    return export_checkpoint(ExportSections.of(recipe), run_dir, checkpoint_dir, step, model_dir, timeout_s)
 
 
 EXPORT = Stage(

@@ -14,7 +14,7 @@ from typing import Any
 from kimi_pipeline.convert.hf_reader import HFCheckpoint, reference_mismatch
 from kimi_pipeline.convert.torch_dist import checkpoint_dir, completed
 from kimi_pipeline.errors import PermanentError
-from kimi_pipeline.eval.record import run_eval_step
+from kimi_pipeline.eval.record import EvalSections, run_eval_step
 from kimi_pipeline.hub.download import model_root, read_manifest
 from kimi_pipeline.recipes import Recipe
 from kimi_pipeline.report.stage_reports import train_report
@@ -76,7 +76,7 @@ def run(recipe: Recipe, run_dir: Path, *, ray_address: str | None = None,
     """`evaluate` defaults to the in-process eval at each interval; `ray_address` to the cluster stage's."""
     hf_dir = model_root(run_dir)
     if evaluate is None:
-        evaluate = lambda step, urls: run_eval_step(recipe, run_dir, step, urls, hf_dir)  # noqa: E731
+        evaluate = lambda step, urls: run_eval_step(EvalSections.of(recipe), run_dir, step, urls, hf_dir)  # noqa: E731
     return run_training(
         recipe, run_dir, init_checkpoint=initial_weights(recipe, run_dir), model_dir=hf_dir,
         ref_checkpoint=reference_weights(recipe, run_dir),

@@ -17,7 +17,8 @@ from kimi_pipeline.stages.runner import Stage, StageReport
 def run(recipe: Recipe, run_dir: Path) -> dict[str, Any]:
     manifest = read_manifest(run_dir)
     tokenizer = load_tokenizer(manifest["model"]["root"], recipe.hub.trust_remote_code)
-    return run_validate(recipe, run_dir, dataset_path(manifest, "train"), dataset_path(manifest, "eval"), tokenizer)
+    return run_validate(recipe.data, recipe.rollout.max_prompt_len, run_dir, dataset_path(manifest, "train"),
+                        dataset_path(manifest, "eval"), tokenizer)
 
 
 VALIDATE = Stage(

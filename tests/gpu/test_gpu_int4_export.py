@@ -51,7 +51,7 @@ def test_int4_export_of_a_cuda_written_checkpoint(cuda, one_gpu_rank, tmp_path):
     # bit for bit what exporting the HF source files gives, with no GPU and no megatron in between
     config = json.loads((TINY_MODEL / "config.json").read_text())
     direct = export_int4(iter_stored_tensors(TINY_MODEL), config, TINY_MODEL, tmp_path / "direct", 32,
-                         max_shard_bytes=shard_bytes(recipe))
+                         max_shard_bytes=shard_bytes(recipe.model))
     got, want = dict(iter_stored_tensors(section["path"])), dict(iter_stored_tensors(direct.path))
     assert got.keys() == want.keys() and len(got) > 200
     differ = [n for n, t in want.items() if t.dtype != got[n].dtype or not torch.equal(t, got[n])]

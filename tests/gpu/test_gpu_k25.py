@@ -60,7 +60,7 @@ def test_k25_bridge_load_export_and_int4_sync_on_a_gpu(cuda, one_gpu_rank, k25, 
     assert all(got[n].dtype == src[n].dtype and torch.equal(got[n], src[n]) for n in other)
     config = json.loads((k25.actor / "config.json").read_text())
     direct = export_int4(((n, actor.get(n, torch.float32)) for n in actor.names()), config, k25.actor,
-                         tmp_path / "direct", 32, max_shard_bytes=shard_bytes(recipe))
+                         tmp_path / "direct", 32, max_shard_bytes=shard_bytes(recipe.model))
     want = dict(iter_stored_tensors(direct.path))
     differ = [n for n, t in want.items() if t.dtype != got[n].dtype or not torch.equal(t, got[n])]
     assert want.keys() == got.keys() and differ == [], differ[:10]

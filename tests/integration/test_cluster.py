@@ -41,6 +41,11 @@ INFRA = ROOT / "infra" / "ray"
 _RUN_DIRS: list[Path] = []
 
 
+def _placement(recipe, rollout_devices: int | None = None):
+    """The recipe's placement (what the actor layout computes from its cluster and sglang sections)."""
+    return compute_placement(recipe.cluster, recipe.sglang.gpus_per_engine, rollout_devices)
+
+
 def short_run_dir(name: str) -> Path:
     """A run dir short enough for Ray's socket paths (tmp_path is not: it exercises the fallback)."""
     d = Path(tempfile.mkdtemp(prefix=f"kc-{name}-", dir="/tmp"))
@@ -98,11 +103,11 @@ def _node(i: int, cpus=8.0, gpus=8.0, mem=1000.0, head=False) -> NodeFacts:
 
 
 def test_requirements_follow_the_recipe():
-    k = Requirements.from_recipe(load_recipe("kimi-k2.5"))
+    k = Requirements.of(load_recipe("kimi-k2.5").cluster)
     assert (k.nodes, k.gpus_per_node, k.cpus_per_node) == (32, 8, 1)
-    t = Requirements.from_recipe(load_recipe("tiny"))
+    t = Requirements.of(load_recipe("tiny").cluster)
     assert (t.nodes, t.gpus_per_node, t.cpus_per_node) == (1, 0, 1)
-    apart = Requirements.from_recipe(load_recipe("tiny", ["cluster.colocate=false", "cluster.gpus_per_node=2"]))
+    apart = Requirements.of(load_recipe("tiny", ["cluster.colocate=false", "cluster.gpus_per_node=2"]).cluster)
     assert apart.cpus_per_node == 3  # two trainer ranks + the embedded engine
 
 
@@ -121,7 +126,7 @@ def test_missing_lists_every_shortfall():
 
 
 def test_placement_plans_for_the_presets():
-    k25 = compute_placement(load_recipe("kimi-k2.5"))
+    k25 = _placement(load_recipe("kimi-k2.5"))
     trainer = k25.group("trainer")
     assert trainer.strategy == "STRICT_SPREAD" and len(trainer.bundles) == 32
     assert trainer.bundles[0] == {"GPU": 8.0, "CPU": 8.0}
@@ -130,18 +135,18 @@ def test_placement_plans_for_the_presets():
     assert k25.trainer_bundle(0) == 0 and k25.trainer_bundle(255) == 31
     assert k25.trainer_actor["GPU"] + k25.engine_actor["GPU"] <= 1.0
 
-    thinking = compute_placement(load_recipe("kimi-k2-thinking"))  # 16-GPU engines span two nodes
+    thinking = _placement(load_recipe("kimi-k2-thinking"))  # 16-GPU engines span two nodes
     assert len(thinking.engines) == 16 and thinking.engines[1].bundles == (2, 3)
 
-    apart = compute_placement(load_recipe("kimi-k2.5", ["cluster.colocate=false"]), rollout_devices=64)
+    apart = _placement(load_recipe("kimi-k2.5", ["cluster.colocate=false"]), rollout_devices=64)
     rollout = apart.group("rollout")
     assert len(rollout.bundles) == 8 and rollout.strategy == "STRICT_SPREAD"
     assert apart.engines[-1].group == "rollout" and apart.trainer_actor["GPU"] == 1.0
 
-    tiny = compute_placement(load_recipe("tiny"))
+    tiny = _placement(load_recipe("tiny"))
     assert tiny.group("trainer").bundles == ({"CPU": 1.0},) and tiny.engines[0].group == "trainer"
     with pytest.raises(ClusterConfigError, match="gpus_per_engine"):
-        compute_placement(load_recipe("kimi-k2.5", ["sglang.gpus_per_engine=12"], check=False))
+        _placement(load_recipe("kimi-k2.5", ["sglang.gpus_per_engine=12"], check=False))
 
 
 def test_kuberay_manifests_are_generated_from_the_recipes():
@@ -190,13 +195,13 @@ def test_addresses_and_embedded_limits():
     with pytest.raises(ClusterConfigError, match="dashboard"):
         resolve_address("http://head:8265")
     with pytest.raises(ClusterConfigError, match="infra/ray") as e:
-        embedded_layout(load_recipe("kimi-k2.5"))
+        embedded_layout(load_recipe("kimi-k2.5").cluster)
     assert is_permanent(e.value)
     if not shutil.which("nvidia-smi"):
         with pytest.raises(LocalClusterTooSmall, match="GPU") as e:
-            embedded_layout(load_recipe("kimi-k2.5", ["cluster.nodes=1"], check=False))
+            embedded_layout(load_recipe("kimi-k2.5", ["cluster.nodes=1"], check=False).cluster)
         assert is_permanent(e.value)
-    head, workers = embedded_layout(load_recipe("tiny", ["cluster.nodes=4"]))
+    head, workers = embedded_layout(load_recipe("tiny", ["cluster.nodes=4"]).cluster)
     assert head.resources == {"node_0": 1.0} and [w.resources for w in workers] == [{f"node_{i}": 1.0} for i in (1, 2, 3)]
     assert all(n.num_cpus == 1 and n.num_gpus == 0 for n in [head, *workers])
 
@@ -317,7 +322,7 @@ def test_a_driver_can_use_the_cluster(embedded):
             return x * x
 
         assert ray.get([square.remote(i) for i in range(4)]) == [0, 1, 4, 9]
-        pgs = create_placement_groups(compute_placement(load_recipe("tiny")), timeout_s=30)
+        pgs = create_placement_groups(_placement(load_recipe("tiny")), timeout_s=30)
         assert len(bundle_nodes(pgs["trainer"])) == 1
         remove_placement_groups(pgs)
     finally:
@@ -327,7 +332,7 @@ def test_a_driver_can_use_the_cluster(embedded):
 def test_health_check_passes_and_fails_with_what_is_missing(embedded):
     address = embedded["section"]["address"]
     lines: list[str] = []
-    facts = wait_until_healthy(address, Requirements.from_recipe(load_recipe("tiny")), timeout_s=30, progress=lines.append)
+    facts = wait_until_healthy(address, Requirements.of(load_recipe("tiny").cluster), timeout_s=30, progress=lines.append)
     assert len(facts.nodes) == 1 and lines and lines[-1].startswith("cluster ready")
     lines.clear()
     t0 = time.monotonic()
@@ -455,7 +460,7 @@ def test_simulated_four_node_cluster_strict_spread_and_impossible_groups():
         assert sorted(k for n in section["node_list"] for k in n["resources"]) == [f"node_{i}" for i in range(4)]
         assert list(pids.values()).count("raylet") == 4
         ray.init(address=section["address"], log_to_driver=False)
-        plan = compute_placement(r)
+        plan = _placement(r)
         trainer = plan.group("trainer")
         assert trainer.strategy == "STRICT_SPREAD" and len(trainer.bundles) == 4
         pgs = create_placement_groups(plan, timeout_s=30)

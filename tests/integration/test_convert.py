@@ -38,6 +38,7 @@ from kimi_pipeline.convert.quantized_copy import write_quantized_checkpoint
 from kimi_pipeline.convert.torch_dist import (
     MARKER,
     TRACKER,
+    ConvertSections,
     checkpoint_dir,
     completed,
     convert_dir,
@@ -266,12 +267,13 @@ def test_tiny_four_node_conversion_is_exact(converted, tiny_ckpt):
     # a finished conversion of the same source + recipe is reused, not redone: the recorded section comes
     # back and nothing under DIR/convert is written, replaced or removed (no job, no verification launched)
     before = _tree_state(convert_dir(run_dir))
-    again = run_convert(_tiny_recipe(), run_dir, tiny_ckpt)  # fingerprint from the files themselves: same hashes
+    # fingerprint from the files themselves: same hashes
+    again = run_convert(ConvertSections.of(_tiny_recipe()), run_dir, tiny_ckpt)
     assert again == {**json.loads((convert_dir(run_dir) / MARKER).read_text())["section"], "reused": True}
     assert again == {**s, "reused": True}
     assert _tree_state(convert_dir(run_dir)) == before
     # ... but not for another recipe section (here: the conversion layout)
-    other = fingerprint(_tiny_recipe(ep=1), source_manifest(tiny_ckpt))
+    other = fingerprint(ConvertSections.of(_tiny_recipe(ep=1)), source_manifest(tiny_ckpt))
     assert completed(run_dir) is not None and completed(run_dir, other) is None
 
 
@@ -368,7 +370,7 @@ def test_verification_catches_a_swapped_or_perturbed_tensor(converted, tiny_ckpt
     bad = _tampered_copy(tiny_ckpt, tmp_path / "hf", change, names)
     work = tmp_path / "work"
     with pytest.raises(ConversionVerifyError) as info:
-        verify_conversion(load_recipe("tiny"), bad, checkpoint_dir(run_dir), work, timeout=300)
+        verify_conversion(ConvertSections.of(load_recipe("tiny")), bad, checkpoint_dir(run_dir), work, timeout=300)
     msg = str(info.value)
     assert msg.startswith(f"converted checkpoint {checkpoint_dir(run_dir)} does not reproduce {bad}")
     for n in names:  # the round trip HF -> Megatron -> HF names each changed tensor
@@ -413,7 +415,8 @@ def _load_converted(ckpt: Path, spec) -> dict[str, torch.Tensor]:
 def test_quantized_source_converts_close_to_the_bf16_source(tiny_ckpt, tmp_path, kind):
     qdir = write_quantized_checkpoint(tiny_ckpt, tmp_path / kind, kind)
     run_dir = tmp_path / "run"
-    s = run_convert(_two_nodes(), run_dir, qdir, timeout=200)  # per launch: conversion, then verification
+    # per launch: conversion, then verification
+    s = run_convert(ConvertSections.of(_two_nodes()), run_dir, qdir, timeout=200)
     assert s["source_format"] == kind and s["source"]["format"] == kind
     # exact against the dequantized source (the stage's own verification) ...
     assert s["verified"] and s["max_abs_diff"] == 0.0 and s["roundtrip_exact"]
@@ -444,7 +447,7 @@ def _with_truncated_shard(src: Path, dst: Path) -> tuple[Path, Path]:
 def test_corrupt_shard_fails_naming_the_file_and_rank(tiny_ckpt, tmp_path):
     bad, shard = _with_truncated_shard(tiny_ckpt, tmp_path / "bad")
     with pytest.raises(WeightJobPermanentError) as info:
-        run_convert(_two_nodes(), tmp_path / "run", bad, source_files={}, timeout=300)
+        run_convert(ConvertSections.of(_two_nodes()), tmp_path / "run", bad, source_files={}, timeout=300)
     msg = str(info.value)
     assert shard.name in msg and "corrupt or truncated" in msg
     assert "rank 1 (node 1) failed: HFCheckpointError" in msg
@@ -481,11 +484,11 @@ def test_interrupted_conversion_is_never_taken_as_complete(tiny_ckpt, tmp_path):
     run_dir = tmp_path / "run"
     code = (
         "import sys\nfrom pathlib import Path\nfrom kimi_pipeline.recipes import load_recipe\n"
-        "from kimi_pipeline.convert.torch_dist import run_convert\n"
+        "from kimi_pipeline.convert.torch_dist import ConvertSections, run_convert\n"
         "if __name__ == '__main__':\n"
         "    r = load_recipe('tiny')\n"
         "    r = r.model_copy(update={'convert': r.convert.model_copy(update=dict(nodes=2, pp=2, ep=1, verify=False))})\n"
-        "    run_convert(r, Path(sys.argv[1]), Path(sys.argv[2]))\n"
+        "    run_convert(ConvertSections.of(r), Path(sys.argv[1]), Path(sys.argv[2]))\n"
     )
     log_path = tmp_path / "launcher.log"
     with open(log_path, "wb") as log_fh:
@@ -515,7 +518,7 @@ def test_interrupted_conversion_is_never_taken_as_complete(tiny_ckpt, tmp_path):
     checkpoint_dir(run_dir).mkdir()
     (checkpoint_dir(run_dir) / "iter_0000000").mkdir()
     r = _two_nodes(verify=False)
-    s = run_convert(r, run_dir, tiny_ckpt, timeout=RERUN_TIMEOUT_S)
+    s = run_convert(ConvertSections.of(r), run_dir, tiny_ckpt, timeout=RERUN_TIMEOUT_S)
     assert "reused" not in s and s["verified"] is False and s["verify_skipped"]
     assert (checkpoint_dir(run_dir) / TRACKER).is_file() and not list(out.glob("torch_dist.tmp-*"))
     assert completed(run_dir)["path"] == str(checkpoint_dir(run_dir))
@@ -622,7 +625,8 @@ def test_conversion_runs_one_agent_per_node_of_a_ray_cluster(tiny_ckpt, tmp_path
     try:
         recipe = load_recipe("tiny", [f"cluster.address={cluster.address}"])  # convert: 4 nodes x 1 rank, pp2 x ep2
         with _Sampler(cluster) as ok_run:
-            s = run_convert(recipe, tmp_path / "run", tiny_ckpt, source_files={}, verify=False, timeout=180)
+            s = run_convert(ConvertSections.of(recipe), tmp_path / "run", tiny_ckpt, source_files={}, verify=False,
+                            timeout=180)
         assert s["launcher"] == "ray" and len(set(s["placement"])) == 4  # four distinct Ray nodes
         logs = tmp_path / "run" / "convert" / "work" / "logs"
         assert all((logs / f"convert.node{i}.log").stat().st_size > 0 for i in range(4))  # streamed back
@@ -630,7 +634,8 @@ def test_conversion_runs_one_agent_per_node_of_a_ray_cluster(tiny_ckpt, tmp_path
 
         bad, shard = _with_truncated_shard(tiny_ckpt, tmp_path / "bad")
         with _Sampler(cluster) as failed_run, pytest.raises(WeightJobPermanentError) as info:
-            run_convert(recipe, tmp_path / "run2", bad, source_files={}, verify=False, timeout=180)
+            run_convert(ConvertSections.of(recipe), tmp_path / "run2", bad, source_files={}, verify=False,
+                        timeout=180)
         msg = str(info.value)
         assert re.search(r"rank [23] \(node [23]\) failed: HFCheckpointError", msg) and shard.name in msg
         with connected(cluster.address):
@@ -658,7 +663,8 @@ def test_the_printed_per_node_command_really_joins(tiny_ckpt, tmp_path):
 
     def stage_thread() -> None:
         try:
-            result["section"] = run_convert(recipe, tmp_path / "run", tiny_ckpt, source_files={}, timeout=300)
+            result["section"] = run_convert(ConvertSections.of(recipe), tmp_path / "run", tiny_ckpt, source_files={},
+                                            timeout=300)
         except BaseException as e:  # noqa: BLE001 - reported by the test below
             result["error"] = e
 

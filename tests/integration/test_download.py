@@ -7,10 +7,11 @@ import struct
 
 import pytest
 
-from kimi_pipeline.hub.download import DownloadError, LocalSourceError, run_download
+from kimi_pipeline.hub.download import DownloadError, LocalSourceError
 from kimi_pipeline.hub.manifest import build_manifest, list_files, safetensors_issue, verify_files
 from kimi_pipeline.recipes import load_recipe
 from kimi_pipeline.stages import DOWNLOAD, run_stage
+from kimi_pipeline.stages.download import run as download  # the stage's body: the recipe's sections
 from support.common import tiny_overrides
 
 
@@ -37,17 +38,17 @@ def test_flipped_byte_in_shipped_file_is_reported_by_path(tmp_path, tiny_copy):
     flip_byte(tiny_copy / "dapo-math-tiny.jsonl")
     r = load_recipe("tiny", tiny_overrides(tiny_copy))
     with pytest.raises(LocalSourceError) as e:
-        run_download(r, tmp_path / "run")
+        download(r, tmp_path / "run")
     assert str(tiny_copy / "dapo-math-tiny.jsonl") in str(e.value) and "sha256" in str(e.value)
 
 
 def test_flipped_byte_detected_on_reuse_without_shipped_manifest(tmp_path, tiny_copy):
     (tiny_copy / "model" / "MANIFEST.sha256").unlink()
     r = load_recipe("tiny", tiny_overrides(tiny_copy))
-    run_download(r, tmp_path / "run")  # records the manifest
+    download(r, tmp_path / "run")  # records the manifest
     flip_byte(tiny_copy / "model" / "tokenizer.json", 100)
     with pytest.raises(LocalSourceError, match="tokenizer.json: sha256"):
-        run_download(r, tmp_path / "run")
+        download(r, tmp_path / "run")
 
 
 def test_truncated_file_and_summary_marks_failure(tmp_path, tiny_copy):
@@ -64,13 +65,13 @@ def test_truncated_file_and_summary_marks_failure(tmp_path, tiny_copy):
 def test_missing_source_and_shape_mismatch(tmp_path, tiny_copy):
     r = load_recipe("tiny", [*tiny_overrides(tiny_copy), f"hub.model.path={tmp_path / 'nope'}"])
     with pytest.raises(LocalSourceError, match="does not exist"):
-        run_download(r, tmp_path / "run")
+        download(r, tmp_path / "run")
     r = load_recipe("tiny", [*tiny_overrides(tiny_copy), "model.hidden_size=256"])
     with pytest.raises(LocalSourceError, match=r"hidden_size: checkpoint has 128, recipe model.hidden_size=256"):
-        run_download(r, tmp_path / "run2")
+        download(r, tmp_path / "run2")
     r = load_recipe("tiny", [*tiny_overrides(tiny_copy), "hub.source_format=fp8"])
     with pytest.raises(LocalSourceError, match="hub.source_format=bf16"):
-        run_download(r, tmp_path / "run3")
+        download(r, tmp_path / "run3")
 
 
 def _write_safetensors(path, n=64):
@@ -97,7 +98,7 @@ def test_offline_hub_source_without_download_is_clear(tmp_path):
     r = load_recipe("kimi-k2-thinking", [f"paths.base_dir={tmp_path}", "hub.offline=true"])
     pinned = r.hub.model.revision  # the preset pins a commit (trust_remote_code)
     with pytest.raises(DownloadError, match=f"offline and hf://moonshotai/Kimi-K2-Thinking@{pinned} was never downloaded"):
-        run_download(r, tmp_path / "run")
+        download(r, tmp_path / "run")
 
 
 def test_cli_stage_errors_are_messages_not_tracebacks(tmp_path):
@@ -122,4 +123,4 @@ def test_model_without_safetensors_is_refused(tmp_path, tiny_copy):
     write_manifests(tiny_copy)
     r = load_recipe("tiny", tiny_overrides(tiny_copy))
     with pytest.raises(LocalSourceError, match=r"no \.safetensors weights \(only pickle-based pytorch_model\.bin"):
-        run_download(r, tmp_path / "run")
+        download(r, tmp_path / "run")

@@ -13,11 +13,12 @@ import logging
 from pathlib import Path
 
 import pytest
+
+from kimi_pipeline.hub.download import DownloadError
+from kimi_pipeline.recipes import load_recipe
+from kimi_pipeline.stages.download import run as download  # the stage's body: the recipe's sections
 from support.common import TINY
 from support.hub_server import FakeHub, Repo, RepoFile
-
-from kimi_pipeline.hub.download import DownloadError, run_download
-from kimi_pipeline.recipes import load_recipe
 
 TOKEN = "hf_secret_token_123"
 MODEL_REPO = "moonshotai/tiny-kimi"
@@ -131,7 +132,7 @@ def read_manifest(run_dir: Path) -> dict:
 def test_fresh_download_verifies_against_hub_and_never_leaks_the_token(tmp_path, hub, caplog, capfd):
     caplog.set_level(logging.DEBUG)
     base, run_dir = tmp_path / "base", tmp_path / "run"
-    section = run_download(hub_recipe(base), run_dir, token=TOKEN)
+    section = download(hub_recipe(base), run_dir, token=TOKEN)
 
     manifest = read_manifest(run_dir)
     model_repo, data_repo = hub.repos[("model", MODEL_REPO)], hub.repos[("dataset", DATA_REPO)]
@@ -170,12 +171,12 @@ def test_fresh_download_verifies_against_hub_and_never_leaks_the_token(tmp_path,
 def test_corrupt_file_on_reuse_is_refetched(tmp_path, hub):
     base, run_dir = tmp_path / "base", tmp_path / "run"
     recipe = hub_recipe(base)
-    run_download(recipe, run_dir, token=TOKEN)
+    download(recipe, run_dir, token=TOKEN)
     assert len(hub.gets(WEIGHTS)) == 1
     weights = model_dir(base) / WEIGHTS
     flip_byte(weights)  # in the tensor data: the header still parses, only the sha256 catches it
 
-    section = run_download(recipe, run_dir, token=TOKEN)
+    section = download(recipe, run_dir, token=TOKEN)
     assert section["refetched"] == [f"model/{WEIGHTS}"]
     assert len(hub.gets(WEIGHTS)) == 2, [r.path for r in hub.requests]
     assert len(hub.gets("config.json")) == 1  # intact files are not downloaded again
@@ -189,7 +190,7 @@ def test_hub_serving_a_corrupt_copy_fails_naming_the_file(tmp_path, hub):
     hub.corrupt.add(WEIGHTS)
     base = tmp_path / "base"
     with pytest.raises(DownloadError) as e:
-        run_download(hub_recipe(base), tmp_path / "run", token=TOKEN)
+        download(hub_recipe(base), tmp_path / "run", token=TOKEN)
     msg = str(e.value)
     assert str(model_dir(base) / WEIGHTS) in msg
     assert "sha256" in msg and "after re-fetching" in msg
@@ -199,7 +200,7 @@ def test_hub_serving_a_corrupt_copy_fails_naming_the_file(tmp_path, hub):
 
 def test_allow_patterns_are_respected(tmp_path, hub):
     base = tmp_path / "base"
-    run_download(hub_recipe(base), tmp_path / "run", token=TOKEN)
+    download(hub_recipe(base), tmp_path / "run", token=TOKEN)
     rels = [p.relative_to(model_dir(base)) for p in model_dir(base).rglob("*") if p.is_file()]
     got = {str(r) for r in rels if not any(part.startswith(".") for part in r.parts)}  # .cache/ is huggingface_hub's
     assert got == {*MODEL_TEXT_FILES, WEIGHTS}
@@ -213,7 +214,7 @@ def test_allow_patterns_are_respected(tmp_path, hub):
 
     # explicit allow_patterns narrow it further (and the hub's metadata is filtered the same way)
     base2 = tmp_path / "base2"
-    section = run_download(
+    section = download(
         hub_recipe(base2, 'hub.model.allow_patterns=["*.json", "*.safetensors"]'), tmp_path / "run2", token=TOKEN
     )
     want = {"config.json", "tokenizer.json", "tokenizer_config.json", WEIGHTS}
@@ -224,12 +225,12 @@ def test_allow_patterns_are_respected(tmp_path, hub):
 
 def test_offline_reuse_uses_the_stored_manifest(tmp_path, hub):
     base = tmp_path / "base"
-    run_download(hub_recipe(base), tmp_path / "run", token=TOKEN)
+    download(hub_recipe(base), tmp_path / "run", token=TOKEN)
     hub.stop()
     n_requests = len(hub.requests)
 
     offline = hub_recipe(base, "hub.offline=true")
-    section = run_download(offline, tmp_path / "run-offline")
+    section = download(offline, tmp_path / "run-offline")
     assert section["refetched"] == []
     manifest = read_manifest(tmp_path / "run-offline")
     assert manifest["model"]["commit"] == hub.repos[("model", MODEL_REPO)].commit
@@ -238,21 +239,21 @@ def test_offline_reuse_uses_the_stored_manifest(tmp_path, hub):
 
     flip_byte(model_dir(base) / WEIGHTS)
     with pytest.raises(DownloadError) as e:
-        run_download(offline, tmp_path / "run-offline2")
+        download(offline, tmp_path / "run-offline2")
     assert str(model_dir(base) / WEIGHTS) in str(e.value)
     assert "sha256" in str(e.value) and "online" in str(e.value)
 
 
 def test_offline_without_a_previous_download_says_so(tmp_path, hub):
     with pytest.raises(DownloadError, match="never downloaded"):
-        run_download(hub_recipe(tmp_path / "base", "hub.offline=true"), tmp_path / "run")
+        download(hub_recipe(tmp_path / "base", "hub.offline=true"), tmp_path / "run")
     assert hub.requests == []
 
 
 def test_unknown_repo_is_a_clear_error(tmp_path, hub):
     with pytest.raises(DownloadError) as e:
         recipe = hub_recipe(tmp_path / "base", "hub.model.repo_id=moonshotai/no-such-model")
-        run_download(recipe, tmp_path / "run", token=TOKEN)
+        download(recipe, tmp_path / "run", token=TOKEN)
     msg = str(e.value)
     assert "moonshotai/no-such-model" in msg and "HF_TOKEN" in msg and "not found" in msg
     assert TOKEN not in msg
@@ -262,5 +263,5 @@ def test_unknown_repo_is_a_clear_error(tmp_path, hub):
 def test_hub_unreachable_points_at_offline_mode(tmp_path, hub):
     hub.stop()
     with pytest.raises(DownloadError) as e:
-        run_download(hub_recipe(tmp_path / "base"), tmp_path / "run", token=TOKEN)
+        download(hub_recipe(tmp_path / "base"), tmp_path / "run", token=TOKEN)
     assert "hub.offline=true" in str(e.value) and "HF_ENDPOINT" in str(e.value)

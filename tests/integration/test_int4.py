@@ -353,8 +353,8 @@ def test_run_export_section(tmp_path):
     from kimi_pipeline.recipes import load_recipe
 
     recipe = load_recipe("tiny")
-    section = run_export(recipe, tmp_path, lambda: iter_stored_tensors(TINY_MODEL), model_dir=TINY_MODEL,
-                         checkpoint="data/tiny/model")
+    section = run_export(recipe.model, recipe.quant, tmp_path, lambda: iter_stored_tensors(TINY_MODEL),
+                         model_dir=TINY_MODEL, checkpoint="data/tiny/model")
     out = Path(section["path"])
     assert out == tmp_path / "export" / "int4" and (out / "config.json").is_file()
     assert section["dequant_exact"] is True and section["experts_equal"] is True
@@ -399,7 +399,7 @@ def test_stage_export_from_a_megatron_checkpoint(megatron_pair, tmp_path):
 
     config = json.loads((TINY_MODEL / "config.json").read_text())
     single = export_int4(export_hf_tensors(model, recipe.model, Layout()), config, TINY_MODEL, tmp_path / "single",
-                         32, max_shard_bytes=shard_bytes(recipe))
+                         32, max_shard_bytes=shard_bytes(recipe.model))
     dist_tensors, single_tensors = dict(iter_stored_tensors(section["path"])), dict(iter_stored_tensors(single.path))
     assert dist_tensors.keys() == single_tensors.keys() and len(dist_tensors) > 200
     for name, t in single_tensors.items():

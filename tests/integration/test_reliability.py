@@ -200,7 +200,7 @@ def test_ray_node_lost_during_train_fails_clearly_and_the_retry_resumes(tmp_path
         assert [x["step"] for x in before] == [1, 2]
 
         # the node comes back (KubeRay / the autoscaler / an operator would do this), then the retry
-        _, workers = embedded_layout(r)
+        _, workers = embedded_layout(r.cluster)
         cluster._start_worker(workers[0], 2, 120)
         t0 = time.monotonic()
         run_stage(TRAIN, r, run, evaluate=lambda step, urls: {})

@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 from kimi_pipeline.cli import app
 from kimi_pipeline.data.tiny_assets import BASE_POLICY_TOLERANCE
-from kimi_pipeline.eval.record import base_policy_scores
+from kimi_pipeline.eval.record import EvalSections, base_policy_scores
 from kimi_pipeline.recipes import load_recipe
 from support.common import TINY
 
@@ -42,7 +42,7 @@ def test_a_base_policy_that_behaves_differently_is_outside_the_tolerance(tmp_pat
             w = tensors["lm_head.weight"]
             tensors["lm_head.weight"] = w[torch.randperm(w.shape[0], generator=torch.Generator().manual_seed(0))]
             save_file(tensors, shard, metadata={"format": "pt"})
-    shipped = base_policy_scores(recipe, TINY / "model", eval_file, tmp_path / "eval-shipped")
-    scrambled = base_policy_scores(recipe, broken, eval_file, tmp_path / "eval-broken")
+    shipped = base_policy_scores(EvalSections.of(recipe), TINY / "model", eval_file, tmp_path / "eval-shipped")
+    scrambled = base_policy_scores(EvalSections.of(recipe), broken, eval_file, tmp_path / "eval-broken")
     assert shipped["problems"] >= 64
     assert any(abs(scrambled[k] - shipped[k]) > tol for k, tol in BASE_POLICY_TOLERANCE.items()), (shipped, scrambled)

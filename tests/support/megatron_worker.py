@@ -259,7 +259,8 @@ def scenario_replay(out_dir: Path, args: dict) -> dict:
     recipe = load_recipe("tiny", ["rollout.routing_replay=true", "quant.int4_qat=false", f"parallel.tp={args['tp']}",
                                   f"parallel.sequence_parallel={str(args['sp']).lower()}", f"cluster.gpus_per_node={world}",
                                   f"parallel.ep={args.get('ep', 1)}", f"parallel.etp={args.get('etp', 1)}"])
-    worker = PolicyWorker(**policy_sections(recipe), rank=rank, world_size=world, master_port=int(os.environ["MASTER_PORT"]))
+    worker = PolicyWorker(**policy_sections(recipe), rank=rank, world_size=world,
+                          master_port=int(os.environ["MASTER_PORT"]))
     worker.load(str(out_dir / "no-checkpoints"), args["model"])
     samples = [Sample(**s) for s in args["samples"]]
     return {"logprobs": worker._token_logprobs(worker.model, samples)}
@@ -324,7 +325,8 @@ def scenario_grpo_dp(out_dir: Path, args: dict) -> dict:
     recipe = load_recipe("tiny", [f"cluster.gpus_per_node={world}", "rollout.global_batch_size=8",
                                   "rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4", "rollout.num_steps_per_rollout=2",
                                   "parallel.max_tokens_per_gpu=40", "grpo.use_kl_loss=true", "grpo.kl_loss_coef=0.05"])
-    worker = PolicyWorker(**policy_sections(recipe), rank=rank, world_size=world, master_port=int(os.environ["MASTER_PORT"]))
+    worker = PolicyWorker(**policy_sections(recipe), rank=rank, world_size=world,
+                          master_port=int(os.environ["MASTER_PORT"]))
     worker.load(str(out_dir / "no-checkpoints"), args["model"])
     shares, split = share_rollout(_fixed_rollout(recipe.model.vocab_size), recipe.rollout, recipe.parallel,
                                   recipe.data_parallel_size)

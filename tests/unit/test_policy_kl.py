@@ -26,12 +26,12 @@ def _low_var_kl(policy: list[list[float]], ref: list[list[float]]) -> float:
 
 
 def test_reference_model_only_with_a_kl_coefficient():
+    import torch
+
     from kimi_pipeline.recipes import load_recipe
     from kimi_pipeline.rl.grpo import group_advantages
     from kimi_pipeline.rl.policy import PolicyWorker, policy_sections
     from kimi_pipeline.rl.samples import share_rollout
-
-    import torch
 
     recipe = load_recipe("tiny", ["grpo.use_kl_loss=true", "grpo.kl_loss_coef=0.01", "quant.int4_qat=false",
                                   "rollout.num_steps_per_rollout=1", "rollout.rollout_batch_size=4",

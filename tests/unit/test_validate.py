@@ -9,7 +9,6 @@ import pytest
 from kimi_pipeline.data.validate import DataValidationError, run_validate, validate_split
 from kimi_pipeline.model.tokenizer import load_tokenizer
 from kimi_pipeline.recipes import load_recipe
-
 from support.common import TINY
 
 GOOD = {"prompt": [{"role": "user", "content": "What is 1+1? Answer in \\boxed{}."}], "label": "2"}
@@ -31,6 +30,12 @@ def tok():
     return load_tokenizer(TINY / "model")
 
 
+def _data(preset: str, sets: list[str] | None = None):
+    """The sections the validation reads: the data section and the prompt-length limit."""
+    r = load_recipe(preset, sets or [])
+    return r.data, r.rollout.max_prompt_len
+
+
 def write(path, lines):
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -39,7 +44,7 @@ def write(path, lines):
 def test_every_bad_row_kind_is_quarantined(tmp_path, tok):
     lines = [json.dumps(GOOD)] + list(BAD_LINES.values()) + ["", json.dumps({"prompt": "What is 3+3?", "label": "6"})]
     path = write(tmp_path / "rows.jsonl", lines)
-    clean, bad, stats = validate_split("train", path, load_recipe("tiny"), tok)
+    clean, bad, stats = validate_split("train", path, *_data("tiny"), tok)
     by_line = {b["line"]: b for b in bad}
     for i, (kind, _) in enumerate(BAD_LINES.items()):
         entry = by_line[i + 2]
@@ -54,12 +59,12 @@ def test_threshold_fails_with_report_and_quarantine(tmp_path, tok):
     train = write(tmp_path / "train.jsonl", [json.dumps(GOOD), BAD_LINES["not valid JSON"]])
     evals = write(tmp_path / "eval.jsonl", [json.dumps({"prompt": "What is 4+4?", "label": "8"})])
     with pytest.raises(DataValidationError, match=r"train: 1/2 rows bad .* data.max_bad_fraction") as e:
-        run_validate(load_recipe("tiny"), tmp_path / "run", train, evals, tok)
+        run_validate(*_data("tiny"), tmp_path / "run", train, evals, tok)
     assert e.value.section["train"]["bad_rows"] == 1
     q = (tmp_path / "run" / "validate" / "quarantine-train.jsonl").read_text().splitlines()
     assert json.loads(q[0])["line"] == 2
     assert not (tmp_path / "run" / "validate" / "train.jsonl").exists()  # clean files only when passed
-    section = run_validate(load_recipe("tiny", ["data.max_bad_fraction=0.5"]), tmp_path / "run", train, evals, tok)
+    section = run_validate(*_data("tiny", ["data.max_bad_fraction=0.5"]), tmp_path / "run", train, evals, tok)
     assert section["passed"] and section["bad_rows"] == 1
 
 
@@ -68,8 +73,8 @@ def test_contamination_detected(tmp_path, tok):
     evals = write(tmp_path / "eval.jsonl", ['{"prompt": "what is 1+1? Answer in \\\\boxed{}", "label": "2"}',
                                             json.dumps({"prompt": "What is 9-1?", "label": "8"})])
     with pytest.raises(DataValidationError, match=r"contamination: 1/2 eval prompts"):
-        run_validate(load_recipe("tiny"), tmp_path / "run", train, evals, tok)
-    ok = run_validate(load_recipe("tiny", ["data.max_contamination=0.5"]), tmp_path / "run", train, evals, tok)
+        run_validate(*_data("tiny"), tmp_path / "run", train, evals, tok)
+    ok = run_validate(*_data("tiny", ["data.max_contamination=0.5"]), tmp_path / "run", train, evals, tok)
     assert ok["contamination"]["overlap"] == 1
 
 
@@ -80,7 +85,7 @@ def test_contamination_catches_commuted_and_reworded_problems(tmp_path, tok):
                                             json.dumps({"prompt": "Find the sum of 5 and 2.", "label": "7"}),
                                             json.dumps({"prompt": "What is 5-2?", "label": "3"})])
     with pytest.raises(DataValidationError, match=r"contamination: 2/3 eval prompts .*2 as equivalent problems") as e:
-        run_validate(load_recipe("tiny"), tmp_path / "run", train, evals, tok)
+        run_validate(*_data("tiny"), tmp_path / "run", train, evals, tok)
     cont = e.value.section["contamination"]
     assert [x["line"] for x in cont["examples"]] == [1, 2] and cont["examples"][0]["match"].startswith("equivalent")
 
@@ -90,7 +95,7 @@ def test_parquet_loads_through_datasets(tmp_path, tok):
 
     rows = [GOOD, {"prompt": [{"role": "user", "content": "What is 2+2?"}], "label": "4"}, {"prompt": [], "label": "1"}]
     pd.DataFrame(rows).to_parquet(tmp_path / "d.parquet")
-    clean, bad, stats = validate_split("train", tmp_path / "d.parquet", load_recipe("tiny"), tok)
+    clean, bad, stats = validate_split("train", tmp_path / "d.parquet", *_data("tiny"), tok)
     assert len(clean) == 2 and bad[0]["line"] == 3 and "empty prompt" in bad[0]["reasons"][0]
 
 
@@ -98,9 +103,9 @@ def test_unreadable_file_is_named(tmp_path, tok):
     p = tmp_path / "d.parquet"
     p.write_bytes(b"not parquet at all")
     with pytest.raises(DataValidationError, match=str(p)):
-        validate_split("train", p, load_recipe("tiny"), tok)
+        validate_split("train", p, *_data("tiny"), tok)
 
 
 def test_shipped_tiny_data_is_clean(tmp_path, tok):
-    section = run_validate(load_recipe("tiny"), tmp_path, TINY / "dapo-math-tiny.jsonl", TINY / "aime-tiny.jsonl", tok)
+    section = run_validate(*_data("tiny"), tmp_path, TINY / "dapo-math-tiny.jsonl", TINY / "aime-tiny.jsonl", tok)
     assert section["bad_rows"] == 0 and section["contamination"]["overlap"] == 0 and section["passed"]
