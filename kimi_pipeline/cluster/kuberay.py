@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from kimi_pipeline.recipes import load_recipe, preset_names
+from kimi_pipeline.recipes.models import ClusterSpec
 from kimi_pipeline.util.files import atomic_write_text
 from kimi_pipeline.util.paths import PROJECT_ROOT
 
@@ -44,8 +45,7 @@ def k8s_name(recipe_name: str) -> str:
     return (name if name.startswith("kimi") else f"kimi-{name}")[:63].rstrip("-")
 
 
-def _container(role: str, image: str, recipe) -> dict[str, Any]:
-    cluster = recipe.cluster
+def _container(role: str, image: str, recipe_name: str, cluster: ClusterSpec) -> dict[str, Any]:
     limits: dict[str, Any] = {}
     if cluster.device == "cuda":
         limits["nvidia.com/gpu"] = cluster.gpus_per_node
@@ -59,7 +59,7 @@ def _container(role: str, image: str, recipe) -> dict[str, Any]:
         "env": [
             {"name": "BASE_DIR", "value": SHARED_MOUNT},
             {"name": "RAY_USAGE_STATS_ENABLED", "value": "0"},
-            {"name": "KIMI_RECIPE", "value": recipe.name},
+            {"name": "KIMI_RECIPE", "value": recipe_name},
         ],
         "resources": {"limits": dict(limits), "requests": dict(limits)},
         "volumeMounts": [{"name": "shared", "mountPath": SHARED_MOUNT}, {"name": "dshm", "mountPath": "/dev/shm"}],
@@ -73,10 +73,10 @@ def _container(role: str, image: str, recipe) -> dict[str, Any]:
     return container
 
 
-def _pod(role: str, image: str, recipe) -> dict[str, Any]:
+def _pod(role: str, image: str, recipe_name: str, cluster: ClusterSpec) -> dict[str, Any]:
     return {
         "spec": {
-            "containers": [_container(role, image, recipe)],
+            "containers": [_container(role, image, recipe_name, cluster)],
             "volumes": [
                 {"name": "shared", "persistentVolumeClaim": {"claimName": SHARED_CLAIM}},
                 {"name": "dshm", "emptyDir": {"medium": "Memory"}},
@@ -107,7 +107,7 @@ def render_manifest(recipe, image: str | None = None) -> str:
         "spec": {
             "rayVersion": _version("ray", "2.60.0"),
             "authOptions": {"mode": "token"},
-            "headGroupSpec": {"rayStartParams": dict(start), "template": _pod("head", image, recipe)},
+            "headGroupSpec": {"rayStartParams": dict(start), "template": _pod("head", image, recipe.name, cluster)},
             "workerGroupSpecs": [],
         },
     }
@@ -119,7 +119,7 @@ def render_manifest(recipe, image: str | None = None) -> str:
                 "minReplicas": workers,
                 "maxReplicas": workers,
                 "rayStartParams": dict(start),
-                "template": _pod("worker", image, recipe),
+                "template": _pod("worker", image, recipe.name, cluster),
             }
         )
     header = (

@@ -41,6 +41,7 @@ from kimi_pipeline.model.params import count_params
 from kimi_pipeline.plan.command import make_plan
 from kimi_pipeline.plan.hardware import GPUS, get_gpu
 from kimi_pipeline.recipes import Recipe
+from kimi_pipeline.recipes.models import ClusterSpec
 from kimi_pipeline.util.paths import resolve_path
 
 # megatron-core's DDP gradient bucket: 40M fp32 elements (distributed/distributed_data_parallel_config.py,
@@ -188,9 +189,9 @@ def check_nodes(recipe: Recipe, nodes: list[Node], unanswered: list[str], needs:
     return checks
 
 
-def check_storage(recipe: Recipe, nodes: list[Node], base_dir: Path, nbytes: int, timeout_s: float,
-                  need_gib: float) -> list[Check]:
-    """base_dir shared (written on the first node, read byte-exact on every other), free space, read throughput."""
+def check_storage(nodes: list[Node], base_dir: Path, nbytes: int, timeout_s: float, need_gib: float) -> list[Check]:
+    """`paths.base_dir` (resolved: `base_dir`) shared (written on the first node, read byte-exact on every other),
+    free space, read throughput."""
     path = base_dir / ".kimi-preflight" / uuid.uuid4().hex
     first = nodes[0]
     try:
@@ -207,7 +208,7 @@ def check_storage(recipe: Recipe, nodes: list[Node], base_dir: Path, nbytes: int
     detail = f"{path.parent} written on {first.label}; " + ", ".join(
         f"{label}: {'same bytes' if r.get('sha256') == digest else r.get('error', 'different bytes')}"
         for label, r in reads.items())
-    checks = [Check("base_dir: shared", not local, detail, f"paths.base_dir={recipe.paths.base_dir} must be one shared "
+    checks = [Check("base_dir: shared", not local, detail, f"paths.base_dir={base_dir} must be one shared "
                     "filesystem mounted at the same path on every node (not a node-local disk)", sorted(local))]
     full = [label for label, f in free.items() if f.get("free_gib", 0) < need_gib]
     space = ", ".join(f"{label}: {f.get('free_gib', f.get('error'))}" for label, f in free.items())
@@ -255,9 +256,8 @@ def collective_cause(failed: dict[str, list[dict]]) -> list[str]:
     return cause or sorted(waited)
 
 
-def check_collective(recipe: Recipe, nodes: list[Node], timeout_s: float, nbytes: int) -> Check:
-    """All-reduce over every rank of the layout's world; the nodes whose ranks did not join are named."""
-    cluster = recipe.cluster
+def check_collective(cluster: ClusterSpec, nodes: list[Node], timeout_s: float, nbytes: int) -> Check:
+    """All-reduce over every rank of the cluster section's layout; the nodes whose ranks did not join are named."""
     master = nodes[0]
     port = ray.get(master.probe.free_port.remote())  # on the master's node, for the rendezvous
     world = len(nodes) * cluster.gpus_per_node
@@ -333,13 +333,13 @@ def _preflight(
         live = [n for n in nodes if n.facts]
         progress("preflight: shared storage and ports")
         base_dir = resolve_path(recipe.paths.base_dir)
-        checks += check_storage(recipe, live, base_dir, (1 if fast else 64) * 1024**2, timeout_s, needs["disk_gib"])
+        checks += check_storage(live, base_dir, (1 if fast else 64) * 1024**2, timeout_s, needs["disk_gib"])
         checks += check_ports(live, timeout_s)
         if not fast:
             nbytes = BUCKET_BYTES[recipe.cluster.device]
             ranks = len(live) * recipe.cluster.gpus_per_node
             progress(f"preflight: all-reduce of {nbytes / 1e6:.0f} MB over {ranks} ranks")
-            checks.append(check_collective(recipe, live, join_timeout_s, nbytes))
+            checks.append(check_collective(recipe.cluster, live, join_timeout_s, nbytes))
     finally:
         for n in nodes:
             ray.kill(n.probe)

@@ -1,4 +1,4 @@
-"""One rank of the HF -> Megatron torch_dist conversion: `python -m kimi_pipeline.convert.convert_rank --job JOB.json`.
+"""One rank of the HF -> Megatron torch_dist conversion (`python -m kimi_pipeline.weightjobs.rank convert --job JOB.json`).
 
 Launched by `weightjobs.launch.launch_local` (N torchrun agents) or by the same torchrun command on every node of
 a cluster. Each rank builds only its pipeline stage's model slice, reads only the HF tensors that slice
@@ -6,9 +6,8 @@ owns (its layers, its experts) through the memory-mapped reader, dequantizing on
 shards of the torch_dist checkpoint (the tracker is written last, by rank 0, after every shard), and
 records what it read and its peak RSS in `rank_<r>.json`.
 
-The rank's worker boundary is `convert_rank`: megatron and the model code are imported there, not at module top,
-because megatron's checkpoint writer spawns a helper process that re-imports this `__main__` module, and a light
-module (stdlib, torch and the job plumbing of `weightjobs`) saves seconds per rank there.
+The rank runs under the thin entry `weightjobs.rank`, so the helper process megatron's checkpoint writer spawns (it
+re-imports the rank's `__main__`) does not load this module's model code.
 """
 
 from __future__ import annotations
@@ -18,22 +17,22 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+import torch
+
+from kimi_pipeline.convert.hf_reader import HFCheckpoint
+from kimi_pipeline.convert.names import load_hf_tensors_into_model
 from kimi_pipeline.errors import PermanentError
+from kimi_pipeline.model.device import job_device
+from kimi_pipeline.model.megatron_model import build_model
+from kimi_pipeline.model.megatron_train import save_model_only
+from kimi_pipeline.model.parallel import Layout, destroy, init_distributed, ranks
+from kimi_pipeline.recipes.models import ModelSpec
 from kimi_pipeline.util.files import atomic_write_json
-from kimi_pipeline.util.lifetime import watch_parent
 from kimi_pipeline.weightjobs.job_file import current_rss_mb, peak_rss_mb
-from kimi_pipeline.weightjobs.launch import job_main
-
-if TYPE_CHECKING:
-    import torch
-
 
 T_IMPORT = time.time()  # wall clock when this rank's interpreter reached the job (startup cost)
-if __name__ == "__mp_main__":
-    # a helper megatron spawned (its write-result queue's manager) re-imports us: it goes when its rank goes
-    watch_parent()
 
 
 class UnloadedParameterError(PermanentError):
@@ -42,8 +41,6 @@ class UnloadedParameterError(PermanentError):
 
 def poison_parameters(model: torch.nn.Module) -> None:
     """NaN-fill every floating parameter, so one the loader never writes is caught, not saved as garbage."""
-    import torch
-
     with torch.no_grad():
         for p in model.parameters():
             if p.is_floating_point():
@@ -51,8 +48,6 @@ def poison_parameters(model: torch.nn.Module) -> None:
 
 
 def check_loaded(model: torch.nn.Module, model_dir: str) -> None:
-    import torch
-
     bad = [n for n, p in model.named_parameters() if p.is_floating_point() and torch.isnan(p).any()]
     if bad:
         raise UnloadedParameterError(
@@ -83,14 +78,6 @@ def prewarm_checkpoint_writer() -> threading.Thread | None:
 
 def convert_rank(job: dict[str, Any]) -> dict[str, Any]:
     """Build this rank's slice, fill it from the HF checkpoint, save torch_dist; return the rank report."""
-    from kimi_pipeline.convert.hf_reader import HFCheckpoint
-    from kimi_pipeline.convert.names import load_hf_tensors_into_model
-    from kimi_pipeline.model.device import job_device
-    from kimi_pipeline.model.megatron_model import build_model
-    from kimi_pipeline.model.megatron_train import save_model_only
-    from kimi_pipeline.model.parallel import Layout, destroy, init_distributed, ranks
-    from kimi_pipeline.recipes.models import ModelSpec
-
     t0 = time.monotonic()
     startup = time.time() - float(os.environ.get("KIMI_LAUNCH_TIME", T_IMPORT))
     spec = ModelSpec.model_validate(job["model"])
@@ -134,11 +121,3 @@ def convert_rank(job: dict[str, Any]) -> dict[str, Any]:
     }
     atomic_write_json(Path(job["report_dir"]) / f"rank_{coords['rank']}.json", report)
     return report
-
-
-def main(argv: list[str] | None = None) -> None:
-    job_main(convert_rank, __doc__.splitlines()[0], argv)
-
-
-if __name__ == "__main__":  # torch_dist saving spawns processes: never run the job on import
-    main()

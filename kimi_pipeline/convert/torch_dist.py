@@ -37,6 +37,7 @@ from kimi_pipeline.recipes.models import ClusterSpec, ConvertSpec, ModelSpec
 from kimi_pipeline.util.files import atomic_write_json, sha256_json
 from kimi_pipeline.weightjobs.job_file import write_job_file
 from kimi_pipeline.weightjobs.launch import read_rank_reports
+from kimi_pipeline.weightjobs.rank import RANK_ENTRY, rank_args
 from kimi_pipeline.weightjobs.run import launch, launch_target, run_weight_job
 
 log = logging.getLogger(__name__)
@@ -156,7 +157,7 @@ def run_convert(sections: ConvertSections, run_dir: str | Path, model_dir: str |
                          out_dir=tmp.resolve(), report_dir=reports.resolve(), text_config_key=sections.text_config_key)
     t0 = time.monotonic()
     job_result, ranks, command = run_weight_job(
-        convert, cluster, "kimi_pipeline.convert.convert_rank", job, reports, "convert", "rank", timeout
+        convert, cluster, "convert", job, reports, "convert", "rank", timeout
     )
     seconds = time.monotonic() - t0
     if not (tmp / TRACKER).is_file():
@@ -202,7 +203,7 @@ def verify_conversion(
     sections: ConvertSections, model_dir: str | Path, ckpt: str | Path, work: str | Path, timeout: float | None = None
 ) -> dict[str, Any]:
     """Verify the torch_dist checkpoint `ckpt`, written in the convert section's layout, against the HF checkpoint
-    `model_dir` (`kimi_pipeline.convert.verify`, reloaded under another layout); returns the verdict's fields
+    `model_dir` (`convert.verify`'s ranks, reloaded under another layout); returns the verdict's fields
     for the convert section. Raises ConversionVerifyError listing every tensor that differs (the whole
     verdict is then in WORK/verify_failed.json)."""
     convert, spec, cluster = sections.convert, sections.spec, sections.cluster
@@ -218,8 +219,8 @@ def verify_conversion(
                           text_config_key=sections.text_config_key, logits=small)
     t1 = time.monotonic()
     launch(
-        "kimi_pipeline.convert.verify",
-        ["--job", str(vjob.resolve())],
+        RANK_ENTRY,
+        rank_args("verify", vjob.resolve()),
         nodes=convert.nodes if same_world else 1,
         procs_per_node=convert.gpus_per_node if same_world else vlayout.world_size,
         work_dir=work,

@@ -1,4 +1,4 @@
-"""Verify a converted torch_dist checkpoint: `python -m kimi_pipeline.convert.verify --job JOB.json`.
+"""Verify a converted torch_dist checkpoint (`python -m kimi_pipeline.weightjobs.rank verify --job JOB.json`).
 
 Runs as its own distributed job under a *different* parallel layout than the conversion wrote (for
 small models one rank; otherwise the same world size split another way), so torch_dist resharding is
@@ -10,8 +10,8 @@ exercised. Each rank:
 3. with `logits` (one rank, small models): runs megatron and transformers on the same tokens and
    records the largest logit difference against a stated tolerance.
 Rank 0 also checks that the exported names cover every HF tensor of the model exactly once.
-Results go to `verify_rank_<r>.json`; `summarize` folds them into the stage's verdict. The worker boundary is
-`verify_rank`, as in `convert.convert_rank`: the model code loads there.
+Results go to `verify_rank_<r>.json`; `summarize` folds them into the stage's verdict. The rank runs under the thin
+entry `weightjobs.rank`, as the conversion's does.
 """
 
 from __future__ import annotations
@@ -21,18 +21,25 @@ import re
 import tempfile
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
 
 from kimi_pipeline.convert.convert_rank import poison_parameters
+from kimi_pipeline.convert.hf_reader import HFCheckpoint
+from kimi_pipeline.convert.names import export_hf_tensors, load_hf_tensors_into_model
 from kimi_pipeline.errors import PermanentError
+from kimi_pipeline.model.device import job_device
+from kimi_pipeline.model.hf_config import hf_config_dict
+from kimi_pipeline.model.hf_model import load_hf_model
+from kimi_pipeline.model.megatron_model import build_model, causal_forward, model_device
+from kimi_pipeline.model.megatron_train import load_model_only
+from kimi_pipeline.model.parallel import Layout, LayoutError, destroy, init_distributed, ranks
+from kimi_pipeline.model.params import count_params
+from kimi_pipeline.recipes.models import ModelSpec
 from kimi_pipeline.util.files import atomic_write_json
 from kimi_pipeline.weightjobs.job_file import current_rss_mb, dtype_of, peak_rss_mb
-from kimi_pipeline.weightjobs.launch import job_main
-
-if TYPE_CHECKING:  # heavy imports happen inside the rank (see job.py)
-    import torch
-
-    from kimi_pipeline.recipes.models import ModelSpec
 
 # transformers vs megatron on the same weights: different kernels and summation order only.
 LOGITS_TOLERANCE = {"float32": 1e-3, "bfloat16": 1e-1, "float16": 5e-2}
@@ -46,15 +53,11 @@ class ConversionVerifyError(PermanentError):
 
 def model_bytes(spec: ModelSpec) -> int:
     """Parameter bytes of the model in its params dtype (for choosing the verification layout)."""
-    from kimi_pipeline.model.params import count_params
-
     return count_params(spec).total * dtype_of(spec.params_dtype).itemsize
 
 
 def verify_layout(spec: ModelSpec, written, small: bool):
     """A layout unlike `written` that fits the model: one rank for small models, else same world, split differently."""
-    from kimi_pipeline.model.parallel import Layout, LayoutError
-
     if small:
         return Layout(world_size=1)
     world = written.world_size
@@ -98,23 +101,11 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _megatron_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Parameters + persistent float buffers (the router's expert bias); not token counters or TE extra state."""
-    import torch
-
     return {k: v for k, v in model.state_dict().items()
             if isinstance(v, torch.Tensor) and v.is_floating_point() and not k.endswith("local_tokens_per_expert")}
 
 
 def verify_rank(job: dict[str, Any]) -> dict[str, Any]:
-    import torch
-
-    from kimi_pipeline.convert.hf_reader import HFCheckpoint
-    from kimi_pipeline.convert.names import export_hf_tensors, load_hf_tensors_into_model
-    from kimi_pipeline.model.device import job_device
-    from kimi_pipeline.model.megatron_model import build_model
-    from kimi_pipeline.model.megatron_train import load_model_only
-    from kimi_pipeline.model.parallel import Layout, destroy, init_distributed, ranks
-    from kimi_pipeline.recipes.models import ModelSpec
-
     t0 = time.monotonic()
     spec = ModelSpec.model_validate(job["model"])
     layout = Layout(**job["layout"])
@@ -197,13 +188,6 @@ def logits_parity(model, spec: ModelSpec, job: dict[str, Any], source_kind: str,
                   export_state: dict[str, torch.Tensor]) -> dict[str, Any]:
     """transformers vs megatron logits on the same tokens. A quantized source is compared through its
     round-tripped (dequantized) export, which step 2 has shown equal to the dequantized source."""
-    import torch
-    from safetensors.torch import save_file
-
-    from kimi_pipeline.model.hf_config import hf_config_dict
-    from kimi_pipeline.model.hf_model import load_hf_model
-    from kimi_pipeline.model.megatron_model import causal_forward, model_device
-
     dtype = dtype_of(spec.params_dtype)
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, spec.vocab_size, (2, min(32, spec.max_position_embeddings)), generator=g)
@@ -265,11 +249,3 @@ def summarize(reports: list[dict[str, Any]], logits_expected: bool) -> dict[str,
     out["verified"] = not problems
     out["problems"] = problems[:20]
     return out
-
-
-def main(argv: list[str] | None = None) -> None:
-    job_main(verify_rank, __doc__.splitlines()[0], argv)
-
-
-if __name__ == "__main__":
-    main()

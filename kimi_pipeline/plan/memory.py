@@ -242,7 +242,7 @@ def rollout_formats(r: Recipe) -> tuple[str, str]:
     """(routed-expert, other-linear) weight formats the engine serves (`quant.engine_format`): INT4 routed
     experts with the rest bf16 (the INT4 export's format), FP8 blocks for every Linear, or bf16."""
 
-    fmt = engine_weight_format(r)
+    fmt = engine_weight_format(r.rollout, r.quant.export_format, r.hub.source_format)
     return {"int4": ("int4", "bf16"), "fp8": ("fp8", "fp8")}.get(fmt, ("bf16", "bf16"))
 
 

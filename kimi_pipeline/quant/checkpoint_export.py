@@ -274,7 +274,7 @@ def export_distributed(
         job_result, ranks, command = run_weight_job(
             convert,
             sections.cluster,
-            "kimi_pipeline.quant.export_rank",
+            "export",
             job,
             reports,
             "export",

@@ -18,24 +18,24 @@ import torch
 
 from kimi_pipeline.convert.dequant import FP8_SCALE_SUFFIX, FP8_TARGET, fp8_quant_config, quantize_fp8_block
 from kimi_pipeline.quant.export import int4_storage, kimi_quantization_config, storage_dtype
-from kimi_pipeline.recipes import Recipe
+from kimi_pipeline.recipes.models import RolloutSpec
 
 EngineFormat = Literal["model", "bf16", "fp8", "int4"]
 FP8_BLOCK = (128, 128)
 
 
-def engine_weight_format(recipe: Recipe) -> EngineFormat:
+def engine_weight_format(rollout: RolloutSpec, export_format: str, source_format: str) -> EngineFormat:
     """`rollout.engine_weight_format`, with `auto` resolved: SGLang serves what the seeds serve (the INT4
-    export's format when the policy is exported to INT4, FP8 for an FP8 hub checkpoint, else bf16); the
-    embedded engine holds the trainer's dtype ("model": no conversion)."""
-    fmt = recipe.rollout.engine_weight_format
+    export's format when the policy is exported to INT4, `quant.export_format`; FP8 for an FP8 hub checkpoint,
+    `hub.source_format`; else bf16); the embedded engine holds the trainer's dtype ("model": no conversion)."""
+    fmt = rollout.engine_weight_format
     if fmt != "auto":
         return fmt
-    if recipe.rollout.engine != "sglang":
+    if rollout.engine != "sglang":
         return "model"
-    if recipe.quant.export_format == "int4":
+    if export_format == "int4":
         return "int4"
-    return "fp8" if recipe.hub.source_format == "fp8" else "bf16"
+    return "fp8" if source_format == "fp8" else "bf16"
 
 
 def engine_quant_config(fmt: EngineFormat, group_size: int) -> dict[str, Any] | None:

@@ -1,4 +1,4 @@
-"""One rank of the distributed INT4 export: `python -m kimi_pipeline.quant.export_rank --job JOB.json`.
+"""One rank of the distributed INT4 export (`python -m kimi_pipeline.weightjobs.rank export --job JOB.json`).
 
 Launched like the conversion (`weightjobs.launch`: N torchrun agents here, the same command on every node
 of a cluster). Each rank loads its slice of the torch_dist checkpoint (`quant.policy_weights`), quantizes the
@@ -7,8 +7,8 @@ writes them as its own temp-named shards into the shared output directory, reads
 them bit for bit against its tensors, and records shards, sizes, the check and its peak RSS in
 `export_rank_<r>.json`. The launcher names the shards and writes the one index last
 (`quant.checkpoint_export.export_distributed`, run by the export stage). Peak memory per rank: its model slice
-plus one shard buffer. The worker boundary is `export_rank`, as in `convert.convert_rank`: the model code loads
-there, not when megatron's writer helper re-imports this module.
+plus one shard buffer. The rank runs under the thin entry `weightjobs.rank`, so megatron's helper process, which
+re-imports the rank's `__main__`, does not load this module's model code.
 """
 
 from __future__ import annotations
@@ -18,13 +18,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kimi_pipeline.util.files import atomic_write_json
-from kimi_pipeline.util.lifetime import watch_parent
-from kimi_pipeline.weightjobs.job_file import peak_rss_mb
-from kimi_pipeline.weightjobs.launch import job_main
+import torch.distributed as dist
 
-if __name__ == "__mp_main__":  # a helper megatron spawned re-imports us: it goes when its rank goes
-    watch_parent()
+from kimi_pipeline.convert.names import HFLayout
+from kimi_pipeline.model.device import job_device
+from kimi_pipeline.model.parallel import Layout
+from kimi_pipeline.quant.export import write_int4_shards
+from kimi_pipeline.quant.policy_weights import checkpoint_model, policy_tensors
+from kimi_pipeline.quant.verify import check_tensors
+from kimi_pipeline.recipes.models import ModelSpec
+from kimi_pipeline.util.files import atomic_write_json
+from kimi_pipeline.weightjobs.job_file import peak_rss_mb
 
 REPORT_PREFIX = "export_rank"
 
@@ -34,16 +38,6 @@ def shard_prefix(rank: int) -> str:
 
 
 def export_rank(job: dict[str, Any]) -> dict[str, Any]:
-    import torch.distributed as dist
-
-    from kimi_pipeline.convert.names import HFLayout
-    from kimi_pipeline.model.device import job_device
-    from kimi_pipeline.model.parallel import Layout
-    from kimi_pipeline.quant.export import write_int4_shards
-    from kimi_pipeline.quant.policy_weights import checkpoint_model, policy_tensors
-    from kimi_pipeline.quant.verify import check_tensors
-    from kimi_pipeline.recipes.models import ModelSpec
-
     t0 = time.monotonic()
     spec = ModelSpec.model_validate(job["model"])
     group = int(job["group_size"])
@@ -70,11 +64,3 @@ def export_rank(job: dict[str, Any]) -> dict[str, Any]:
     }
     atomic_write_json(Path(job["report_dir"]) / f"{REPORT_PREFIX}_{rank}.json", report)
     return report
-
-
-def main(argv: list[str] | None = None) -> None:
-    job_main(export_rank, __doc__.splitlines()[0], argv)
-
-
-if __name__ == "__main__":  # megatron's checkpoint loading may spawn helpers: never run the job on import
-    main()

@@ -56,10 +56,12 @@ class SyncTarget:
 
     @classmethod
     def of(cls, recipe: Recipe) -> SyncTarget:
-        rollout = recipe.rollout
-        return cls(engine=rollout.engine, weight_format=engine_weight_format(recipe), weight_sync=rollout.weight_sync,
-                   buffer_bytes=rollout.update_weight_buffer_size, group_size=recipe.quant.group_size,
-                   gpus_per_engine=recipe.sglang.gpus_per_engine, colocate=recipe.cluster.colocate)
+        rollout, quant = recipe.rollout, recipe.quant
+        return cls(engine=rollout.engine,
+                   weight_format=engine_weight_format(rollout, quant.export_format, recipe.hub.source_format),
+                   weight_sync=rollout.weight_sync, buffer_bytes=rollout.update_weight_buffer_size,
+                   group_size=quant.group_size, gpus_per_engine=recipe.sglang.gpus_per_engine,
+                   colocate=recipe.cluster.colocate)
 
 
 class TrainerRank(Protocol):

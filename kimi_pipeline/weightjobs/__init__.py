@@ -3,4 +3,5 @@ kind of job, here: a job file on the shared filesystem (`job_file`), one torchru
 host, by hand, or by a Ray agent per node (`launch`, `ray_agents`), per-rank reports and failures turned into one
 error naming the rank and its node (`launch`), and the one entry both stages call (`run.run_weight_job`).
 
-What a rank does lives with its job: `convert.convert_rank`, `convert.verify`, `quant.export_rank`."""
+Every rank starts at one thin entry, `rank` (`python -m kimi_pipeline.weightjobs.rank KIND --job JOB.json`); what a
+rank does lives with its job: `convert.convert_rank`, `convert.verify`, `quant.export_rank`."""

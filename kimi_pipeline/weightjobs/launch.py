@@ -11,7 +11,6 @@ a short grace period and then terminated, so a dead rank never leaves the rest h
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -101,13 +100,11 @@ def rank_main(main: Callable[[], Any], report_dir: str | Path) -> None:
     os._exit(0)
 
 
-def job_main(rank_fn: Callable[[dict[str, Any]], Any], description: str, argv: list[str] | None = None) -> None:
-    """The entry point of every job module: `python -m <module> --job JOB.json` runs `rank_fn(job)` under
-    `rank_main` (this rank's error report on failure)."""
+def run_job(rank_fn: Callable[[dict[str, Any]], Any], job_path: Path) -> None:
+    """One rank of a weight job (`weightjobs.rank`): `rank_fn(job)` under `rank_main` (this rank's error report
+    on failure)."""
 
-    ap = argparse.ArgumentParser(description=description)
-    ap.add_argument("--job", required=True, help="job JSON written by the stage that launched this job")
-    job = json.loads(Path(ap.parse_args(argv).job).read_text())
+    job = json.loads(Path(job_path).read_text())
     rank_main(lambda: rank_fn(job), job["report_dir"])
 
 

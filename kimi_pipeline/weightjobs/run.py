@@ -16,6 +16,7 @@ from kimi_pipeline.weightjobs.launch import (
     read_rank_reports,
     scale_out_command,
 )
+from kimi_pipeline.weightjobs.rank import RANK_ENTRY, rank_args
 from kimi_pipeline.weightjobs.ray_agents import TooFewNodes, launch_ray
 
 log = logging.getLogger(__name__)
@@ -54,16 +55,18 @@ def launch_target(convert: ConvertSpec, cluster: ClusterSpec) -> dict[str, Any]:
             "gpus_per_node": convert.gpus_per_node if cluster.device == "cuda" else 0}
 
 
-def run_weight_job(convert: ConvertSpec, cluster: ClusterSpec, module: str, job: Path, reports: Path, name: str,
+def run_weight_job(convert: ConvertSpec, cluster: ClusterSpec, kind: str, job: Path, reports: Path, name: str,
                    report_prefix: str, timeout: float | None) -> tuple[JobResult, list[dict[str, Any]], str]:
-    """One offline weight job (conversion, INT4 export) over `convert`'s nodes x ranks: log the per-node command,
-    launch it where `launch_target` says, return (job result, every rank's report, the command)."""
+    """One offline weight job (`kind`: a `weightjobs.rank` kind, conversion or INT4 export) over `convert`'s nodes x
+    ranks: log the per-node command, launch it where `launch_target` says, return (job result, every rank's
+    report, the command)."""
     job = job.resolve()
-    command = scale_out_command(module, ["--job", str(job)], nnodes=convert.nodes, nproc_per_node=convert.gpus_per_node,
+    args = rank_args(kind, job)
+    command = scale_out_command(RANK_ENTRY, args, nnodes=convert.nodes, nproc_per_node=convert.gpus_per_node,
                                 master_port=convert.master_port)
     log.info("%s: %d node(s) x %d rank(s), tp=%d pp=%d ep=%d; on a cluster without Ray run on every node:\n  %s",
              name, convert.nodes, convert.gpus_per_node, convert.tp, convert.pp, convert.ep, command)
-    result = launch(module, ["--job", str(job)], nodes=convert.nodes, procs_per_node=convert.gpus_per_node,
+    result = launch(RANK_ENTRY, args, nodes=convert.nodes, procs_per_node=convert.gpus_per_node,
                     work_dir=job.parent, report_dir=reports, name=name, timeout=timeout,
                     report_prefix=report_prefix, **launch_target(convert, cluster))
     return result, read_rank_reports(reports, report_prefix, convert.nodes * convert.gpus_per_node), command

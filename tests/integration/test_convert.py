@@ -52,6 +52,7 @@ from kimi_pipeline.errors import is_permanent
 from kimi_pipeline.model.hf_config import hf_config_dict
 from kimi_pipeline.recipes import load_recipe
 from kimi_pipeline.weightjobs.launch import WeightJobPermanentError, launch_local, scale_out_command
+from kimi_pipeline.weightjobs.rank import RANK_ENTRY, rank_args
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -303,7 +304,7 @@ def test_reload_under_tp2_matches_the_source(converted, tiny_ckpt, tmp_path):
     job = write_job_file(tmp_path / "verify.json", model=load_recipe("tiny").model, layout=layout, device="cpu",
                          model_dir=tiny_ckpt,
                          out_dir=checkpoint_dir(run_dir), ckpt_dir=checkpoint_dir(run_dir), report_dir=reports, logits=False)
-    launch_local("kimi_pipeline.convert.verify", ["--job", str(job)], nodes=1, procs_per_node=2, work_dir=tmp_path,
+    launch_local(RANK_ENTRY, rank_args("verify", job), nodes=1, procs_per_node=2, work_dir=tmp_path,
                  report_dir=reports, name="verify-tp2", timeout=300)
     rs = [json.loads(p.read_text()) for p in sorted(reports.glob("verify_rank_*.json"))]
     assert sorted(r["tp"] for r in rs) == [0, 1]
@@ -567,7 +568,7 @@ def _job_processes(cluster) -> dict[int, tuple[psutil.Process, str]]:
             cmd = " ".join(p.cmdline())
         except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
             continue
-        if "NodeAgent" in cmd or "kimi_pipeline.convert.convert_rank" in cmd:
+        if "NodeAgent" in cmd or RANK_ENTRY in cmd:
             out[p.pid] = (p, cmd)
     return out
 
@@ -641,7 +642,7 @@ def test_conversion_runs_one_agent_per_node_of_a_ray_cluster(tiny_ckpt, tmp_path
         with connected(cluster.address):
             assert all(pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())
         # the filter does find the job's processes while they run: 4 agent actors, their torchrun agents and ranks
-        assert ok_run.saw("NodeAgent") == 4 and ok_run.saw("kimi_pipeline.convert.convert_rank") >= 4, ok_run.seen
+        assert ok_run.saw("NodeAgent") == 4 and ok_run.saw(RANK_ENTRY) >= 4, ok_run.seen
         assert failed_run.saw("NodeAgent") == 4, failed_run.seen
         _assert_all_gone(cluster, {**ok_run.seen, **failed_run.seen})  # agent actors, torchrun agents and ranks
     finally:

@@ -13,10 +13,11 @@ import torch
 from kimi_pipeline.convert.dequant import dequant_fp8_block, quantize_fp8_block
 from kimi_pipeline.engine.client import chunk_named_tensors
 from kimi_pipeline.engine.model import EngineModel, EngineWeightError, iter_safetensors
-from kimi_pipeline.quant.engine_format import engine_weight_format, to_engine_format
+from kimi_pipeline.quant.engine_format import to_engine_format
 from kimi_pipeline.quant.export import KEEP_FP32, is_quantized
 from kimi_pipeline.quant.int4 import fake_quant_int4
 from kimi_pipeline.recipes import load_recipe
+from kimi_pipeline.rl.weight_sync import SyncTarget
 
 TINY_MODEL = Path(__file__).resolve().parents[2] / "data" / "tiny" / "model"
 
@@ -159,12 +160,17 @@ def test_incomplete_quantized_weights_are_refused():
     engine.finish_update()  # the refused update does not poison the next one
 
 
+def served(recipe) -> str:
+    """The format the run's engines are sent, as the driver resolves it for the trainer ranks."""
+    return SyncTarget.of(recipe).weight_format
+
+
 def test_auto_format_follows_the_seeds():
-    assert engine_weight_format(load_recipe("kimi-k2-thinking")) == "int4"
-    assert engine_weight_format(load_recipe("kimi-k2.5")) == "int4"
-    assert engine_weight_format(load_recipe("kimi-k2-instruct")) == "fp8"
-    assert engine_weight_format(load_recipe("tiny")) == "model"  # the embedded engine holds the trainer's dtype
-    assert engine_weight_format(load_recipe("tiny", ["rollout.engine_weight_format=int4"])) == "int4"
+    assert served(load_recipe("kimi-k2-thinking")) == "int4"
+    assert served(load_recipe("kimi-k2.5")) == "int4"
+    assert served(load_recipe("kimi-k2-instruct")) == "fp8"
+    assert served(load_recipe("tiny")) == "model"  # the embedded engine holds the trainer's dtype
+    assert served(load_recipe("tiny", ["rollout.engine_weight_format=int4"])) == "int4"
 
 
 @pytest.mark.parametrize(("colocate", "weight_sync"), [(True, "auto"), (False, "auto"), (True, "disk")])

@@ -17,11 +17,10 @@ LAZY_BOUNDARIES = {
     # Prefect reads its settings from the environment the CLI sets first; flows/ is the Prefect side
     ("kimi_pipeline/cli.py", "run"): "flows.kimi",
     ("kimi_pipeline/cli.py", "serve"): "flows.serve",
+    # megatron's checkpoint writer re-imports the rank's `__main__` in a helper process: the weight-job entry stays
+    # light and imports the rank body of the job's kind here
+    ("kimi_pipeline/weightjobs/rank.py", "rank_body"): "the rank bodies",
 }
-# Rank bodies of the weight jobs: megatron's checkpoint writer re-imports the rank's `__main__` in a helper
-# process; the rank's own module stays light and builds megatron inside the rank function.
-LAZY_FILES = {"kimi_pipeline/convert/convert_rank.py", "kimi_pipeline/convert/verify.py",
-              "kimi_pipeline/quant/export_rank.py"}
 
 
 def _module_name(path: Path) -> str:
@@ -125,8 +124,6 @@ def lazy_own_imports() -> list[str]:
     bad = []
     for module, path in _sources().items():
         rel = str(path.relative_to(ROOT))
-        if rel in LAZY_FILES:
-            continue
         for node, names, function in _imports(path, module):
             if function is None or not any(n.split(".")[0] in PACKAGES for n in names):
                 continue
