@@ -30,7 +30,7 @@ CONVERT = Stage(
     name="convert",
     run=run,
     skip=skip,
-    reads=("model", "parallel", "convert", "cluster"),
+    reads=("model", "parallel", "convert", "cluster", "hub"),
     needs=("download",),
     outputs=(f"convert/{CKPT_NAME}/{TRACKER}", f"convert/{MARKER}"),
     report=StageReport(key="convert", render=convert_report, title="HF → torch_dist conversion"),

@@ -27,7 +27,7 @@ def run(recipe: Recipe, run_dir: Path, checkpoint_dir: str | Path, *, step: int 
 EXPORT = Stage(
     name="export",
     run=run,
-    reads=("model", "quant", "convert", "cluster", "hub"),
+    reads=("model", "quant", "convert", "cluster"),
     needs=("download", "train"),
     outputs=(f"export/{SECTION_FILE}", "export/int4/config.json"),
     report=StageReport(key="int4-export", render=export_report, title="INT4 export + parity",

@@ -37,7 +37,8 @@ class Stage:
     """One step of the DAG, declared once; the runner, the Prefect task, the flow and the CLI read this.
 
     - `reads`: the recipe sections the stage and what it calls read (what a reader needs to know; the Prefect
-      task's cache key hashes those of them that decide its outputs);
+      task's cache key hashes those of them that decide its outputs). A stage that hands its components sections
+      declares exactly what its code and the section records it builds read (`tests/unit/test_stage_contract.py`);
     - `needs`: the earlier stages whose outputs it reads;
     - `outputs`: files under the run dir a cached result needs (empty: the stage is never cached);
     - `run(recipe, run_dir, **inputs) -> section`: the work;

@@ -4,8 +4,11 @@ failing stage carries, a skip, the debugging modes' own records, and the report 
 
 from __future__ import annotations
 
+import ast
 import importlib
+import inspect
 import json
+import textwrap
 
 import pytest
 
@@ -24,6 +27,60 @@ def test_each_stage_lives_in_its_own_module_and_declares_what_it_reads():
         assert set(stage.reads) <= sections, (stage.name, set(stage.reads) - sections)
         assert set(stage.needs) <= set(STAGES[:position]), f"{stage.name} needs a later stage: {stage.needs}"
         assert stage.report.key and callable(stage.report.render)
+
+
+# Stages that hand the whole recipe to the owner of their work, whose reads are the whole recipe's: the cluster's
+# bring-up runs the recipe's preflight and `kimi plan`; the training loop hands each actor its own sections.
+WHOLE_RECIPE_OWNERS = {"cluster": "cluster.lifecycle.bring_up", "train": "rl.loop.run_training"}
+
+
+def _sections_read(fn) -> set[str]:
+    """The recipe sections `fn` reads: `recipe.<section>`, `recipe.section_dump("<section>", ...)`, and what a
+    section record it builds with `Record.of(recipe)` reads. Fails on a call handed the whole recipe."""
+    sections = set(Recipe.model_fields)
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(fn)))):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "recipe":
+            if node.attr in sections:
+                out.add(node.attr)
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        if isinstance(func, ast.Attribute) and func.attr == "section_dump":
+            out |= {a.value for a in node.args if isinstance(a, ast.Constant)}
+        elif isinstance(func, ast.Attribute) and func.attr == "of" and isinstance(func.value, ast.Name):
+            out |= _sections_read(fn.__globals__[func.value.id].of)
+        else:
+            handed = [a for a in [*node.args, *(k.value for k in node.keywords)]
+                      if isinstance(a, ast.Name) and a.id == "recipe"]
+            assert not handed, f"{fn.__module__}.{fn.__name__} hands the whole recipe to {ast.unparse(func)}"
+    return out
+
+
+@pytest.mark.parametrize("stage", [s for s in DAG if s.name not in WHOLE_RECIPE_OWNERS], ids=lambda s: s.name)
+def test_a_stage_declares_exactly_the_sections_its_code_reads(stage):
+    """`reads` is what the stage's own code and the section records it builds read (its components receive
+    those sections, never the recipe)."""
+    read = _sections_read(stage.run) | (_sections_read(stage.skip) if stage.skip else set())
+    assert set(stage.reads) == read, f"{stage.name}: declared {sorted(stage.reads)}, the code reads {sorted(read)}"
+
+
+def test_the_section_scan_sees_records_dumps_and_a_handed_recipe():
+    def reads_through_a_record(recipe):
+        return Recipe.section_dump(recipe, "paths"), recipe.hub.offline, _Record.of(recipe)
+
+    def hands_the_recipe(recipe):
+        return print(recipe)
+
+    assert _sections_read(reads_through_a_record) == {"paths", "hub", "eval"}
+    with pytest.raises(AssertionError, match="hands the whole recipe to print"):
+        _sections_read(hands_the_recipe)
+
+
+class _Record:
+    @classmethod
+    def of(cls, recipe):
+        return recipe.eval
 
 
 def _toy(run, **kw) -> Stage:
