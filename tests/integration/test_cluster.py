@@ -77,7 +77,12 @@ def _ray_hygiene():
 def _snapshot(run_dir: Path) -> tuple[dict[int, str], LocalCluster]:
     c = LocalCluster.load(run_dir)
     assert c is not None
-    procs = {p.pid: p.name() for p in c.processes()}
+    procs = {}
+    for p in c.processes():
+        try:
+            procs[p.pid] = p.name()
+        except psutil.NoSuchProcess:  # exited while listed (the preflight's probe actors, killed as it ends)
+            continue
     return procs, c
 
 
