@@ -9,6 +9,7 @@ from typing import Any
 
 from prefect import task
 
+from kimi_pipeline.convert.torch_dist import ConvertSections
 from kimi_pipeline.recipes import Recipe
 from kimi_pipeline.stages import CONVERT
 from tasks.common import RETRIES, RETRY_DELAYS, cache_key, read_json, retry_unless_permanent, run_stage_task
@@ -18,7 +19,7 @@ def convert_key(context, params) -> str:
     r: Recipe = params["recipe"]
     manifest = read_json(Path(params["run_dir"]) / "download" / "manifest.json") or {}
     files = {k: v.get("sha256") or v.get("size") for k, v in ((manifest.get("model") or {}).get("files") or {}).items()}
-    return cache_key("convert", files, r.section_dump("model", "parallel", "convert"), str(params["run_dir"]))
+    return cache_key("convert", files, ConvertSections.of(r).key, str(params["run_dir"]))
 
 
 @task(
