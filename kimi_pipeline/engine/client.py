@@ -31,7 +31,7 @@ from safetensors.torch import save
 from kimi_pipeline.cluster.env import engine_api_key
 from kimi_pipeline.engine import shm
 from kimi_pipeline.engine.dist_update import WeightGroup
-from kimi_pipeline.engine.sampler import ENGINE_NAME, MEMORY_TAGS, Completion, SamplingParams
+from kimi_pipeline.engine.sampler import ENGINE_NAME, MEMORY_TAGS, Completion, SamplingParams, row_seeds
 from kimi_pipeline.errors import PermanentError
 
 log = logging.getLogger(__name__)
@@ -58,15 +58,58 @@ class EnginesDown(EngineRequestError):
     """Every engine of a router is out: nothing can generate until one is restarted."""
 
 
-def sampling_payload(params: SamplingParams) -> dict[str, Any]:
-    sp: dict[str, Any] = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
+def sampling_payload(params: SamplingParams, rows: int = 1) -> dict[str, Any] | list[dict[str, Any]]:
+    """SGLang 0.5.23's sampling_params for `rows` rows sampled with `params` (sglang/srt/sampling/sampling_params.py):
+
+    - top_k off is -1; 0 is a 400 there (:209, 249-266), so our "<= 0: off" goes as -1.
+    - stop ids: SGLang stops at `stop_token_ids` *and* the model's EOS; `ignore_eos` turns both off
+      (srt/managers/schedule_batch.py:1856-1858), so stop ids never go with it. `()` (never stop early) is
+      `ignore_eos` alone.
+    - seeds: each row gets its own `sampling_seed` (`row_seeds`), one dict per row (io_struct.py:227 takes a
+      list): SGLang honours the seed only with deterministic inference, and then rows sharing one seed and one
+      prompt sample the same tokens (sampling_batch_info.py:157-170, layers/sampler.py:934-958) — a group of
+      identical samples has no GRPO advantage. Unseeded: one dict for every row."""
+    sp: dict[str, Any] = {"temperature": params.temperature, "top_p": params.top_p,
+                          "top_k": params.top_k if params.top_k > 0 else -1,
                           "max_new_tokens": params.max_new_tokens, "n": 1}
-    if params.stop_token_ids is not None:  # exactly these (SGLang adds EOS unless ignore_eos)
+    if params.stop_token_ids:
         sp["stop_token_ids"] = list(params.stop_token_ids)
+    elif params.stop_token_ids is not None:
         sp["ignore_eos"] = True
-    if params.seed is not None:
-        sp["sampling_seed"] = params.seed
-    return sp
+    if params.seed is None:
+        return sp
+    return [{**sp, "sampling_seed": s} for s in row_seeds(params.seed, rows)]
+
+
+def response_body(r: httpx.Response) -> Any:
+    """What an endpoint answered, as SGLang 0.5.23 answers (entrypoints/http_server.py): JSON (dict, list, or
+    None for `null`: /release_memory_occupation, /resume_memory_occupation :1575-1596), None for an empty body
+    (/health, /health_generate :721-799, /abort_request :1721-1731), or the text of a plain-text answer
+    (/flush_cache :1025-1040)."""
+    if not r.content:
+        return None
+    if r.headers.get("content-type", "").split(";")[0].strip() == "application/json":
+        try:
+            return r.json()
+        except ValueError as exc:
+            raise EngineRequestError(f"{r.request.url}: a JSON answer that does not parse: {r.text[:200]!r}") from exc
+    return r.text
+
+
+def error_message(r: httpx.Response) -> str:
+    """The message of an error answer, in any of SGLang's shapes: {"error": {"message"}} (_create_error_response,
+    http_server.py:2246-2250), {"success": false, "message"}, ErrorResponse {"message", ...}, or plain text."""
+    try:
+        body = response_body(r)
+    except EngineRequestError:
+        body = None
+    if isinstance(body, dict):
+        err = body.get("error")
+        if isinstance(err, dict) and err.get("message") is not None:
+            return str(err["message"])[:500]
+        if body.get("message") is not None:
+            return str(body["message"])[:500]
+    return (r.text or "(empty body)")[:500].strip()
 
 
 def decode_routed_experts(b64: str, num_tokens: int, num_layers: int, topk: int, first_k_dense: int) -> np.ndarray:
@@ -200,9 +243,13 @@ class EngineClient:
         self.close()
 
     # --- plumbing
-    def _call(self, method: str, path: str, json: Any = None, timeout_s: float | None = None) -> Any:
+    def _call(self, method: str, path: str, json: Any = None, timeout_s: float | None = None,
+              params: dict[str, Any] | None = None) -> Any:
+        """One request; the answer as SGLang 0.5.23 sends it (`response_body`): a dict or list from JSON, None
+        for an empty body or JSON null, a str for plain text. Errors: HTTP >= 400 (400: EngineBadRequest), or
+        a 200 JSON object saying `"success": false`."""
         try:
-            r = self._http.request(method, path, json=json,
+            r = self._http.request(method, path, json=json, params=params,
                                    **({"timeout": httpx.Timeout(timeout_s, connect=min(10.0, timeout_s))} if timeout_s else {}))
         except httpx.TransportError as exc:
             raise EngineUnreachable(f"{self.url}{path}: {type(exc).__name__}: {exc}") from exc
@@ -210,21 +257,28 @@ class EngineClient:
             raise EngineRequestError(f"{self.url}{path}: {type(exc).__name__}: {exc}") from exc
         if r.status_code >= 400:
             cls = EngineBadRequest if r.status_code == 400 else EngineRequestError
-            raise cls(f"{self.url}{path}: HTTP {r.status_code}: {r.text[:500]}")
-        body = r.json() if r.content else {}
+            raise cls(f"{self.url}{path}: HTTP {r.status_code}: {error_message(r)}")
+        body = response_body(r)
         if isinstance(body, dict) and body.get("success") is False:
             raise EngineRequestError(f"{self.url}{path}: {body.get('message')}")
+        return body
+
+    def _call_json(self, method: str, path: str, **kwargs) -> dict[str, Any]:
+        """A call whose answer must be a JSON object (server_info, model_info)."""
+        body = self._call(method, path, **kwargs)
+        if not isinstance(body, dict):
+            raise EngineRequestError(f"{self.url}{path}: expected a JSON object, got {body!r:.200}")
         return body
 
     def server_info(self, refresh: bool = False) -> dict[str, Any]:
         """The start-up configuration (SGLang 0.5.23: /server_info; /get_server_info is its deprecated name)."""
         if self._info is None or refresh:
-            self._info = self._call("GET", "/server_info")
+            self._info = self._call_json("GET", "/server_info")
         return self._info
 
     def model_info(self) -> dict[str, Any]:
         """What a weight update changes, live: weight_version, model_path (`http_server.py:812-826`)."""
-        return self._call("GET", "/model_info")
+        return self._call_json("GET", "/model_info")
 
     def _expert_layout(self) -> tuple[int, int, int]:
         if self._layout is None:
@@ -247,7 +301,7 @@ class EngineClient:
         rows = [list(p) for p in prompts for _ in range(n)]
         if not rows:
             return []
-        payload: dict[str, Any] = {"input_ids": rows, "sampling_params": sampling_payload(params),
+        payload: dict[str, Any] = {"input_ids": rows, "sampling_params": sampling_payload(params, len(rows)),
                                    "return_logprob": True, "return_routed_experts": return_routed_experts}
         body = self._call("POST", "/generate", payload)
         items = body if isinstance(body, list) else [body]
@@ -348,15 +402,24 @@ class EngineClient:
     def resume(self) -> None:
         self._call("POST", "/continue_generation", {})
 
-    def flush_cache(self) -> None:
-        self._call("POST", "/flush_cache", {})
+    def flush_cache(self, timeout_s: float = 0.0) -> None:
+        """Drop the radix cache. SGLang answers plain text, 200 when flushed and 400 ("Flush cache failed.") while
+        requests run or wait unpaused (http_server.py:1025-1040); `timeout_s` lets it wait that long for idle
+        first (flush_wrapper.py:28-36). Refused: EngineRequestError, retryable (a state, not a bad request)."""
+        try:
+            self._call("POST", "/flush_cache", params={"timeout": timeout_s} if timeout_s else None,
+                       timeout_s=timeout_s + 60.0 if timeout_s else None)
+        except EngineBadRequest as exc:
+            raise EngineRequestError(f"{exc} (the engine flushes only while no request runs or waits)") from None
 
     def abort(self) -> None:
-        """Abort everything queued or running (their samples come back with finish_reason "abort")."""
+        """Abort everything queued or running (their samples come back with finish_reason "abort"); SGLang
+        answers an empty 200 (http_server.py:1721-1731)."""
         self._call("POST", "/abort_request", {"abort_all": True, "rid": ""})
 
     def health(self, timeout_s: float = 30.0) -> bool:
-        """The server answers /health within `timeout_s` (a hung engine is as good as a dead one)."""
+        """The server answers /health with a 200 within `timeout_s` (an empty body in SGLang; 503 while it starts
+        or shuts down, http_server.py:721-752); a hung engine is as good as a dead one."""
         try:
             self._call("GET", "/health", timeout_s=timeout_s)
             return True
@@ -375,7 +438,8 @@ class EngineClient:
         return str(self.model_info().get("weight_version", ""))
 
     def release_memory_occupation(self, tags: Iterable[str] = MEMORY_TAGS) -> None:
-        """Free the engine's GPU memory of these kinds (`--enable-memory-saver`); the engine must be idle."""
+        """Free the engine's GPU memory of these kinds (`--enable-memory-saver`); the engine must be idle. SGLang
+        answers JSON null, or {"error": {"message"}} (http_server.py:1575-1584)."""
         self._call("POST", "/release_memory_occupation", {"tags": list(tags)})
 
     def resume_memory_occupation(self, tags: Iterable[str] = MEMORY_TAGS) -> None:

@@ -10,7 +10,12 @@ Routed experts follow SGLang's convention: one row per token that went through t
 `len(prompt) + len(output) - 1` rows (the last sampled token is never fed back), each
 [moe_layers, topk] expert ids (int16) as the router picked them.
 
-Runs are deterministic for the same prompts, n, params and seed (one torch.Generator per call).
+Seeds are per row, as SGLang 0.5.23 takes them (`sampling_seed` of each row's sampling params, honoured with
+deterministic inference: `srt/sampling/sampling_batch_info.py:157-170`, `srt/layers/sampler.py:934-958`): a row's
+draws depend only on its seed and the token position (a counter-based hash, no generator state), so two rows
+with one seed and one prompt sample the same tokens, as in SGLang. A seeded call gives each row its own seed
+(`row_seeds`), so the n samples of a prompt differ and a run repeats exactly; an unseeded call draws the rows'
+seeds from the engine's own seeded generator.
 
 Decode modes (`decode_mode`, chosen once per engine): "dynamic" runs `EngineModel.decode` on a cache sized for
 the batch, attending only as far as the longest row (the CPU default); "static" runs the static-shape step of
@@ -51,10 +56,12 @@ class EngineInputError(PermanentError, ValueError):
 class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = -1  # <= 0: disabled
+    top_k: int = -1  # <= 0: disabled (sent to SGLang as its "off", -1)
     max_new_tokens: int = 16
-    stop_token_ids: tuple[int, ...] | None = None  # None: the model's eos ids
-    seed: int | None = None  # None: drawn from the engine's own seeded generator
+    # None: the model's eos ids. Through HTTP (SGLang's rule) a non-empty tuple stops at these and the model's
+    # eos; () never stops early (SGLang's ignore_eos). RolloutEngine.generate called directly takes the exact set.
+    stop_token_ids: tuple[int, ...] | None = None
+    seed: int | None = None  # the request's seed, spread over its rows by `row_seeds`; None: the engine's draws
 
     def __post_init__(self):
         if self.temperature < 0:
@@ -65,8 +72,8 @@ class SamplingParams:
             raise EngineInputError(f"max_new_tokens={self.max_new_tokens}: must be >= 1")
 
     def batch_key(self) -> tuple:
-        """Requests with the same key can share one batch (seeded requests never share)."""
-        return (self.temperature, self.top_p, self.top_k, self.max_new_tokens, self.stop_token_ids, self.seed)
+        """Requests with the same key can share one batch (seeds are per row, so they need not agree)."""
+        return (self.temperature, self.top_p, self.top_k, self.max_new_tokens, self.stop_token_ids)
 
 
 @dataclass
@@ -80,9 +87,46 @@ class Completion:
     weight_version: str = ""
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def row_seeds(seed: int, count: int) -> list[int]:
+    """`count` distinct row seeds of a request seeded `seed` (non-negative int64, SGLang's sampling_seed range,
+    `sampling_params.py:302-311`). The client sends them as each row's sampling_seed and RolloutEngine derives the
+    same ones for a direct call, so both paths sample alike; hashed, so consecutive request seeds share no row seed."""
+    base = _splitmix64(seed & _MASK64)
+    return [_splitmix64(base ^ i) >> 1 for i in range(count)]
+
+
+def _fmix32(h: torch.Tensor) -> torch.Tensor:
+    """murmur3's 32-bit finalizer on int64 tensors holding 32-bit values (products wrap; the mask keeps 32 bits)."""
+    h = h ^ (h >> 16)
+    h = (h * 0x85EBCA6B) & 0xFFFFFFFF
+    h = h ^ (h >> 13)
+    h = (h * 0xC2B2AE35) & 0xFFFFFFFF
+    return h ^ (h >> 16)
+
+
+def seeded_uniform(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """One uniform in [0, 1) per row from (its seed, its position) only: SGLang's counter-based draw
+    (`multinomial_with_seed`, srt/layers/sampler.py:934-958), so rows sharing a seed and a prompt draw alike."""
+    lo, hi = seeds & 0xFFFFFFFF, (seeds >> 32) & 0x7FFFFFFF
+    h = _fmix32(lo ^ _fmix32(hi ^ _fmix32((positions.to(torch.int64) + 0x9E3779B9) & 0xFFFFFFFF)))
+    return h.to(torch.float64) / 4294967296.0
+
+
 def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float, top_k: int,
-                  gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw one token per row of fp32 logits [B, V]; return (tokens [B], logprobs [B])."""
+                  gen: torch.Generator | None = None, *, seeds: torch.Tensor | None = None,
+                  positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row of fp32 logits [B, V]; return (tokens [B], logprobs [B]). The uniform of each row
+    comes from `seeds` [B] and `positions` [B] (`seeded_uniform`) when given, else from `gen`."""
     if temperature == 0:
         logp = torch.log_softmax(logits, dim=-1)
         tok = logits.argmax(dim=-1)
@@ -100,7 +144,11 @@ def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float, top_k:
     # inverse-CDF draw: one uniform per row (the per-element exponential race costs ~20x more on CPU);
     # u < total and right=True never land on a zero-probability token; no host sync (GPU friendly)
     cdf = (logp.exp() if allowed is logp else torch.softmax(allowed, dim=-1)).cumsum(dim=-1)
-    u = torch.rand(cdf.shape[0], 1, device=cdf.device, generator=gen) * cdf[:, -1:]
+    if seeds is not None:
+        unit = seeded_uniform(seeds, positions).clamp_(max=1.0 - 2.0**-24)[:, None].to(cdf.dtype)
+    else:
+        unit = torch.rand(cdf.shape[0], 1, device=cdf.device, generator=gen)
+    u = unit * cdf[:, -1:]
     tok = torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=cdf.shape[1] - 1)
     return tok, logp.gather(1, tok[:, None]).squeeze(1)
 
@@ -170,11 +218,12 @@ class RolloutEngine:
 
     def generate(self, prompts: list[list[int]], n: int = 1, params: SamplingParams | None = None,
                  return_routed_experts: bool = True,
-                 step_hook: Callable[[], bool] | None = None) -> list[Completion]:
+                 step_hook: Callable[[], bool] | None = None, seeds: list[int] | None = None) -> list[Completion]:
         """n samples of every prompt, prompt-major (prompts[0]'s n samples first).
 
         step_hook runs between decode steps (outside the model lock); returning True aborts the batch
         (unfinished rows end with finish_reason "abort"). The server uses it for pause/abort.
+        `seeds`: one per row (SGLang's per-row sampling_seed), else `row_seeds(params.seed)`, else drawn.
         """
         params = params or SamplingParams()
         if why := self.unready_reason():
@@ -183,15 +232,22 @@ class RolloutEngine:
             raise EngineInputError(f"n={n}: must be >= 1")
         self._validate(prompts, params)
         rows = [list(p) for p in prompts for _ in range(n)]
-        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seeds))
-        gen = torch.Generator(device=self.model.device).manual_seed(seed)
+        if seeds is None:
+            seeds = row_seeds(params.seed, len(rows)) if params.seed is not None else self.draw_seeds(len(rows))
+        if len(seeds) != len(rows):
+            raise EngineInputError(f"{len(seeds)} row seeds for {len(rows)} rows")
         out: list[Completion] = []
         # the static modes' buffers serve one batch at a time (weight updates still interleave between steps)
         with self._static_lock if self.static is not None else contextlib.nullcontext():
             for start in range(0, len(rows), self.max_batch_rows):
-                out += self._generate_rows(rows[start : start + self.max_batch_rows], params, gen,
-                                           return_routed_experts, step_hook)
+                stop = start + self.max_batch_rows
+                seeds_t = torch.tensor(seeds[start:stop], dtype=torch.int64, device=self.model.device)
+                out += self._generate_rows(rows[start:stop], params, seeds_t, return_routed_experts, step_hook)
         return out
+
+    def draw_seeds(self, count: int) -> list[int]:
+        """Row seeds for unseeded rows, from the engine's own seeded generator."""
+        return torch.randint(0, 2**62, (count,), generator=self._seeds).tolist()
 
     def _validate(self, prompts: list[list[int]], params: SamplingParams) -> None:
         c = self.config
@@ -208,7 +264,7 @@ class RolloutEngine:
                     f"{c.max_position_embeddings} positions; shorten it or lower max_new_tokens"
                 )
 
-    def _generate_rows(self, rows: list[list[int]], params: SamplingParams, gen: torch.Generator,
+    def _generate_rows(self, rows: list[list[int]], params: SamplingParams, seeds: torch.Tensor,
                        want_experts: bool, step_hook) -> list[Completion]:
         m, dev = self.model, self.model.device
         B, max_new = len(rows), params.max_new_tokens
@@ -248,7 +304,8 @@ class RolloutEngine:
         host_plens = [lens_u[u] for u in row_map]
         alive = torch.ones(B, dtype=torch.bool, device=dev)
         for t in range(max_new):
-            tok, lp = sample_tokens(logits, params.temperature, params.top_p, params.top_k, gen)
+            tok, lp = sample_tokens(logits, params.temperature, params.top_p, params.top_k,
+                                    seeds=seeds.index_select(0, active), positions=plens + t)
             out_tok[active, t] = tok
             out_lp[active, t] = lp
             stopped = alive & torch.isin(tok, stop_t)

@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import dataclasses
 import hmac
 import json
 import logging
@@ -51,8 +52,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from fastapi import FastAPI, HTTPException
-from fastapi.responses import JSONResponse
+from fastapi import FastAPI, HTTPException, Query
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict
 from safetensors.torch import load as load_safetensors
 
@@ -68,6 +70,7 @@ from kimi_pipeline.engine.sampler import (
     RolloutEngine,
     SamplingParams,
     memory_tags,
+    row_seeds,
 )
 from kimi_pipeline.engine.static_decode import DECODE_MODES
 from kimi_pipeline.model.device import resolve_device
@@ -75,6 +78,10 @@ from kimi_pipeline.model.tokenizer import load_tokenizer
 from kimi_pipeline.util.threads import one_intraop_thread_for_helpers
 
 log = logging.getLogger(__name__)
+
+# SGLang's /flush_cache answer when it flushed (http_server.py:1030-1034), plain text
+FLUSHED_TEXT = ("Cache flushed.\nPlease check backend logs for more details. "
+                "(When there are running or waiting requests, the operation will not be performed.)\n")
 
 # SGLang sampling keys that only shape detokenized text (we return token ids): accepted and ignored
 _TEXT_ONLY_KEYS = {"skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "stop", "custom_params"}
@@ -87,7 +94,7 @@ class GenerateRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     input_ids: list[int] | list[list[int]] | None = None
     text: str | list[str] | None = None
-    sampling_params: dict[str, Any] = {}
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
     return_logprob: bool = False
     return_routed_experts: bool = False
     rid: str | list[str] | None = None
@@ -159,7 +166,9 @@ class AbortRequest(BaseModel):
 def sampling_params_from_json(sp: dict[str, Any], eos_token_ids: tuple[int, ...] = ()) -> tuple[SamplingParams, int]:
     """SGLang sampling_params → (SamplingParams, n). Unsupported sampling features are a 400, never ignored.
 
-    SGLang stops on EOS plus any stop_token_ids unless ignore_eos; SamplingParams takes the exact set."""
+    SGLang stops on EOS plus any stop_token_ids, and `ignore_eos` turns off both (sglang 0.5.23
+    `srt/managers/schedule_batch.py:1856-1858` returns before the stop ids are read); SamplingParams takes the
+    exact set. top_k is -1 (off) or >= 1; 0 is SGLang's 400 (`srt/sampling/sampling_params.py:209, 249-266`)."""
     sp = dict(sp or {})
     n = int(sp.pop("n", 1) or 1)
     for key in _TEXT_ONLY_KEYS:
@@ -175,18 +184,43 @@ def sampling_params_from_json(sp: dict[str, Any], eos_token_ids: tuple[int, ...]
     if unknown:
         raise EngineInputError(f"unknown sampling_params {unknown}; supported: {sorted(known | {'n'})}")
     stop = [int(t) for t in sp.get("stop_token_ids") or []]
-    if not sp.get("ignore_eos", False):
+    if sp.get("ignore_eos", False):
+        stop = []  # SGLang: ignore_eos disables the stop ids too
+    else:
         stop = list(eos_token_ids) + [t for t in stop if t not in eos_token_ids]
     seed = sp.get("sampling_seed", sp.get("seed"))
+    top_k = int(sp["top_k"]) if sp.get("top_k") is not None else -1
+    if top_k < 1 and top_k != -1:
+        raise EngineInputError(f"top_k must be -1 (disable) or at least 1, got {top_k}.")
     params = SamplingParams(
         temperature=float(sp.get("temperature", 1.0)),
         top_p=float(sp.get("top_p", 1.0)),
-        top_k=int(sp.get("top_k", -1) if sp.get("top_k") is not None else -1),
+        top_k=top_k,
         max_new_tokens=int(sp.get("max_new_tokens", 128)),
         stop_token_ids=tuple(stop),
         seed=int(seed) if seed is not None else None,
     )
     return params, n
+
+
+def request_sampling(sp: dict[str, Any] | list[dict[str, Any]] | None, prompts: int,
+                     eos_token_ids: tuple[int, ...] = ()) -> tuple[SamplingParams, int, list[int | None]]:
+    """A /generate body's sampling_params — one dict for every prompt, or one per prompt as SGLang takes them
+    (`srt/managers/io_struct.py:227, 534-547`) — as (params, n, the seed of each row, prompt-major; None: unseeded).
+    Per-prompt dicts may differ only in sampling_seed (one batch samples them together). Each prompt's n rows
+    share its seed, as in SGLang (`sampling_batch_info.py:157-170`): with one seed they sample alike."""
+    entries = sp if isinstance(sp, list) else [sp or {}] * prompts
+    if len(entries) != prompts:
+        raise EngineInputError(f"sampling_params has {len(entries)} entries for {prompts} prompts")
+    parsed = [sampling_params_from_json(e, eos_token_ids) for e in entries]
+    params, n = parsed[0]
+    common = dataclasses.replace(params, seed=None)
+    for p, k in parsed[1:]:
+        if k != n:
+            raise EngineInputError("every entry of sampling_params must have the same n")
+        if dataclasses.replace(p, seed=None) != common:
+            raise EngineInputError("per-prompt sampling_params may differ only in sampling_seed")
+    return common, n, [p.seed for p, _ in parsed for _ in range(n)]
 
 
 def encode_routed_experts(experts: np.ndarray, num_layers: int, first_k_dense: int) -> str:
@@ -203,6 +237,7 @@ class _Request:
     params: SamplingParams
     experts: bool
     rids: frozenset[str]
+    seeds: list[int | None] | None = None  # per row (SGLang's sampling_seed); None: the params' seed or drawn
     future: Future = field(default_factory=Future)
     aborted: bool = False
 
@@ -292,9 +327,8 @@ class BatchScheduler:
                 self._running = batch
                 self._abort_running = False
             groups: dict[tuple, list[_Request]] = {}
-            for r in batch:  # seeded requests never share a batch, so their samples are reproducible
-                key = (r.params.batch_key(), r.experts, id(r) if r.params.seed is not None else None)
-                groups.setdefault(key, []).append(r)
+            for r in batch:  # seeds are per row: seeded requests batch together and still repeat exactly
+                groups.setdefault((r.params.batch_key(), r.experts), []).append(r)
             for reqs in groups.values():
                 self._run_group(reqs)
             with self._cond:
@@ -306,7 +340,9 @@ class BatchScheduler:
             self._batches_run += 1
             self._rows_served += len(prompts)
         try:
-            out = self.engine.generate(prompts, 1, reqs[0].params, reqs[0].experts, step_hook=self._step_hook)
+            seeds = [s for r in reqs for s in self._row_seeds(r)]
+            out = self.engine.generate(prompts, 1, reqs[0].params, reqs[0].experts, step_hook=self._step_hook,
+                                       seeds=seeds)
         except Exception as exc:  # surfaced to every waiting HTTP request
             for r in reqs:
                 r.future.set_exception(exc)
@@ -320,6 +356,15 @@ class BatchScheduler:
                 for c in mine:
                     c.finish_reason = FINISH_ABORT
             r.future.set_result(mine)
+
+
+    def _row_seeds(self, r: _Request) -> list[int]:
+        """Request r's row seeds: as sent, the params' seed spread over its rows, or drawn for unseeded rows."""
+        rows = len(r.prompts) * r.n
+        if r.seeds is None:
+            return row_seeds(r.params.seed, rows) if r.params.seed is not None else self.engine.draw_seeds(rows)
+        drawn = iter(self.engine.draw_seeds(sum(s is None for s in r.seeds)))
+        return [s if s is not None else next(drawn) for s in r.seeds]
 
 
 def _aborted(r: _Request, version: str) -> list[Completion]:
@@ -383,6 +428,12 @@ class EngineServer:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"http://{host}:{self.port}"
 
+    def _idle(self) -> bool:
+        """SGLang's `is_fully_idle(ignore_waiting=paused)` (scheduler.py:5518-5520): nothing runs, and nothing
+        waits unless generation is paused."""
+        state = self.scheduler.state()
+        return not state["running_requests"] and (not state["queued_requests"] or state["paused"])
+
     def __enter__(self) -> EngineServer:
         self.start()
         return self
@@ -405,11 +456,24 @@ class EngineServer:
 
         @app.exception_handler(EngineInputError)
         async def _bad_input(_, exc: EngineInputError):
-            return JSONResponse(status_code=400, content={"error": {"message": str(exc)}})
+            return _error(str(exc))
 
         @app.exception_handler(EngineUnavailable)
         async def _unavailable(_, exc: EngineUnavailable):
-            return JSONResponse(status_code=503, content={"error": {"message": str(exc)}})
+            return _error(str(exc), 503)
+
+        @app.exception_handler(RequestValidationError)
+        async def _invalid(_, exc: RequestValidationError):
+            """A body that does not parse: SGLang's 400 ErrorResponse, not FastAPI's 422 (http_server.py:635-692)."""
+            return JSONResponse(status_code=400, content={"object": "error", "message": str(exc),
+                                                          "type": "Bad Request", "param": None, "code": 400})
+
+        @app.exception_handler(HTTPException)
+        async def _http_error(_, exc: HTTPException):
+            """SGLang's ErrorResponse for an HTTPException (http_server.py:578-631), e.g. 404."""
+            return JSONResponse(status_code=exc.status_code, content={
+                "object": "error", "message": exc.detail, "type": str(exc.status_code), "param": None,
+                "code": exc.status_code})
 
         self._add_generation_routes(app)
         self._add_weight_routes(app)
@@ -426,7 +490,7 @@ class EngineServer:
             if why := self.engine.unready_reason():  # memory released, or resumed and not yet synced: 503
                 raise EngineUnavailable(f"the engine cannot generate: {why}")
             single, prompts = self._prompts(req)
-            params, n = sampling_params_from_json(req.sampling_params, cfg.eos_token_ids)
+            params, n, seeds = request_sampling(req.sampling_params, len(prompts), cfg.eos_token_ids)
             count = len(prompts) * n
             if req.rid is None:
                 rids = [uuid.uuid4().hex for _ in range(count)]
@@ -438,7 +502,7 @@ class EngineServer:
                 raise EngineInputError(f"rid has {len(req.rid)} entries for {len(prompts)} prompts")
             t0 = time.perf_counter()
             names = frozenset(rids) | ({req.rid} if isinstance(req.rid, str) else set())
-            fut = self.scheduler.submit(_Request(prompts, n, params, req.return_routed_experts, names))
+            fut = self.scheduler.submit(_Request(prompts, n, params, req.return_routed_experts, names, seeds))
             out = await asyncio.wrap_future(fut)
             latency = time.perf_counter() - t0
             items = [self._render(c, rid, req, latency) for c, rid in zip(out, rids)]
@@ -459,8 +523,7 @@ class EngineServer:
                 if weight_version is not None:
                     engine.model.finish_update()
                     engine.weight_version = weight_version
-            return {"success": True, "message": f"updated {len(names)} tensors", "num_tensors": len(names),
-                    "weight_version": engine.weight_version}
+            return _ok(f"updated {len(names)} tensors")
 
         def outside_session(endpoint: str) -> JSONResponse | None:
             """SGLang answers tensor and distributed updates outside a session with a 400 (weight_updater.py:192-197,
@@ -475,7 +538,7 @@ class EngineServer:
                 if self.update_session:
                     return _fail("a weight-update session is already open; call end_weight_update() first")
                 self.update_session = True
-            return {"success": True, "message": "Success"}
+            return _ok("Success")
 
         @app.post("/end_weight_update")
         def end_weight_update(req: SessionRequest | None = None):
@@ -487,7 +550,7 @@ class EngineServer:
                     engine.model.finish_update()  # no quantized weight may be left waiting for its other parts
                 except EngineWeightError as exc:
                     return _fail(str(exc))
-            return {"success": True, "message": "Success"}
+            return _ok("Success")
 
         @app.post("/update_weights_from_tensor")
         def update_weights_from_tensor(req: TensorUpdate):
@@ -528,7 +591,7 @@ class EngineServer:
             except (RuntimeError, ValueError) as exc:
                 return _fail(f"could not join weight-update group {req.group_name!r} at "
                              f"{req.master_address}:{req.master_port}: {exc}")
-            return {"success": True, "message": f"joined {req.group_name} as rank {req.rank_offset}"}
+            return _ok(f"joined {req.group_name} as rank {req.rank_offset}")
 
         @app.post("/update_weights_from_distributed")
         def update_weights_from_distributed(req: DistributedUpdate):
@@ -560,7 +623,7 @@ class EngineServer:
             if pg is None:
                 return _fail(f"no weight-update group {req.group_name!r}")
             leave_group(pg)
-            return {"success": True, "message": f"left {req.group_name}"}
+            return _ok(f"left {req.group_name}")
 
         @app.post("/update_weight_version")
         def update_weight_version(req: VersionUpdate):
@@ -571,16 +634,19 @@ class EngineServer:
 
         @app.post("/update_weights_from_disk")
         def update_weights_from_disk(req: DiskUpdate):
+            """SGLang answers {success, message, num_paused_requests}, 200 or 400 (http_server.py:1300-1326)."""
+            paused = self.scheduler.state()["paused"]
             try:
                 with engine.model_lock, one_intraop_thread_for_helpers():
                     names = engine.model.load_weights(iter_safetensors(req.model_path), strict=True)
                     if req.weight_version is not None:
                         engine.weight_version = req.weight_version
             except EngineWeightError as exc:
-                return _fail(str(exc))
+                return JSONResponse({"success": False, "message": str(exc), "num_paused_requests": 0},
+                                    status_code=400)
             self.model_path = req.model_path
             return {"success": True, "message": f"loaded {len(names)} tensors from {req.model_path}",
-                    "num_tensors": len(names), "weight_version": engine.weight_version}
+                    "num_paused_requests": self.scheduler.state()["queued_requests"] if paused else 0}
 
     def _add_control_routes(self, app: FastAPI) -> None:
         """Pause / continue / flush / abort, health and server info."""
@@ -593,28 +659,37 @@ class EngineServer:
             if mode not in ("in_place", "abort"):
                 raise EngineInputError(f"pause mode {mode!r}: supported modes are in_place and abort")
             self.scheduler.pause(abort_running=mode == "abort")
-            return {"success": True, "message": f"paused ({mode})"}
+            # SGLang's answer (http_server.py:1831-1841)
+            return {"message": "Generation paused successfully.", "status": "ok"}
 
         @app.post("/continue_generation")
         def continue_generation():
             self.scheduler.resume()
-            return {"success": True, "message": "continued"}
+            return {"message": "Generation continued successfully.", "status": "ok"}  # http_server.py:1844-1855
 
         @app.api_route("/flush_cache", methods=["GET", "POST"])  # SGLang takes both; slime uses GET
-        def flush_cache():
-            # no KV cache outlives a batch here: nothing stale can survive a weight update
-            return {"success": True, "message": "flushed"}
+        async def flush_cache(timeout: float = Query(0.0, ge=0.0)):
+            """SGLang's plain-text answer (http_server.py:1025-1040): flushed only when no request runs and none
+            waits (waiting ones count not while paused, scheduler.py:5518-5547); `timeout` waits that long for
+            idle first (scheduler_components/flush_wrapper.py:28-36). No KV cache outlives a batch here, so there
+            is nothing else to drop."""
+            deadline = time.monotonic() + timeout
+            while not self._idle() and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            if self._idle():
+                return Response(content=FLUSHED_TEXT, status_code=200)
+            return Response(content="Flush cache failed.\n", status_code=400)
 
         @app.post("/abort_request")
         def abort_request(req: AbortRequest):
-            if not req.abort_all and req.rid is None:
-                raise EngineInputError("abort_request needs a rid or abort_all=true")
-            count = self.scheduler.abort(None if req.abort_all else req.rid)
-            return {"success": True, "aborted": count}
+            """SGLang aborts the rid, or everything with abort_all, and answers an empty 200
+            (http_server.py:1721-1731); an unknown rid is no error."""
+            self.scheduler.abort(None if req.abort_all else req.rid or "")
+            return Response(status_code=200)
 
         @app.get("/health")
         def health():
-            return {"status": "ok"}
+            return Response(status_code=200)  # SGLang: an empty 200 (http_server.py:721-752)
 
         @app.get("/health_generate")
         async def health_generate():
@@ -624,8 +699,9 @@ class EngineServer:
             try:
                 await asyncio.wait_for(asyncio.wrap_future(fut), timeout=60)
             except asyncio.TimeoutError:
-                raise HTTPException(status_code=503, detail="engine did not generate within 60 s (paused?)")
-            return {"status": "ok"}
+                log.error("health check failed: the engine did not generate within 60 s (paused?)")
+                return Response(status_code=503)  # SGLang: an empty 503 (http_server.py:780-799)
+            return Response(status_code=200)
 
         @app.api_route("/release_memory_occupation", methods=["GET", "POST"])
         def release_memory_occupation(req: MemoryRequest | None = None):
@@ -633,17 +709,17 @@ class EngineServer:
             state = self.scheduler.state()
             # SGLang asserts the same (weight_updater.py:339-341): nothing running, nothing queued unless paused
             if state["running_requests"] or (state["queued_requests"] and not state["paused"]):
-                return _fail("release_memory_occupation should be called only when server is idle")
+                return _error("release_memory_occupation should be called only when server is idle")
             engine.release_memory(tags)
             self.memory_events.append(("release", tuple(sorted(tags))))
-            return {"success": True, "message": f"released {sorted(tags)}"}
+            return None  # SGLang's handler returns None: a JSON null (http_server.py:1575-1584)
 
         @app.api_route("/resume_memory_occupation", methods=["GET", "POST"])
         def resume_memory_occupation(req: MemoryRequest | None = None):
             tags = memory_tags((req or MemoryRequest()).tags)
             engine.resume_memory(tags)
             self.memory_events.append(("resume", tuple(sorted(tags))))
-            return {"success": True, "message": f"resumed {sorted(tags)}"}
+            return None  # JSON null, as SGLang (http_server.py:1587-1596)
 
         @app.get("/server_info")
         @app.get("/get_server_info")  # SGLang's deprecated name
@@ -654,16 +730,17 @@ class EngineServer:
                     "max_batch_rows": engine.max_batch_rows, "decode_mode": engine.decode_mode,
                     **config_summary(cfg), **self.scheduler.state()}
 
-        @app.get("/get_weight_version")
-        def get_weight_version():
-            return {"weight_version": engine.weight_version}
-
         @app.get("/model_info")
         @app.get("/get_model_info")  # SGLang's deprecated name
         def model_info():
-            """The live state a weight update changes (SGLang: `http_server.py:812-826`)."""
-            return {"model_path": self.model_path, "is_generation": True, "weight_version": engine.weight_version,
-                    "memory_released": sorted(engine.released)}
+            """The live state a weight update changes, under SGLang's keys (`http_server.py:812-850`)."""
+            return {"model_path": self.model_path, "served_model_name": self.model_path,
+                    "tokenizer_path": self.model_path if self.tokenizer is not None else None, "is_generation": True,
+                    "preferred_sampling_params": None, "weight_version": engine.weight_version,
+                    "load_format": "auto", "reasoning_parser": None, "tool_call_parser": None,
+                    "disaggregation_mode": "null", "has_image_understanding": False,
+                    "has_audio_understanding": False, "model_type": "deepseek_v3",
+                    "architectures": ["DeepseekV3ForCausalLM"]}
 
     def _prompts(self, req: GenerateRequest) -> tuple[bool, list[list[int]]]:
         if req.input_ids is not None:
@@ -699,8 +776,20 @@ class EngineServer:
         return {"text": text, "output_ids": c.output_ids, "meta_info": meta}
 
 
+def _ok(message: str) -> dict[str, Any]:
+    """SGLang's answer to a weight update, the update group and the weight-update session: exactly
+    {success, message} (http_server.py:1404-1500)."""
+    return {"success": True, "message": message}
+
+
 def _fail(message: str) -> JSONResponse:
+    """Their failure: the same shape with 400."""
     return JSONResponse(status_code=400, content={"success": False, "message": message})
+
+
+def _error(message: str, status_code: int = 400) -> JSONResponse:
+    """SGLang's `_create_error_response` (http_server.py:2246-2250): {"error": {"message"}}."""
+    return JSONResponse(status_code=status_code, content={"error": {"message": message}})
 
 
 def main(argv: list[str] | None = None) -> None:

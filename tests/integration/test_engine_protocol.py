@@ -16,7 +16,15 @@ import pytest
 import torch
 
 from kimi_pipeline.cluster.env import engine_api_key
-from kimi_pipeline.engine.client import EngineClient, EngineRequestError, EnginesDown, Router, weight_update_session
+from kimi_pipeline.engine.client import (
+    EngineBadRequest,
+    EngineClient,
+    EngineRequestError,
+    EnginesDown,
+    Router,
+    sampling_payload,
+    weight_update_session,
+)
 from kimi_pipeline.engine.model import EngineModel
 from kimi_pipeline.engine.sampler import MEMORY_TAGS, RolloutEngine, SamplingParams
 from kimi_pipeline.engine.server import EngineServer
@@ -83,7 +91,7 @@ def test_release_and_resume_around_a_sync_give_back_the_same_generation(server, 
         assert sum(t.untyped_storage().nbytes() for t in model._tensors()) == 0 < weight_bytes  # really freed
         with pytest.raises(EngineRequestError, match="HTTP 503.*memory is released"):
             client.generate(PROMPTS, 1, PARAMS)
-        assert client.model_info()["memory_released"] == sorted(MEMORY_TAGS)
+        assert server.engine.released == set(MEMORY_TAGS)
         client.resume_memory_occupation(["weights"])
         assert sum(t.untyped_storage().nbytes() for t in model._tensors()) == weight_bytes
         client.resume_memory_occupation(["kv_cache", "cuda_graph"])
@@ -216,3 +224,132 @@ def test_an_engine_killed_mid_rollout_leaves_its_prompt_groups_to_the_others():
             p.kill()
             p.wait(30)
             p.stdout.close()
+
+
+# --------------------------------------------------------------------------- SGLang 0.5.23's answers and sampling rules
+
+
+def _sglang_like(handler) -> EngineClient:
+    """A client whose transport answers as `handler` does: SGLang's exact answers without a GPU."""
+    client = EngineClient("http://sglang.test")
+    client._http.close()
+    client._http = httpx.Client(base_url="http://sglang.test", transport=httpx.MockTransport(handler))
+    return client
+
+
+def test_the_client_takes_sglangs_plain_text_empty_and_null_answers():
+    """What SGLang 0.5.23 sends (entrypoints/http_server.py): /flush_cache plain text (:1025-1040), /health and
+    /abort_request an empty 200, memory release / resume JSON null, pause / continue {"message", "status"}.
+    The old client parsed every body as JSON and failed at the end of every colocated sync (/flush_cache)."""
+    answers = {
+        "/flush_cache": httpx.Response(200, content=b"Cache flushed.\nPlease check backend logs for more details. "
+                                                    b"(When there are running or waiting requests, the operation "
+                                                    b"will not be performed.)\n"),
+        "/health": httpx.Response(200), "/health_generate": httpx.Response(200),
+        "/abort_request": httpx.Response(200),
+        "/release_memory_occupation": httpx.Response(200, json=None),
+        "/resume_memory_occupation": httpx.Response(200, json=None),
+        "/pause_generation": httpx.Response(200, json={"message": "Generation paused successfully.", "status": "ok"}),
+        "/continue_generation": httpx.Response(200, json={"message": "Generation continued successfully.",
+                                                          "status": "ok"}),
+        "/model_info": httpx.Response(200, json={"model_path": "/m", "weight_version": "3"}),
+    }
+    seen = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request.url.path)
+        return answers[request.url.path]
+
+    with _sglang_like(handler) as client:
+        client.flush_cache()
+        assert client.health() and client.health_generate()
+        client.abort()
+        client.release_memory_occupation()
+        client.resume_memory_occupation()
+        client.pause()
+        client.resume()
+        assert client.weight_version() == "3"
+    assert set(seen) == set(answers)
+
+
+def test_sglangs_refusals_reach_the_caller_with_their_message():
+    """SGLang's 400s: /flush_cache's text while requests run (retryable: a state), {"error": {"message"}} of
+    `_create_error_response`, {"success": false, "message"} of the weight endpoints; 503 from /health."""
+    answers = {
+        "/flush_cache": httpx.Response(400, content=b"Flush cache failed.\n"),
+        "/release_memory_occupation": httpx.Response(400, json={"error": {"message": "server is not idle"}}),
+        "/begin_weight_update": httpx.Response(400, json={"success": False, "message": "a session is open"}),
+        "/health": httpx.Response(503),
+    }
+    with _sglang_like(lambda r: answers[r.url.path]) as client:
+        with pytest.raises(EngineRequestError, match="Flush cache failed") as flush:
+            client.flush_cache()
+        assert not isinstance(flush.value, EngineBadRequest)
+        with pytest.raises(EngineBadRequest, match="HTTP 400: server is not idle"):
+            client.release_memory_occupation()
+        with pytest.raises(EngineBadRequest, match="HTTP 400: a session is open"):
+            client.begin_weight_update()
+        assert not client.health()
+
+
+def test_sampling_params_are_sent_as_sglang_reads_them():
+    """top_k off is -1 (0 is SGLang's 400); stop ids never go with ignore_eos, which turns them off in SGLang
+    (schedule_batch.py:1856-1858); `()` is ignore_eos alone; a seeded request gives every row its own seed."""
+    sp = sampling_payload(SamplingParams(top_k=0))
+    assert sp["top_k"] == -1 and "ignore_eos" not in sp and "stop_token_ids" not in sp and "sampling_seed" not in sp
+    assert sampling_payload(SamplingParams(top_k=5))["top_k"] == 5
+    sp = sampling_payload(SamplingParams(stop_token_ids=(7, 9)))
+    assert sp["stop_token_ids"] == [7, 9] and "ignore_eos" not in sp
+    sp = sampling_payload(SamplingParams(stop_token_ids=()))
+    assert sp["ignore_eos"] is True and "stop_token_ids" not in sp
+    rows = sampling_payload(SamplingParams(seed=5), 8)
+    assert isinstance(rows, list) and len(rows) == 8
+    assert len({r["sampling_seed"] for r in rows}) == 8 and all(0 <= r["sampling_seed"] < 2**63 for r in rows)
+    assert rows == sampling_payload(SamplingParams(seed=5), 8)  # reproducible
+    assert not {r["sampling_seed"] for r in rows} & {r["sampling_seed"] for r in sampling_payload(SamplingParams(seed=6), 8)}
+
+
+def test_the_embedded_engine_samples_as_sglang_does_for_the_same_request(server):
+    """One seed for n samples of a prompt gives n identical samples in SGLang (deterministic inference: the draw
+    hashes seed and position, sampler.py:934-958), and so here; the client's per-row seeds give distinct samples,
+    the same ones on every call. ignore_eos turns the stop ids off; top_k 0 is refused with SGLang's message."""
+    url = server.url
+    body = {"input_ids": [PROMPTS[0]] * 4, "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 6, "temperature": 1.0, "sampling_seed": 42, "ignore_eos": True}}
+    shared = httpx.post(url + "/generate", json=body, timeout=60).json()
+    assert len({tuple(x["output_ids"]) for x in shared}) == 1
+    with EngineClient(url) as client:
+        a, b = _samples(client), _samples(client)
+    assert a == b and len({tuple(ids) for ids, _ in a[:2]}) == 2
+    stops = list(range(0, 384))  # every token is a stop id: without ignore_eos the first token stops
+    out = httpx.post(url + "/generate", json={"input_ids": PROMPTS[0], "sampling_params": {
+        "max_new_tokens": 5, "stop_token_ids": stops, "ignore_eos": True}}, timeout=60).json()
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 5}
+    r = httpx.post(url + "/generate", json={"input_ids": PROMPTS[0], "sampling_params": {"top_k": 0}}, timeout=60)
+    assert r.status_code == 400 and r.json() == {"error": {"message": "top_k must be -1 (disable) or at least 1, got 0."}}
+
+
+def test_control_answers_are_sglangs(server):
+    """Status, content type and body of each control endpoint exactly as SGLang 0.5.23 answers it."""
+    url = server.url
+    flush = httpx.post(url + "/flush_cache", timeout=60)
+    assert flush.status_code == 200 and "content-type" not in flush.headers
+    assert flush.text.startswith("Cache flushed.\n")
+    for path in ("/health", "/health_generate"):
+        r = httpx.get(url + path, timeout=60)
+        assert (r.status_code, r.content, r.headers.get("content-type")) == (200, b"", None), path
+    r = httpx.post(url + "/abort_request", json={"abort_all": True, "rid": ""}, timeout=60)
+    assert (r.status_code, r.content) == (200, b"")
+    for path in ("/release_memory_occupation", "/resume_memory_occupation"):
+        r = httpx.post(url + path, json={"tags": ["kv_cache"]}, timeout=60)
+        assert (r.status_code, r.headers["content-type"], r.content) == (200, "application/json", b"null"), path
+    r = httpx.post(url + "/pause_generation", json={"mode": "in_place"}, timeout=60)
+    assert r.json() == {"message": "Generation paused successfully.", "status": "ok"}
+    r = httpx.post(url + "/continue_generation", json={}, timeout=60)
+    assert r.json() == {"message": "Generation continued successfully.", "status": "ok"}
+    r = httpx.post(url + "/begin_weight_update", json={}, timeout=60)
+    assert r.json() == {"success": True, "message": "Success"}
+    assert httpx.post(url + "/end_weight_update", json={}, timeout=60).json() == {"success": True, "message": "Success"}
+    r = httpx.post(url + "/generate", json={"input_ids": "not ids"}, timeout=60)
+    assert r.status_code == 400 and r.json()["object"] == "error" and r.json()["code"] == 400  # not FastAPI's 422
+    assert httpx.get(url + "/get_weight_version", timeout=60).status_code == 404  # SGLang 0.5.23 has no such route
