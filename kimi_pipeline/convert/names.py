@@ -411,7 +411,7 @@ def _gather(shard: Shard, local: torch.Tensor) -> list[torch.Tensor]:
     return hf_from_gathered(shard, parts)
 
 
-def _hf_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+def hf_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     """Full HF tensor shapes, derived from the spec (no model needed)."""
     h, heads = spec.hidden_size, spec.num_attention_heads
     qk = spec.qk_head_dim + spec.qk_pos_emb_head_dim
@@ -512,7 +512,7 @@ def export_hf_tensors(
     else:
         coords = [(c["pp_rank"], c["ep_rank"])]
     model_dtype = next(iter(tensors.values())).dtype
-    shapes = _hf_shapes(spec)
+    shapes = hf_shapes(spec)
 
     for g in _global_order(spec, layout):
         holders = [r for r, (pp, ep) in enumerate(coords) if pp == g.pp and (g.ep is None or ep == g.ep)]

@@ -81,7 +81,7 @@ def _sglang_args(settings: EngineSettings, model_dir: Path, node_rank: int, base
 ENGINE_KINDS: dict[str, EngineKind] = {
     "embedded": EngineKind("embedded", _embedded_class, _embedded_args, one_process_per_node=False,
                            owned_bucket_updates=True, colocated_updates_by_cuda_ipc=False),
-    # SGLang colocated takes CUDA-IPC handles (update_weights_from_tensor, rl/weight_sync.py CudaIpcBuckets); not
+    # SGLang colocated takes CUDA-IPC handles (update_weights_from_tensor, weight_sync/updaters.py CudaIpcHandoff); not
     # colocated it joins a weight-update group like the embedded engine.
     "sglang": EngineKind("sglang", _sglang_class, _sglang_args, one_process_per_node=True,
                          owned_bucket_updates=False, colocated_updates_by_cuda_ipc=True),

@@ -216,7 +216,7 @@ class ParallelSpec(Section):
 class ClusterSpec(Section):
     """The Ray cluster a run needs. Read by: the cluster stage (`cluster.lifecycle`, `cluster.health`,
     `cluster.preflight`), `cluster.placement` and `rl.actor_layout` (where actors go), `weightjobs.run`, and the
-    records that resolve it for a component: `rl.weight_sync.SyncTarget`, `engine.kinds.EngineSettings`,
+    records that resolve it for a component: `weight_sync.updaters.SyncTarget`, `engine.kinds.EngineSettings`,
     `convert.torch_dist.ConvertSections`, `quant.checkpoint_export.ExportSections`, `eval.record.EvalSections`."""
 
     nodes: int = Field(1, gt=0, description="actor nodes (--actor-num-nodes)")
@@ -236,7 +236,7 @@ class ClusterSpec(Section):
 class RolloutSpec(Section):
     """Generation and rewards per rollout, and the step schedule. Read by: `rl.rollout` / `rl.rollout_manager`
     (sampling, dynamic sampling, rewards), `rl.samples` (the split into steps), `rl.policy`,
-    `rl.weight_sync.SyncTarget`, `engine.kinds.EngineSettings`, `eval.record.EvalSections` (seed and grader),
+    `weight_sync.updaters.SyncTarget`, `engine.kinds.EngineSettings`, `eval.record.EvalSections` (seed and grader),
     `rl.loop`, `data.validate` (prompt length)."""
 
     engine: Literal["sglang", "embedded"] = "sglang"
@@ -295,7 +295,7 @@ class RolloutSpec(Section):
 class SGLangSpec(Section):
     """SGLang's own server settings. Read by: `engine.sglang` (its launch command, through
     `engine.kinds.EngineSettings`),
-    `rl.actor_layout` (GPUs per engine), `rl.weight_sync.SyncTarget`."""
+    `rl.actor_layout` (GPUs per engine), `weight_sync.updaters.SyncTarget`."""
 
     gpus_per_engine: int = Field(8, gt=0)
     mem_fraction_static: float = Field(0.7, gt=0, le=1)
@@ -360,7 +360,7 @@ class OptimizerSpec(Section):
 
 
 class QuantSpec(Section):
-    """INT4 QAT in training and the export format. Read by: `rl.policy` (QAT), `rl.weight_sync.SyncTarget` and
+    """INT4 QAT in training and the export format. Read by: `rl.policy` (QAT), `weight_sync.updaters.SyncTarget` and
     `quant.engine_format` (what the engines are sent), the export stage (`quant.checkpoint_export.ExportSections`)."""
 
     int4_qat: bool = Field(False, description="fake-INT4 routed experts in the forward (env OPEN_TRAINING_INT4_FAKE_QAT_FLAG)")

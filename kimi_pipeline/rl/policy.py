@@ -55,7 +55,7 @@ from kimi_pipeline.rl.batching import split_micro_batches
 from kimi_pipeline.rl.grpo import grpo_loss
 from kimi_pipeline.rl.metrics import Metric, reduce_metrics
 from kimi_pipeline.rl.samples import MicroBatch, RankShare, Sample, collate, padding_micro_batch, response_values
-from kimi_pipeline.rl.weight_sync import SyncTarget, choose_weight_sync
+from kimi_pipeline.weight_sync.updaters import SyncTarget, choose_weight_sync
 
 log = logging.getLogger(__name__)
 
@@ -372,7 +372,7 @@ class PolicyWorker:
 
     def sync_weights(self, engine_urls: list[str], version: str) -> dict[str, float]:
         """Make the engines serve the current weights as `version` (collective: every trainer rank calls it).
-        The updater (`rl.weight_sync`) is chosen once per set of engines and kept, with its client and
+        The updater (`weight_sync.updaters`) is chosen once per set of engines and kept, with its client and
         shared-memory segment, across syncs."""
 
         self._require_awake("the weight sync", ("weights",))
@@ -403,7 +403,7 @@ class PolicyWorker:
     def release(self) -> None:
         """Close the engine client (and remove its shared-memory segment); no collective, safe at teardown."""
         if self._sync is not None:
-            self._sync.router.close()
+            self._sync.close()
             self._sync = None
 
     def close(self) -> None:

@@ -3,12 +3,12 @@
 Megatron shards → HF names → the engine's own format (`quant.engine_format`: INT4 pack-quantized, FP8
 blocks + scales, or bf16) → every engine, in `rollout.update_weight_buffer_size` buckets:
 
-- `OwnedBuckets`: colocated on one host (every engine reads this host's shared memory): each trainer rank
-  sends the buckets it holds itself, never broadcast to the other ranks.
-- `GatheredPush`: rank 0 receives each tensor from its holder and sends it (shared memory, the weight-update
+- `GroupBuckets`: colocated (every K2 recipe, every step). Each bucket is assembled on every trainer rank by
+  group collectives (`weight_sync.buckets`: pipeline broadcast, TP / EP all-gathers, flat per dtype) and handed
+  to the engine rank on the same device: a CUDA-IPC handle to SGLang (`CudaIpcHandoff`), a shared-memory
+  segment to the embedded engine (`SharedMemoryHandoff`).
+- `GatheredPush`: not colocated: rank 0 receives each tensor from its holder and sends it (the weight-update
   process group — gloo / NCCL — or safetensors bodies; the engine client picks per engine).
-- `CudaIpcBuckets`: SGLang colocated: each trainer rank hands each bucket to the engine rank on its own GPU as a
-  CUDA-IPC handle (`/update_weights_from_tensor`, SGLang's serializer format, `engine/cuda_ipc.py`).
 - `DiskCheckpoint`: an HF checkpoint in the engine's format on shared storage, loaded by every engine
   (`rollout.weight_sync=disk`: the explicit fallback).
 
@@ -17,6 +17,7 @@ Every trainer rank runs the same updater (the updates are collectives).
 
 from __future__ import annotations
 
+import json
 import shutil
 import time
 from abc import ABC, abstractmethod
@@ -27,18 +28,20 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from kimi_pipeline.convert.names import HFLayout
-from kimi_pipeline.engine.client import chunk_named_tensors, paused, weight_update_session
+from kimi_pipeline.convert.names import HFLayout, model_tensors, model_uses_te
+from kimi_pipeline.engine import shm
+from kimi_pipeline.engine.client import paused, weight_update_session
 from kimi_pipeline.engine.cuda_ipc import build_update_request, serialize_bucket
-from kimi_pipeline.engine.dist_update import dtype_from_name
 from kimi_pipeline.engine.kinds import engine_kind
 from kimi_pipeline.model.hf_config import hf_config_dict
 from kimi_pipeline.quant.engine_format import EngineFormat, engine_quant_config, engine_weight_format, to_engine_format
 from kimi_pipeline.quant.policy_weights import policy_tensors
+from kimi_pipeline.quant.qat import fake_quant_hf_tensors
 from kimi_pipeline.recipes import Recipe
 from kimi_pipeline.recipes.models import ModelSpec
 from kimi_pipeline.util.files import atomic_write_json
 from kimi_pipeline.util.shards import ShardWriter, finish_shards
+from kimi_pipeline.weight_sync.buckets import BucketPlan, Groups, SyncCounters, gather_bucket
 
 
 @dataclass(frozen=True)
@@ -93,6 +96,10 @@ class WeightSync(ABC):
     def update(self, version: str) -> dict[str, float]:
         """Make the engines serve this rank's current weights as `version`; returns sync metrics."""
 
+    def close(self) -> None:
+        """Close the engine client and free what the updater keeps for the run (no collective)."""
+        self.router.close()
+
     def _engine_tensors(self, named):
         """The trainer's tensors as the engines' checkpoint stores them: its format, under its names (K2.5's
         `language_model.` prefix, which SGLang's K2.5 model loads)."""
@@ -114,26 +121,135 @@ class WeightSync(ABC):
         return self._engine_tensors(named)
 
 
-class OwnedBuckets(WeightSync):
-    """Rank 0 pauses the engines and opens their weight-update session; every rank pushes the tensors it holds
-    (TP-gathered) through its own shared-memory segment; once all are done rank 0 commits the version (an empty
-    last bucket: the engines check that no quantized weight is incomplete), ends the session and resumes them."""
+class Handoff(ABC):
+    """How a rank hands a bucket it holds whole to the engine rank on its own device, and what ends a sync."""
 
-    name = "owned"
+    collectives_per_bucket = 0  # collectives `send` issues (over an engine's ranks)
+
+    @abstractmethod
+    def send(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        """One bucket, in the engine's format and names (every rank calls it for every bucket)."""
+
+    def commit(self, version: str) -> None:
+        """After the last bucket, on every rank, before rank 0 ends the weight-update session."""
+
+    def close(self) -> None:
+        """Free what the handoff keeps for the run (no collective)."""
+
+
+class SharedMemoryHandoff(Handoff):
+    """The embedded engine (CPU): the first trainer rank of each engine's ranks writes the bucket into its
+    shared-memory segment (`engine/shm.py`) and posts the descriptor to that engine alone; the engine's other
+    ranks hold the same bucket and send nothing (one embedded process reads it once, where each SGLang TP rank
+    takes its own copy). Colocated engine e covers trainer ranks [e x R, (e + 1) x R), R = world / engines
+    (`cluster.placement`: engines take the trainers' devices in order; on CPU one engine per node)."""
+
+    def __init__(self, trainer: TrainerRank, router) -> None:
+        engines = len(router.clients)
+        if trainer.world_size % engines:
+            raise ValueError(f"{engines} colocated engines do not divide {trainer.world_size} trainer ranks")
+        engine, offset = divmod(trainer.rank, trainer.world_size // engines)
+        self.client = router.clients[engine] if offset == 0 else None
+        self.segment = shm.SharedBucket() if self.client is not None else None
+
+    def send(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        if self.client is not None:
+            self.client.post_weight_chunk(json.dumps(self.segment.write_bucket(dict(named))), None, shm.LOAD_FORMAT)
+
+    def commit(self, version: str) -> None:
+        """An empty bucket carries the version: the engine checks that no quantized weight is incomplete and
+        flushes its cache (`engine/server.py`)."""
+        if self.client is not None:
+            self.client.post_weight_chunk(json.dumps(self.segment.write_bucket({})), version, shm.LOAD_FORMAT)
+
+    def close(self) -> None:
+        if self.segment is not None:
+            self.segment.close()
+            self.segment = None
+
+
+class CudaIpcHandoff(Handoff):
+    """SGLang colocated: each rank serializes the bucket as a CUDA-IPC handle (`cuda_ipc.py`, SGLang's
+    "flattened_bucket" format) for the SGLang TP rank on its own GPU; the rank on the engine's TP-rank-0 GPU
+    gathers its engine's entries (one per TP rank, in TP order, over a gloo group of the engine's ranks) and
+    posts one `/update_weights_from_tensor`; the engine's ranks then wait for each other before the bucket's
+    buffers may go (miles `update_weight_from_tensor.py`: `gather_object` of the handles to the engine's first
+    rank, a barrier after the engine answered). Colocated engine e's TP rank i is trainer rank e x g + i
+    (`cluster.placement`). GPU only: CUDA-IPC handles need CUDA tensors."""
+
+    collectives_per_bucket = 2  # the handles' gather and the engine group's barrier
+
+    def __init__(self, trainer: TrainerRank, router) -> None:
+        g = trainer.target.gpus_per_engine
+        if trainer.world_size % g:
+            raise ValueError(f"engines of {g} GPUs do not divide {trainer.world_size} trainer ranks")
+        self.gpus, (engine, self.tp_rank) = g, divmod(trainer.rank, g)
+        # one gloo group per engine for the entries (strings), made by every rank in the same order
+        groups = [dist.new_group(list(range(e * g, (e + 1) * g)), backend="gloo")
+                  for e in range(trainer.world_size // g)]
+        self.group, self.lead, self.router = groups[engine], engine * g, router
+        self.rank0 = trainer.rank == 0
+        self.client = router.clients[engine] if self.tp_rank == 0 else None
+
+    def send(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        entries = [None] * self.gpus if self.client is not None else None
+        dist.gather_object(serialize_bucket(named), entries, dst=self.lead, group=self.group)
+        if self.client is not None:
+            self.client.post_tensor_request(build_update_request(entries))
+        dist.barrier(group=self.group)  # the engine has loaded the bucket: its IPC buffers may go
+        torch.cuda.ipc_collect()
+
+    def commit(self, version: str) -> None:
+        """One cache flush and the version after the last bucket, for every engine (from rank 0, which holds the
+        session open: control calls, no weights)."""
+        if self.rank0:
+            self.router.flush_cache()
+            self.router.update_weight_version(version)
+
+
+class GroupBuckets(WeightSync):
+    """Colocated sync, as the recipes' framework does it at 256 GPUs: bucket by bucket, every trainer rank
+    assembles the full HF tensors of the bucket from group collectives (`weight_sync.buckets`: a broadcast over
+    the pipeline group, all-gathers over TP and EP, one flat buffer per dtype), converts them to the engines'
+    format and names on its own device, and hands them to the engine rank on the same device (`Handoff`). No
+    rank receives more than the model once and none sends it to all; the collectives per sync are bounded by
+    buckets x dtypes x groups (`sync_collectives` in the metrics row)."""
+
+    name = "group_buckets"
+
+    def __init__(self, trainer: TrainerRank, router, handoff: Handoff) -> None:
+        super().__init__(trainer, router)
+        tensors = model_tensors(trainer.model[0])
+        dtype = next(t.dtype for n, t in tensors.items() if not n.endswith("expert_bias"))
+        self.plan = BucketPlan.build(trainer.spec, trainer.layout, buffer_bytes=self.target.buffer_bytes,
+                                     dtype=dtype, use_te=model_uses_te(trainer.model[0]))
+        self.groups = Groups.current()
+        self.handoff = handoff
 
     def update(self, version: str) -> dict[str, float]:
         t0 = time.perf_counter()
-        buffer = self.target.buffer_bytes
-        barrier = dist.barrier if self.trainer.world_size > 1 else (lambda: None)
         lead = self.trainer.rank == 0
+        world = self.trainer.world_size > 1
+        counters = SyncCounters()
+        tensors = model_tensors(self.trainer.model[0])  # live parameters: read, never copied whole
         with paused(self.router, lead), weight_update_session(self.router, lead):
-            barrier()
-            chunks = self.router.update_weights(self._engine_tensors(self._policy_tensors(owned_only=True)), buffer,
-                                                pause=False, session=False)
-            barrier()
-            if lead:
-                self.router.update_weights([], buffer, weight_version=version, pause=False, session=False)
-        return {"sync_seconds": time.perf_counter() - t0, "sync_chunks": float(chunks)}
+            if world:  # no rank hands over a bucket before rank 0 paused the engines and opened the session
+                dist.barrier()
+            for bucket in self.plan.buckets:
+                named = gather_bucket(bucket, tensors, self.groups, self.trainer.device, counters)
+                if self.fake_quant:
+                    named = fake_quant_hf_tensors(named, self.target.group_size)
+                self.handoff.send(list(self._engine_tensors(named)))
+            self.handoff.commit(version)
+            if world:  # every engine has every bucket before rank 0 ends the session
+                dist.barrier()
+        collectives = counters.total + len(self.plan.buckets) * self.handoff.collectives_per_bucket + 2 * world
+        return {"sync_seconds": time.perf_counter() - t0, "sync_chunks": float(counters.buckets),
+                "sync_collectives": float(collectives), "sync_received_bytes": float(counters.received_bytes)}
+
+    def close(self) -> None:
+        self.handoff.close()
+        super().close()
 
 
 class GatheredPush(WeightSync):
@@ -147,70 +263,6 @@ class GatheredPush(WeightSync):
             chunks = self.router.update_weights(named, self.target.buffer_bytes,
                                                 weight_version=version)
         return {"sync_seconds": time.perf_counter() - t0, "sync_chunks": float(chunks or 0)}
-
-
-class CudaIpcBuckets(WeightSync):
-    """SGLang colocated, as the seeds' framework syncs it: every trainer rank holds each bucket on its own GPU and
-    hands it, as a CUDA-IPC handle (`engine/cuda_ipc.py`, SGLang's "flattened_bucket" format), to the engine rank
-    on that GPU; the trainer rank on each engine's TP-rank-0 GPU gathers its engine's entries (one per TP rank, in
-    TP order) and posts one `/update_weights_from_tensor`, inside the weight-update session rank 0 opened.
-
-    Rank 0 gathers each tensor from its holder (`_gathered_on_rank0`) and broadcasts the bucket to every rank over
-    the trainer's own group (NCCL): the bytes never leave the GPUs. Colocated engine e's TP rank i is trainer rank
-    e x gpus_per_engine + i (`cluster.placement`: engines take the trainers' GPUs in order). GPU only: CUDA-IPC
-    handles need CUDA tensors; on CPU the embedded engine reads shared memory (`OwnedBuckets`) instead, and
-    `rollout.weight_sync=disk` stays the explicit fallback. Written from SGLang 0.5.23's source; see README's GPU
-    status table for what has run on a GPU."""
-
-    name = "cuda_ipc"
-
-    def __init__(self, trainer: TrainerRank, router) -> None:
-        super().__init__(trainer, router)
-        g = self.target.gpus_per_engine
-        self.engine_index, self.tp_rank = divmod(trainer.rank, g)
-        # one gloo group per engine for the entries (strings), made by every rank in the same order
-        groups = [dist.new_group(list(range(e * g, (e + 1) * g)), backend="gloo")
-                  for e in range(trainer.world_size // g)]
-        self.group, self.lead = groups[self.engine_index], self.engine_index * g
-        self.client = router.clients[self.engine_index] if self.tp_rank == 0 else None
-
-    def update(self, version: str) -> dict[str, float]:
-        t0 = time.perf_counter()
-        lead = self.trainer.rank == 0
-        named = self._gathered_on_rank0()
-        chunks = iter(chunk_named_tensors(named, self.target.buffer_bytes)) if lead else None
-        count = 0
-        with paused(self.router, lead), weight_update_session(self.router, lead):
-            while (bucket := self._next_bucket(chunks)) is not None:
-                entries = [None] * self.target.gpus_per_engine if self.client is not None else None
-                dist.gather_object(serialize_bucket(list(bucket.items())), entries, dst=self.lead, group=self.group)
-                if self.client is not None:
-                    self.client.post_tensor_request(build_update_request(entries))
-                dist.barrier()  # every engine has loaded the bucket: its IPC buffers may go
-                del bucket
-                torch.cuda.ipc_collect()
-                count += 1
-            if lead:  # one cache flush and the version after the last bucket
-                self.router.flush_cache()
-                self.router.update_weight_version(version)
-        return {"sync_seconds": time.perf_counter() - t0, "sync_chunks": float(count)}
-
-    def _next_bucket(self, chunks) -> dict[str, torch.Tensor] | None:
-        """The next bucket on every rank (rank 0's, broadcast over the trainers' group); None after the last."""
-
-        chunk = next(chunks, None) if chunks is not None else None
-        header = [[(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in chunk.items()]
-                  if chunk is not None else None]
-        dist.broadcast_object_list(header, src=0)
-        if header[0] is None:
-            return None
-        out = {}
-        for name, dtype, shape in header[0]:
-            t = (chunk[name].to(self.trainer.device).contiguous() if chunk is not None
-                 else torch.empty(shape, dtype=dtype_from_name(dtype), device=self.trainer.device))
-            dist.broadcast(t, src=0)
-            out[name] = t
-        return out
 
 
 class DiskCheckpoint(WeightSync):
@@ -265,7 +317,7 @@ def choose_weight_sync(trainer: TrainerRank, router) -> WeightSync:
     if target.weight_sync == "disk":
         return DiskCheckpoint(trainer, router)
     if target.colocate and kind.colocated_updates_by_cuda_ipc:
-        return CudaIpcBuckets(trainer, router)
-    if kind.owned_bucket_updates and _all_engines_local(trainer, router):
-        return OwnedBuckets(trainer, router)
+        return GroupBuckets(trainer, router, CudaIpcHandoff(trainer, router))
+    if target.colocate and kind.owned_bucket_updates and _all_engines_local(trainer, router):
+        return GroupBuckets(trainer, router, SharedMemoryHandoff(trainer, router))
     return GatheredPush(trainer, router)

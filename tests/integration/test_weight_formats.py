@@ -17,7 +17,7 @@ from kimi_pipeline.quant.engine_format import to_engine_format
 from kimi_pipeline.quant.export import KEEP_FP32, is_quantized
 from kimi_pipeline.quant.int4 import fake_quant_int4
 from kimi_pipeline.recipes import load_recipe
-from kimi_pipeline.rl.weight_sync import SyncTarget
+from kimi_pipeline.weight_sync.updaters import SyncTarget
 
 TINY_MODEL = Path(__file__).resolve().parents[2] / "data" / "tiny" / "model"
 

@@ -47,7 +47,7 @@ TRAIN_SET = [
     "checkpoint.save_interval=2", "eval.interval=2", "eval.n_samples_per_prompt=2",
     "convert.nodes=1", "convert.pp=1", "convert.ep=1",
 ]
-# The wall-clock figures of a metrics row (rl/rollout.py, rl/policy.py, rl/weight_sync.py, rl/loop.py, rl/handoff.py): they differ
+# The wall-clock figures of a metrics row (rl/rollout.py, rl/policy.py, weight_sync/updaters.py, rl/loop.py, rl/handoff.py): they differ
 # from run to run. Every other key (reward_std, global_batch_size, optimizer_steps, train_samples, ...) is compared.
 TIMING = frozenset({"rollout_seconds", "rollout_tokens_per_s", "train_seconds", "train_tokens_per_s", "sync_seconds",
                     "step_seconds", "handoff_seconds"})

@@ -22,8 +22,10 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 
-def launch(scenario: str, world: int, out_dir: Path, args: dict, timeout: float = 300) -> list[dict]:
-    """Run `scenario` on `world` ranks; returns every rank's JSON result."""
+def launch(scenario: str, world: int, out_dir: Path, args: dict, timeout: float = 300,
+           env: dict[str, str] | None = None) -> list[dict]:
+    """Run `scenario` on `world` ranks (with `env` added to each rank's environment); returns every rank's JSON
+    result."""
     from kimi_pipeline.util.net import free_port
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -35,7 +37,7 @@ def launch(scenario: str, world: int, out_dir: Path, args: dict, timeout: float 
         env.update(
             RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1",
-            PYTHONWARNINGS="ignore",
+            PYTHONWARNINGS="ignore", **(env or {}),
         )
         log = tempfile.TemporaryFile(mode="w+")
         logs.append(log)
@@ -394,6 +396,102 @@ def scenario_cp(out_dir: Path, args: dict) -> dict:
     return out
 
 
+class CollectiveRecorder:
+    """Every torch.distributed call this rank makes while installed (the module attributes the code under test
+    looks up), with the bytes it received: a broadcast's tensor on a non-source rank, (n - 1) / n of an
+    all-gather's output, a recv's tensor, an object collective's pickled size is not counted (control only)."""
+
+    CALLS = ("broadcast", "all_gather_into_tensor", "all_gather", "all_reduce", "reduce_scatter_tensor", "send",
+             "recv", "isend", "irecv", "batch_isend_irecv", "gather_object", "all_gather_object",
+             "broadcast_object_list", "barrier", "gather", "scatter")
+
+    def __init__(self) -> None:
+        self.calls: list[list] = []  # [name, group size, bytes received]
+        self._saved: dict = {}
+
+    def __enter__(self) -> CollectiveRecorder:
+        import torch.distributed as dist
+
+        for name in self.CALLS:
+            fn = getattr(dist, name)
+            self._saved[name] = fn
+            setattr(dist, name, self._wrap(name, fn))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import torch.distributed as dist
+
+        for name, fn in self._saved.items():
+            setattr(dist, name, fn)
+
+    def _wrap(self, name, fn):
+        import torch.distributed as dist
+
+        def recorded(*args, **kwargs):
+            group = kwargs.get("group")
+            size = dist.get_world_size(group)
+            me = dist.get_rank(group)
+            got = 0
+            if name == "broadcast":
+                tensor = args[0]
+                src = kwargs.get("group_src")
+                if src is None:
+                    src = kwargs.get("src", args[1] if len(args) > 1 else None)
+                    src = dist.get_group_rank(group, src) if group is not None else src
+                got = 0 if me == src else tensor.numel() * tensor.element_size()
+            elif name == "all_gather_into_tensor":
+                out = args[0]
+                got = out.numel() * out.element_size() * (size - 1) // size
+            elif name in ("recv", "irecv"):
+                got = args[0].numel() * args[0].element_size()
+            self.calls.append([name, size, got])
+            return fn(*args, **kwargs)
+
+        return recorded
+
+
+def scenario_weight_sync(out_dir: Path, args: dict) -> dict:
+    """The colocated sync (`weight_sync.updaters.GroupBuckets` with the embedded engine's shared-memory handoff)
+    of a randomly initialised tiny model at this layout to the engines at `args["urls"]`, under a recorder of
+    every collective; rank 0 also writes the trainer's HF tensors, exported by the conversion's own path
+    (`convert.names.export_hf_tensors`), as the reference."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from kimi_pipeline.convert.names import HFLayout, export_hf_tensors
+    from kimi_pipeline.engine.client import Router
+    from kimi_pipeline.model.megatron_model import build_model
+    from kimi_pipeline.weight_sync.updaters import GroupBuckets, SharedMemoryHandoff, SyncTarget, choose_weight_sync
+
+    recipe, layout = _setup(args)
+    spec = recipe.model
+    model = build_model(spec, layout, device=torch.device("cpu"))
+    rank = int(os.environ["RANK"])
+    target = SyncTarget(engine="embedded", weight_format="model", weight_sync="auto", buffer_bytes=args["buffer"],
+                        group_size=32, gpus_per_engine=1, colocate=True)
+    trainer = SimpleNamespace(target=target, spec=spec, model=[model], layout=layout, rank=rank,
+                              world_size=layout.world_size, qat=[], device=torch.device("cpu"), hf_layout=HFLayout(),
+                              sync_dir=lambda: out_dir)
+    sync = choose_weight_sync(trainer, Router(args["urls"]))
+    assert isinstance(sync, GroupBuckets) and isinstance(sync.handoff, SharedMemoryHandoff), type(sync)
+    try:
+        with CollectiveRecorder() as recorder:
+            metrics = sync.update("synced")
+    finally:
+        sync.close()
+    reference = {n: t.contiguous() for n, t in export_hf_tensors([model], spec, layout)}
+    if rank == 0:
+        from safetensors.torch import save_file
+
+        save_file(reference, str(out_dir / "reference.safetensors"))
+    plan = sync.plan
+    return {"metrics": metrics, "calls": recorder.calls, "plan_collectives": plan.collectives(),
+            "plan_received": plan.received_bytes(sync.groups.pp_rank), "plan_buckets": len(plan.buckets),
+            "model_bytes": sum(t.numel() * t.element_size() for t in reference.values()),
+            "pp_rank": sync.groups.pp_rank}
+
+
 def main() -> None:
     scenario, out_dir, args = sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[3])
     from kimi_pipeline.model import parallel
@@ -405,7 +503,7 @@ def main() -> None:
 
 
 SCENARIOS = {"ops": scenario_ops, "grpo_padded": scenario_grpo_padded, "grpo_dp": scenario_grpo_dp,
-             "replay": scenario_replay, "cp": scenario_cp}
+             "replay": scenario_replay, "cp": scenario_cp, "weight_sync": scenario_weight_sync}
 
 
 if __name__ == "__main__":

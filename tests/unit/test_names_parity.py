@@ -70,7 +70,7 @@ def test_checkpoint_names_are_exactly_the_mapped_names(spec, hf_saved):
     _, disk = hf_saved
     assert names.check_complete(disk, spec) == []
     assert sorted(disk) == sorted(names.all_hf_names(spec))
-    assert all(s == tuple(disk[n].shape) for n, s in names._hf_shapes(spec).items() if n in disk)
+    assert all(s == tuple(disk[n].shape) for n, s in names.hf_shapes(spec).items() if n in disk)
 
 
 def test_unfuse_matches_disk_layout(hf_saved):
@@ -148,7 +148,7 @@ def test_positions_must_be_left_aligned(spec, single_process):
 def test_tp_slices_reassemble_and_fc1_is_interleaved_per_partition(spec):
     layout = Layout(world_size=4, tp=4, etp=4)
     g = torch.Generator().manual_seed(0)
-    full = {n: torch.randn(s, generator=g) for n, s in names._hf_shapes(spec).items()}
+    full = {n: torch.randn(s, generator=g) for n, s in names.hf_shapes(spec).items()}
     per_rank = [names.hf_to_megatron_names(spec, layout, tp_rank=r, etp_rank=r) for r in range(4)]
     assert [len(x) for x in per_rank] == [len(per_rank[0])] * 4
     for shards in zip(*per_rank):

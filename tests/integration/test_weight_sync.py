@@ -1,0 +1,82 @@
+"""The colocated weight sync at TP 2 x EP 2 x PP 2 (8 gloo ranks), with the code a GPU run takes up to the
+handoff: every bucket assembled on every rank by group collectives (`weight_sync.buckets`), handed to the engine of
+the rank's device (here two embedded engines, four ranks each, through shared memory; SGLang: CUDA IPC).
+
+Under `TORCH_DISTRIBUTED_DEBUG=DETAIL` torch checks, before each collective, that every member of the group issues
+the same collective with the same sizes (what NCCL needs and gloo forgives); a recorder of every torch.distributed
+call on each rank proves there is no point-to-point, the collectives are those of the plan's bound, and no rank
+receives more than the model's bytes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from kimi_pipeline.engine.model import EngineModel
+from kimi_pipeline.engine.sampler import RolloutEngine
+from kimi_pipeline.engine.server import EngineServer
+from kimi_pipeline.model.parallel import Layout
+from kimi_pipeline.recipes import load_recipe
+from kimi_pipeline.weight_sync.buckets import BucketPlan
+from support.common import random_tiny_hf
+from support.megatron_worker import launch
+
+LAYOUT = {"tp": 2, "ep": 2, "pp": 2}
+BUFFER = 96 * 1024  # bytes: several buckets per stage, some with both dtypes (fp32 weights + the fp32 expert bias)
+
+
+@pytest.fixture(scope="module")
+def synced(tmp_path_factory):
+    """Two embedded engines serving another model, then one sync from the 8 trainer ranks."""
+    torch.set_num_threads(1)
+    engines = [EngineServer(RolloutEngine(EngineModel.from_hf_model(random_tiny_hf(0)), seed=i)) for i in range(2)]
+    for e in engines:
+        e.start()
+    out = tmp_path_factory.mktemp("weight-sync")
+    try:
+        ranks = launch("weight_sync", 8, out, {**LAYOUT, "buffer": BUFFER, "urls": [e.url for e in engines]},
+                       timeout=600, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
+        yield engines, ranks, load_file(str(out / "reference.safetensors"))
+    finally:
+        for e in engines:
+            e.stop()
+
+
+def test_every_engine_holds_every_hf_tensor_bit_exact_and_serves_the_trainers_logits(synced):
+    engines, ranks, reference = synced
+    expected = EngineModel.from_hf_model(random_tiny_hf(0))
+    expected.load_weights(reference.items())
+    prompt = torch.arange(5, 17).unsqueeze(0)
+    for e in engines:
+        got = e.engine.model
+        assert got.weight_names() == expected.weight_names()
+        for name in expected.weight_names():
+            assert torch.equal(got._params[name], expected._params[name]), name
+        assert e.engine.weight_version == "synced"
+        assert torch.equal(got.prefill(prompt, all_logits=True)[0], expected.prefill(prompt, all_logits=True)[0])
+    before = EngineModel.from_hf_model(random_tiny_hf(0))
+    assert any(not torch.equal(before._params[n], expected._params[n]) for n in expected.weight_names())
+
+
+def test_collectives_are_the_plans_bound_with_no_point_to_point_and_no_rank_receives_the_model_twice(synced):
+    _, ranks, reference = synced
+    spec = load_recipe("tiny").model
+    plan = BucketPlan.build(spec, Layout(world_size=8, **LAYOUT), buffer_bytes=BUFFER, dtype=torch.float32,
+                            use_te=False)
+    model_bytes = sum(t.numel() * t.element_size() for t in reference.values())
+    n_tensors = len(reference)
+    assert len(plan.buckets) >= 4 and len(plan.buckets) < n_tensors
+    bound = len(plan.buckets) * 2 * 3 + 2  # buckets x dtypes x (pp, tp, ep) + the two barriers around them
+    for r in ranks:
+        calls = r["calls"]
+        names = {c[0] for c in calls}
+        assert names <= {"broadcast", "all_gather_into_tensor", "barrier"}, names  # no send / recv, no object ops
+        assert len(calls) == r["metrics"]["sync_collectives"] <= bound
+        assert len(calls) == sum(plan.collectives().values()) + 2
+        received = sum(c[2] for c in calls)
+        assert received == r["metrics"]["sync_received_bytes"] == plan.received_bytes(r["pp_rank"])
+        assert received <= model_bytes, (received, model_bytes)
+        assert r["model_bytes"] == model_bytes
+    # the collectives do not grow with the tensor count: fewer than one per tensor, per group
+    assert all(n < n_tensors for n in plan.collectives().values())
