@@ -249,8 +249,8 @@ class EngineClient:
         for an empty body or JSON null, a str for plain text. Errors: HTTP >= 400 (400: EngineBadRequest), or
         a 200 JSON object saying `"success": false`."""
         try:
-            r = self._http.request(method, path, json=json, params=params,
-                                   **({"timeout": httpx.Timeout(timeout_s, connect=min(10.0, timeout_s))} if timeout_s else {}))
+            limit = {"timeout": httpx.Timeout(timeout_s, connect=min(10.0, timeout_s))} if timeout_s else {}
+            r = self._http.request(method, path, json=json, params=params, **limit)
         except httpx.TransportError as exc:
             raise EngineUnreachable(f"{self.url}{path}: {type(exc).__name__}: {exc}") from exc
         except httpx.HTTPError as exc:

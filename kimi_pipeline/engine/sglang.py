@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +39,44 @@ from kimi_pipeline.util.net import bind_host, free_port
 
 SGLANG_ENV_VAR = "KIMI_SGLANG_PYTHON"
 ARGCHECK_SCRIPT = Path(__file__).with_name("sglang_argcheck.py")
+
+# With --enable-memory-saver, SGLang releases its CUDA graphs' memory only when this is set (sglang 0.5.23
+# model_executor/runner_backend/cuda_graph_dedup_mixin.py:307-311, breakable_cuda_graph_backend.py:86): colocated
+# engines get it, and `kimi plan` counts graph memory as released only where `releases_cuda_graphs` says so.
+MEMORY_SAVER_CUDA_GRAPH = "SGLANG_MEMORY_SAVER_CUDA_GRAPH"
+# What the seeds' launcher sets that SGLang's side of a run uses: the long NCCL timeout of a 1 T-parameter
+# weight-update group broadcast (seed 001, NCCL_TIMEOUT=3600).
+SEED_SGLANG_ENV = {"NCCL_TIMEOUT": "3600"}
+# The trainer's environment, never SGLang's: its interpreter's packages (a PYTHONPATH from the trainer's venv puts
+# transformers >= 5.23 and compressed-tensors 0.20 before SGLang's pins), megatron's CUDA queue setting, torch.compile
+# off, the trainer's process-group and QAT variables, and secrets SGLang has no use for (the model is on local
+# disk: no hub token; no W&B).
+TRAINER_ONLY_ENV = ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "VIRTUAL_ENV", "TORCHDYNAMO_DISABLE",
+                    "CUDA_DEVICE_MAX_CONNECTIONS", "OMP_NUM_THREADS", "MASTER_ADDR", "MASTER_PORT", "RANK",
+                    "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN",
+                    "OPEN_TRAINING_INT4_FAKE_QAT_FLAG", "OPEN_TRAINING_INT4_GROUP_SIZE")
+TRAINER_ONLY_PREFIXES = ("WANDB_",)
+
+
+def sglang_env(base: Mapping[str, str], *, memory_saver: bool) -> dict[str, str]:
+    """The environment of an SGLang server process: `base` (the engine actor's) without the trainer's variables,
+    plus the seeds' SGLang-side variables, the hub kept offline (the model is a local directory), and, colocated,
+    the memory saver's CUDA-graph switch."""
+    env = {k: v for k, v in base.items()
+           if k not in TRAINER_ONLY_ENV and not k.startswith(TRAINER_ONLY_PREFIXES)}
+    env.update(SEED_SGLANG_ENV)
+    env["HF_HUB_OFFLINE"] = "1"
+    if memory_saver:
+        env[MEMORY_SAVER_CUDA_GRAPH] = "1"
+    else:
+        env.pop(MEMORY_SAVER_CUDA_GRAPH, None)
+    return env
+
+
+def releases_cuda_graphs(env: Mapping[str, str]) -> bool:
+    """Whether an SGLang server started with `env` (and --enable-memory-saver) frees its CUDA graphs on
+    /release_memory_occupation (SGLang reads the variable with get_bool_env_var: "1"/"true")."""
+    return env.get(MEMORY_SAVER_CUDA_GRAPH, "").lower() in ("1", "true")
 
 
 def sglang_python(spec: SGLangSpec) -> str:
@@ -52,6 +92,48 @@ def sglang_python(spec: SGLangSpec) -> str:
 
 class SGLangLaunchError(RuntimeError):
     pass
+
+
+# (free bytes, total bytes) of each of these node-local GPUs
+MemoryProbe = Callable[[Sequence[int]], list[tuple[int, int]]]
+
+
+def nvidia_smi_memory(gpus: Sequence[int]) -> list[tuple[int, int]]:
+    """Free and total memory of node-local GPUs (indexes as this process sees them, through CUDA_VISIBLE_DEVICES),
+    from nvidia-smi: no CUDA context is created in the engine actor, which must leave the GPU to SGLang."""
+    visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    ids = ",".join(visible[g] if g < len(visible) else str(g) for g in gpus)
+    out = subprocess.run(["nvidia-smi", "-i", ids, "--query-gpu=memory.free,memory.total",
+                          "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=60, check=True)
+    rows = [line.split(",") for line in out.stdout.strip().splitlines()]
+    return [(int(free) << 20, int(total) << 20) for free, total in rows]
+
+
+def wait_for_gpu_memory(gpus: Sequence[int], fraction: float, what: str, *, probe: MemoryProbe | None = None,
+                        timeout_s: float = 300.0, poll_s: float = 2.0) -> float:
+    """Wait until each GPU in `gpus` has `fraction` of its memory free; returns the seconds waited.
+
+    SGLang sizes its static memory from the memory free when it starts (KV budget = free - free_at_start x
+    (1 - mem_fraction_static), sglang 0.5.23 mem_cache/kv_cache_configurator.py:2990-3007; "Not enough memory",
+    model_executor/pool_configurator.py:94-99): an engine restarted while its killed predecessor's processes still
+    hold their GPU memory fails or comes up with a starved KV cache. No GPUs (CPU): nothing to wait for. Past
+    `timeout_s`: SGLangLaunchError naming the engine and each GPU's free memory."""
+    if not gpus:
+        return 0.0
+    probe = probe or nvidia_smi_memory
+    t0 = time.monotonic()
+    while True:
+        memory = probe(gpus)
+        short = [(g, free, total) for g, (free, total) in zip(gpus, memory) if free < fraction * total]
+        if not short:
+            return time.monotonic() - t0
+        if time.monotonic() - t0 >= timeout_s:
+            detail = ", ".join(f"GPU {g}: {free / 2**30:.1f} of {total / 2**30:.1f} GiB free"
+                               for g, free, total in short)
+            raise SGLangLaunchError(
+                f"{what}: its GPUs did not get {fraction:.0%} of their memory back within {timeout_s:.0f} s "
+                f"({detail}); the previous engine's processes may still hold it (nvidia-smi lists them)")
+        time.sleep(poll_s)
 
 
 def require_sglang(python: str) -> None:
@@ -115,6 +197,10 @@ def sglang_command(model_path: str | Path, spec: SGLangSpec, *, port: int, host:
     return cmd + list(extra_args)
 
 
+def _has_nvidia_smi() -> bool:
+    return shutil.which("nvidia-smi") is not None
+
+
 class SGLangEngine:
     """Owns one SGLang server process (one node of an engine). The train stage runs it as a Ray actor where
     `rl/actor_layout.py` places it; the plain class also runs in-process (handy on a single GPU box)."""
@@ -124,6 +210,11 @@ class SGLangEngine:
         self.host = bind_host(command_kwargs.pop("host", None) or spec.host)
         self.port = port or free_port(self.host)
         self.node_rank = command_kwargs.get("node_rank", 0)
+        self.memory_saver = bool(command_kwargs.get("memory_saver", False))
+        self.mem_fraction_static = spec.mem_fraction_static
+        per_node = command_kwargs.get("gpus_per_node", 8)
+        base = command_kwargs.get("base_gpu_id", 0)
+        self.gpus = tuple(range(base, base + min(spec.gpus_per_engine, per_node)))  # node-local GPUs it drives
         self.command = sglang_command(model_path, spec, port=self.port, host=self.host, **command_kwargs)
         self.log_dir = Path(log_dir) if log_dir else None
         self.process: subprocess.Popen | None = None
@@ -136,16 +227,24 @@ class SGLangEngine:
     def get_url(self) -> str:  # Ray actors expose methods, not properties
         return self.url
 
-    def start(self, timeout_s: float = 1800.0) -> str:
-        """Launch and wait until /health_generate answers 200 (node 0); returns the server URL."""
+    def start(self, timeout_s: float = 1800.0, memory_probe: MemoryProbe | None = None,
+              memory_timeout_s: float = 300.0) -> str:
+        """Launch and wait until /health_generate answers 200 (node 0); returns the server URL. First waits
+        (bounded) until its GPUs hold the free memory SGLang's start-up check needs (`wait_for_gpu_memory`): a
+        restarted engine may come up before the killed one's processes gave theirs back."""
         require_sglang(self.command[0])
+        if self.gpus and (memory_probe is not None or _has_nvidia_smi()):
+            wait_for_gpu_memory(self.gpus, self.mem_fraction_static,
+                                f"SGLang engine at {self.url} (node rank {self.node_rank}, GPUs {list(self.gpus)})",
+                                probe=memory_probe, timeout_s=memory_timeout_s)
         command = self.launch_command()
         out = None
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             out = open(self.log_dir / f"sglang-{self.port}-node{self.node_rank}.log", "ab")
         self.process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT if out else None,
-                                        env={**os.environ}, start_new_session=True,
+                                        env=sglang_env(os.environ, memory_saver=self.memory_saver),
+                                        start_new_session=True,
                                         # SIGTERM when the trainer dies: sglang then stops its own schedulers
                                         preexec_fn=lambda: die_with_parent(signal.SIGTERM))
         if self.node_rank != 0:

@@ -17,6 +17,7 @@ from rich.table import Table
 
 from kimi_pipeline.cli_recipes import RECIPE_HELP, SET_HELP, recipe_or_problems
 from kimi_pipeline.engine.sampler import MEMORY_TAGS
+from kimi_pipeline.engine.sglang import releases_cuda_graphs, sglang_env
 from kimi_pipeline.model.params import count_params
 from kimi_pipeline.plan.hardware import GPU, GPUS, get_gpu
 from kimi_pipeline.plan.memory import (
@@ -42,7 +43,8 @@ BLOCKING_PREFIXES = ("parallel.", "cluster.", "sglang.", "model.", "rollout.engi
 
 PEAK_ASSUMPTION = (
     "colocated, in the order the train loop runs it (rl/handoff.py, slime/miles order): SGLang releases weights, "
-    "KV cache and CUDA graphs (release_memory_occupation) while the actor trains; the actor sleeps (GPU state "
+    "KV cache and CUDA graphs (release_memory_occupation; the graphs because the server runs with "
+    "SGLANG_MEMORY_SAVER_CUDA_GRAPH=1, engine/sglang.py) while the actor trains; the actor sleeps (GPU state "
     "copied to host) while SGLang generates; for the weight sync SGLang resumes its weights only and the actor "
     "keeps only its weights on the GPU, gathering buckets through the sync buffer. Peak = max(train, rollout, "
     "weight_sync) + a residual (CUDA contexts, NCCL buffers, fragmentation) resident in every phase."
@@ -151,9 +153,13 @@ def _phases(r: Recipe, st: PPStageMemory, eng: EngineMemory, ma: MemoryAssumptio
                   "kv_cache": {"sglang_kv_cache": eng.kv_cache, "sglang_workspace": ma.sglang_workspace_gb * GIB},
                   "cuda_graph": {"cuda_graphs": eng.cuda_graphs}}
         if r.cluster.colocate:
+            # graphs are released only where the server's environment (what engine/sglang.py starts it with) says
+            # so (SGLANG_MEMORY_SAVER_CUDA_GRAPH); otherwise they stay on the GPU in every phase
+            kept = () if releases_cuda_graphs(sglang_env({}, memory_saver=True)) else ("cuda_graph",)
             phases = {}
             for phase, (tags, parts) in RESIDENT.items():
-                phases[phase] = {k: v for t in tags for k, v in engine[t].items()}
+                held = (*tags, *(t for t in kept if t not in tags))
+                phases[phase] = {k: v for t in held for k, v in engine[t].items()}
                 phases[phase].update({k: v for p in parts for k, v in trainer[p].items()})
         else:  # each side on its own GPUs; the actor stays awake and gathers buckets
             awake = {k: v for part in trainer.values() for k, v in part.items()}

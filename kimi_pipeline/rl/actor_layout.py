@@ -116,14 +116,17 @@ class ActorLayout:
 # --------------------------------------------------------------------------- the layout
 
 
-def worker_env(device: str, threads: int = 1, *, choose_own_gpu: bool = False) -> dict[str, str]:
-    """Environment of every trainer/engine actor on `device` (`cluster.device`): this interpreter's packages, no
-    torch.compile, `threads` intra-op threads; on CUDA the seeds' NCCL/CUDA settings, and (colocated) no Ray-set
-    CUDA_VISIBLE_DEVICES."""
+def worker_env(device: str, threads: int = 1, *, choose_own_gpu: bool = False, trainer: bool = True) -> dict[str, str]:
+    """Environment of every trainer/engine actor on `device` (`cluster.device`): this interpreter's packages (the
+    actor runs this package's code), no torch.compile, `threads` intra-op threads; on CUDA the seeds' NCCL/CUDA
+    settings — megatron's CUDA_DEVICE_MAX_CONNECTIONS for trainer ranks only (`trainer=False`: an engine actor) —
+    and (colocated) no Ray-set CUDA_VISIBLE_DEVICES. An SGLang server an engine actor starts gets none of the
+    trainer's variables: `engine.sglang.sglang_env` strips them (PYTHONPATH included)."""
     env = {"TORCHDYNAMO_DISABLE": "1", "OMP_NUM_THREADS": str(max(1, threads)), "TOKENIZERS_PARALLELISM": "false",
            "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     if device == "cuda":
-        env.update(SEED_CUDA_ENV)
+        env.update(SEED_CUDA_ENV if trainer else {k: v for k, v in SEED_CUDA_ENV.items()
+                                                   if k != "CUDA_DEVICE_MAX_CONNECTIONS"})
         if choose_own_gpu:
             env[NOSET_VISIBLE_DEVICES] = "1"
     return env
@@ -254,7 +257,8 @@ def engine_options(
         "num_cpus": res.get("CPU", 0.0),
         "num_gpus": res.get("GPU", 0.0),
         "scheduling_strategy": PlacementGroupSchedulingStrategy(pgs[slot.group], placement_group_bundle_index=bundle),
-        "runtime_env": {"env_vars": worker_env(actor_layout.device, threads, choose_own_gpu=actor_layout.colocate)},
+        "runtime_env": {"env_vars": worker_env(actor_layout.device, threads, choose_own_gpu=actor_layout.colocate,
+                                               trainer=False)},
     }
 
 

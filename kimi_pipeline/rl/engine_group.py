@@ -66,7 +66,9 @@ def restart_engine(
     threads: int,
 ) -> str:
     """Engine e again, in its placement (its old processes killed first, which frees their bundle share);
-    serving the model it started with. Returns its URL."""
+    serving the model it started with. Returns its URL. Killing an actor does not wait for its server's GPU
+    memory: an SGLang engine's `start` waits, bounded and naming the engine, until its GPUs have the free memory
+    SGLang's start-up sizing needs (`engine.sglang.wait_for_gpu_memory`)."""
     for actor in group.by_engine[e]:
         try:
             ray.kill(actor)

@@ -164,3 +164,91 @@ def test_an_engine_beyond_loopback_gets_the_clusters_key_through_a_private_confi
     finally:
         engine.stop()
     assert not Path(path).exists()
+
+
+# --------------------------------------------------------------------------- SGLang's process: environment and restart
+
+
+def test_sglang_runs_on_its_own_environment_not_the_trainers():
+    """The server gets the engine actor's environment without the trainer's (its PYTHONPATH would put the trainer's
+    transformers / compressed-tensors before SGLang's pins), the seeds' NCCL timeout, the hub offline (the model is on
+    local disk: no token needed), and SGLANG_MEMORY_SAVER_CUDA_GRAPH=1 when colocated, without which
+    --enable-memory-saver keeps the CUDA graphs (cuda_graph_dedup_mixin.py:307-311)."""
+    from kimi_pipeline.engine.sglang import releases_cuda_graphs, sglang_env
+    from kimi_pipeline.rl.actor_layout import worker_env
+
+    actor = {**worker_env("cuda", 4, choose_own_gpu=True, trainer=False), "PATH": "/usr/bin", "HF_TOKEN": "hf_x",
+             "WANDB_API_KEY": "w", "CUDA_DEVICE_MAX_CONNECTIONS": "1", "CUDA_VISIBLE_DEVICES": "0,1"}
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in worker_env("cuda", trainer=False)  # megatron's, trainer ranks only
+    assert worker_env("cuda")["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+    env = sglang_env(actor, memory_saver=True)
+    for gone in ("PYTHONPATH", "TORCHDYNAMO_DISABLE", "CUDA_DEVICE_MAX_CONNECTIONS", "HF_TOKEN", "WANDB_API_KEY",
+                 "OMP_NUM_THREADS"):
+        assert gone not in env, gone
+    assert env["PATH"] == "/usr/bin" and env["CUDA_VISIBLE_DEVICES"] == "0,1" and env["NCCL_TIMEOUT"] == "3600"
+    assert env["HF_HUB_OFFLINE"] == "1" and env["SGLANG_MEMORY_SAVER_CUDA_GRAPH"] == "1" and releases_cuda_graphs(env)
+    assert not releases_cuda_graphs(sglang_env({**actor, "SGLANG_MEMORY_SAVER_CUDA_GRAPH": "1"}, memory_saver=False))
+
+
+def test_the_engine_process_is_started_with_that_environment(monkeypatch, tmp_path):
+    """SGLangEngine.start hands sglang_env to the server process (it passed os.environ whole)."""
+    import subprocess as sp
+
+    from kimi_pipeline.engine import sglang as sgl
+
+    recipe = load_recipe("kimi-k2-thinking")
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def popen(cmd, **kw):
+        seen.update(kw["env"])
+        raise Stop
+
+    monkeypatch.setattr(sgl, "require_sglang", lambda python: None)
+    monkeypatch.setattr(sp, "Popen", popen)
+    monkeypatch.setenv("PYTHONPATH", "/trainer/venv/site-packages")
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    spec = recipe.sglang.model_copy(update={"gpus_per_engine": 8})
+    engine = sgl.SGLangEngine("/ckpt", spec, port=30000, memory_saver=True, python="python")
+    with pytest.raises(Stop):
+        engine.start(memory_probe=lambda gpus: [(80 << 30, 80 << 30)] * len(gpus))
+    assert "PYTHONPATH" not in seen and "CUDA_DEVICE_MAX_CONNECTIONS" not in seen
+    assert seen["SGLANG_MEMORY_SAVER_CUDA_GRAPH"] == "1"
+
+
+def test_plan_counts_cuda_graphs_released_only_with_the_memory_saver_variable(monkeypatch):
+    """`kimi plan` frees the engine's CUDA graphs in the colocated train phase because the server runs with
+    SGLANG_MEMORY_SAVER_CUDA_GRAPH=1; without it the graphs stay in every phase."""
+    from kimi_pipeline.plan import command, get_gpu, make_plan
+
+    recipe = load_recipe("kimi-k2-thinking", ["cluster.colocate=true"])
+    with_var = make_plan(recipe, get_gpu("h200"))["gpu_mem_gb"]
+    monkeypatch.setattr(command, "sglang_env", lambda base, memory_saver: {})
+    without = make_plan(recipe, get_gpu("h200"))["gpu_mem_gb"]
+    assert with_var["cuda_graphs"] > 0
+    assert without["total_train"] == pytest.approx(with_var["total_train"] + with_var["cuda_graphs"], abs=0.02)
+    assert without["total_rollout"] == with_var["total_rollout"]
+
+
+def test_a_restarted_engine_waits_until_the_dead_ones_gpu_memory_is_back():
+    """SGLang sizes its memory from what is free when it starts (kv_cache_configurator.py:2990-3007): the wait holds
+    a start until every GPU has mem_fraction_static of its memory free (probe injected: no GPU here), names the
+    engine when it gives up, and does nothing on CPU (no GPUs)."""
+    from kimi_pipeline.engine.sglang import SGLangLaunchError, wait_for_gpu_memory
+
+    total = 80 << 30
+    frees = iter([10 << 30, 30 << 30, 70 << 30])  # the killed engine's processes exit; its memory comes back
+    calls = []
+
+    def probe(gpus):
+        calls.append(list(gpus))
+        free = next(frees)
+        return [(free, total) for _ in gpus]
+
+    waited = wait_for_gpu_memory((2, 3), 0.7, "engine 1", probe=probe, timeout_s=30, poll_s=0.01)
+    assert calls == [[2, 3]] * 3 and waited >= 0.02
+    with pytest.raises(SGLangLaunchError, match=r"engine 1: .*GPU 3: 10.0 of 80.0 GiB free"):
+        wait_for_gpu_memory((3,), 0.7, "engine 1", probe=lambda g: [(10 << 30, total)], timeout_s=0.05, poll_s=0.01)
+    assert wait_for_gpu_memory((), 0.7, "cpu engine", probe=lambda g: pytest.fail("probed")) == 0.0
