@@ -306,7 +306,8 @@ def test_sampling_params_are_sent_as_sglang_reads_them():
     assert isinstance(rows, list) and len(rows) == 8
     assert len({r["sampling_seed"] for r in rows}) == 8 and all(0 <= r["sampling_seed"] < 2**63 for r in rows)
     assert rows == sampling_payload(SamplingParams(seed=5), 8)  # reproducible
-    assert not {r["sampling_seed"] for r in rows} & {r["sampling_seed"] for r in sampling_payload(SamplingParams(seed=6), 8)}
+    other = sampling_payload(SamplingParams(seed=6), 8)
+    assert not {r["sampling_seed"] for r in rows} & {r["sampling_seed"] for r in other}
 
 
 def test_the_embedded_engine_samples_as_sglang_does_for_the_same_request(server):
@@ -326,7 +327,8 @@ def test_the_embedded_engine_samples_as_sglang_does_for_the_same_request(server)
         "max_new_tokens": 5, "stop_token_ids": stops, "ignore_eos": True}}, timeout=60).json()
     assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 5}
     r = httpx.post(url + "/generate", json={"input_ids": PROMPTS[0], "sampling_params": {"top_k": 0}}, timeout=60)
-    assert r.status_code == 400 and r.json() == {"error": {"message": "top_k must be -1 (disable) or at least 1, got 0."}}
+    assert r.status_code == 400
+    assert r.json() == {"error": {"message": "top_k must be -1 (disable) or at least 1, got 0."}}
 
 
 def test_control_answers_are_sglangs(server):
