@@ -24,8 +24,9 @@ members of one group in one process (the CPU tests run several engines in one pr
 from __future__ import annotations
 
 import datetime
+import math
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -93,6 +94,38 @@ def dtype_from_name(name: str) -> torch.dtype:
     return dt
 
 
+def flattened_views(names: Sequence[str], dtypes: Sequence[torch.dtype],
+                    shapes: Sequence[Sequence[int]]) -> list[tuple[str, int]]:
+    """(name, end byte) of each tensor of a "flattened_bucket" distributed update: tensors back to back in one
+    uint8 buffer, each starting at a multiple of its dtype's size, else ValueError naming it (what SGLang 0.5.23's
+    receiver allocates and checks: `FlattenedTensorBucket.empty`, weight_sync/tensor_bucket.py:87-112)."""
+    out, offset = [], 0
+    for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+        if offset % dtype.itemsize:
+            raise ValueError(f"unaligned tensor {name} in a flattened bucket: byte offset {offset}, dtype {dtype}")
+        if any(d < 0 for d in shape):
+            raise ValueError(f"negative dimension in {name}: {list(shape)}")
+        offset += dtype.itemsize * math.prod(shape)
+        out.append((name, offset))
+    return out
+
+
+def flatten_bucket(named: Sequence[tuple[str, torch.Tensor]], device: str | torch.device) -> tuple[torch.Tensor, dict]:
+    """One uint8 buffer of a bucket, as SGLang's receiver lays it out (`flattened_views`), and the request's
+    names, dtypes and shapes. Tensors go in order of decreasing element size, so every offset is aligned without
+    padding (SGLang's layout has none)."""
+    ordered = sorted(named, key=lambda nt: -nt[1].element_size())  # stable: the bucket's order within a size
+    meta = {"names": [n for n, _ in ordered], "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in ordered],
+            "shapes": [list(t.shape) for _, t in ordered]}
+    ends = flattened_views(meta["names"], [t.dtype for _, t in ordered], meta["shapes"])
+    flat = torch.empty(ends[-1][1] if ends else 0, dtype=torch.uint8, device=device)
+    start = 0
+    for (_, t), (_, end) in zip(ordered, ends):
+        flat[start:end].copy_(t.detach().reshape(-1).view(torch.uint8))
+        start = end
+    return flat, meta
+
+
 def _reachable_address(urls: list[str]) -> str:
     """An address of this host the engines can reach: loopback when they are all local."""
     hosts = {u.split("://", 1)[-1].split("/", 1)[0].rsplit(":", 1)[0].strip("[]") for u in urls}
@@ -103,13 +136,13 @@ class WeightGroup:
     """The trainer side: rank 0 of a group with every engine (one rank each; SGLang: its TP ranks)."""
 
     def __init__(self, clients, pool: ThreadPoolExecutor, backend: str = "gloo", ranks_per_engine: list[int] | None = None,
-                 master_address: str | None = None):
+                 master_address: str | None = None, name: str = GROUP_NAME):
         self.clients, self.pool, self.backend = clients, pool, backend
         sizes = ranks_per_engine or [1] * len(clients)
         self.world_size = 1 + sum(sizes)
         self.master_address = master_address or _reachable_address([c.url for c in clients])
         self.master_port = free_port()
-        self.group_name = f"{GROUP_NAME}-{uuid.uuid4().hex[:8]}"  # SGLang keeps groups by name: one per group made
+        self.group_name = f"{name}-{uuid.uuid4().hex[:8]}"  # SGLang keeps groups by name: one per group made
         offsets = [1 + sum(sizes[:i]) for i in range(len(clients))]
         joins = [pool.submit(c.init_weights_update_group, self.master_address, self.master_port, off, self.world_size,
                              self.group_name, backend) for c, off in zip(clients, offsets)]
@@ -122,10 +155,23 @@ class WeightGroup:
     def send(self, bucket: Mapping[str, torch.Tensor], weight_version: str | None) -> None:
         """Announce the bucket to every engine, broadcast its tensors in order, wait until all loaded them."""
         names = list(bucket)
-        device = "cuda" if self.backend == "nccl" else "cpu"
-        tensors = [bucket[n].detach().to(device).contiguous() for n in names]
+        tensors = [bucket[n].detach().to(self.device).contiguous() for n in names]
         meta = {"names": names, "dtypes": [str(t.dtype).replace("torch.", "") for t in tensors],
                 "shapes": [list(t.shape) for t in tensors]}
+        self._broadcast(meta, tensors, weight_version)
+
+    def send_flattened(self, named: Sequence[tuple[str, torch.Tensor]], weight_version: str | None) -> int:
+        """The bucket as one uint8 buffer and one broadcast (`load_format: "flattened_bucket"`, SGLang 0.5.23
+        weight_updater.py:275-276, 310-319); returns the bytes sent."""
+        flat, meta = flatten_bucket(named, self.device)
+        self._broadcast({**meta, "load_format": "flattened_bucket"}, [flat], weight_version)
+        return flat.numel()
+
+    @property
+    def device(self) -> str:
+        return "cuda" if self.backend == "nccl" else "cpu"
+
+    def _broadcast(self, meta: dict, tensors: list[torch.Tensor], weight_version: str | None) -> None:
         posted = [self.pool.submit(c.update_weights_from_distributed, meta, self.group_name, weight_version)
                   for c in self.clients]
         try:

@@ -120,6 +120,7 @@ class Groups:
     etp: object = None
     pp_rank: int = 0
     sizes: Mapping[str, int] = field(default_factory=lambda: dict.fromkeys(GROUPS, 1))
+    stage_source: bool = True  # TP = CP = DP = 0 of its stage: the rank that talks to the engines for the stage
 
     @classmethod
     def current(cls) -> Groups:
@@ -128,6 +129,8 @@ class Groups:
         return cls(pp=ps.get_pipeline_model_parallel_group(), tp=ps.get_tensor_model_parallel_group(),
                    ep=ps.get_expert_model_parallel_group(), etp=ps.get_expert_tensor_parallel_group(),
                    pp_rank=ps.get_pipeline_model_parallel_rank(),
+                   stage_source=(ps.get_tensor_model_parallel_rank() == 0
+                                 and ps.get_data_parallel_rank(with_context_parallel=True) == 0),
                    sizes={"pp": ps.get_pipeline_model_parallel_world_size(),
                           "tp": ps.get_tensor_model_parallel_world_size(),
                           "ep": ps.get_expert_model_parallel_world_size(),
@@ -232,6 +235,9 @@ class BucketPlan:
     def hf_bytes(self) -> int:
         return sum(b.hf_bytes for b in self.buckets)
 
+    def stage_buckets(self, stage: int) -> list[Bucket]:
+        return [b for b in self.buckets if b.stage == stage]
+
 
 def _bucket_collectives(b: Bucket, sizes: Mapping[str, int]) -> dict[str, int]:
     return {"pp": len(b.dtypes()) if sizes["pp"] > 1 else 0,
@@ -290,13 +296,19 @@ def _all_gather(flat: torch.Tensor, group, size: int) -> torch.Tensor:
 
 
 def gather_bucket(bucket: Bucket, tensors: Mapping[str, torch.Tensor], groups: Groups, device: torch.device,
-                  counters: SyncCounters | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                  counters: SyncCounters | None = None, *,
+                  across_stages: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """The bucket's full HF tensors on this rank (collective over the pipeline, TP, EP and expert-TP groups:
     every rank of the world calls it for every bucket of the plan, in order). `tensors`: this rank's live
-    megatron tensors by name (`convert.names.model_tensors`)."""
-    sizes = groups.sizes
+    megatron tensors by name (`convert.names.model_tensors`). `across_stages=False`: only the holding stage's
+    ranks take part (no pipeline broadcast; every rank of that stage calls it for each of the stage's buckets)."""
+    sizes = dict(groups.sizes)
     counters = counters or SyncCounters()
     holder = groups.pp_rank == bucket.stage
+    if not across_stages:
+        if not holder:
+            raise ValueError(f"bucket of stage {bucket.stage} gathered on stage {groups.pp_rank} without a broadcast")
+        sizes["pp"] = 1
     # 1. the holding stage's local shards, on every stage
     local: dict[str, torch.Tensor] = {}
     for dtype in bucket.dtypes():

@@ -7,8 +7,8 @@ blocks + scales, or bf16) → every engine, in `rollout.update_weight_buffer_siz
   group collectives (`weight_sync.buckets`: pipeline broadcast, TP / EP all-gathers, flat per dtype) and handed
   to the engine rank on the same device: a CUDA-IPC handle to SGLang (`CudaIpcHandoff`), a shared-memory
   segment to the embedded engine (`SharedMemoryHandoff`).
-- `GatheredPush`: not colocated: rank 0 receives each tensor from its holder and sends it (the weight-update
-  process group — gloo / NCCL — or safetensors bodies; the engine client picks per engine).
+- `StageSources`: not colocated: every pipeline stage assembles its own buckets and its source rank broadcasts
+  them to the engines through the stage's own weight-update group (gloo / NCCL), one flat buffer per bucket.
 - `DiskCheckpoint`: an HF checkpoint in the engine's format on shared storage, loaded by every engine
   (`rollout.weight_sync=disk`: the explicit fallback).
 
@@ -21,6 +21,7 @@ import json
 import shutil
 import time
 from abc import ABC, abstractmethod
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -32,6 +33,7 @@ from kimi_pipeline.convert.names import HFLayout, model_tensors, model_uses_te
 from kimi_pipeline.engine import shm
 from kimi_pipeline.engine.client import paused, weight_update_session
 from kimi_pipeline.engine.cuda_ipc import build_update_request, serialize_bucket
+from kimi_pipeline.engine.dist_update import GROUP_NAME, WeightGroup
 from kimi_pipeline.engine.kinds import engine_kind
 from kimi_pipeline.model.hf_config import hf_config_dict
 from kimi_pipeline.quant.engine_format import EngineFormat, engine_quant_config, engine_weight_format, to_engine_format
@@ -42,6 +44,7 @@ from kimi_pipeline.recipes.models import ModelSpec
 from kimi_pipeline.util.files import atomic_write_json
 from kimi_pipeline.util.shards import ShardWriter, finish_shards
 from kimi_pipeline.weight_sync.buckets import BucketPlan, Groups, SyncCounters, gather_bucket
+from kimi_pipeline.weight_sync.turns import EngineTurns
 
 
 @dataclass(frozen=True)
@@ -119,6 +122,14 @@ class WeightSync(ABC):
                 pass
             return None
         return self._engine_tensors(named)
+
+
+def _plan(trainer: TrainerRank) -> BucketPlan:
+    """The run's bucket plan: the trainer's parameter dtype (the fp32 expert bias aside) and module names."""
+    model = trainer.model[0]
+    dtype = next(t.dtype for n, t in model_tensors(model).items() if not n.endswith("expert_bias"))
+    return BucketPlan.build(trainer.spec, trainer.layout, buffer_bytes=trainer.target.buffer_bytes, dtype=dtype,
+                            use_te=model_uses_te(model))
 
 
 class Handoff(ABC):
@@ -219,10 +230,7 @@ class GroupBuckets(WeightSync):
 
     def __init__(self, trainer: TrainerRank, router, handoff: Handoff) -> None:
         super().__init__(trainer, router)
-        tensors = model_tensors(trainer.model[0])
-        dtype = next(t.dtype for n, t in tensors.items() if not n.endswith("expert_bias"))
-        self.plan = BucketPlan.build(trainer.spec, trainer.layout, buffer_bytes=self.target.buffer_bytes,
-                                     dtype=dtype, use_te=model_uses_te(trainer.model[0]))
+        self.plan = _plan(trainer)
         self.groups = Groups.current()
         self.handoff = handoff
 
@@ -252,17 +260,78 @@ class GroupBuckets(WeightSync):
         super().close()
 
 
-class GatheredPush(WeightSync):
-    name = "gathered"
+class StageSources(WeightSync):
+    """Not colocated, as the recipes' framework does it (radixark/miles
+    `update_weight_from_distributed/broadcast.py`: a group "miles-pp_{pp_rank}" per stage, only DP = TP = 0
+    broadcasts): every pipeline stage at once assembles its own buckets (TP and EP all-gathers inside the stage,
+    `weight_sync.buckets`, no pipeline broadcast), and the stage's source rank (TP = CP = DP = 0) sends each
+    bucket through its own weight-update group with every engine rank, as one flat buffer and one broadcast
+    (SGLang's `load_format: "flattened_bucket"`). Sources take turns at the engines (`turns.EngineTurns`), which
+    avoids the deadlock of two groups' broadcasts entered in different orders by different engines; a stage's
+    gathering overlaps the other stages' sending. Rank 0 pauses the engines, holds the weight-update session and
+    sets the version after the last bucket."""
+
+    name = "stage_sources"
+
+    def __init__(self, trainer: TrainerRank, router) -> None:
+        super().__init__(trainer, router)
+        self.plan = _plan(trainer)
+        self.groups = Groups.current()
+        self.source = self.groups.stage_source
+        self.turns = EngineTurns("kimi-weight-sync/engine-turns")
+        self.group: WeightGroup | None = None  # this stage's weight-update group, made at the first sync
+        self.pool: ThreadPoolExecutor | None = None  # the group's concurrent engine calls
 
     def update(self, version: str) -> dict[str, float]:
         t0 = time.perf_counter()
-        named = self._gathered_on_rank0()
-        chunks = 0
-        if named is not None:
-            chunks = self.router.update_weights(named, self.target.buffer_bytes,
-                                                weight_version=version)
-        return {"sync_seconds": time.perf_counter() - t0, "sync_chunks": float(chunks or 0)}
+        lead = self.trainer.rank == 0
+        world = self.trainer.world_size > 1
+        counters = SyncCounters()
+        tensors = model_tensors(self.trainer.model[0])
+        sent = 0
+        with paused(self.router, lead), weight_update_session(self.router, lead):
+            if world:
+                dist.barrier()
+            if self.source and self.group is None:
+                with self.turns:  # every engine joins one group at a time (a join blocks until all have joined)
+                    self.group = self._join()
+            for bucket in self.plan.stage_buckets(self.groups.pp_rank):
+                named = gather_bucket(bucket, tensors, self.groups, self.trainer.device, counters, across_stages=False)
+                if self.source:
+                    if self.fake_quant:
+                        named = fake_quant_hf_tensors(named, self.target.group_size)
+                    converted = list(self._engine_tensors(named))
+                    with self.turns:
+                        sent += self.group.send_flattened(converted, None)
+                else:
+                    for _ in named:  # the gathers are collectives: every rank of the stage drains them
+                        pass
+            if world:  # every stage's buckets are in before the version moves
+                dist.barrier()
+            if lead:
+                self.router.flush_cache()
+                self.router.update_weight_version(version)
+        return {"sync_seconds": time.perf_counter() - t0, "sync_chunks": float(counters.buckets),
+                "sync_collectives": float(counters.total + 2 * world),
+                "sync_received_bytes": float(counters.received_bytes), "sync_sent_bytes": float(sent)}
+
+    def _join(self) -> WeightGroup:
+        """This stage's group: the source as rank 0, then every engine's ranks (SGLang: one per GPU, from the
+        engine's tp_size x pp_size)."""
+        clients = self.router.clients
+        sizes = [int(c.server_info().get("tp_size", 1)) * int(c.server_info().get("pp_size", 1)) for c in clients]
+        self.pool = ThreadPoolExecutor(max_workers=max(4, len(clients)), thread_name_prefix="weight-sync")
+        return WeightGroup(clients, self.pool, backend="nccl" if self.trainer.device.type == "cuda" else "gloo",
+                           ranks_per_engine=sizes, name=f"{GROUP_NAME}-pp{self.groups.pp_rank}")
+
+    def close(self) -> None:
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
+            self.pool = None
+        super().close()
 
 
 class DiskCheckpoint(WeightSync):
@@ -320,4 +389,4 @@ def choose_weight_sync(trainer: TrainerRank, router) -> WeightSync:
         return GroupBuckets(trainer, router, CudaIpcHandoff(trainer, router))
     if target.colocate and kind.owned_bucket_updates and _all_engines_local(trainer, router):
         return GroupBuckets(trainer, router, SharedMemoryHandoff(trainer, router))
-    return GatheredPush(trainer, router)
+    return StageSources(trainer, router)

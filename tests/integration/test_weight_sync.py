@@ -26,8 +26,7 @@ LAYOUT = {"tp": 2, "ep": 2, "pp": 2}
 BUFFER = 96 * 1024  # bytes: several buckets per stage, some with both dtypes (fp32 weights + the fp32 expert bias)
 
 
-@pytest.fixture(scope="module")
-def synced(tmp_path_factory):
+def _sync(tmp_path_factory, colocate: bool):
     """Two embedded engines serving another model, then one sync from the 8 trainer ranks."""
     torch.set_num_threads(1)
     engines = [EngineServer(RolloutEngine(EngineModel.from_hf_model(random_tiny_hf(0)), seed=i)) for i in range(2)]
@@ -35,7 +34,8 @@ def synced(tmp_path_factory):
         e.start()
     out = tmp_path_factory.mktemp("weight-sync")
     try:
-        ranks = launch("weight_sync", 8, out, {**LAYOUT, "buffer": BUFFER, "urls": [e.url for e in engines]},
+        ranks = launch("weight_sync", 8, out, {**LAYOUT, "buffer": BUFFER, "urls": [e.url for e in engines],
+                                               "colocate": colocate},
                        timeout=600, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
         yield engines, ranks, load_file(str(out / "reference.safetensors"))
     finally:
@@ -43,8 +43,26 @@ def synced(tmp_path_factory):
             e.stop()
 
 
-def test_every_engine_holds_every_hf_tensor_bit_exact_and_serves_the_trainers_logits(synced):
-    engines, ranks, reference = synced
+@pytest.fixture(scope="module")
+def colocated(tmp_path_factory):
+    """Each engine covers four ranks' devices; every rank assembles every bucket."""
+    yield from _sync(tmp_path_factory, colocate=True)
+
+
+@pytest.fixture(scope="module")
+def stage_sources(tmp_path_factory):
+    """Not colocated: each stage's source rank sends its stage through its own weight-update group."""
+    yield from _sync(tmp_path_factory, colocate=False)
+
+
+def _plan() -> BucketPlan:
+    return BucketPlan.build(load_recipe("tiny").model, Layout(world_size=8, **LAYOUT), buffer_bytes=BUFFER,
+                            dtype=torch.float32, use_te=False)
+
+
+@pytest.mark.parametrize("path", ["colocated", "stage_sources"])
+def test_every_engine_holds_every_hf_tensor_bit_exact_and_serves_the_trainers_logits(path, request):
+    engines, _, reference = request.getfixturevalue(path)
     expected = EngineModel.from_hf_model(random_tiny_hf(0))
     expected.load_weights(reference.items())
     prompt = torch.arange(5, 17).unsqueeze(0)
@@ -59,11 +77,9 @@ def test_every_engine_holds_every_hf_tensor_bit_exact_and_serves_the_trainers_lo
     assert any(not torch.equal(before._params[n], expected._params[n]) for n in expected.weight_names())
 
 
-def test_collectives_are_the_plans_bound_with_no_point_to_point_and_no_rank_receives_the_model_twice(synced):
-    _, ranks, reference = synced
-    spec = load_recipe("tiny").model
-    plan = BucketPlan.build(spec, Layout(world_size=8, **LAYOUT), buffer_bytes=BUFFER, dtype=torch.float32,
-                            use_te=False)
+def test_collectives_are_the_plans_bound_with_no_point_to_point_and_no_rank_receives_the_model_twice(colocated):
+    _, ranks, reference = colocated
+    plan = _plan()
     model_bytes = sum(t.numel() * t.element_size() for t in reference.values())
     n_tensors = len(reference)
     assert len(plan.buckets) >= 4 and len(plan.buckets) < n_tensors
@@ -80,3 +96,18 @@ def test_collectives_are_the_plans_bound_with_no_point_to_point_and_no_rank_rece
         assert r["model_bytes"] == model_bytes
     # the collectives do not grow with the tensor count: fewer than one per tensor, per group
     assert all(n < n_tensors for n in plan.collectives().values())
+
+
+def test_each_stage_sends_its_own_layers_from_its_source_alone_without_a_pipeline_broadcast(stage_sources):
+    _, ranks, reference = stage_sources
+    plan = _plan()
+    sources = [r for r in ranks if r["source"]]
+    assert [r["pp_rank"] for r in sources] == [0, 1]  # one per stage: TP = CP = DP = 0 of each
+    stage_bytes = {s: sum(b.hf_bytes for b in plan.stage_buckets(s)) for s in (0, 1)}
+    for r in ranks:
+        names = {c[0] for c in r["calls"]}
+        assert names <= {"all_gather_into_tensor", "barrier"}, names  # no pipeline broadcast, no point-to-point
+        # each stage's HF bytes leave through its source only, once
+        assert r["metrics"]["sync_sent_bytes"] == (stage_bytes[r["pp_rank"]] if r["source"] else 0)
+        assert r["metrics"]["sync_received_bytes"] <= stage_bytes[r["pp_rank"]]
+    assert sum(stage_bytes.values()) == sum(t.numel() * t.element_size() for t in reference.values())

@@ -451,9 +451,9 @@ class CollectiveRecorder:
 
 
 def scenario_weight_sync(out_dir: Path, args: dict) -> dict:
-    """The colocated sync (`weight_sync.updaters.GroupBuckets` with the embedded engine's shared-memory handoff)
-    of a randomly initialised tiny model at this layout to the engines at `args["urls"]`, under a recorder of
-    every collective; rank 0 also writes the trainer's HF tensors, exported by the conversion's own path
+    """The colocated sync (`weight_sync.updaters.GroupBuckets` with the embedded engine's shared-memory handoff,
+    `args["colocate"]`) or the non-colocated one (`StageSources`) of a randomly initialised tiny model at this
+    layout to the engines at `args["urls"]`, under a recorder of every collective of the trainers' groups; rank 0 also writes the trainer's HF tensors, exported by the conversion's own path
     (`convert.names.export_hf_tensors`), as the reference."""
     from types import SimpleNamespace
 
@@ -462,19 +462,29 @@ def scenario_weight_sync(out_dir: Path, args: dict) -> dict:
     from kimi_pipeline.convert.names import HFLayout, export_hf_tensors
     from kimi_pipeline.engine.client import Router
     from kimi_pipeline.model.megatron_model import build_model
-    from kimi_pipeline.weight_sync.updaters import GroupBuckets, SharedMemoryHandoff, SyncTarget, choose_weight_sync
+    from kimi_pipeline.weight_sync.updaters import (
+        GroupBuckets,
+        SharedMemoryHandoff,
+        StageSources,
+        SyncTarget,
+        choose_weight_sync,
+    )
 
     recipe, layout = _setup(args)
     spec = recipe.model
     model = build_model(spec, layout, device=torch.device("cpu"))
     rank = int(os.environ["RANK"])
     target = SyncTarget(engine="embedded", weight_format="model", weight_sync="auto", buffer_bytes=args["buffer"],
-                        group_size=32, gpus_per_engine=1, colocate=True)
+                        group_size=32, gpus_per_engine=1, colocate=args["colocate"])
     trainer = SimpleNamespace(target=target, spec=spec, model=[model], layout=layout, rank=rank,
                               world_size=layout.world_size, qat=[], device=torch.device("cpu"), hf_layout=HFLayout(),
                               sync_dir=lambda: out_dir)
-    sync = choose_weight_sync(trainer, Router(args["urls"]))
-    assert isinstance(sync, GroupBuckets) and isinstance(sync.handoff, SharedMemoryHandoff), type(sync)
+    router = Router(args["urls"], weight_transport="auto" if args["colocate"] else "distributed")
+    sync = choose_weight_sync(trainer, router)
+    if args["colocate"]:
+        assert isinstance(sync, GroupBuckets) and isinstance(sync.handoff, SharedMemoryHandoff), type(sync)
+    else:
+        assert isinstance(sync, StageSources), type(sync)
     try:
         with CollectiveRecorder() as recorder:
             metrics = sync.update("synced")
@@ -489,7 +499,7 @@ def scenario_weight_sync(out_dir: Path, args: dict) -> dict:
     return {"metrics": metrics, "calls": recorder.calls, "plan_collectives": plan.collectives(),
             "plan_received": plan.received_bytes(sync.groups.pp_rank), "plan_buckets": len(plan.buckets),
             "model_bytes": sum(t.numel() * t.element_size() for t in reference.values()),
-            "pp_rank": sync.groups.pp_rank}
+            "pp_rank": sync.groups.pp_rank, "source": sync.groups.stage_source}
 
 
 def main() -> None:
