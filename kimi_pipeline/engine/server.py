@@ -42,6 +42,7 @@ import dataclasses
 import hmac
 import json
 import logging
+import math
 import socket
 import threading
 import time
@@ -59,7 +60,7 @@ from pydantic import BaseModel, ConfigDict
 from safetensors.torch import load as load_safetensors
 
 from kimi_pipeline.engine import shm
-from kimi_pipeline.engine.dist_update import broadcast, dtype_from_name, leave_group, make_group
+from kimi_pipeline.engine.dist_update import broadcast, dtype_from_name, flattened_views, leave_group, make_group
 from kimi_pipeline.engine.model import EngineModel, EngineWeightError, config_summary, iter_safetensors
 from kimi_pipeline.engine.sampler import (
     ENGINE_NAME,
@@ -126,6 +127,7 @@ class DistributedUpdate(BaseModel):
     group_name: str = "weight_update_group"
     flush_cache: bool = True
     weight_version: str | None = None
+    load_format: str | None = None  # "flattened_bucket": one uint8 broadcast (sglang 0.5.23 io_struct.py:2015)
 
 
 class GroupDestroy(BaseModel):
@@ -606,12 +608,26 @@ class EngineServer:
                 dtypes = [dtype_from_name(d) for d in req.dtypes]
             except ValueError as exc:
                 return _fail(str(exc))
-            # receive everything the trainer broadcasts (a collective: never stop half-way), then load
-            received = []
-            for name, dtype, shape in zip(req.names, dtypes, req.shapes):
-                t = torch.empty(shape, dtype=dtype, device=engine.model.device)
-                broadcast(pg, t, root=0)
-                received.append((name, t))
+            if req.load_format not in (None, "flattened_bucket"):
+                return _fail(f"load_format={req.load_format!r}: None or 'flattened_bucket'")
+            if req.load_format == "flattened_bucket":
+                # one uint8 buffer, tensors back to back, each at a multiple of its dtype's size, else refused before
+                # the broadcast (sglang 0.5.23 weight_sync/tensor_bucket.py:87-112, weight_updater.py:310-319)
+                try:
+                    views = flattened_views(req.names, dtypes, req.shapes)
+                except ValueError as exc:
+                    return _fail(str(exc))
+                flat = torch.empty(views[-1][1] if views else 0, dtype=torch.uint8, device=engine.model.device)
+                broadcast(pg, flat, root=0)
+                received = [(name, flat[end - dtype.itemsize * math.prod(shape):end].view(dtype).reshape(shape))
+                            for (name, end), dtype, shape in zip(views, dtypes, req.shapes)]
+            else:
+                # receive everything the trainer broadcasts (a collective: never stop half-way), then load
+                received = []
+                for name, dtype, shape in zip(req.names, dtypes, req.shapes):
+                    t = torch.empty(shape, dtype=dtype, device=engine.model.device)
+                    broadcast(pg, t, root=0)
+                    received.append((name, t))
             try:
                 return apply([received], req.weight_version)
             except (EngineWeightError, ValueError) as exc:
