@@ -62,6 +62,13 @@ if named is None:
     named = [(m.name, obj["flattened_tensor"][m.start_idx:m.end_idx].view(m.dtype).reshape(m.shape))
              for m in obj["metadata"]]
 
+if request.get("save"):  # hand what arrived back to the test, as CPU copies
+    torch.save([(n, t.cpu()) for n, t in named], request["save"])
+    torch.cuda.synchronize()
+    del named, obj
+    gc.collect()
+    print(json.dumps({"how": how}))
+    sys.exit(0)
 want = torch.load(request["want"], weights_only=True)
 bits = lambda t: t.detach().contiguous().reshape(-1).view(torch.uint8).cpu()
 report = {
@@ -126,3 +133,72 @@ def test_a_cuda_bucket_reaches_another_process_on_the_same_gpu(cuda, tmp_path):
     del junk
     torch.cuda.ipc_collect()
     assert torch.cuda.memory_allocated(cuda) < before + nbytes // 2
+
+
+class _EngineOnThisGpu:
+    """The SGLang side of one colocated engine of TP 1, as far as one GPU without SGLang can have it: each
+    `/update_weights_from_tensor` body is read, before the call returns (SGLang loads a bucket before it answers),
+    by a fresh process running SGLang's own deserializer (`_READER`); every other call of the sync is recorded."""
+
+    url = "http://engine-on-this-gpu"
+
+    def __init__(self, tmp_path) -> None:
+        self.tmp, self.calls, self.received, self.how = tmp_path, [], {}, set()
+
+    def post_tensor_request(self, body: dict) -> None:
+        import torch
+
+        assert body["load_format"] == "flattened_bucket" and len(body["serialized_named_tensors"]) == 1
+        out = self.tmp / f"bucket{len(self.calls)}.pt"
+        proc = subprocess.run([sys.executable, "-c", _READER], capture_output=True, text=True, timeout=300,
+                              input=json.dumps({"entry": body["serialized_named_tensors"][0], "save": str(out)}))
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        self.how.add(json.loads(proc.stdout.strip().splitlines()[-1])["how"])
+        self.received.update(torch.load(out, weights_only=True))
+        self.calls.append("update_weights_from_tensor")
+
+    def __getattr__(self, name):  # pause, resume, begin/end_weight_update, flush_cache, update_weight_version, close
+        return lambda *a, **k: self.calls.append(name)
+
+
+def test_the_colocated_sync_hands_every_bucket_to_the_engine_rank_on_its_gpu(cuda, one_gpu_rank, tmp_path):
+    """`weight_sync.updaters.GroupBuckets` with `CudaIpcHandoff` on one GPU rank (the path every colocated K2 step
+    takes): every bucket reaches the engine's process as a CUDA-IPC handle on this GPU, bit for bit the trainer's
+    HF tensors (exported by the conversion's own path), inside one weight-update session, flushed and versioned
+    once after the last bucket, and the buckets' memory is given back."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from kimi_pipeline.convert.names import HFLayout, export_hf_tensors
+    from kimi_pipeline.model.megatron_model import build_model
+    from kimi_pipeline.recipes import load_recipe
+    from kimi_pipeline.weight_sync.updaters import CudaIpcHandoff, GroupBuckets, SyncTarget, choose_weight_sync
+
+    spec = load_recipe("tiny").model
+    model = build_model(spec, one_gpu_rank, device=cuda)
+    target = SyncTarget(engine="sglang", weight_format="model", weight_sync="auto", buffer_bytes=1 << 20,
+                        group_size=32, gpus_per_engine=1, colocate=True)
+    trainer = SimpleNamespace(target=target, spec=spec, model=[model], layout=one_gpu_rank, rank=0, world_size=1,
+                              qat=[], device=cuda, hf_layout=HFLayout(), sync_dir=lambda: tmp_path)
+    engine = _EngineOnThisGpu(tmp_path)
+    router = SimpleNamespace(clients=[engine], urls=[engine.url], close=lambda: None)
+    for name in ("pause", "resume", "begin_weight_update", "end_weight_update", "flush_cache", "update_weight_version"):
+        setattr(router, name, getattr(engine, name))
+    sync = choose_weight_sync(trainer, router)
+    assert isinstance(sync, GroupBuckets) and isinstance(sync.handoff, CudaIpcHandoff)
+    torch.cuda.synchronize(cuda)
+    before = torch.cuda.memory_allocated(cuda)
+    metrics = sync.update("7")
+    sync.close()
+    print("reader:", engine.how)
+    buckets = int(metrics["sync_chunks"])
+    assert buckets == len(sync.plan.buckets) > 1
+    assert engine.calls == (["pause", "begin_weight_update"] + ["update_weights_from_tensor"] * buckets
+                            + ["flush_cache", "update_weight_version", "end_weight_update", "resume"])
+    want = {n: t.cpu() for n, t in export_hf_tensors([model], spec, one_gpu_rank)}
+    assert sorted(engine.received) == sorted(want)
+    for name, t in want.items():
+        assert torch.equal(engine.received[name], t), name
+    torch.cuda.ipc_collect()
+    assert torch.cuda.memory_allocated(cuda) < before + (1 << 20)  # no bucket left behind
