@@ -8,22 +8,33 @@ printed and can be overridden; the structure is what the model contributes:
             layer, ctx = mean sequence / 2 for causal masks), x (3 fwd+bwd + 1 recompute + log-prob forwards)
   rollout   max(generated tokens / engine throughput, longest response / per-sequence decode speed)
   optimizer CPU Adam over the node's optimizer shard, once per optimizer step (when offloaded)
-  sync      colocated (the seeds' mode): every bucket of engine-format weights (INT4 / FP8 / bf16, as the
-            engine serves them) is broadcast from the ranks that own it to every node, then handed to the
-            engine on each GPU through a CUDA-IPC handle (one device copy); plus a fixed cost per bucket
-            (engine pause/flush, handle serialization, the load call). The disk fallback writes and
-            re-reads the bf16 model through shared storage; both are printed.
+  sync      the sync's own bucket plan (`weight_sync.buckets.BucketPlan`, what the trainers run): per bucket,
+            the bytes each rank receives through each group (pipeline broadcast, TP / EP / expert-TP all-gather)
+            at that group's link (NVLink when the group fits in a node, the inter-node fabric otherwise), the
+            engine's load of the bucket in its format (a device copy) and a fixed cost per bucket (CUDA-IPC
+            handles, the handles' gather, the load call, the barrier). Non-colocated: each stage gathers its
+            own buckets and its source sends them, one stage at a time, to every engine over the fabric. The
+            disk fallback writes and re-reads the bf16 model through shared storage. The recipes' framework
+            measured 7.2 s (RDMA P2P) and 53.3 s (NCCL broadcast) for a 1 T Kimi on H100 (radixark/miles
+            docs/advanced/p2p-weight-transfer.md); both are printed beside the model.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass
 
+import torch
+
+from kimi_pipeline.convert.names import NameMappingError
+from kimi_pipeline.model.parallel import Layout, LayoutError
 from kimi_pipeline.model.params import ParamCounts
 from kimi_pipeline.plan.hardware import GPU
 from kimi_pipeline.plan.memory import PlanLayout, format_bytes, rollout_formats
+from kimi_pipeline.recipes.models import ModelSpec
 from kimi_pipeline.recipes.recipe import Recipe
+from kimi_pipeline.weight_sync.buckets import BucketPlan, received_by_group
 
 
 @dataclass(frozen=True)
@@ -34,8 +45,9 @@ class TimeAssumptions:
     mean_response_frac: float = 0.5  # mean response = this x max_response_len
     mean_prompt_frac: float = 0.25  # mean prompt = this x max_prompt_len
     cpu_adam_params_per_s_per_node: float = 2e9
-    weight_sync_gb_s_per_node: float = 50.0  # inter-node broadcast rate into one node (GiB/s)
-    weight_sync_bucket_overhead_s: float = 0.05  # pause/flush + IPC handles + engine load call, per bucket
+    nvlink_gb_s: float = 360.0  # effective NVLink rate into one GPU in a collective (GiB/s; H100/H200 NVLink 4)
+    fabric_gb_s: float = 40.0  # effective inter-node rate into one GPU (GiB/s; one 400 Gb/s NIC per GPU)
+    weight_sync_bucket_overhead_s: float = 0.01  # IPC handles, their gather, the engine's load call, per bucket
     hbm_copy_gb_s: float = 1000.0  # device-to-device copy into the engine's weights (GiB/s)
     shared_storage_gb_s: float = 10.0  # aggregate write / read rate of the shared filesystem (GiB/s)
 
@@ -173,8 +185,35 @@ def step_time(
     }
 
 
+# What the recipes' framework measured for a 1 T Kimi's weight update on H100 (radixark/miles
+# docs/advanced/p2p-weight-transfer.md): printed beside the model, never used in it.
+ANCHOR_SYNC_S = {"rdma_p2p": 7.2, "nccl_broadcast": 53.3}
+
+
+def _links(lay: PlanLayout, a: TimeAssumptions) -> dict[str, float]:
+    """Bytes/s into one GPU for each group of the sync: NVLink when the group's ranks fit in one node. megatron
+    orders ranks tp-cp-ep-dp-pp (`parallel_state.RankGenerator`): TP groups are `tp` consecutive ranks, EP groups
+    span etp x ep, expert-TP groups `etp`, pipeline groups one rank per stage, world / pp apart."""
+    gib, node = 2**30, lay.gpus_per_node
+
+    def link(span: int) -> float:
+        return (a.nvlink_gb_s if span <= node else a.fabric_gb_s) * gib
+
+    return {"tp": link(lay.tp), "ep": link(lay.ep * lay.etp), "etp": link(lay.etp),
+            "pp": link(lay.world if lay.pp > 1 else 1)}
+
+
+@functools.lru_cache(maxsize=32)
+def _bucket_plan(spec_json: str, layout: Layout, buffer_bytes: int) -> BucketPlan:
+    """The GPU run's plan (bf16, Transformer Engine names); cached: `kimi plan --nodes` and the tests ask for the
+    same layout many times, and a 256-rank plan of a 1 T model takes about half a second."""
+    return BucketPlan.build(ModelSpec.model_validate_json(spec_json), layout, buffer_bytes=buffer_bytes,
+                            dtype=torch.bfloat16, use_te=True)
+
+
 def sync_time(r: Recipe, pc: ParamCounts, lay: PlanLayout, a: TimeAssumptions) -> dict:
-    """Seconds to move the trained weights into the engines, by protocol (see the module docstring)."""
+    """Seconds to move the trained weights into the engines, by path (see the module docstring), with the bytes
+    each GPU receives and the collectives each rank issues per sync."""
 
     ex_fmt, lin_fmt = rollout_formats(r)
     routed = pc.routed_experts
@@ -182,23 +221,53 @@ def sync_time(r: Recipe, pc: ParamCounts, lay: PlanLayout, a: TimeAssumptions) -
     linears = pc.first_k_dense * (pc.attention + pc.dense_mlp) + pc.num_moe_layers * (pc.attention + pc.shared) + pc.lm_head
     engine_bytes = routed * format_bytes(ex_fmt, r.quant.group_size) + linears * format_bytes(lin_fmt, r.quant.group_size)
     engine_bytes += (pc.total - routed - linears) * 2.0
-    buckets = math.ceil(engine_bytes / r.rollout.update_weight_buffer_size)
     gib = 2**30
-    network_s = engine_bytes * (lay.nodes - 1) / max(lay.nodes, 1) / (a.weight_sync_gb_s_per_node * gib)
-    copy_s = engine_bytes / (a.hbm_copy_gb_s * gib)
-    overhead_s = buckets * a.weight_sync_bucket_overhead_s
-    colocated = network_s + copy_s + overhead_s
-    # non-colocated: one broadcast from the trainer to every engine node over the same links
-    distributed = engine_bytes / (a.weight_sync_gb_s_per_node * gib) + overhead_s
     disk = pc.total * 2.0 / (a.shared_storage_gb_s * gib) * 2  # write once, every engine node reads it
+    out: dict = {"engine_format": f"experts {ex_fmt}, linears {lin_fmt}", "engine_bytes": engine_bytes,
+                 "disk_fallback_s": disk, "anchor_s": dict(ANCHOR_SYNC_S), "links_gb_s": {}}
+    try:
+        layout = Layout(world_size=lay.world, tp=lay.tp, pp=lay.pp, ep=lay.ep, etp=lay.etp, cp=lay.cp,
+                        first_pp_stage_layers=lay.first, last_pp_stage_layers=lay.last)
+        plan = _bucket_plan(r.model.model_dump_json(), layout, r.rollout.update_weight_buffer_size)
+    except (LayoutError, NameMappingError) as e:
+        return {**out, "buckets": 0, "colocated_s": float("nan"), "distributed_s": float("nan"),
+                "unmodelled": f"no bucket plan for this layout: {e}"}
+    links = _links(lay, a)
+    out["links_gb_s"] = {g: v / gib for g, v in links.items()}
+    to_engine = engine_bytes / max(plan.hf_bytes, 1)  # engine-format bytes per trainer (bf16) byte
+    handoff = plan.hf_bytes * to_engine / (a.hbm_copy_gb_s * gib)
+    overhead = len(plan.buckets) * a.weight_sync_bucket_overhead_s
+    # colocated: every rank assembles every bucket; the slowest stage sets the time
+    per_stage = []
+    for stage in range(lay.pp):
+        by_group = dict.fromkeys(links, 0.0)
+        for b in plan.buckets:
+            for g, n in received_by_group(b, layout, stage).items():
+                by_group[g] += n
+        per_stage.append(by_group)
+    worst = max(range(lay.pp), key=lambda s: sum(v / links[g] for g, v in per_stage[s].items()))
+    network = sum(v / links[g] for g, v in per_stage[worst].items())
+    colocated = network + handoff + overhead
+    # non-colocated: each stage's own gathers (no pipeline broadcast), then its source's sends, one stage at a time
+    gather = max(sum(n / links[g] for b in plan.stage_buckets(s) for g, n in received_by_group(b, layout, s).items()
+                     if g != "pp") for s in range(lay.pp))
+    send = engine_bytes / (a.fabric_gb_s * gib)
+    distributed = gather + send + overhead
+    collectives = plan.collectives()
     return {
-        "engine_format": f"experts {ex_fmt}, linears {lin_fmt}",
-        "engine_bytes": engine_bytes,
-        "buckets": buckets,
-        "network_s": network_s,
-        "copy_s": copy_s,
-        "bucket_overhead_s": overhead_s,
+        **out,
+        "buckets": len(plan.buckets),
+        "received_bytes_per_gpu": float(sum(per_stage[worst].values())),
+        "received_bytes_by_group": per_stage[worst],
+        # the handoff adds two per bucket (CUDA IPC: the handles' gather and the engine group's barrier), plus the
+        # two barriers around the buckets
+        "collectives_per_sync": sum(collectives.values()) + 2 * len(plan.buckets) + 2,
+        "collectives_by_group": collectives,
+        "network_s": network,
+        "copy_s": handoff,
+        "bucket_overhead_s": overhead,
         "colocated_s": colocated,
+        "distributed_gather_s": gather,
+        "distributed_send_s": send,
         "distributed_s": distributed,
-        "disk_fallback_s": disk,
     }

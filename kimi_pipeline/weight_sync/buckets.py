@@ -42,7 +42,6 @@ from kimi_pipeline.convert.names import (
     hf_from_gathered,
     hf_shapes,
     hf_to_megatron_names,
-    shard_from_hf,
 )
 from kimi_pipeline.model.parallel import Layout
 from kimi_pipeline.recipes.models import ModelSpec
@@ -151,9 +150,19 @@ class SyncCounters:
 
 
 def _local_shape(shard: Shard, shapes: Mapping[str, tuple[int, ...]]) -> tuple[int, ...]:
-    """The megatron tensor's shape on one rank, from the HF shapes (sliced on the meta device: no memory)."""
-    parts = [torch.empty(shapes[n], device="meta") for n in shard.hf]
-    return tuple(shard_from_hf(shard, parts).shape)
+    """The megatron tensor's shape on one rank, from the HF shapes: `convert.names.shard_from_hf`'s cut (a slice
+    along `dim` per TP rank; a GLU's gate and up slices concatenated along dim 0), without tensors."""
+    parts = []
+    for name in shard.hf:
+        shape = list(shapes[name])
+        if shard.split:
+            if shape[shard.dim] % shard.size:
+                raise NameMappingError(f"{name}: dim {shard.dim} of {tuple(shape)} does not split into {shard.size}")
+            shape[shard.dim] //= shard.size
+        parts.append(shape)
+    if len(parts) == 2:
+        return (parts[0][0] + parts[1][0], *parts[0][1:])
+    return tuple(parts[0])
 
 
 def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
@@ -217,19 +226,20 @@ class BucketPlan:
         return sorted(units, key=lambda u: order[u.megatron])
 
     # ------------------------------------------------------------------ the model of the cost
-    def collectives(self) -> dict[str, int]:
-        """Collectives one rank issues per sync, by group (the same on every rank)."""
-        sizes = {"pp": self.layout.pp, "tp": self.layout.tp, "ep": self.layout.ep, "etp": self.layout.etp}
+    def collectives(self, stage: int | None = None) -> dict[str, int]:
+        """Collectives one rank issues per sync, by group: the colocated path (every rank, every bucket), or with
+        `stage` the non-colocated one (that stage's buckets, no pipeline broadcast)."""
+        sizes = {"pp": self.layout.pp if stage is None else 1, "tp": self.layout.tp, "ep": self.layout.ep,
+                 "etp": self.layout.etp}
         out = dict.fromkeys(GROUPS, 0)
-        for b in self.buckets:
+        for b in self.buckets if stage is None else self.stage_buckets(stage):
             for group, n in _bucket_collectives(b, sizes).items():
                 out[group] += n
         return out
 
     def received_bytes(self, stage: int) -> int:
-        """Bytes a rank of pipeline stage `stage` receives per sync (all buckets, all groups)."""
-        sizes = {"pp": self.layout.pp, "tp": self.layout.tp, "ep": self.layout.ep, "etp": self.layout.etp}
-        return sum(_bucket_received(b, sizes, stage) for b in self.buckets)
+        """Bytes a rank of pipeline stage `stage` receives per sync on the colocated path (all buckets, groups)."""
+        return sum(sum(received_by_group(b, self.layout, stage).values()) for b in self.buckets)
 
     @property
     def hf_bytes(self) -> int:
@@ -250,12 +260,13 @@ def _shard_bytes(units: Sequence[Unit]) -> int:
     return sum(_nbytes(u.local_shape, u.dtype) for u in units)
 
 
-def _bucket_received(b: Bucket, sizes: Mapping[str, int], stage: int) -> int:
-    got = _shard_bytes(b.units) if sizes["pp"] > 1 and stage != b.stage else 0
-    got += _shard_bytes(b.tp_units) * (sizes["tp"] - 1)
-    got += _shard_bytes(b.expert_units) * (sizes["ep"] - 1)
-    got += _shard_bytes(b.etp_units) * sizes["ep"] * (sizes["etp"] - 1)
-    return got
+def received_by_group(b: Bucket, layout: Layout, stage: int) -> dict[str, int]:
+    """Bytes a rank of pipeline stage `stage` receives for bucket `b`, by group. The colocated path: every rank
+    assembles every bucket (for the non-colocated one, a stage's own buckets without the "pp" share)."""
+    return {"pp": _shard_bytes(b.units) if layout.pp > 1 and stage != b.stage else 0,
+            "tp": _shard_bytes(b.tp_units) * (layout.tp - 1),
+            "ep": _shard_bytes(b.expert_units) * (layout.ep - 1),
+            "etp": _shard_bytes(b.etp_units) * layout.ep * (layout.etp - 1)}
 
 
 # ------------------------------------------------------------------ the collectives of one bucket

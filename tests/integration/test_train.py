@@ -442,18 +442,22 @@ def test_ep2_across_two_trainer_actors(prepared, ray_local, tmp_path):
 
     section = run_stage(TRAIN, r, run, evaluate=lambda step, urls: {}, on_step=note_trainers)
     rows = _rows(run)
+    m = r.model
+    routed_bytes = (m.num_layers - m.first_k_dense) * m.num_experts * 3 * m.moe_ffn_hidden_size * m.hidden_size * 4
     assert [x["step"] for x in rows] == [1, 2] and section["steps"] == 2
     assert all(x["optimizer_steps"] == -(-(x["samples"] - x["samples_trimmed"]) // x["global_batch_size"]) for x in rows)
-    # the trainers removed their weight-sync segments (ours only: a segment is named after its owner's pid)
-    assert len(trainers) == 2 and len(segments) == 2, (trainers, segments)
+    # one engine on this host: the first of its ranks hands it each bucket through its segment; the trainers
+    # removed it (ours only: a segment is named after its owner's pid)
+    assert len(trainers) == 2 and len(segments) == 1, (trainers, segments)
     assert not [p for pid in trainers for p in shm.shm_dir().glob(f"{shm.PREFIX}{pid}-*")]
     for x in rows:
         assert abs(x["tis_min"] - 1) < 1e-3 and abs(x["tis_max"] - 1) < 1e-3, x
         # issue 14 item 9: each of the 2 DP ranks computed logprobs and gradients for its half only
         assert x["train_samples"] == (x["samples"] - x["samples_trimmed"]) / 2, x
-        # issue 15 item 1: colocated on one host, each rank sent the buckets it holds itself (one each; rank 0
-        # sending everything would average 0.5 over the two ranks)
-        assert x["sync_chunks"] == 1.0, x
+        # colocated: every rank assembles every bucket (one here) with one EP all-gather of the experts it lacks,
+        # between the two barriers around the buckets (issue 39 item 1)
+        assert x["sync_chunks"] == 1.0 and x["sync_collectives"] == 3.0, x
+        assert x["sync_received_bytes"] == routed_bytes / 2, x
 
 
 def test_a_permanent_error_inside_an_actor_is_not_retried(ray_local):
