@@ -6,33 +6,31 @@ rows first, like the recipes' router) and broadcasts control calls, with the sam
 Weight sync to the embedded engine sends shared-memory descriptors or safetensors (never pickle), in chunks of
 at most `buffer_bytes` of raw tensor data; a tensor larger than the buffer goes alone. SGLang's
 /update_weights_from_tensor takes pickled payloads: to SGLang we send only CUDA-IPC handles of our own tensors
-to our own colocated engine (`cuda_ipc.py`, posted by `rl.weight_sync.CudaIpcBuckets`), or sync through a
-weight-update group, or from disk. Tensor and distributed updates run inside SGLang's weight-update session
-(`weight_update_session`).
+to our own colocated engine (`weight_sync/cuda_ipc.py`, posted by `weight_sync.updaters.CudaIpcHandoff`), or
+sync through a weight-update group, or from disk. Tensor and distributed updates run inside SGLang's weight-update
+session (`weight_sync.push.weight_update_session`).
 """
 
 from __future__ import annotations
 
 import base64
-import contextlib
-import json
 import logging
 import socket
 import threading
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
 import numpy as np
 import torch
-from safetensors.torch import save
 
 from kimi_pipeline.cluster.env import engine_api_key
-from kimi_pipeline.engine import shm
-from kimi_pipeline.engine.dist_update import WeightGroup
 from kimi_pipeline.engine.sampler import ENGINE_NAME, MEMORY_TAGS, Completion, SamplingParams, row_seeds
 from kimi_pipeline.errors import PermanentError
+from kimi_pipeline.weight_sync import shm
+from kimi_pipeline.weight_sync.dist_group import WeightGroup
+from kimi_pipeline.weight_sync.push import paused, push_weights, weight_update_session
 
 log = logging.getLogger(__name__)
 
@@ -121,97 +119,6 @@ def decode_routed_experts(b64: str, num_tokens: int, num_layers: int, topk: int,
             "is the client's model shape (num_layers/topk) the engine's?"
         )
     return flat.reshape(num_tokens, num_layers, topk)[:, first_k_dense:].astype(np.int16)
-
-
-def chunk_named_tensors(named: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
-                        buffer_bytes: int) -> Iterable[dict[str, torch.Tensor]]:
-    """Group tensors into dicts of at most buffer_bytes raw bytes (an oversized tensor is its own chunk)."""
-    items = named.items() if isinstance(named, Mapping) else named
-    chunk: dict[str, torch.Tensor] = {}
-    size = 0
-    for name, t in items:
-        nbytes = t.numel() * t.element_size()
-        if chunk and size + nbytes > buffer_bytes:
-            yield chunk
-            chunk, size = {}, 0
-        chunk[name] = t
-        size += nbytes
-    if chunk:
-        yield chunk
-
-
-def serialize_chunk(chunk: Mapping[str, torch.Tensor]) -> str:
-    # own, contiguous CPU copies: safetensors refuses views that share storage
-    owned = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in chunk.items()}
-    return base64.b64encode(save(owned)).decode("ascii")
-
-
-def push_weights(clients: list[EngineClient], named_tensors, buffer_bytes: int, weight_version: str | None,
-                 pool: ThreadPoolExecutor | None = None, segment: shm.SharedBucket | None = None,
-                 group=None) -> int:
-    """HF-named tensors to embedded engines in `buffer_bytes` buckets; returns the bucket count. Engines on
-    this host read each bucket from one shared-memory segment (`shm.py`); the others receive it through the
-    weight-update process group `group` (`dist_update.WeightGroup`, its members), or as a safetensors body
-    when there is none. The weight version moves with the last bucket only, so no sample reports
-    half-applied weights."""
-    grouped = list(group.clients) if group is not None else []
-    local = [c for c in clients if c not in grouped and c.shares_memory()]
-    remote = [c for c in clients if c not in local and c not in grouped]
-    run = (lambda fn, items: list(pool.map(fn, items))) if pool else (lambda fn, items: [fn(x) for x in items])
-
-    def send(segment, chunk, version) -> None:
-        if local:
-            desc = json.dumps(segment.write_bucket(chunk))
-            run(lambda c: c.post_weight_chunk(desc, version, shm.LOAD_FORMAT), local)
-        if grouped:
-            group.send(chunk, version)
-        if remote:
-            body = serialize_chunk(chunk)
-            run(lambda c: c.post_weight_chunk(body, version), remote)
-
-    count, pending = 0, None
-    owned = shm.SharedBucket() if local and segment is None else contextlib.nullcontext(segment)
-    with owned as segment:
-        for chunk in chunk_named_tensors(named_tensors, buffer_bytes):
-            if pending is not None:
-                send(segment, pending, None)
-            pending, count = chunk, count + 1
-        if pending is not None:
-            send(segment, pending, weight_version)
-        elif weight_version is not None:  # nothing left to send: an empty bucket commits the version
-            send(segment, {}, weight_version)
-    return count
-
-
-@contextlib.contextmanager
-def weight_update_session(engines: EngineClient | Router, enabled: bool = True) -> Iterator[None]:
-    """SGLang's weight-update session around tensor and distributed updates (sglang 0.5.23
-    `scheduler_components/weight_updater.py:192-197, 234-239` answer 400 outside one; `http_server.py:1458-1486`).
-    Ended however the update ends, so a failed sync leaves no session open for the next one."""
-    if not enabled:
-        yield
-        return
-    engines.begin_weight_update()
-    try:
-        yield
-    except BaseException:
-        with contextlib.suppress(EngineRequestError):
-            engines.end_weight_update()
-        raise
-    engines.end_weight_update()
-
-
-@contextlib.contextmanager
-def paused(engines: EngineClient | Router, enabled: bool = True) -> Iterator[None]:
-    """Generation paused in place around a weight update (one engine or all of a router's), resumed however
-    the update ends."""
-    if enabled:
-        engines.pause()
-    try:
-        yield
-    finally:
-        if enabled:
-            engines.resume()
 
 
 class EngineClient:
@@ -473,7 +380,7 @@ class Router:
         self.server_concurrency = server_concurrency
         self.weight_transport = weight_transport
         self.group_backend = group_backend
-        self._group = None  # dist_update.WeightGroup, made at the first sync that needs it, kept for the run
+        self._group = None  # dist_group.WeightGroup, made at the first sync that needs it, kept for the run
         self._client_kwargs = client_kwargs
         self.clients = [e if isinstance(e, EngineClient) else EngineClient(e, **client_kwargs) for e in engines]
         self._outstanding = [0] * len(self.clients)

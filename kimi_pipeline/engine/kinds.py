@@ -54,8 +54,6 @@ class EngineKind:
     # constructor arguments of one engine process: (settings, model_dir, node_rank, base_gpu_id, multi-node address)
     actor_args: Callable[[EngineSettings, Path, int, int, str | None], tuple[tuple, dict[str, Any]]]
     one_process_per_node: bool  # a node-spanning engine runs one process per node (a command line each)
-    owned_bucket_updates: bool  # each trainer rank can hand it its own buckets through this host's shared memory
-    colocated_updates_by_cuda_ipc: bool  # colocated, it takes CUDA-IPC handles of the trainer's GPU buckets
 
 
 def _embedded_class() -> type:
@@ -79,12 +77,9 @@ def _sglang_args(settings: EngineSettings, model_dir: Path, node_rank: int, base
 
 
 ENGINE_KINDS: dict[str, EngineKind] = {
-    "embedded": EngineKind("embedded", _embedded_class, _embedded_args, one_process_per_node=False,
-                           owned_bucket_updates=True, colocated_updates_by_cuda_ipc=False),
-    # SGLang colocated takes CUDA-IPC handles (update_weights_from_tensor, weight_sync/updaters.py CudaIpcHandoff); not
-    # colocated it joins a weight-update group like the embedded engine.
-    "sglang": EngineKind("sglang", _sglang_class, _sglang_args, one_process_per_node=True,
-                         owned_bucket_updates=False, colocated_updates_by_cuda_ipc=True),
+    # how each kind takes trained weights: `weight_sync.updaters.COLOCATED_HANDOFFS`
+    "embedded": EngineKind("embedded", _embedded_class, _embedded_args, one_process_per_node=False),
+    "sglang": EngineKind("sglang", _sglang_class, _sglang_args, one_process_per_node=True),
 }
 
 

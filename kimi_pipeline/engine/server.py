@@ -16,7 +16,7 @@ Endpoints and JSON shapes follow SGLang's server where practical:
 - POST /init_weights_update_group {master_address, master_port, rank_offset, world_size, group_name, backend},
   POST /update_weights_from_distributed {names, dtypes, shapes, group_name, weight_version}, POST
   /destroy_weights_update_group {group_name}: non-colocated sync, tensors broadcast by the trainer over a
-  gloo (CPU) / NCCL (GPU) group formed as SGLang forms it (`dist_update.py`).
+  gloo (CPU) / NCCL (GPU) group formed as SGLang forms it (`dist_group.py`).
 - POST /begin_weight_update, POST /end_weight_update: SGLang 0.5.23's weight-update session; tensor and
   distributed updates outside one are refused with SGLang's 400, so the CPU suite makes the calls a GPU run makes.
 - POST /release_memory_occupation {tags}, POST /resume_memory_occupation {tags} (weights, kv_cache, cuda_graph):
@@ -59,8 +59,6 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict
 from safetensors.torch import load as load_safetensors
 
-from kimi_pipeline.engine import shm
-from kimi_pipeline.engine.dist_update import broadcast, dtype_from_name, flattened_views, leave_group, make_group
 from kimi_pipeline.engine.model import EngineModel, EngineWeightError, config_summary, iter_safetensors
 from kimi_pipeline.engine.sampler import (
     ENGINE_NAME,
@@ -77,6 +75,8 @@ from kimi_pipeline.engine.static_decode import DECODE_MODES
 from kimi_pipeline.model.device import resolve_device
 from kimi_pipeline.model.tokenizer import load_tokenizer
 from kimi_pipeline.util.threads import one_intraop_thread_for_helpers
+from kimi_pipeline.weight_sync import shm
+from kimi_pipeline.weight_sync.dist_group import broadcast, dtype_from_name, flattened_views, leave_group, make_group
 
 log = logging.getLogger(__name__)
 
@@ -382,7 +382,7 @@ class EngineServer:
         rule, sglang/srt/utils/auth.py); set when the server binds beyond loopback."""
         self.engine, self.host, self.port, self.tokenizer = engine, host, port, tokenizer
         self.model_path, self.api_key = model_path, api_key
-        self.weight_groups: dict[str, Any] = {}  # group name -> process group with a trainer (dist_update.py)
+        self.weight_groups: dict[str, Any] = {}  # group name -> process group with a trainer (weight_sync/dist_group.py)
         self.update_session = False  # between /begin_weight_update and /end_weight_update (SGLang's protocol)
         self.memory_events: list[tuple[str, tuple[str, ...]]] = []  # (release|resume, tags), in order
         self.scheduler: BatchScheduler | None = None

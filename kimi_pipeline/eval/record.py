@@ -23,12 +23,12 @@ from kimi_pipeline.eval.run import eval_step_path, evaluate
 from kimi_pipeline.model.checkpoint_dirs import TRACKER, latest_step
 from kimi_pipeline.model.device import resolve_device
 from kimi_pipeline.model.tokenizer import load_tokenizer
-from kimi_pipeline.quant.policy_weights import checkpoint_model, policy_tensors
 from kimi_pipeline.recipes import Recipe
 from kimi_pipeline.recipes.models import DataSpec, EvalSpec, ModelSpec, QuantSpec, RolloutSpec
 from kimi_pipeline.report.stage_reports import eval_report
 from kimi_pipeline.report.summary import RunSummary
 from kimi_pipeline.rl.prompts import load_prompts
+from kimi_pipeline.weight_sync.policy_tensors import checkpoint_model, policy_tensors
 
 SUMMARY_KEYS = ("step", "avg_at_n", "pass_at_1", "pass_at_n", "maj_at_n")
 

@@ -24,9 +24,9 @@ from dataclasses import asdict, dataclass, field
 
 from kimi_pipeline.model.params import ParamCounts, PPStageParams, pp_stage_params
 from kimi_pipeline.plan.hardware import GPU
-from kimi_pipeline.quant.engine_format import engine_weight_format
 from kimi_pipeline.recipes.checks import PipelineSplitError, pipeline_layers
 from kimi_pipeline.recipes.recipe import Recipe
+from kimi_pipeline.weight_sync.formats import engine_weight_format
 
 GIB = float(2**30)
 BYTES_PARAM = 2  # bf16 model weights
@@ -239,7 +239,7 @@ def train_pp_stages(
 
 
 def rollout_formats(r: Recipe) -> tuple[str, str]:
-    """(routed-expert, other-linear) weight formats the engine serves (`quant.engine_format`): INT4 routed
+    """(routed-expert, other-linear) weight formats the engine serves (`weight_sync.formats`): INT4 routed
     experts with the rest bf16 (the INT4 export's format), FP8 blocks for every Linear, or bf16."""
 
     fmt = engine_weight_format(r.rollout, r.quant.export_format, r.hub.source_format)

@@ -8,7 +8,7 @@ printed and can be overridden; the structure is what the model contributes:
             layer, ctx = mean sequence / 2 for causal masks), x (3 fwd+bwd + 1 recompute + log-prob forwards)
   rollout   max(generated tokens / engine throughput, longest response / per-sequence decode speed)
   optimizer CPU Adam over the node's optimizer shard, once per optimizer step (when offloaded)
-  sync      the sync's own bucket plan (`weight_sync.buckets.BucketPlan`, what the trainers run): per bucket,
+  sync      the sync's own bucket plan (`weight_sync.buckets.BucketSchedule`, what the trainers run): per bucket,
             the bytes each rank receives through each group (pipeline broadcast, TP / EP / expert-TP all-gather)
             at that group's link (NVLink when the group fits in a node, the inter-node fabric otherwise), the
             engine's load of the bucket in its format (a device copy) and a fixed cost per bucket (CUDA-IPC
@@ -34,7 +34,7 @@ from kimi_pipeline.plan.hardware import GPU
 from kimi_pipeline.plan.memory import PlanLayout, format_bytes, rollout_formats
 from kimi_pipeline.recipes.models import ModelSpec
 from kimi_pipeline.recipes.recipe import Recipe
-from kimi_pipeline.weight_sync.buckets import BucketPlan, received_by_group
+from kimi_pipeline.weight_sync.buckets import BucketSchedule, received_by_group
 
 
 @dataclass(frozen=True)
@@ -204,10 +204,10 @@ def _links(lay: PlanLayout, a: TimeAssumptions) -> dict[str, float]:
 
 
 @functools.lru_cache(maxsize=32)
-def _bucket_plan(spec_json: str, layout: Layout, buffer_bytes: int) -> BucketPlan:
+def _bucket_schedule(spec_json: str, layout: Layout, buffer_bytes: int) -> BucketSchedule:
     """The GPU run's plan (bf16, Transformer Engine names); cached: `kimi plan --nodes` and the tests ask for the
     same layout many times, and a 256-rank plan of a 1 T model takes about half a second."""
-    return BucketPlan.build(ModelSpec.model_validate_json(spec_json), layout, buffer_bytes=buffer_bytes,
+    return BucketSchedule.build(ModelSpec.model_validate_json(spec_json), layout, buffer_bytes=buffer_bytes,
                             dtype=torch.bfloat16, use_te=True)
 
 
@@ -228,7 +228,7 @@ def sync_time(r: Recipe, pc: ParamCounts, lay: PlanLayout, a: TimeAssumptions) -
     try:
         layout = Layout(world_size=lay.world, tp=lay.tp, pp=lay.pp, ep=lay.ep, etp=lay.etp, cp=lay.cp,
                         first_pp_stage_layers=lay.first, last_pp_stage_layers=lay.last)
-        plan = _bucket_plan(r.model.model_dump_json(), layout, r.rollout.update_weight_buffer_size)
+        plan = _bucket_schedule(r.model.model_dump_json(), layout, r.rollout.update_weight_buffer_size)
     except (LayoutError, NameMappingError) as e:
         return {**out, "buckets": 0, "colocated_s": float("nan"), "distributed_s": float("nan"),
                 "unmodelled": f"no bucket plan for this layout: {e}"}
@@ -238,18 +238,18 @@ def sync_time(r: Recipe, pc: ParamCounts, lay: PlanLayout, a: TimeAssumptions) -
     handoff = plan.hf_bytes * to_engine / (a.hbm_copy_gb_s * gib)
     overhead = len(plan.buckets) * a.weight_sync_bucket_overhead_s
     # colocated: every rank assembles every bucket; the slowest stage sets the time
-    per_stage = []
+    per_pp_stage = []
     for stage in range(lay.pp):
         by_group = dict.fromkeys(links, 0.0)
         for b in plan.buckets:
             for g, n in received_by_group(b, layout, stage).items():
                 by_group[g] += n
-        per_stage.append(by_group)
-    worst = max(range(lay.pp), key=lambda s: sum(v / links[g] for g, v in per_stage[s].items()))
-    network = sum(v / links[g] for g, v in per_stage[worst].items())
+        per_pp_stage.append(by_group)
+    worst = max(range(lay.pp), key=lambda s: sum(v / links[g] for g, v in per_pp_stage[s].items()))
+    network = sum(v / links[g] for g, v in per_pp_stage[worst].items())
     colocated = network + handoff + overhead
     # non-colocated: each stage's own gathers (no pipeline broadcast), then its source's sends, one stage at a time
-    gather = max(sum(n / links[g] for b in plan.stage_buckets(s) for g, n in received_by_group(b, layout, s).items()
+    gather = max(sum(n / links[g] for b in plan.pp_stage_buckets(s) for g, n in received_by_group(b, layout, s).items()
                      if g != "pp") for s in range(lay.pp))
     send = engine_bytes / (a.fabric_gb_s * gib)
     distributed = gather + send + overhead
@@ -257,8 +257,8 @@ def sync_time(r: Recipe, pc: ParamCounts, lay: PlanLayout, a: TimeAssumptions) -
     return {
         **out,
         "buckets": len(plan.buckets),
-        "received_bytes_per_gpu": float(sum(per_stage[worst].values())),
-        "received_bytes_by_group": per_stage[worst],
+        "received_bytes_per_gpu": float(sum(per_pp_stage[worst].values())),
+        "received_bytes_by_group": per_pp_stage[worst],
         # the handoff adds two per bucket (CUDA IPC: the handles' gather and the engine group's barrier), plus the
         # two barriers around the buckets
         "collectives_per_sync": sum(collectives.values()) + 2 * len(plan.buckets) + 2,

@@ -42,7 +42,6 @@ from kimi_pipeline.model.parallel import Layout
 from kimi_pipeline.model.params import count_params
 from kimi_pipeline.quant.export import ExportInfo, Int4Part, export_int4, export_temp_dir, finish_int4_dir
 from kimi_pipeline.quant.export_rank import REPORT_PREFIX
-from kimi_pipeline.quant.policy_weights import checkpoint_model, policy_tensors
 from kimi_pipeline.quant.qat import enable_int4_qat
 from kimi_pipeline.quant.verify import (
     PARITY_TOL,
@@ -58,6 +57,7 @@ from kimi_pipeline.recipes import Recipe
 from kimi_pipeline.recipes.models import ClusterSpec, ConvertSpec, ModelSpec, QuantSpec
 from kimi_pipeline.util.files import atomic_write_json, sha256_files, sha256_json
 from kimi_pipeline.util.lifetime import die_with_parent
+from kimi_pipeline.weight_sync.policy_tensors import checkpoint_model, policy_tensors
 from kimi_pipeline.weightjobs.job_file import write_job_file
 from kimi_pipeline.weightjobs.run import run_weight_job
 

@@ -1,7 +1,7 @@
 """One rank of the distributed INT4 export (`python -m kimi_pipeline.weightjobs.rank export --job JOB.json`).
 
 Launched like the conversion (`weightjobs.launch`: N torchrun agents here, the same command on every node
-of a cluster). Each rank loads its slice of the torch_dist checkpoint (`quant.policy_weights`), quantizes the
+of a cluster). Each rank loads its slice of the torch_dist checkpoint (`weight_sync.policy_tensors`), quantizes the
 tensors it is the designated source of (its experts; the lowest rank of a stage for shared weights),
 writes them as its own temp-named shards into the shared output directory, reads them back and checks
 them bit for bit against its tensors, and records shards, sizes, the check and its peak RSS in
@@ -24,10 +24,10 @@ from kimi_pipeline.convert.names import HFLayout
 from kimi_pipeline.model.device import job_device
 from kimi_pipeline.model.parallel import Layout
 from kimi_pipeline.quant.export import write_int4_shards
-from kimi_pipeline.quant.policy_weights import checkpoint_model, policy_tensors
 from kimi_pipeline.quant.verify import check_tensors
 from kimi_pipeline.recipes.models import ModelSpec
 from kimi_pipeline.util.files import atomic_write_json
+from kimi_pipeline.weight_sync.policy_tensors import checkpoint_model, policy_tensors
 from kimi_pipeline.weightjobs.job_file import peak_rss_mb
 
 REPORT_PREFIX = "export_rank"

@@ -361,7 +361,7 @@ class OptimizerSpec(Section):
 
 class QuantSpec(Section):
     """INT4 QAT in training and the export format. Read by: `rl.policy` (QAT), `weight_sync.updaters.SyncTarget` and
-    `quant.engine_format` (what the engines are sent), the export stage (`quant.checkpoint_export.ExportSections`)."""
+    `weight_sync.formats` (what the engines are sent), the export stage (`quant.checkpoint_export.ExportSections`)."""
 
     int4_qat: bool = Field(False, description="fake-INT4 routed experts in the forward (env OPEN_TRAINING_INT4_FAKE_QAT_FLAG)")
     group_size: int = Field(32, gt=0, description="env OPEN_TRAINING_INT4_GROUP_SIZE")

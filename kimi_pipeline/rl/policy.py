@@ -39,7 +39,6 @@ from kimi_pipeline.model.megatron_train import (
 )
 from kimi_pipeline.model.offload import PARTS, Offloaded
 from kimi_pipeline.model.parallel import Layout, destroy, init_distributed
-from kimi_pipeline.quant.policy_weights import policy_tensors
 from kimi_pipeline.quant.qat import enable_int4_qat
 from kimi_pipeline.recipes import Recipe
 from kimi_pipeline.recipes.models import (
@@ -55,6 +54,7 @@ from kimi_pipeline.rl.batching import split_micro_batches
 from kimi_pipeline.rl.grpo import grpo_loss
 from kimi_pipeline.rl.metrics import Metric, reduce_metrics
 from kimi_pipeline.rl.samples import MicroBatch, RankShare, Sample, collate, padding_micro_batch, response_values
+from kimi_pipeline.weight_sync.policy_tensors import policy_tensors
 from kimi_pipeline.weight_sync.updaters import SyncTarget, choose_weight_sync
 
 log = logging.getLogger(__name__)

@@ -5,7 +5,7 @@ What the recipes' framework does for a colocated sync (radixark/miles
 per bucket, broadcast over the pipeline group, all-gather over the expert and tensor groups, convert to HF on
 every GPU), with one flattened buffer per dtype per collective instead of one collective per tensor:
 
-1. **Plan** (`BucketPlan.build`, the same on every rank, computed from the model spec and the layout alone: no
+1. **Plan** (`BucketSchedule.build`, the same on every rank, computed from the model spec and the layout alone: no
    metadata exchange). A *unit* is what moves together: a dense tensor of one pipeline stage (each TP rank holds
    a slice or a copy), or local expert `j` of one MoE layer (EP rank `k` holds HF expert `k * E/ep + j`). Units
    are cut into buckets of at most `rollout.update_weight_buffer_size` bytes of full HF tensors, a bucket never
@@ -22,9 +22,9 @@ every GPU), with one flattened buffer per dtype per collective instead of one co
    the GLU de-interleave, the TP concatenation) and hands them to the engine rank on its GPU.
 
 So a sync issues at most buckets x dtypes x (PP + TP + EP + ETP) collectives whatever the tensor count, and
-each rank receives at most the model's bytes once (`BucketPlan.collectives`, `BucketPlan.received_bytes`:
+each rank receives at most the model's bytes once (`BucketSchedule.collectives`, `BucketSchedule.received_bytes`:
 the model `kimi plan` prints). NCCL needs the same collectives in the same order on every member of a group,
-with the same sizes: the plan is computed identically everywhere, and every rank runs every collective of
+with the same sizes: the schedule is computed identically everywhere, and every rank runs every collective of
 every bucket (a rank of another stage receives, it never skips).
 """
 
@@ -119,7 +119,7 @@ class Groups:
     etp: object = None
     pp_rank: int = 0
     sizes: Mapping[str, int] = field(default_factory=lambda: dict.fromkeys(GROUPS, 1))
-    stage_source: bool = True  # TP = CP = DP = 0 of its stage: the rank that talks to the engines for the stage
+    pp_stage_source: bool = True  # TP = CP = DP = 0 of its stage: the rank that talks to the engines for the stage
 
     @classmethod
     def current(cls) -> Groups:
@@ -128,7 +128,7 @@ class Groups:
         return cls(pp=ps.get_pipeline_model_parallel_group(), tp=ps.get_tensor_model_parallel_group(),
                    ep=ps.get_expert_model_parallel_group(), etp=ps.get_expert_tensor_parallel_group(),
                    pp_rank=ps.get_pipeline_model_parallel_rank(),
-                   stage_source=(ps.get_tensor_model_parallel_rank() == 0
+                   pp_stage_source=(ps.get_tensor_model_parallel_rank() == 0
                                  and ps.get_data_parallel_rank(with_context_parallel=True) == 0),
                    sizes={"pp": ps.get_pipeline_model_parallel_world_size(),
                           "tp": ps.get_tensor_model_parallel_world_size(),
@@ -147,6 +147,19 @@ class SyncCounters:
     @property
     def total(self) -> int:
         return sum(self.collectives.values())
+
+
+def pp_stage_dtypes(tensors: Mapping[str, torch.Tensor], groups: Groups) -> list[dict[str, torch.dtype]]:
+    """Every stage's tensors' dtypes by megatron name, on every rank: one object all-gather over the pipeline group,
+    once per run (slime and miles exchange their parameter infos the same way before the first sync); the
+    ranks of a stage hold the same names and dtypes whatever their TP / EP coordinates."""
+    mine = {name: str(t.dtype).removeprefix("torch.") for name, t in tensors.items()}
+    if groups.sizes["pp"] == 1:
+        every = [mine]
+    else:
+        every = [None] * groups.sizes["pp"]
+        dist.all_gather_object(every, mine, group=groups.pp)
+    return [{name: getattr(torch, dt) for name, dt in stage.items()} for stage in every]
 
 
 def _local_shape(shard: Shard, shapes: Mapping[str, tuple[int, ...]]) -> tuple[int, ...]:
@@ -173,23 +186,26 @@ def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
 
 
 @dataclass(frozen=True)
-class BucketPlan:
+class BucketSchedule:
     """Every bucket of a sync, in order, for a model spec and layout; identical on every rank."""
 
     buckets: tuple[Bucket, ...]
     layout: Layout
 
     @classmethod
-    def build(cls, spec: ModelSpec, layout: Layout, *, buffer_bytes: int, dtype: torch.dtype,
-              use_te: bool) -> BucketPlan:
-        """`dtype`: the trainer's parameter dtype (the expert bias stays fp32 whatever it is)."""
+    def build(cls, spec: ModelSpec, layout: Layout, *, buffer_bytes: int, dtype: torch.dtype, use_te: bool,
+              pp_stage_dtypes: Sequence[Mapping[str, torch.dtype]] | None = None) -> BucketSchedule:
+        """`dtype`: the trainer's parameter dtype (the expert bias stays fp32 whatever it is), unless
+        `pp_stage_dtypes` gives each stage's tensors' own dtypes by megatron name (`pp_stage_dtypes()`: a model may keep
+        its norms in fp32 beside bf16 weights, as megatron's local layer spec does on CPU)."""
         if buffer_bytes <= 0:
             raise ValueError(f"update_weight_buffer_size must be > 0, got {buffer_bytes}")
         layout.check_model(spec)
         shapes = hf_shapes(spec)
         buckets: list[Bucket] = []
         for stage in range(layout.pp):
-            units = cls._stage_units(spec, layout, stage, shapes, dtype, use_te)
+            units = cls._pp_stage_units(spec, layout, stage, shapes, dtype, use_te,
+                                     pp_stage_dtypes[stage] if pp_stage_dtypes is not None else None)
             current: list[Unit] = []
             size = 0
             for u in units:
@@ -203,21 +219,30 @@ class BucketPlan:
         return cls(tuple(buckets), layout)
 
     @staticmethod
-    def _stage_units(spec: ModelSpec, layout: Layout, stage: int, shapes, dtype: torch.dtype,
-                     use_te: bool) -> list[Unit]:
+    def _pp_stage_units(spec: ModelSpec, layout: Layout, stage: int, shapes, dtype: torch.dtype, use_te: bool,
+                     dtypes: Mapping[str, torch.dtype] | None) -> list[Unit]:
         per_ep = [hf_to_megatron_names(spec, layout, stage, k, use_te=use_te) for k in range(layout.ep)]
         units: list[Unit] = []
+
+        def dtype_of(s: Shard) -> torch.dtype:
+            if dtypes is not None:
+                if s.megatron not in dtypes:
+                    raise NameMappingError(f"{s.megatron}: not in stage {stage}'s model (spec and layout disagree "
+                                           "with the model)")
+                return dtypes[s.megatron]
+            return torch.float32 if s.fp32 else dtype
+
         experts = [[s for s in shards if s.expert] for shards in per_ep]
         for s in per_ep[0]:
             if s.expert:
                 continue
             if spec.tie_word_embeddings and s.megatron == "output_layer.weight":
                 continue  # the last stage's tied copy of the embedding is not sent twice
-            dt = torch.float32 if s.fp32 else dtype
+            dt = dtype_of(s)
             units.append(Unit(stage, False, (s,), _local_shape(s, shapes), dt,
                               sum(_nbytes(shapes[n], dt) for n in s.hf)))
         for column in zip(*experts):  # local expert slot j of a layer on every EP rank
-            dt = torch.float32 if column[0].fp32 else dtype
+            dt = dtype_of(column[0])
             units.append(Unit(stage, True, tuple(column), _local_shape(column[0], shapes), dt,
                               sum(_nbytes(shapes[n], dt) for s in column for n in s.hf)))
         # experts after the dense tensors of their stage would put a whole stage's experts in the last buckets;
@@ -232,7 +257,7 @@ class BucketPlan:
         sizes = {"pp": self.layout.pp if stage is None else 1, "tp": self.layout.tp, "ep": self.layout.ep,
                  "etp": self.layout.etp}
         out = dict.fromkeys(GROUPS, 0)
-        for b in self.buckets if stage is None else self.stage_buckets(stage):
+        for b in self.buckets if stage is None else self.pp_stage_buckets(stage):
             for group, n in _bucket_collectives(b, sizes).items():
                 out[group] += n
         return out
@@ -245,7 +270,7 @@ class BucketPlan:
     def hf_bytes(self) -> int:
         return sum(b.hf_bytes for b in self.buckets)
 
-    def stage_buckets(self, stage: int) -> list[Bucket]:
+    def pp_stage_buckets(self, stage: int) -> list[Bucket]:
         return [b for b in self.buckets if b.stage == stage]
 
 
@@ -282,7 +307,7 @@ def _flat(units: Sequence[Unit], dtype: torch.dtype, tensors: Mapping[str, torch
     for u in chosen:
         t = tensors[u.megatron]
         if tuple(t.shape) != u.local_shape or t.dtype != dtype:
-            raise NameMappingError(f"{u.megatron}: this rank holds {tuple(t.shape)} {t.dtype}, the sync plan expects "
+            raise NameMappingError(f"{u.megatron}: this rank holds {tuple(t.shape)} {t.dtype}, the sync schedule expects "
                                    f"{u.local_shape} {dtype} (model spec and layout disagree with the model)")
         parts.append(t.detach().reshape(-1))
     return torch.cat(parts) if parts else torch.empty(0, dtype=dtype, device=device)
@@ -308,15 +333,15 @@ def _all_gather(flat: torch.Tensor, group, size: int) -> torch.Tensor:
 
 def gather_bucket(bucket: Bucket, tensors: Mapping[str, torch.Tensor], groups: Groups, device: torch.device,
                   counters: SyncCounters | None = None, *,
-                  across_stages: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+                  across_pp_stages: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """The bucket's full HF tensors on this rank (collective over the pipeline, TP, EP and expert-TP groups:
-    every rank of the world calls it for every bucket of the plan, in order). `tensors`: this rank's live
-    megatron tensors by name (`convert.names.model_tensors`). `across_stages=False`: only the holding stage's
+    every rank of the world calls it for every bucket of the schedule, in order). `tensors`: this rank's live
+    megatron tensors by name (`convert.names.model_tensors`). `across_pp_stages=False`: only the holding stage's
     ranks take part (no pipeline broadcast; every rank of that stage calls it for each of the stage's buckets)."""
     sizes = dict(groups.sizes)
     counters = counters or SyncCounters()
     holder = groups.pp_rank == bucket.stage
-    if not across_stages:
+    if not across_pp_stages:
         if not holder:
             raise ValueError(f"bucket of stage {bucket.stage} gathered on stage {groups.pp_rank} without a broadcast")
         sizes["pp"] = 1

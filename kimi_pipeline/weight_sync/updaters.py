@@ -1,13 +1,13 @@
 """How trained weights reach the rollout engines: one updater per run (per set of engines), chosen once.
 
-Megatron shards → HF names → the engine's own format (`quant.engine_format`: INT4 pack-quantized, FP8
+Megatron shards → HF names → the engine's own format (`weight_sync.formats`: INT4 pack-quantized, FP8
 blocks + scales, or bf16) → every engine, in `rollout.update_weight_buffer_size` buckets:
 
 - `GroupBuckets`: colocated (every K2 recipe, every step). Each bucket is assembled on every trainer rank by
   group collectives (`weight_sync.buckets`: pipeline broadcast, TP / EP all-gathers, flat per dtype) and handed
   to the engine rank on the same device: a CUDA-IPC handle to SGLang (`CudaIpcHandoff`), a shared-memory
   segment to the embedded engine (`SharedMemoryHandoff`).
-- `StageSources`: not colocated: every pipeline stage assembles its own buckets and its source rank broadcasts
+- `PPStageSources`: not colocated: every pipeline stage assembles its own buckets and its source rank broadcasts
   them to the engines through the stage's own weight-update group (gloo / NCCL), one flat buffer per bucket.
 - `DiskCheckpoint`: an HF checkpoint in the engine's format on shared storage, loaded by every engine
   (`rollout.weight_sync=disk`: the explicit fallback).
@@ -30,20 +30,19 @@ import torch
 import torch.distributed as dist
 
 from kimi_pipeline.convert.names import HFLayout, model_tensors, model_uses_te
-from kimi_pipeline.engine import shm
-from kimi_pipeline.engine.client import paused, weight_update_session
-from kimi_pipeline.engine.cuda_ipc import build_update_request, serialize_bucket
-from kimi_pipeline.engine.dist_update import GROUP_NAME, WeightGroup
-from kimi_pipeline.engine.kinds import engine_kind
 from kimi_pipeline.model.hf_config import hf_config_dict
-from kimi_pipeline.quant.engine_format import EngineFormat, engine_quant_config, engine_weight_format, to_engine_format
-from kimi_pipeline.quant.policy_weights import policy_tensors
 from kimi_pipeline.quant.qat import fake_quant_hf_tensors
 from kimi_pipeline.recipes import Recipe
 from kimi_pipeline.recipes.models import ModelSpec
 from kimi_pipeline.util.files import atomic_write_json
 from kimi_pipeline.util.shards import ShardWriter, finish_shards
-from kimi_pipeline.weight_sync.buckets import BucketPlan, Groups, SyncCounters, gather_bucket
+from kimi_pipeline.weight_sync import shm
+from kimi_pipeline.weight_sync.buckets import BucketSchedule, Groups, SyncCounters, gather_bucket, pp_stage_dtypes
+from kimi_pipeline.weight_sync.cuda_ipc import build_update_request, serialize_bucket
+from kimi_pipeline.weight_sync.dist_group import GROUP_NAME, WeightGroup
+from kimi_pipeline.weight_sync.formats import EngineFormat, engine_quant_config, engine_weight_format, to_engine_format
+from kimi_pipeline.weight_sync.policy_tensors import policy_tensors
+from kimi_pipeline.weight_sync.push import paused, weight_update_session
 from kimi_pipeline.weight_sync.turns import EngineTurns
 
 
@@ -52,8 +51,8 @@ class SyncTarget:
     """What the engines serve and how a trainer rank's weights reach them: resolved once on the driver from the
     rollout, sglang, cluster, quant and hub sections (`SyncTarget.of`), so a trainer rank reads this, not them."""
 
-    engine: str  # rollout.engine (`engine.kinds.engine_kind`)
-    weight_format: EngineFormat  # rollout.engine_weight_format with `auto` resolved (`quant.engine_format`)
+    engine: str  # rollout.engine (`COLOCATED_HANDOFFS`)
+    weight_format: EngineFormat  # rollout.engine_weight_format with `auto` resolved (`weight_sync.formats`)
     weight_sync: str  # rollout.weight_sync: "disk" forces the disk fallback
     buffer_bytes: int  # rollout.update_weight_buffer_size: one bucket
     group_size: int  # quant.group_size: INT4 groups (fake-quant and the engines' packed format)
@@ -124,12 +123,13 @@ class WeightSync(ABC):
         return self._engine_tensors(named)
 
 
-def _plan(trainer: TrainerRank) -> BucketPlan:
-    """The run's bucket plan: the trainer's parameter dtype (the fp32 expert bias aside) and module names."""
+def _schedule(trainer: TrainerRank, groups: Groups) -> BucketSchedule:
+    """The run's bucket schedule, with every stage's tensors' own dtypes (one exchange over the pipeline group)."""
     model = trainer.model[0]
-    dtype = next(t.dtype for n, t in model_tensors(model).items() if not n.endswith("expert_bias"))
-    return BucketPlan.build(trainer.spec, trainer.layout, buffer_bytes=trainer.target.buffer_bytes, dtype=dtype,
-                            use_te=model_uses_te(model))
+    tensors = model_tensors(model)
+    dtype = next(t.dtype for n, t in tensors.items() if not n.endswith("expert_bias"))
+    return BucketSchedule.build(trainer.spec, trainer.layout, buffer_bytes=trainer.target.buffer_bytes, dtype=dtype,
+                            use_te=model_uses_te(model), pp_stage_dtypes=pp_stage_dtypes(tensors, groups))
 
 
 class Handoff(ABC):
@@ -150,7 +150,7 @@ class Handoff(ABC):
 
 class SharedMemoryHandoff(Handoff):
     """The embedded engine (CPU): the first trainer rank of each engine's ranks writes the bucket into its
-    shared-memory segment (`engine/shm.py`) and posts the descriptor to that engine alone; the engine's other
+    shared-memory segment (`weight_sync/shm.py`) and posts the descriptor to that engine alone; the engine's other
     ranks hold the same bucket and send nothing (one embedded process reads it once, where each SGLang TP rank
     takes its own copy). Colocated engine e covers trainer ranks [e x R, (e + 1) x R), R = world / engines
     (`cluster.placement`: engines take the trainers' devices in order; on CPU one engine per node)."""
@@ -230,8 +230,8 @@ class GroupBuckets(WeightSync):
 
     def __init__(self, trainer: TrainerRank, router, handoff: Handoff) -> None:
         super().__init__(trainer, router)
-        self.plan = _plan(trainer)
         self.groups = Groups.current()
+        self.schedule = _schedule(trainer, self.groups)
         self.handoff = handoff
 
     def update(self, version: str) -> dict[str, float]:
@@ -243,7 +243,7 @@ class GroupBuckets(WeightSync):
         with paused(self.router, lead), weight_update_session(self.router, lead):
             if world:  # no rank hands over a bucket before rank 0 paused the engines and opened the session
                 dist.barrier()
-            for bucket in self.plan.buckets:
+            for bucket in self.schedule.buckets:
                 named = gather_bucket(bucket, tensors, self.groups, self.trainer.device, counters)
                 if self.fake_quant:
                     named = fake_quant_hf_tensors(named, self.target.group_size)
@@ -251,7 +251,7 @@ class GroupBuckets(WeightSync):
             self.handoff.commit(version)
             if world:  # every engine has every bucket before rank 0 ends the session
                 dist.barrier()
-        collectives = counters.total + len(self.plan.buckets) * self.handoff.collectives_per_bucket + 2 * world
+        collectives = counters.total + len(self.schedule.buckets) * self.handoff.collectives_per_bucket + 2 * world
         return {"sync_seconds": time.perf_counter() - t0, "sync_chunks": float(counters.buckets),
                 "sync_collectives": float(collectives), "sync_received_bytes": float(counters.received_bytes)}
 
@@ -260,7 +260,7 @@ class GroupBuckets(WeightSync):
         super().close()
 
 
-class StageSources(WeightSync):
+class PPStageSources(WeightSync):
     """Not colocated, as the recipes' framework does it (radixark/miles
     `update_weight_from_distributed/broadcast.py`: a group "miles-pp_{pp_rank}" per stage, only DP = TP = 0
     broadcasts): every pipeline stage at once assembles its own buckets (TP and EP all-gathers inside the stage,
@@ -271,13 +271,13 @@ class StageSources(WeightSync):
     gathering overlaps the other stages' sending. Rank 0 pauses the engines, holds the weight-update session and
     sets the version after the last bucket."""
 
-    name = "stage_sources"
+    name = "pp_stage_sources"
 
     def __init__(self, trainer: TrainerRank, router) -> None:
         super().__init__(trainer, router)
-        self.plan = _plan(trainer)
         self.groups = Groups.current()
-        self.source = self.groups.stage_source
+        self.schedule = _schedule(trainer, self.groups)
+        self.source = self.groups.pp_stage_source
         self.turns = EngineTurns("kimi-weight-sync/engine-turns")
         self.group: WeightGroup | None = None  # this stage's weight-update group, made at the first sync
         self.pool: ThreadPoolExecutor | None = None  # the group's concurrent engine calls
@@ -295,8 +295,8 @@ class StageSources(WeightSync):
             if self.source and self.group is None:
                 with self.turns:  # every engine joins one group at a time (a join blocks until all have joined)
                     self.group = self._join()
-            for bucket in self.plan.stage_buckets(self.groups.pp_rank):
-                named = gather_bucket(bucket, tensors, self.groups, self.trainer.device, counters, across_stages=False)
+            for bucket in self.schedule.pp_stage_buckets(self.groups.pp_rank):
+                named = gather_bucket(bucket, tensors, self.groups, self.trainer.device, counters, across_pp_stages=False)
                 if self.source:
                     if self.fake_quant:
                         named = fake_quant_hf_tensors(named, self.target.group_size)
@@ -378,15 +378,20 @@ def _all_engines_local(trainer: TrainerRank, router) -> bool:
     return local
 
 
+# How a colocated engine of each kind (`rollout.engine`) takes a bucket from the trainer rank on its device.
+COLOCATED_HANDOFFS: dict[str, type[Handoff]] = {"embedded": SharedMemoryHandoff, "sglang": CudaIpcHandoff}
+
+
 def choose_weight_sync(trainer: TrainerRank, router) -> WeightSync:
     """The run's updater (collective: every trainer rank calls it with the same engines)."""
 
     target = trainer.target
-    kind = engine_kind(target.engine)
     if target.weight_sync == "disk":
         return DiskCheckpoint(trainer, router)
-    if target.colocate and kind.colocated_updates_by_cuda_ipc:
-        return GroupBuckets(trainer, router, CudaIpcHandoff(trainer, router))
-    if target.colocate and kind.owned_bucket_updates and _all_engines_local(trainer, router):
-        return GroupBuckets(trainer, router, SharedMemoryHandoff(trainer, router))
-    return StageSources(trainer, router)
+    handoff = COLOCATED_HANDOFFS[target.engine] if target.colocate else None
+    # an embedded engine reads the bucket from this host's shared memory: every engine must be on it
+    if handoff is SharedMemoryHandoff and not _all_engines_local(trainer, router):
+        handoff = None
+    if handoff is not None:
+        return GroupBuckets(trainer, router, handoff(trainer, router))
+    return PPStageSources(trainer, router)

@@ -1,4 +1,4 @@
-"""Colocated weight sync over CUDA IPC (kimi_pipeline/engine/cuda_ipc.py) on one GPU: a bucket of CUDA tensors
+"""Colocated weight sync over CUDA IPC (kimi_pipeline/weight_sync/cuda_ipc.py) on one GPU: a bucket of CUDA tensors
 (an odd-sized fp8 scale, a non-contiguous bf16 weight, int32-packed int4 weights) serialized by `serialize_bucket`
 is read by another process the way SGLang 0.5.23's scheduler reads its TP rank's entry, and that process sees the
 same bits on its own GPU. The GPU twin of tests/unit/test_cuda_ipc_payload.py.
@@ -91,7 +91,7 @@ def test_a_cuda_bucket_reaches_another_process_on_the_same_gpu(cuda, tmp_path):
 
     import torch
 
-    from kimi_pipeline.engine.cuda_ipc import build_update_request, serialize_bucket
+    from kimi_pipeline.weight_sync.cuda_ipc import build_update_request, serialize_bucket
 
     g = torch.Generator(device=cuda).manual_seed(3)
     named = [
@@ -193,7 +193,7 @@ def test_the_colocated_sync_hands_every_bucket_to_the_engine_rank_on_its_gpu(cud
     sync.close()
     print("reader:", engine.how)
     buckets = int(metrics["sync_chunks"])
-    assert buckets == len(sync.plan.buckets) > 1
+    assert buckets == len(sync.schedule.buckets) > 1
     assert engine.calls == (["pause", "begin_weight_update"] + ["update_weights_from_tensor"] * buckets
                             + ["flush_cache", "update_weight_version", "end_weight_update", "resume"])
     want = {n: t.cpu() for n, t in export_hf_tensors([model], spec, one_gpu_rank)}

@@ -34,9 +34,9 @@ def test_k25_bridge_load_export_and_int4_sync_on_a_gpu(cuda, one_gpu_rank, k25, 
     from kimi_pipeline.model.megatron_model import build_model
     from kimi_pipeline.model.megatron_train import save_model_only
     from kimi_pipeline.quant.checkpoint_export import shard_bytes
-    from kimi_pipeline.quant.engine_format import to_engine_format
+    from kimi_pipeline.weight_sync.formats import to_engine_format
     from kimi_pipeline.quant.export import export_int4
-    from kimi_pipeline.quant.policy_weights import policy_tensors
+    from kimi_pipeline.weight_sync.policy_tensors import policy_tensors
     from kimi_pipeline.recipes import load_recipe
     from kimi_pipeline.stages import EXPORT, run_stage
 

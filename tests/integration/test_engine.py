@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kimi_pipeline.engine import model as engine_model
-from kimi_pipeline.engine.client import EngineBadRequest, EngineClient, Router, chunk_named_tensors
+from kimi_pipeline.engine.client import EngineBadRequest, EngineClient, Router
 from kimi_pipeline.engine.model import EngineModel, EngineWeightError, iter_safetensors
 from kimi_pipeline.engine.sampler import EngineInputError, RolloutEngine, SamplingParams, sample_tokens
 from kimi_pipeline.engine.server import EngineServer
@@ -30,6 +30,7 @@ from kimi_pipeline.errors import PermanentError
 from kimi_pipeline.model.hf_config import hf_config_dict
 from kimi_pipeline.model.hf_model import save_hf_model
 from kimi_pipeline.recipes import load_recipe
+from kimi_pipeline.weight_sync.push import chunk_named_tensors
 from support.common import assert_bf16_engine_tracks_fp32, random_tiny_hf
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -606,7 +607,7 @@ def test_colocated_weight_sync_goes_through_shared_memory_not_http_bodies(server
     """Issue 15 item 1 (CPU): an engine on the trainer's host reads each bucket from one shared-memory segment
     (a JSON descriptor in the request, no tensor bytes); the weights equal a safetensors-body update, and the
     segment is gone afterwards."""
-    from kimi_pipeline.engine import shm
+    from kimi_pipeline.weight_sync import shm
 
     for s in servers:
         _reset(s, hf_a)
@@ -631,7 +632,7 @@ def test_colocated_weight_sync_goes_through_shared_memory_not_http_bodies(server
 
 
 def _post_shm(url: str, descriptor: dict) -> httpx.Response:
-    from kimi_pipeline.engine import shm
+    from kimi_pipeline.weight_sync import shm
 
     with _session(url):
         return httpx.post(f"{url}/update_weights_from_tensor",
@@ -641,7 +642,7 @@ def _post_shm(url: str, descriptor: dict) -> httpx.Response:
 # a trainer rank that stages one bucket (norm weights of 7.0) and is then SIGKILLed: its segment stays behind
 _OWNER = """
 import json, sys, time, torch
-from kimi_pipeline.engine import shm
+from kimi_pipeline.weight_sync import shm
 seg = shm.SharedBucket()
 print(json.dumps(seg.write_bucket({"model.norm.weight": torch.full((int(sys.argv[1]),), 7.0)})), flush=True)
 time.sleep(600)
@@ -655,7 +656,7 @@ def test_shared_memory_descriptors_are_checked(servers, hf_a):
     import subprocess
     import sys
 
-    from kimi_pipeline.engine import shm
+    from kimi_pipeline.weight_sync import shm
 
     server = servers[0]
     _reset(server, hf_a)
@@ -754,7 +755,7 @@ def test_non_colocated_weight_sync_through_a_process_group(servers, hf_a, hf_b):
     """Issue 15 item 1, non-colocated: SGLang's init_weights_update_group / update_weights_from_distributed
     protocol (gloo on CPU) — no tensor bytes in the HTTP requests; every engine ends up with the weights a
     safetensors-body update gives; the group is made once, reused by the next sync and left at close."""
-    from kimi_pipeline.quant.engine_format import to_engine_format
+    from kimi_pipeline.weight_sync.formats import to_engine_format
 
     for s in servers:
         _reset(s, hf_a)

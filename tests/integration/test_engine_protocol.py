@@ -23,11 +23,11 @@ from kimi_pipeline.engine.client import (
     EnginesDown,
     Router,
     sampling_payload,
-    weight_update_session,
 )
 from kimi_pipeline.engine.model import EngineModel
 from kimi_pipeline.engine.sampler import MEMORY_TAGS, RolloutEngine, SamplingParams
 from kimi_pipeline.engine.server import EngineServer
+from kimi_pipeline.weight_sync.push import weight_update_session
 from kimi_pipeline.rl.handoff import RESIDENT, Handoff
 from support.common import TINY, random_tiny_hf
 

@@ -93,14 +93,14 @@ dist.destroy_process_group(pg)
 
 def test_the_weight_update_group_meets_sglangs_own_init_custom_process_group(parser_dir):
     """Two engine ranks join with the pinned SGLang's `init_custom_process_group` (gloo, in their own processes,
-    as SGLang's weight updater calls it); the trainer side is `dist_update.make_group`. They meet on the same
+    as SGLang's weight updater calls it); the trainer side is `dist_group.make_group`. They meet on the same
     store keys and the broadcast arrives: the layout the trainer forms is SGLang's."""
     import subprocess
     import sys
 
     import torch
 
-    from kimi_pipeline.engine.dist_update import broadcast, leave_group, make_group
+    from kimi_pipeline.weight_sync.dist_group import broadcast, leave_group, make_group
     from kimi_pipeline.util.net import free_port
 
     port, name = free_port(), "kimi-weight-sync-test"

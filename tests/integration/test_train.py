@@ -431,7 +431,7 @@ def test_ep2_across_two_trainer_actors(prepared, ray_local, tmp_path):
     tiny, base = prepared
     run = _copy_run(base, tmp_path / "ep2")
     r = train_recipe(tiny, ["parallel.ep=2", "cluster.gpus_per_node=2", "rollout.num_rollout=2", "eval.interval=2"])
-    from kimi_pipeline.engine import shm
+    from kimi_pipeline.weight_sync import shm
 
     trainers: set[int] = set()
     segments: set[str] = set()

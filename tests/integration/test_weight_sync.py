@@ -4,7 +4,7 @@ the rank's device (here two embedded engines, four ranks each, through shared me
 
 Under `TORCH_DISTRIBUTED_DEBUG=DETAIL` torch checks, before each collective, that every member of the group issues
 the same collective with the same sizes (what NCCL needs and gloo forgives); a recorder of every torch.distributed
-call on each rank proves there is no point-to-point, the collectives are those of the plan's bound, and no rank
+call on each rank proves there is no point-to-point, the collectives are those of the schedule's bound, and no rank
 receives more than the model's bytes."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from kimi_pipeline.engine.sampler import RolloutEngine
 from kimi_pipeline.engine.server import EngineServer
 from kimi_pipeline.model.parallel import Layout
 from kimi_pipeline.recipes import load_recipe
-from kimi_pipeline.weight_sync.buckets import BucketPlan
+from kimi_pipeline.weight_sync.buckets import BucketSchedule
 from support.common import random_tiny_hf
 from support.megatron_worker import launch
 
@@ -50,17 +50,17 @@ def colocated(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def stage_sources(tmp_path_factory):
+def pp_stage_sources(tmp_path_factory):
     """Not colocated: each stage's source rank sends its stage through its own weight-update group."""
     yield from _sync(tmp_path_factory, colocate=False)
 
 
-def _plan() -> BucketPlan:
-    return BucketPlan.build(load_recipe("tiny").model, Layout(world_size=8, **LAYOUT), buffer_bytes=BUFFER,
+def _schedule() -> BucketSchedule:
+    return BucketSchedule.build(load_recipe("tiny").model, Layout(world_size=8, **LAYOUT), buffer_bytes=BUFFER,
                             dtype=torch.float32, use_te=False)
 
 
-@pytest.mark.parametrize("path", ["colocated", "stage_sources"])
+@pytest.mark.parametrize("path", ["colocated", "pp_stage_sources"])
 def test_every_engine_holds_every_hf_tensor_bit_exact_and_serves_the_trainers_logits(path, request):
     engines, _, reference = request.getfixturevalue(path)
     expected = EngineModel.from_hf_model(random_tiny_hf(0))
@@ -79,31 +79,32 @@ def test_every_engine_holds_every_hf_tensor_bit_exact_and_serves_the_trainers_lo
 
 def test_collectives_are_the_plans_bound_with_no_point_to_point_and_no_rank_receives_the_model_twice(colocated):
     _, ranks, reference = colocated
-    plan = _plan()
+    schedule = _schedule()
     model_bytes = sum(t.numel() * t.element_size() for t in reference.values())
     n_tensors = len(reference)
-    assert len(plan.buckets) >= 4 and len(plan.buckets) < n_tensors
-    bound = len(plan.buckets) * 2 * 3 + 2  # buckets x dtypes x (pp, tp, ep) + the two barriers around them
+    assert len(schedule.buckets) >= 4 and len(schedule.buckets) < n_tensors
+    bound = len(schedule.buckets) * 2 * 3 + 2  # buckets x dtypes x (pp, tp, ep) + the two barriers around them
     for r in ranks:
+        assert r["debug_level"] == "DebugLevel.DETAIL"  # torch checked every collective's consistency
         calls = r["calls"]
         names = {c[0] for c in calls}
         assert names <= {"broadcast", "all_gather_into_tensor", "barrier"}, names  # no send / recv, no object ops
         assert len(calls) == r["metrics"]["sync_collectives"] <= bound
-        assert len(calls) == sum(plan.collectives().values()) + 2
+        assert len(calls) == sum(schedule.collectives().values()) + 2
         received = sum(c[2] for c in calls)
-        assert received == r["metrics"]["sync_received_bytes"] == plan.received_bytes(r["pp_rank"])
+        assert received == r["metrics"]["sync_received_bytes"] == schedule.received_bytes(r["pp_rank"])
         assert received <= model_bytes, (received, model_bytes)
         assert r["model_bytes"] == model_bytes
     # the collectives do not grow with the tensor count: fewer than one per tensor, per group
-    assert all(n < n_tensors for n in plan.collectives().values())
+    assert all(n < n_tensors for n in schedule.collectives().values())
 
 
-def test_each_stage_sends_its_own_layers_from_its_source_alone_without_a_pipeline_broadcast(stage_sources):
-    _, ranks, reference = stage_sources
-    plan = _plan()
+def test_each_stage_sends_its_own_layers_from_its_source_alone_without_a_pipeline_broadcast(pp_stage_sources):
+    _, ranks, reference = pp_stage_sources
+    schedule = _schedule()
     sources = [r for r in ranks if r["source"]]
     assert [r["pp_rank"] for r in sources] == [0, 1]  # one per stage: TP = CP = DP = 0 of each
-    stage_bytes = {s: sum(b.hf_bytes for b in plan.stage_buckets(s)) for s in (0, 1)}
+    stage_bytes = {s: sum(b.hf_bytes for b in schedule.pp_stage_buckets(s)) for s in (0, 1)}
     for r in ranks:
         names = {c[0] for c in r["calls"]}
         assert names <= {"all_gather_into_tensor", "barrier"}, names  # no pipeline broadcast, no point-to-point

@@ -33,17 +33,18 @@ def launch(scenario: str, world: int, out_dir: Path, args: dict, timeout: float 
     procs = []
     logs = []
     for rank in range(world):
-        env = dict(os.environ)
-        env.update(
+        rank_env = dict(os.environ)
+        rank_env.update(
             RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", TORCHDYNAMO_DISABLE="1",
-            PYTHONWARNINGS="ignore", **(env or {}),
+            PYTHONWARNINGS="ignore",
         )
+        rank_env.update(env or {})
         log = tempfile.TemporaryFile(mode="w+")
         logs.append(log)
         procs.append(subprocess.Popen(
             [sys.executable, __file__, scenario, str(out_dir), json.dumps(args)],
-            env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+            env=rank_env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
         ))
     deadline = time.monotonic() + timeout
     failed = None
@@ -452,7 +453,7 @@ class CollectiveRecorder:
 
 def scenario_weight_sync(out_dir: Path, args: dict) -> dict:
     """The colocated sync (`weight_sync.updaters.GroupBuckets` with the embedded engine's shared-memory handoff,
-    `args["colocate"]`) or the non-colocated one (`StageSources`) of a randomly initialised tiny model at this
+    `args["colocate"]`) or the non-colocated one (`PPStageSources`) of a randomly initialised tiny model at this
     layout to the engines at `args["urls"]`, under a recorder of every collective of the trainers' groups; rank 0 also writes the trainer's HF tensors, exported by the conversion's own path
     (`convert.names.export_hf_tensors`), as the reference."""
     from types import SimpleNamespace
@@ -465,7 +466,7 @@ def scenario_weight_sync(out_dir: Path, args: dict) -> dict:
     from kimi_pipeline.weight_sync.updaters import (
         GroupBuckets,
         SharedMemoryHandoff,
-        StageSources,
+        PPStageSources,
         SyncTarget,
         choose_weight_sync,
     )
@@ -484,7 +485,7 @@ def scenario_weight_sync(out_dir: Path, args: dict) -> dict:
     if args["colocate"]:
         assert isinstance(sync, GroupBuckets) and isinstance(sync.handoff, SharedMemoryHandoff), type(sync)
     else:
-        assert isinstance(sync, StageSources), type(sync)
+        assert isinstance(sync, PPStageSources), type(sync)
     try:
         with CollectiveRecorder() as recorder:
             metrics = sync.update("synced")
@@ -495,11 +496,12 @@ def scenario_weight_sync(out_dir: Path, args: dict) -> dict:
         from safetensors.torch import save_file
 
         save_file(reference, str(out_dir / "reference.safetensors"))
-    plan = sync.plan
-    return {"metrics": metrics, "calls": recorder.calls, "plan_collectives": plan.collectives(),
-            "plan_received": plan.received_bytes(sync.groups.pp_rank), "plan_buckets": len(plan.buckets),
+    schedule = sync.schedule
+    return {"metrics": metrics, "calls": recorder.calls, "schedule_collectives": schedule.collectives(),
+            "schedule_received": schedule.received_bytes(sync.groups.pp_rank), "schedule_buckets": len(schedule.buckets),
             "model_bytes": sum(t.numel() * t.element_size() for t in reference.values()),
-            "pp_rank": sync.groups.pp_rank, "source": sync.groups.stage_source}
+            "pp_rank": sync.groups.pp_rank, "source": sync.groups.pp_stage_source,
+            "debug_level": str(torch.distributed.get_debug_level())}
 
 
 def main() -> None:

@@ -1,4 +1,4 @@
-"""The colocated CUDA-IPC weight-sync payload (kimi_pipeline/engine/cuda_ipc.py) checked on the CPU: the request
+"""The colocated CUDA-IPC weight-sync payload (kimi_pipeline/weight_sync/cuda_ipc.py) checked on the CPU: the request
 body, the bucket's layout, the device-UUID rewrite, and — strongest — SGLang 0.5.23's own receive code
 (`Base64Bytes`, `normalize_serialized_named_tensor_payloads`, `TpModelWorker.deserialize_own_rank` with its
 `SafeUnpickler`, `WeightUpdater._update_weights_from_flattened_bucket`) loading our CPU-tensor payload in another
@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kimi_pipeline.engine import cuda_ipc
+from kimi_pipeline.weight_sync import cuda_ipc
 from kimi_pipeline.engine.sglang import PARSER_PATH_VAR
 
 SRT = ("sglang", "srt")

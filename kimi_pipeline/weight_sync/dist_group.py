@@ -33,8 +33,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import BackendConfig, rendezvous
 
-from kimi_pipeline.engine.shm import DTYPES
 from kimi_pipeline.util.net import LOOPBACK, free_port, is_loopback, node_address
+from kimi_pipeline.weight_sync.shm import DTYPES
 
 GROUP_NAME = "kimi-weight-sync"
 TIMEOUT = datetime.timedelta(minutes=30)
