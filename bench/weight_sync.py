@@ -62,8 +62,11 @@ def best(fn, repeat: int) -> float:
 
 
 def widened(gb: float) -> ModelSpec:
-    """The tiny architecture widened until its bf16 weights reach `gb` GB (more experts, in powers of two)."""
+    """The tiny architecture widened until its bf16 weights reach `gb` GB (more experts, in powers of two); the
+    tiny model itself below its own size (the suite's smoke run)."""
     base = load_recipe("tiny").model
+    if gb * 1e9 <= sum(2 * torch.Size(s).numel() for s in hf_shapes(base).values()):
+        return base.model_copy(update={"params_dtype": "bfloat16"})
     experts = 8
     while True:
         spec = bench_spec(base, experts)
@@ -201,7 +204,8 @@ def main(argv: list[str] | None = None) -> float:
         rank_main(argv[1], int(argv[2]), int(argv[3]), Path(argv[4]))
         return 0.0
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--gb", type=float, default=0.25, help="multi-rank model size (bf16 GB, all ranks together)")
+    ap.add_argument("--gb", type=float, default=0.25,
+                    help="multi-rank model size (bf16 GB, all ranks together; 0: the tiny model)")
     ap.add_argument("--bucket-mb", type=int, default=64, help="update_weight_buffer_size of the multi-rank case")
     ap.add_argument("--engine-gb", type=float, default=1.1, help="state dict of the engine handoff case (0: skip)")
     ap.add_argument("--engine-bucket-mb", type=int, default=512)
