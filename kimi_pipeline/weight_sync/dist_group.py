@@ -1,9 +1,10 @@
-"""Non-colocated weight sync: one process group between the trainer's sending rank and every engine.
+"""Non-colocated weight sync: a process group between one trainer rank (each pipeline stage's source,
+`updaters.PPStageSources`) and every engine rank.
 
 SGLang's protocol, which the embedded engine implements too: `POST /init_weights_update_group`
 {master_address, master_port, rank_offset, world_size, group_name, backend} makes each engine join a
 group whose rank 0 is the trainer; then, inside a weight-update session (`/begin_weight_update` …
-`/end_weight_update`, `client.weight_update_session`), per bucket `POST /update_weights_from_distributed`
+`/end_weight_update`, `push.weight_update_session`), per bucket `POST /update_weights_from_distributed`
 {names, dtypes, shapes, group_name, flush_cache, weight_version} tells the engines what is coming, the
 trainer broadcasts the tensors in that order, and the engines load them; `POST /destroy_weights_update_group`
 ends it. NCCL when the trainer's tensors live on a GPU, gloo on CPU. The group is made once per set of engines

@@ -7,7 +7,7 @@ need not be the one that saved it); `policy_tensors` streams the slice out under
 tensors this rank is the designated source of (`owned_only`), or all of them on one rank (`dst`), with
 the routed experts fake-quantized when the policy trains with INT4 QAT, so engines and evaluations see
 exactly the weights the trainer optimizes. Buckets for transport are cut by the consumer
-(`engine.client.chunk_named_tensors`, `util.shards.ShardWriter`).
+(`weight_sync.buckets`, `weight_sync.push.chunk_named_tensors`, `util.shards.ShardWriter`).
 """
 
 from __future__ import annotations
