@@ -41,7 +41,6 @@ from kimi_pipeline.weight_sync.buckets import BucketSchedule, Groups, SyncCounte
 from kimi_pipeline.weight_sync.cuda_ipc import build_update_request, serialize_bucket
 from kimi_pipeline.weight_sync.dist_group import GROUP_NAME, WeightGroup
 from kimi_pipeline.weight_sync.formats import EngineFormat, engine_quant_config, engine_weight_format, to_engine_format
-from kimi_pipeline.weight_sync.policy_tensors import policy_tensors
 from kimi_pipeline.weight_sync.push import paused, weight_update_session
 from kimi_pipeline.weight_sync.turns import EngineTurns
 
@@ -107,20 +106,6 @@ class WeightSync(ABC):
         `language_model.` prefix, which SGLang's K2.5 model loads)."""
 
         return self.trainer.hf_layout.stored_items(to_engine_format(named, self.format, self.target.group_size))
-
-    def _policy_tensors(self, **kw):
-        return policy_tensors(self.trainer.model[0], self.trainer.spec, self.trainer.layout,
-                              qat_group_size=self.target.group_size if self.fake_quant else None, **kw)
-
-    def _gathered_on_rank0(self):
-        """HF tensors on rank 0 (each received from its holder); None on the other ranks, which must still
-        take part in the gather."""
-        named = self._policy_tensors(dst=0)
-        if self.trainer.rank != 0:
-            for _ in named:
-                pass
-            return None
-        return self._engine_tensors(named)
 
 
 def _schedule(trainer: TrainerRank, groups: Groups) -> BucketSchedule:
@@ -335,35 +320,69 @@ class PPStageSources(WeightSync):
 
 
 class DiskCheckpoint(WeightSync):
+    """`rollout.weight_sync=disk`, the explicit fallback: an HF checkpoint in the engines' format on shared storage,
+    written the way the distributed INT4 export writes (no rank holds the model): every pipeline stage assembles
+    its own buckets (`PPStageSources`' gathers) and its source rank writes them as safetensors shards; rank 0 names
+    the shards, writes the index and config last, renames the directory into place and has every engine load it."""
+
     name = "disk"
+
+    def __init__(self, trainer: TrainerRank, router) -> None:
+        super().__init__(trainer, router)
+        self.groups = Groups.current()
+        self.schedule = _schedule(trainer, self.groups)
 
     def update(self, version: str) -> dict[str, float]:
         t0 = time.perf_counter()
-        named = self._gathered_on_rank0()
-        if named is not None:
-            path = self._write(named, version)
-            self.router.update_weights_from_disk(str(path), weight_version=version)
-        return {"sync_seconds": time.perf_counter() - t0, "sync_chunks": 1.0 if named is not None else 0.0}
-
-    def _write(self, named, version: str) -> Path:
-        """HF safetensors + config (with the engine format's quantization_config) under the trainer's sync dir;
-        only the newest weights are kept."""
-
+        lead, world = self.trainer.rank == 0, self.trainer.world_size > 1
         root = self.trainer.sync_dir()
         out, tmp = root / version, root / f"{version}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        finish_shards(tmp, ShardWriter(tmp, self.target.buffer_bytes).add_all(named).close())
+        if lead:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        if world:
+            dist.barrier()
+        counters = SyncCounters()
+        pp_rank = self.groups.pp_rank
+        source = self.groups.pp_stage_source
+        writer = ShardWriter(tmp, self.target.buffer_bytes, prefix=f".pp{pp_rank}") if source else None
+        tensors = model_tensors(self.trainer.model[0])
+        for bucket in self.schedule.pp_stage_buckets(pp_rank):
+            named = gather_bucket(bucket, tensors, self.groups, self.trainer.device, counters, across_pp_stages=False)
+            if writer is None:
+                for _ in named:  # the gathers are collectives: every rank of the stage drains them
+                    pass
+                continue
+            if self.fake_quant:
+                named = fake_quant_hf_tensors(named, self.target.group_size)
+            writer.add_all(self._engine_tensors(named))
+        shards = writer.close() if writer is not None else []
+        every = [shards]
+        if world:  # the shard names (metadata, not tensors) to rank 0
+            every = [None] * self.trainer.world_size if lead else None
+            dist.gather_object(shards, every, dst=0)
+        if lead:
+            self._finish(tmp, out, [s for rank_shards in every for s in rank_shards])
+            self.router.update_weights_from_disk(str(out), weight_version=version)
+        if world:  # every engine loaded it before any rank goes on
+            dist.barrier()
+        return {"sync_seconds": time.perf_counter() - t0, "sync_chunks": float(counters.buckets),
+                "sync_collectives": float(counters.total + 3 * world),
+                "sync_received_bytes": float(counters.received_bytes)}
+
+    def _finish(self, tmp: Path, out: Path, shards: list) -> None:
+        """Index and config (with the engine format's quantization_config) last, then the directory into place;
+        only the newest weights are kept."""
+        finish_shards(tmp, shards)
         config = hf_config_dict(self.trainer.spec)
         if (qc := engine_quant_config(self.format, self.target.group_size)) is not None:
             config["quantization_config"] = qc
         atomic_write_json(tmp / "config.json", config)
         shutil.rmtree(out, ignore_errors=True)
         tmp.rename(out)
-        for old in root.iterdir():
+        for old in out.parent.iterdir():
             if old != out:
                 shutil.rmtree(old, ignore_errors=True)
-        return out
 
 
 def _all_engines_local(trainer: TrainerRank, router) -> bool:

@@ -26,7 +26,7 @@ LAYOUT = {"tp": 2, "ep": 2, "pp": 2}
 BUFFER = 96 * 1024  # bytes: several buckets per stage, some with both dtypes (fp32 weights + the fp32 expert bias)
 
 
-def _sync(tmp_path_factory, colocate: bool):
+def _sync(tmp_path_factory, colocate: bool, weight_sync: str = "auto"):
     """Two embedded engines serving another model, then one sync from the 8 trainer ranks."""
     torch.set_num_threads(1)
     engines = [EngineServer(RolloutEngine(EngineModel.from_hf_model(random_tiny_hf(0)), seed=i)) for i in range(2)]
@@ -35,7 +35,7 @@ def _sync(tmp_path_factory, colocate: bool):
     out = tmp_path_factory.mktemp("weight-sync")
     try:
         ranks = launch("weight_sync", 8, out, {**LAYOUT, "buffer": BUFFER, "urls": [e.url for e in engines],
-                                               "colocate": colocate},
+                                               "colocate": colocate, "weight_sync": weight_sync},
                        timeout=600, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
         yield engines, ranks, load_file(str(out / "reference.safetensors"))
     finally:
@@ -55,12 +55,19 @@ def pp_stage_sources(tmp_path_factory):
     yield from _sync(tmp_path_factory, colocate=False)
 
 
+@pytest.fixture(scope="module")
+def from_disk(tmp_path_factory):
+    """`rollout.weight_sync=disk`: each stage's source writes its stage's shards, rank 0 the index, every engine
+    loads the directory."""
+    yield from _sync(tmp_path_factory, colocate=True, weight_sync="disk")
+
+
 def _schedule() -> BucketSchedule:
     return BucketSchedule.build(load_recipe("tiny").model, Layout(world_size=8, **LAYOUT), buffer_bytes=BUFFER,
                             dtype=torch.float32, use_te=False)
 
 
-@pytest.mark.parametrize("path", ["colocated", "pp_stage_sources"])
+@pytest.mark.parametrize("path", ["colocated", "pp_stage_sources", "from_disk"])
 def test_every_engine_holds_every_hf_tensor_bit_exact_and_serves_the_trainers_logits(path, request):
     engines, _, reference = request.getfixturevalue(path)
     expected = EngineModel.from_hf_model(random_tiny_hf(0))
@@ -112,3 +119,12 @@ def test_each_stage_sends_its_own_layers_from_its_source_alone_without_a_pipelin
         assert r["metrics"]["sync_sent_bytes"] == (stage_bytes[r["pp_rank"]] if r["source"] else 0)
         assert r["metrics"]["sync_received_bytes"] <= stage_bytes[r["pp_rank"]]
     assert sum(stage_bytes.values()) == sum(t.numel() * t.element_size() for t in reference.values())
+
+
+def test_the_disk_fallback_is_written_by_each_stages_source_without_a_funnel(from_disk):
+    _, ranks, _ = from_disk
+    for r in ranks:
+        names = {c[0] for c in r["calls"]}
+        assert names <= {"all_gather_into_tensor", "barrier", "gather_object"}, names  # no broadcast to all, no p2p
+        assert r["metrics"]["sync_received_bytes"] <= sum(b.hf_bytes for b in _schedule().pp_stage_buckets(
+            r["pp_rank"]))

@@ -464,6 +464,7 @@ def scenario_weight_sync(out_dir: Path, args: dict) -> dict:
     from kimi_pipeline.engine.client import Router
     from kimi_pipeline.model.megatron_model import build_model
     from kimi_pipeline.weight_sync.updaters import (
+        DiskCheckpoint,
         GroupBuckets,
         SharedMemoryHandoff,
         PPStageSources,
@@ -475,14 +476,17 @@ def scenario_weight_sync(out_dir: Path, args: dict) -> dict:
     spec = recipe.model
     model = build_model(spec, layout, device=torch.device("cpu"))
     rank = int(os.environ["RANK"])
-    target = SyncTarget(engine="embedded", weight_format="model", weight_sync="auto", buffer_bytes=args["buffer"],
+    target = SyncTarget(engine="embedded", weight_format="model", weight_sync=args.get("weight_sync", "auto"),
+                        buffer_bytes=args["buffer"],
                         group_size=32, gpus_per_engine=1, colocate=args["colocate"])
     trainer = SimpleNamespace(target=target, spec=spec, model=[model], layout=layout, rank=rank,
                               world_size=layout.world_size, qat=[], device=torch.device("cpu"), hf_layout=HFLayout(),
-                              sync_dir=lambda: out_dir)
+                              sync_dir=lambda: out_dir / "weight-sync")
     router = Router(args["urls"], weight_transport="auto" if args["colocate"] else "distributed")
     sync = choose_weight_sync(trainer, router)
-    if args["colocate"]:
+    if args.get("weight_sync") == "disk":
+        assert isinstance(sync, DiskCheckpoint), type(sync)
+    elif args["colocate"]:
         assert isinstance(sync, GroupBuckets) and isinstance(sync.handoff, SharedMemoryHandoff), type(sync)
     else:
         assert isinstance(sync, PPStageSources), type(sync)
