@@ -189,6 +189,15 @@ def check_nodes(recipe: Recipe, nodes: list[Node], unanswered: list[str], needs:
     return checks
 
 
+def storage_blame(writer: str, others: list[str], unseen: list[str]) -> list[str]:
+    """The nodes whose base_dir is not the shared one, from the nodes that did not read the writer's bytes: those,
+    unless no other node did (of two or more), when it is the writer whose disk is its own (the nodes are listed in
+    Ray's order, so a node-local base_dir is sometimes the one that writes)."""
+    if len(others) > 1 and sorted(unseen) == sorted(others):
+        return [writer]
+    return unseen
+
+
 def check_storage(nodes: list[Node], base_dir: Path, nbytes: int, timeout_s: float, need_gib: float) -> list[Check]:
     """`paths.base_dir` (resolved: `base_dir`) shared (written on the first node, read byte-exact on every other),
     free space, read throughput."""
@@ -205,6 +214,7 @@ def check_storage(nodes: list[Node], base_dir: Path, nbytes: int, timeout_s: flo
     finally:  # by the node that wrote it: the driver may not see that filesystem
         ray.get(first.probe.remove_file.remote(str(path)), timeout=timeout_s)
     local = [label for label, r in reads.items() if r.get("sha256") != digest] + [m.split(":")[0] for m in missing]
+    local = storage_blame(first.label, [n.label for n in nodes if n.label != first.label], local)
     detail = f"{path.parent} written on {first.label}; " + ", ".join(
         f"{label}: {'same bytes' if r.get('sha256') == digest else r.get('error', 'different bytes')}"
         for label, r in reads.items())

@@ -69,3 +69,14 @@ def test_the_collective_blames_the_node_whose_rank_failed_not_the_ranks_that_los
     assert collective_cause({"head": [timed_out], "n1": [refused]}) == ["n1"]  # cannot reach the store: its own fault
     assert collective_cause({"head": [timed_out], "n1": [lost]}) == ["head", "n1"]  # nothing tells which: both
     assert collective_cause({"head": [], "n1": []}) == []
+
+
+def test_a_node_local_base_dir_is_blamed_whether_or_not_it_wrote_the_probe_file():
+    """The suite once blamed the three healthy nodes: Ray listed the node with the node-local base_dir first, so it
+    wrote the file only it could read."""
+    from kimi_pipeline.cluster.preflight import storage_blame
+
+    assert storage_blame("a", ["b", "c", "d"], ["c"]) == ["c"]  # a reader that did not see it
+    assert storage_blame("a", ["b", "c", "d"], ["b", "c", "d"]) == ["a"]  # no one saw the writer's file
+    assert storage_blame("a", ["b"], ["b"]) == ["b"]  # two nodes: either could be the one; the reader is named
+    assert storage_blame("a", ["b", "c"], []) == []
