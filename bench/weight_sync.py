@@ -85,7 +85,14 @@ def rank_main(spec_json: str, bucket: int, repeat: int, out: Path) -> None:
     from kimi_pipeline.convert.names import model_tensors
     from kimi_pipeline.model.megatron_model import build_model
     from kimi_pipeline.model.parallel import Layout, destroy, init_distributed
-    from kimi_pipeline.weight_sync.buckets import BucketSchedule, Groups, SyncCounters, gather_bucket, pp_stage_dtypes
+    from kimi_pipeline.weight_sync.buckets import (
+        BucketSchedule,
+        Groups,
+        SyncCounters,
+        gather_bucket,
+        pp_stage_dtypes,
+        received_by_group,
+    )
 
     spec = ModelSpec.model_validate_json(spec_json)
     layout = Layout(world_size=RANKS, pp=PP, ep=EP, last_pp_stage_layers=spec.num_layers // 2)
@@ -103,7 +110,7 @@ def rank_main(spec_json: str, bucket: int, repeat: int, out: Path) -> None:
                 pass
 
     received = schedule.received_bytes(groups.pp_rank)
-    sizes = [sum(n for n in _received(b, layout, groups.pp_rank)) for b in schedule.buckets]
+    sizes = [sum(received_by_group(b, layout, groups.pp_rank).values()) for b in schedule.buckets]
     src = [torch.empty(n, dtype=torch.uint8) for n in sizes]
     dst = [torch.empty_like(s) for s in src]
     for s in src:
@@ -122,12 +129,6 @@ def rank_main(spec_json: str, bucket: int, repeat: int, out: Path) -> None:
                                "buckets": len(schedule.buckets), "collectives": counters.total // (repeat + 1),
                                "t_sync": t_sync, "t_copy": t_copy}))
     destroy()
-
-
-def _received(b, layout, stage: int):
-    from kimi_pipeline.weight_sync.buckets import received_by_group
-
-    return received_by_group(b, layout, stage).values()
 
 
 def multi_rank(spec: ModelSpec, bucket: int, repeat: int) -> float:
