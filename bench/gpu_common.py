@@ -12,14 +12,12 @@ shrink width, depth, experts and vocabulary:
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
-os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # as the trainer actors run: no torch.compile
 
 SIZES: dict[str, dict] = {
     "0.5b": dict(num_layers=8, hidden_size=1024, ffn_hidden_size=2816, num_attention_heads=8, q_lora_rank=384,

@@ -28,7 +28,8 @@ from kimi_pipeline.report.progress import echo_to_stderr, set_quiet
 from kimi_pipeline.rl.rehearse import refused_layout, run_rehearsal
 from kimi_pipeline.stages import CONVERT, DOWNLOAD, EXPORT, STAGES, TRAIN, VALIDATE, prepare_run, run_stage
 from kimi_pipeline.util.files import atomic_write_json, atomic_write_text
-from kimi_pipeline.util.paths import PROJECT_ROOT, resolve_path
+from kimi_pipeline.util.paths import resolve_path
+from kimi_pipeline.util.prefect_env import configure_prefect_env
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Kimi-K2-family RL post-training pipeline.")
 recipe_app = typer.Typer(no_args_is_help=True, help="List, show and check recipes.")
@@ -52,20 +53,6 @@ def _run_or_exit(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     except (PermanentError, DownloadError) as e:
         err.print(f"error: {e}", highlight=False, markup=False)
         raise typer.Exit(1) from None
-
-
-def configure_prefect_env(project_root: Path | None = None) -> None:
-    """In-process Prefect: project-local PREFECT_HOME, analytics off; ephemeral API unless one is set."""
-
-    root = project_root or PROJECT_ROOT
-    os.environ.setdefault("PREFECT_HOME", str(root / ".prefect"))
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    os.environ.setdefault("DO_NOT_TRACK", "1")
-    os.environ.setdefault("PREFECT_SERVER_ALLOW_EPHEMERAL_MODE", "true")
-    os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "kimi_pipeline")
-    # Prefect waits 20 s for its ephemeral server; a fresh PREFECT_HOME runs its database migrations first,
-    # measured at 17.7 s on an idle 2-core box (CI, loaded, took longer and failed `kimi run`).
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 
 
 @app.command()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kimi_pipeline.cli import configure_prefect_env
+from kimi_pipeline.util.prefect_env import configure_prefect_env
 from support.common import TINY
 
 _HOME = tempfile.mkdtemp(prefix="kimi-test-prefect-")

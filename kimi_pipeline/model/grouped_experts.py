@@ -92,7 +92,9 @@ def grouped_sequential_mlp() -> type:
             x = permuted_local_hidden_states
             if not self._can_group(x):
                 return super().forward(x, tokens_per_expert, permuted_probs)
-            counts = torch.as_tensor(tokens_per_expert, device=x.device)
+            # megatron hands the counts over on the host (`token_dispatcher.py:862-901` copies them there for the
+            # experts' split sizes); the offsets are computed on the device from a copy that does not wait
+            counts = torch.as_tensor(tokens_per_expert).to(x.device, non_blocking=True)
             offs = torch.cumsum(counts, 0).to(torch.int32)
             w1 = _stacked_weights([e.linear_fc1 for e in self.local_experts])  # [E, 2F, H]
             w2 = _stacked_weights([e.linear_fc2 for e in self.local_experts])  # [E, H, F]

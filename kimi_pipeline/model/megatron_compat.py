@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from kimi_pipeline.model import host_syncs
+
 MEGATRON_CORE_VERSION = "0.16.1"
 
 TE_ABSENT, TORCH_ADAM, GLOO, CPU = "te_absent", "torch_adam", "gloo", "cpu"
@@ -76,7 +78,7 @@ class _NoOpStream:
         return _NoOpEvent()
 
     def synchronize(self) -> None:
-        pass
+        host_syncs.note("cuda.Stream.synchronize")
 
     def query(self) -> bool:
         return True
@@ -92,8 +94,8 @@ class _NoOpEvent:
     def wait(self, *args: Any, **kwargs: Any) -> None:
         pass
 
-    def synchronize(self) -> None:
-        pass
+    def synchronize(self) -> None:  # a host wait on a GPU: reported as one (model/host_syncs.py)
+        host_syncs.note("cuda.Event.synchronize")
 
     def query(self) -> bool:
         return True
@@ -384,16 +386,47 @@ def _refresh_host_copies_on_load(original: Callable) -> Callable:
 
 def _skip_identity_sort(original: Callable) -> Callable:
     """With EP x TP = 1 the dispatcher's 'sort chunks by local expert' permutation is the identity, yet it
-    splits and re-concatenates every token (forward and backward): ~20 % of a CPU training step."""
+    splits and re-concatenates every token (forward and backward): ~20 % of a CPU training step. Unfused (no TE),
+    the permutation is a host tensor the dispatcher builds once (`token_dispatcher.py:404-415`); whether it is the
+    identity is read once and kept on that tensor, so no micro-batch compares it again."""
 
     @functools.wraps(original)
     def sort_chunks_by_idxs(input: torch.Tensor, split_sizes: torch.Tensor, sorted_idxs: torch.Tensor,
                             probs: torch.Tensor | None = None, fused: bool = False):
-        if not fused and torch.equal(sorted_idxs.cpu(), torch.arange(sorted_idxs.numel())):
-            return input, probs
+        if not fused:
+            identity = getattr(sorted_idxs, "kimi_is_identity", None)
+            if identity is None:
+                identity = bool(torch.equal(sorted_idxs.cpu(), torch.arange(sorted_idxs.numel())))
+                sorted_idxs.kimi_is_identity = identity
+            if identity:
+                return input, probs
         return original(input, split_sizes, sorted_idxs, probs=probs, fused=fused)
 
     return sort_chunks_by_idxs
+
+
+def _permute_without_reading_sizes(original: Callable) -> Callable:
+    """Unfused (no TE), megatron's permute gathers each expert's tokens with `masked_select`, whose result size is
+    read back: a host sync per MoE layer and micro-batch (`moe_utils.py:362-372`). Dropless routing knows that
+    size, `num_out_tokens` = tokens x topk (the dispatcher passes it as a host int, `token_dispatcher.py:527-530`,
+    the same figure TE's fused permute allocates for): a stable argsort of the [experts, tokens] map puts its set
+    entries first in masked_select's order, so the first num_out_tokens positions are the same indices, on the
+    device."""
+
+    @functools.wraps(original)
+    def permute(tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor | None = None,
+                num_out_tokens: int | None = None, fused: bool = False, drop_and_pad: bool = False):
+        if fused or drop_and_pad or not isinstance(num_out_tokens, int):
+            return original(tokens, routing_map, probs=probs, num_out_tokens=num_out_tokens, fused=fused,
+                            drop_and_pad=drop_and_pad)
+        num_tokens = tokens.shape[0]
+        by_expert = routing_map.bool().T.reshape(-1)  # [experts * tokens], expert-major like masked_select's
+        picked = torch.argsort((~by_expert).to(torch.int8), stable=True)[:num_out_tokens]
+        sorted_indices = picked % num_tokens
+        permuted_probs = None if probs is None else probs.T.reshape(-1).index_select(0, picked)
+        return tokens.index_select(0, sorted_indices), permuted_probs, sorted_indices
+
+    return permute
 
 
 def _unpermute_with_index_add(original: Callable) -> Callable:
@@ -477,8 +510,8 @@ def _coalescing_when_one_rank(original: Callable) -> Callable:
     return coalescing_manager
 
 
-def _noop(*args: Any, **kwargs: Any) -> None:
-    return None
+def _device_synchronize(*args: Any, **kwargs: Any) -> None:
+    host_syncs.note("cuda.synchronize")
 
 
 # --------------------------------------------------------------------------- the table
@@ -489,7 +522,7 @@ PATCHES: list[Patch] = [
           lambda orig: _cpu_device),
     Patch(CPU, "torch.cuda", "synchronize",
           "DDP buffer free/alloc and dist-checkpointing sync the device; nothing to wait for",
-          lambda orig: _noop),
+          lambda orig: _device_synchronize),
     Patch(CPU, "torch.cuda", "Stream", "the MoE all-to-all dispatcher creates a device-to-host side stream at init",
           lambda orig: _NoOpStream),
     Patch(CPU, "torch.cuda", "current_stream", "the MoE dispatcher syncs its side stream with the current one",
@@ -522,11 +555,15 @@ PATCHES: list[Patch] = [
           "host copies older than the checkpoint", _refresh_host_copies_on_load),
     Patch(GLOO, "megatron.core.transformer.moe.token_dispatcher", "all_to_all",
           "expert all-to-all passes tensor split sizes; gloo accepts int lists only", _split_sizes_as_lists),
-    Patch(CPU, "megatron.core.tensor_parallel.layers", "linear_with_grad_accumulation_and_async_allreduce",
-          "speed: megatron's Python autograd Linear where it has nothing to communicate; torch's linear instead",
-          _plain_linear_without_tp),
-    Patch(CPU, "megatron.core.transformer.moe.token_dispatcher", "sort_chunks_by_idxs",
-          "speed: an identity expert sort (EP x TP = 1) still copies every token twice per layer", _skip_identity_sort),
+    Patch(TE_ABSENT, "megatron.core.tensor_parallel.layers", "linear_with_grad_accumulation_and_async_allreduce",
+          "speed: megatron's Python autograd Linear where it has nothing to communicate (the local spec's Linear; "
+          "TE's layers do not call it); torch's linear instead", _plain_linear_without_tp),
+    Patch(TE_ABSENT, "megatron.core.transformer.moe.token_dispatcher", "sort_chunks_by_idxs",
+          "speed: unfused permutation (moe_permute_fusion needs TE): an identity expert sort (EP x TP = 1) still "
+          "copies every token twice per layer", _skip_identity_sort),
+    Patch(TE_ABSENT, "megatron.core.transformer.moe.token_dispatcher", "permute",
+          "unfused permutation reads masked_select's size (a host sync per MoE layer and micro-batch); dropless "
+          "routing knows it", _permute_without_reading_sizes),
     Patch(CPU, "megatron.core.transformer.moe.token_dispatcher", "unpermute",
           "speed: scatter_add with an expanded index has a slow CPU backward; index_add sums the same rows",
           _unpermute_with_index_add),

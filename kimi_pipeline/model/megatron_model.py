@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend
 
 from kimi_pipeline.model.grouped_experts import grouped_sequential_mlp
 from kimi_pipeline.model.megatron_compat import apply_compat, megatron_kernels
@@ -32,6 +33,25 @@ def use_te_default(device: torch.device) -> bool:
     """TE layer specs where Transformer Engine is installed and the model lives on a GPU; megatron's local
     modules everywhere else (a TE-less GPU runs the local modules the CPU tests run)."""
     return device.type == "cuda" and megatron_kernels()[0]
+
+
+def fused_mla_rope(device: torch.device) -> bool:
+    """Whether MLA applies YaRN RoPE with megatron's fused kernels (`fusions/fused_mla_yarn_rope_apply.py`, no TE
+    needed): they are Triton kernels, so only where Triton runs them, a CUDA device with Triton installed
+    (`HAVE_TRITON`, line 11-20). megatron takes them for training only (`multi_latent_attention.py:558` asserts no
+    inference context; this project's forwards never pass one). Elsewhere MLA's unfused rope, the same maths."""
+    if device.type != "cuda":
+        return False
+    try:
+        from megatron.core.fusions import fused_mla_yarn_rope_apply
+    except ImportError:
+        return False
+    return bool(fused_mla_yarn_rope_apply.HAVE_TRITON)
+
+
+def _sdpa_choice(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> int:
+    """The SDPA kernel torch's dispatcher would run for causal attention on these inputs (`SDPBackend` value)."""
+    return torch._fused_sdp_choice(q, k, v, None, 0.0, True, scale=scale)
 
 
 def _process_backend() -> str | None:
@@ -103,7 +123,7 @@ def transformer_config(
         mscale=spec.mscale,
         mscale_all_dim=spec.mscale_all_dim,
         rotary_interleaved=False,
-        apply_rope_fusion=False,
+        apply_rope_fusion=fused_mla_rope(device),
         # block
         normalization="RMSNorm",
         layernorm_epsilon=spec.norm_epsilon,
@@ -188,27 +208,39 @@ def _local_mla_core_attention() -> type:
 
         def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                     packed_seq_params=None):
-            """Causal attention through torch's fused SDPA (measured 2x faster fwd+bwd than megatron's local
-            baddbmm + masked softmax + bmm on CPU, equal to float rounding); anything else goes to megatron."""
+            """Causal attention through torch's fused SDPA where the spec's mask type is causal; anything else goes
+            to megatron.
+
+            - The mask type decides, not the mask tensor: the layer spec builds self-attention with
+              `AttnMaskType.causal` (`models/gpt/gpt_layer_specs.py:116`) and MLA passes it on
+              (`transformer/multi_latent_attention.py:300`), as TE's attention reads it. Comparing the tensor with a
+              causal one was a host sync per layer and micro-batch.
+            - q/k/v go in as [b, n, s, d] views of MLA's contiguous [s, b, n, d] tensors
+              (`multi_latent_attention.py:268-273`): last dim contiguous, which every SDPA kernel takes (measured
+              on CPU: as fast as copies; on CUDA the copies were pure traffic).
+            - MLA's value heads are narrower than its query/key heads (K2: 128 vs 192). Where no fused kernel takes
+              that (torch's choice for these inputs is its math path: on CPU, whose flash kernel needs one head
+              size), V is zero-padded to the q/k size and the output sliced back: equal to float rounding
+              (tested), 1.5x faster fwd+bwd on CPU at tiny's 48/32. On an H200 cuDNN's attention takes 192/128 as
+              it is, and padding made it 1.6x slower (bench/gpu_attention.py), so there it stays unpadded.
+            """
+            from megatron.core.transformer.enums import AttnMaskType
+
+            mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
             dropout = self.attention_dropout.p if self.training else 0.0
             if (dropout or attention_bias is not None or packed_seq_params is not None
                     or self.softmax_offset is not None or query.shape[2] != key.shape[2]
-                    or not _is_causal(attention_mask, query.shape[0], key.shape[0])):
+                    or mask_type != AttnMaskType.causal or query.shape[0] != key.shape[0]):
                 return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias,
                                        packed_seq_params)
-            # [s, b, n, d] -> [b, n, s, d], contiguous: strided inputs drop SDPA to its slow math path on CPU
-            q, k, v = (t.permute(1, 2, 0, 3).contiguous() for t in (query, key, value))
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [s, b, n, d] -> [b, n, s, d] views
+            dv = v.shape[-1]
+            if dv < q.shape[-1] and _sdpa_choice(q, k, v, self.softmax_scale) == SDPBackend.MATH.value:
+                v = F.pad(v, (0, q.shape[-1] - dv))
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)[..., :dv]
             return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)  # [s, b, n * dv]
 
     return MLADotProductAttention
-
-
-def _is_causal(mask: torch.Tensor | None, sq: int, sk: int) -> bool:
-    """Whether megatron's explicit mask (True = masked) is the plain causal one, which SDPA builds itself."""
-    if mask is None or sq != sk or mask.dtype != torch.bool or mask.shape[-2:] != (sq, sk) or mask.numel() != sq * sk:
-        return False
-    return bool(torch.equal(mask.reshape(sq, sk), causal_mask(sq, device=mask.device)[0, 0]))
 
 
 # transformers' DeepSeek-V3 builds q_a_layernorm / kv_a_layernorm with RMSNorm's default eps (1e-6), not

@@ -224,8 +224,8 @@ def _call_loss(loss_fn: LossFn, batch: dict, cp_rank: int, logits: torch.Tensor)
     if len(out) != 3:
         raise TypeError("loss_fn must return (loss_sum, denominator, metrics)")
     loss, denom, metrics = out
-    if not torch.is_tensor(denom):
-        denom = torch.tensor(denom, dtype=torch.int, device=loss.device)
+    if not torch.is_tensor(denom):  # a fill kernel: torch.tensor(n, device=cuda) would copy and wait
+        denom = torch.full((), denom, dtype=torch.int, device=loss.device)
     if cp_rank > 0:  # every CP rank computed the whole-sequence loss: megatron sums denominators over DP x CP
         denom = denom * 0
     return loss, denom.to(torch.int).reshape(()), metrics

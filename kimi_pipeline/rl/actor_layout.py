@@ -29,6 +29,7 @@ from kimi_pipeline.cluster.placement import Placement, compute_placement
 from kimi_pipeline.engine.kinds import EngineSettings, engine_kind
 from kimi_pipeline.engine.sglang import sglang_command
 from kimi_pipeline.model.device import NOSET_VISIBLE_DEVICES
+from kimi_pipeline.model.megatron_compat import CPU_ENV
 from kimi_pipeline.model.parallel import Layout, LayoutError
 from kimi_pipeline.recipes import Problem, Recipe
 
@@ -118,12 +119,16 @@ class ActorLayout:
 
 def worker_env(device: str, threads: int = 1, *, choose_own_gpu: bool = False, trainer: bool = True) -> dict[str, str]:
     """Environment of every trainer/engine actor on `device` (`cluster.device`): this interpreter's packages (the
-    actor runs this package's code), no torch.compile, `threads` intra-op threads; on CUDA the seeds' NCCL/CUDA
+    actor runs this package's code), `threads` intra-op threads, torch.compile off on CPU only (megatron compiles
+    its small fused ops, `core/jit.py`: ~22 s per CPU process for less than it saves there; on a GPU those are the
+    fusions megatron relies on, `core/fusions/`, so GPU actors keep them); on CUDA the seeds' NCCL/CUDA
     settings — megatron's CUDA_DEVICE_MAX_CONNECTIONS for trainer ranks only (`trainer=False`: an engine actor) —
     and (colocated) no Ray-set CUDA_VISIBLE_DEVICES. An SGLang server an engine actor starts gets none of the
     trainer's variables: `engine.sglang.sglang_env` strips them (PYTHONPATH included)."""
-    env = {"TORCHDYNAMO_DISABLE": "1", "OMP_NUM_THREADS": str(max(1, threads)), "TOKENIZERS_PARALLELISM": "false",
+    env = {"OMP_NUM_THREADS": str(max(1, threads)), "TOKENIZERS_PARALLELISM": "false",
            "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    if device != "cuda":
+        env.update(CPU_ENV)
     if device == "cuda":
         env.update(SEED_CUDA_ENV if trainer else {k: v for k, v in SEED_CUDA_ENV.items()
                                                    if k != "CUDA_DEVICE_MAX_CONNECTIONS"})

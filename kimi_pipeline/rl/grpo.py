@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kimi_pipeline.rl.metrics import Metric
+from kimi_pipeline.rl.metrics import DeviceMetric
 
 if TYPE_CHECKING:
     from kimi_pipeline.recipes.models import GRPOSpec
@@ -104,12 +104,14 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "low_var_
     raise ValueError(f"unknown kl_loss_type {kind!r}: choose low_var_kl, k1 or k2 (recipe field grpo.kl_loss_type)")
 
 
-def _masked_extremes(x: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]:
-    """(min, max) of `x` where `mask` is set; (0, 0) for an all-padding micro-batch."""
-    sel = x[mask.bool()]
-    if sel.numel() == 0:
-        return 0.0, 0.0
-    return sel.min().item(), sel.max().item()
+def _masked_extremes(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(min, max) of `x` where `mask` is set, as device tensors (no boolean indexing: its size is a host sync);
+    (0, 0) for an all-padding micro-batch."""
+    on = mask.bool()
+    some = on.any()
+    low = torch.where(on, x, torch.inf).amin()
+    high = torch.where(on, x, -torch.inf).amax()
+    return torch.where(some, low, 0.0), torch.where(some, high, 0.0)
 
 
 def grpo_loss(
@@ -122,23 +124,28 @@ def grpo_loss(
     mask: torch.Tensor,
     cfg: "GRPOSpec",
     num_samples: int | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+    rows: int | None = None,
+) -> tuple[torch.Tensor, dict[str, DeviceMetric]]:
     """The GRPO objective for one (micro-)batch and its metrics.
 
     loss = agg(pg * w_tis) + kl_coef * agg(kl) - entropy_coef * agg(H), agg = per-sample token mean.
     ``advantages`` may be per sample ``[B]`` or per token ``[B, T]``. ``rollout_logp`` is needed
     only when ``cfg.use_tis``; ``ref_logp`` only for the KL term (its metric is reported whenever
-    given); ``entropy`` only for the bonus/metric. Metrics are plain floats, means over this
-    micro-batch (per-sample token means), unscaled by ``num_samples``.
+    given); ``entropy`` only for the bonus/metric. Metrics are `DeviceMetric`s (read back once per step with
+    `metrics.settle`), means over this micro-batch (per-sample token means), unscaled by ``num_samples``.
+    ``rows``: how many rows are samples (have response tokens; known on the host, so nothing here waits for the
+    device); rows without response tokens then add nothing to any mean. Default: every row.
     """
     mask = mask.to(logp.dtype)
+    rows = mask.shape[:-1].numel() if rows is None else rows
+    mean = lambda x: per_sample_token_mean(x, mask, rows)  # noqa: E731
     if advantages.dim() == logp.dim() - 1:
         advantages = broadcast_to_tokens(advantages, mask)
     advantages = advantages.to(logp.dtype)
     old_logp = old_logp.detach()
 
     pg, clipped = policy_loss(logp, old_logp, advantages, cfg.eps_clip, cfg.eps_clip_high)
-    metrics: dict[str, float] = {}
+    metrics: dict[str, DeviceMetric] = {}
     if cfg.use_tis:
         if rollout_logp is None:
             raise ValueError("grpo.use_tis is on but no rollout logprobs were given (the rollout must return logprobs)")
@@ -148,35 +155,35 @@ def grpo_loss(
         metrics.update(
             # a per-sample token mean like every other mean here: weighted by rows over micro-batches it is the
             # rollout's mean whatever the micro-batching (a plain token mean changed with DP and max_tokens_per_gpu)
-            tis_mean=per_sample_token_mean(raw, mask).item(),
-            tis_min=Metric(tis_min, "min"),  # extremes stay extremes over micro-batches, steps and ranks
-            tis_max=Metric(tis_max, "max"),
-            tis_clipfrac=per_sample_token_mean((w != raw).to(logp.dtype), mask).item(),
+            tis_mean=DeviceMetric(mean(raw)),
+            tis_min=DeviceMetric(tis_min, "min"),  # extremes stay extremes over micro-batches, steps and ranks
+            tis_max=DeviceMetric(tis_max, "max"),
+            tis_clipfrac=DeviceMetric(mean((w != raw).to(logp.dtype))),
         )
-    pg_loss = per_sample_token_mean(pg, mask)
+    pg_loss = mean(pg)
     loss = pg_loss
-    metrics["pg_loss"] = pg_loss.item()
-    metrics["clip_fraction"] = per_sample_token_mean(clipped.to(logp.dtype), mask).item()
+    metrics["pg_loss"] = DeviceMetric(pg_loss.detach())
+    metrics["clip_fraction"] = DeviceMetric(mean(clipped.to(logp.dtype)))
     with torch.no_grad():
-        metrics["ppo_kl"] = per_sample_token_mean(old_logp - logp, mask).item()
+        metrics["ppo_kl"] = DeviceMetric(mean(old_logp - logp))
 
     if ref_logp is not None:
-        kl = per_sample_token_mean(kl_penalty(logp, ref_logp.detach(), cfg.kl_loss_type), mask)
-        metrics["kl"] = kl.item()
+        kl = mean(kl_penalty(logp, ref_logp.detach(), cfg.kl_loss_type))
+        metrics["kl"] = DeviceMetric(kl.detach())
         if cfg.use_kl_loss and cfg.kl_loss_coef > 0:
             loss = loss + cfg.kl_loss_coef * kl
     elif cfg.use_kl_loss and cfg.kl_loss_coef > 0:
         raise ValueError("grpo.use_kl_loss with kl_loss_coef > 0 needs reference logprobs (ref_logp)")
 
     if entropy is not None:
-        ent = per_sample_token_mean(entropy, mask)
-        metrics["entropy"] = ent.item()
+        ent = mean(entropy)
+        metrics["entropy"] = DeviceMetric(ent.detach())
         if cfg.entropy_coef > 0:
             loss = loss - cfg.entropy_coef * ent
     elif cfg.entropy_coef > 0:
         raise ValueError("grpo.entropy_coef > 0 needs per-token entropy")
 
-    metrics["loss"] = loss.item()
+    metrics["loss"] = DeviceMetric(loss.detach())
     if num_samples is not None:  # this micro-batch's share of the step's per-sample mean
-        loss = loss * mask.shape[:-1].numel() / max(num_samples, 1)
+        loss = loss * rows / max(num_samples, 1)
     return loss, metrics

@@ -9,7 +9,10 @@ guesses from its name.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Literal
+
+import torch
 
 Reduction = Literal["mean", "min", "max"]
 
@@ -27,6 +30,29 @@ class Metric(float):
 
     def __repr__(self) -> str:
         return f"Metric({float(self)!r}, {self.reduce!r}, weight={self.weight!r})"
+
+
+@dataclass(frozen=True)
+class DeviceMetric:
+    """A metric whose value is still a 0-dim tensor on the trainer's device: a training micro-batch reports these so
+    that it never waits for the device (`.item()` per value was a host sync per metric per micro-batch);
+    `settle` reads all of a step's values back at once."""
+
+    value: torch.Tensor
+    reduce: Reduction = "mean"
+    weight: float = 1.0
+
+
+def settle(reports: Iterable[Mapping[str, float | DeviceMetric]]) -> list[dict[str, float]]:
+    """The reports with every `DeviceMetric` read back as a `Metric`: one device-to-host copy for all of them."""
+    reports = [dict(r) for r in reports]
+    pending = [(r, k) for r in reports for k, v in r.items() if isinstance(v, DeviceMetric)]
+    if not pending:
+        return reports
+    values = torch.stack([r[k].value.detach().reshape(()).float() for r, k in pending]).tolist()
+    for (r, k), value in zip(pending, values):
+        r[k] = Metric(value, r[k].reduce, r[k].weight)
+    return reports
 
 
 def _as_metric(v: float) -> Metric:

@@ -8,6 +8,7 @@ of the rollout (`samples.share_rollout`, planned by the driver so micro-batch co
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import logging
 import os
@@ -52,7 +53,7 @@ from kimi_pipeline.recipes.models import (
 )
 from kimi_pipeline.rl.batching import split_micro_batches
 from kimi_pipeline.rl.grpo import grpo_loss
-from kimi_pipeline.rl.metrics import Metric, reduce_metrics
+from kimi_pipeline.rl.metrics import Metric, reduce_metrics, settle
 from kimi_pipeline.rl.samples import MicroBatch, RankShare, Sample, collate, padding_micro_batch, response_values
 from kimi_pipeline.weight_sync.policy_tensors import policy_tensors
 from kimi_pipeline.weight_sync.updaters import SyncTarget, choose_weight_sync
@@ -94,19 +95,19 @@ def flex_dispatcher_refusal(tp_x_ep: int, device: torch.device, have_deep_ep: bo
 
 def microbatch_loss(logits: torch.Tensor, batch: dict[str, Any], grpo, temperature: float = 1.0):
     """megatron's per-token-loss contract for one micro-batch: (loss sum, its denominator, metrics), each
-    metric weighted by the micro-batch's real rows. Rows without response tokens (a DP rank's zero-weight padding micro-batch) are dropped first: counted in
-    the per-sample mean they would scale the gradient by real/padded rows."""
+    metric weighted by the micro-batch's real rows. `batch["rows"]` says how many rows are samples with response
+    tokens (collate counts them on the host: counting the mask here would wait for the device); the others (a DP
+    rank's zero-weight padding micro-batch, pipeline padding) add nothing: counted in the per-sample mean they
+    would scale the gradient by real/padded rows."""
 
     lp, ent = batch_logprobs(logits, batch, temperature=temperature)
-    keep = batch["mask"].sum(-1) > 0
-    rows = int(keep.sum())
+    rows = batch["rows"]
     if rows == 0:  # an all-padding micro-batch: no loss, but keep the graph connected for the pipeline
         return lp.sum() * 0.0, 0, {}
-    sel = lambda t: None if t is None else t[keep]  # noqa: E731
-    loss, m = grpo_loss(sel(lp), sel(batch["old_logprobs"]), sel(batch["rollout_logprobs"]),
-                        sel(batch.get("ref_logprobs")), sel(ent), sel(batch["advantages"]), sel(batch["mask"]), grpo)
+    loss, m = grpo_loss(lp, batch["old_logprobs"], batch["rollout_logprobs"], batch.get("ref_logprobs"), ent,
+                        batch["advantages"], batch["mask"], grpo, rows=rows)
     # gradient of sum(loss_sum) / sum(denominator) over the step's micro-batches = the per-sample mean
-    return loss * rows, rows, {k: Metric(v, getattr(v, "reduce", "mean"), rows) for k, v in m.items()}
+    return loss * rows, rows, {k: dataclasses.replace(v, weight=rows) for k, v in m.items()}
 
 
 def policy_sections(recipe: Recipe) -> dict[str, Any]:
@@ -340,7 +341,7 @@ class PolicyWorker:
         for mbs in steps:
             batches = []
             for mb in mbs:
-                d = {"tokens": mb.tokens, "targets": mb.targets, "lengths": mb.lengths, "mask": mb.mask,
+                d = {"tokens": mb.tokens, "targets": mb.targets, "lengths": mb.lengths, "mask": mb.mask, "rows": mb.rows,
                      "rollout_logprobs": mb.rollout_logprobs, "advantages": mb.advantages, "old_logprobs": old[j]}
                 if ref is not None:
                     d["ref_logprobs"] = ref[j]
@@ -352,7 +353,7 @@ class PolicyWorker:
             grad_norms.append(float(grad_norm or 0.0))
             reports.extend(outs)
             tokens += sum(samples[i].num_tokens for mb in mbs for i in mb.index)
-        metrics: dict[str, float] = reduce_metrics(reports)  # loss metrics: last pipeline stage only
+        metrics: dict[str, float] = reduce_metrics(settle(reports))  # loss metrics: last pipeline stage only
         seconds = time.perf_counter() - t0
         metrics.update(grad_norm=sum(grad_norms) / max(len(grad_norms), 1), optimizer_steps=float(updated),
                        lr=float(self.optimizer.param_groups[0]["lr"]), train_seconds=seconds,

@@ -55,6 +55,7 @@ class MicroBatch:
     index: list[int]  # positions of these samples in the step's sample list
     routed_experts: torch.Tensor | None = None  # [b, s, moe_layers, topk] long
     lengths: list[int] | None = None  # real tokens per row (THD packing packs only these, padded to the TP/CP multiple)
+    rows: int = 0  # rows with response tokens (counted on the host: the loss needs it and must not wait for the device)
 
     def to(self, device: torch.device) -> MicroBatch:
         """The same micro-batch with its tensors on `device`: the one place where a batch moves to the trainer's
@@ -92,7 +93,8 @@ def collate(samples: list[Sample], index: list[int], pad_id: int, pad_to_multipl
         if routed is not None:
             ids = torch.tensor(s.routed_experts, dtype=torch.long)
             routed[i, : ids.shape[0]] = ids
-    return MicroBatch(tokens, targets, mask, rollout, adv, list(index), routed, [s.num_tokens for s in samples])
+    rows = sum(1 for s in samples if s.response_ids)
+    return MicroBatch(tokens, targets, mask, rollout, adv, list(index), routed, [s.num_tokens for s in samples], rows)
 
 
 @dataclass
@@ -136,7 +138,7 @@ def padding_micro_batch(pad_id: int = 0, routed: tuple[int, int] | None = None, 
     z = torch.zeros((1, width))
     t = torch.full((1, width), pad_id, dtype=torch.long)
     ids = None if routed is None else torch.arange(routed[1]).expand(1, width, *routed).clone()
-    return MicroBatch(t, t.clone(), z, z.clone(), z.clone(), [], ids, [1])
+    return MicroBatch(t, t.clone(), z, z.clone(), z.clone(), [], ids, [1], rows=0)
 
 
 def response_values(values: torch.Tensor, sample: Sample) -> list[float]:

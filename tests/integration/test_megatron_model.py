@@ -59,6 +59,9 @@ TE_LESS = [
     "megatron.core.transformer.moe.router.router_gating_linear",
     "megatron.core.optimizer.cpu_offloading.hybrid_optimizer.HybridDeviceOptimizer._sync_sub_optimizers_state_to_hdo",
     "megatron.core.optimizer.cpu_offloading.hybrid_optimizer.HybridDeviceOptimizer._update_fp32_params_by_new_state",
+    "megatron.core.tensor_parallel.layers.linear_with_grad_accumulation_and_async_allreduce",
+    "megatron.core.transformer.moe.token_dispatcher.sort_chunks_by_idxs",
+    "megatron.core.transformer.moe.token_dispatcher.permute",
 ]
 TORCH_ADAM = [
     "megatron.core.optimizer.clip_grads.l2_norm_impl",
@@ -256,19 +259,35 @@ def test_sdpa_attention_equals_megatrons_local_attention(single_process):
     m = r.model
     s, b, n = 11, 3, m.num_attention_heads
     g = torch.Generator().manual_seed(0)
-    q = torch.randn(s, b, n, m.qk_head_dim + m.qk_pos_emb_head_dim, generator=g)
-    k = torch.randn(s, b, n, m.qk_head_dim + m.qk_pos_emb_head_dim, generator=g)
-    v = torch.randn(s, b, n, m.v_head_dim, generator=g)
+    q = torch.randn(s, b, n, m.qk_head_dim + m.qk_pos_emb_head_dim, generator=g, requires_grad=True)
+    k = torch.randn(s, b, n, m.qk_head_dim + m.qk_pos_emb_head_dim, generator=g, requires_grad=True)
+    v = torch.randn(s, b, n, m.v_head_dim, generator=g, requires_grad=True)
+    assert v.shape[-1] < q.shape[-1]  # MLA: on CPU V is zero-padded to the q/k head size for the flash kernel
+    from torch.nn.attention import SDPBackend
+
+    from kimi_pipeline.model.megatron_model import _sdpa_choice
+
+    qq, kk, vv = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+    assert _sdpa_choice(qq, kk, vv, core.softmax_scale) == SDPBackend.MATH.value
+    padded_v = torch.nn.functional.pad(vv, (0, q.shape[-1] - v.shape[-1]))
+    assert _sdpa_choice(qq, kk, padded_v, core.softmax_scale) == SDPBackend.FLASH_ATTENTION.value
     mask = causal_mask(s)
     fast = core(q, k, v, mask)
     slow = DotProductAttention.forward(core, q, k, v, mask)
     assert fast.shape == slow.shape == (s, b, n * m.v_head_dim)
     assert torch.allclose(fast, slow, atol=1e-5)
-    other = mask.clone()
-    other[..., 0] = True  # not the causal mask: megatron's own path, never SDPA's is_causal
-    from kimi_pipeline.model.megatron_model import _is_causal
+    weights = torch.randn(fast.shape, generator=g)
+    fast_grads = torch.autograd.grad((fast * weights).sum(), (q, k, v))
+    slow_grads = torch.autograd.grad((slow * weights).sum(), (q, k, v))
+    for a, b_ in zip(fast_grads, slow_grads):
+        assert torch.allclose(a, b_, atol=1e-5), (a - b_).abs().max()
+    from megatron.core.transformer.enums import AttnMaskType
 
-    assert _is_causal(mask, s, s) and not _is_causal(other, s, s) and not _is_causal(None, s, s)
+    # the spec's mask type decides (never a look at the mask tensor): any other type is megatron's own path
+    other = mask.clone()
+    other[..., 0] = False  # not causal: the first key is visible to every query
+    padding = core(q, k, v, other, attn_mask_type=AttnMaskType.padding)
+    assert torch.equal(padding, DotProductAttention.forward(core, q, k, v, other, AttnMaskType.padding))
 
 
 def test_cpu_speed_patches_compute_what_megatron_computes():
@@ -284,6 +303,16 @@ def test_cpu_speed_patches_compute_what_megatron_computes():
     assert sort(x, sizes, torch.arange(3))[0] is x
     perm = torch.tensor([2, 0, 1])
     assert torch.equal(sort(x, sizes, perm)[0], moe_utils.sort_chunks_by_idxs(x, sizes, perm)[0])
+
+    # permute without reading masked_select's size: the same tokens, probs and indices as megatron's (dropless:
+    # every token routed to exactly topk experts)
+    g = torch.Generator().manual_seed(2)
+    routing = torch.zeros(9, 6, dtype=torch.bool)
+    routing[torch.arange(9)[:, None], torch.rand(9, 6, generator=g).topk(2, dim=-1).indices] = True
+    probs, hidden = torch.rand(9, 6, generator=g) * routing, torch.randn(9, 4, generator=g)
+    mine = megatron_compat._permute_without_reading_sizes(moe_utils.permute)(hidden, routing, probs, num_out_tokens=18)
+    theirs = moe_utils.permute(hidden, routing, probs, num_out_tokens=18)
+    assert all(torch.equal(a, b) for a, b in zip(mine, theirs))
 
     idx = torch.tensor([3, 1, 3, 0, 2, 1])
     tokens = torch.randn(6, 4)
@@ -479,6 +508,32 @@ def test_pp2_step_on_uneven_micro_batches_has_the_pp1_gradients(tmp_path):
     g1, g2 = _tensors(tmp_path / "pp1" / "grads.safetensors"), _tensors(tmp_path / "pp2" / "grads.safetensors")
     assert sorted(g1) == sorted(g2) and len(g1) > 10
     assert_close_by_tensor(g2, g1, 1e-5)
+    for rank in [one, *two]:  # issue 42: the micro-batches wait for the device only where megatron must
+        assert_only_megatrons_host_syncs(rank["host_syncs"])
+
+
+def assert_only_megatrons_host_syncs(syncs: dict) -> None:
+    """A GRPO step's forward_backward (model/host_syncs.py): none of ours; megatron's MoE dispatcher waits for its
+    token counts once per MoE layer and micro-batch (on every rank, whatever the EP split), and the per-token
+    loss reads the step's token count once."""
+    assert syncs["ours"] == [], "\n".join(syncs["ours"])
+    events = [s for s in syncs["megatron"] if s.startswith("cuda.Event.synchronize at")]
+    assert all("token_dispatcher.py" in s for s in events)
+    assert len(events) == syncs["moe_layers"] * syncs["micro_batches"]
+    assert len([s for s in syncs["megatron"] if "finalize_model_grads.py" in s]) <= 1
+
+
+@pytest.mark.slow
+def test_an_ep2_grpo_step_waits_for_the_device_only_where_megatron_must(tmp_path):
+    """Issue 42 item 1 at EP 2 over gloo (under TORCH_DISTRIBUTED_DEBUG=DETAIL): the same GRPO step as above with
+    the routed experts split over two ranks (token all-to-alls with host split sizes) makes no host sync of ours."""
+    from support.megatron_worker import launch
+
+    ranks = launch("grpo_padded", 2, tmp_path / "ep2", {"weights": str(TINY_WEIGHTS), "ep": 2},
+                   env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
+    assert all(r["ok"] for r in ranks) and ranks[0]["grad_norm"] == ranks[1]["grad_norm"]
+    for rank in ranks:
+        assert_only_megatrons_host_syncs(rank["host_syncs"])
 
 
 @pytest.mark.slow

@@ -227,6 +227,9 @@ def scenario_grpo_padded(out_dir: Path, args: dict) -> dict:
 
     from kimi_pipeline.convert import names
     from kimi_pipeline.model import megatron_train as mt
+    from kimi_pipeline.model.host_syncs import HostSyncRecorder
+    from kimi_pipeline.model.megatron_model import unwrap
+    from kimi_pipeline.rl.metrics import settle
     from kimi_pipeline.rl.policy import microbatch_loss
     from kimi_pipeline.rl.samples import Sample, collate, padding_micro_batch
 
@@ -243,12 +246,19 @@ def scenario_grpo_padded(out_dir: Path, args: dict) -> dict:
                               advantage=float(i) - 2.0))
     mbs = [collate([samples[i] for i in idx], idx, pad_id=0) for idx in ([0, 1, 2], [3, 4])] + [padding_micro_batch()]
     batches = [{"tokens": mb.tokens, "targets": mb.targets, "mask": mb.mask, "rollout_logprobs": mb.rollout_logprobs,
-                "advantages": mb.advantages, "old_logprobs": mb.mask * -1.2} for mb in mbs]
-    out = mt.forward_backward(chunks, batches, functools.partial(microbatch_loss, grpo=recipe.grpo), optimizer=opt)
+                "advantages": mb.advantages, "old_logprobs": mb.mask * -1.2, "rows": mb.rows} for mb in mbs]
+    recorder = HostSyncRecorder()
+    with recorder.recording():
+        out = mt.forward_backward(chunks, batches, functools.partial(microbatch_loss, grpo=recipe.grpo), optimizer=opt)
+    out = settle(out)
     _export_grads(chunks, spec, layout, out_dir / "grads.safetensors")  # per parameter, before the step clips them
     ok, grad_norm = mt.optimizer_step(opt)
     return {"ok": ok, "grad_norm": grad_norm, "rows": [mb.tokens.shape[0] for mb in mbs],
-            "real_rows": sum(max((m.weight for m in o.values()), default=0.0) for o in out)}
+            "real_rows": sum(max((m.weight for m in o.values()), default=0.0) for o in out),
+            "host_syncs": {"ours": [f"{h.op} at {h.where}" for h in recorder.ours()],
+                           "megatron": sorted(f"{h.op} at {h.where}" for h in recorder.megatron()),
+                           "moe_layers": sum(1 for m in unwrap(chunks[0]).modules() if type(m).__name__ == "MoELayer"),
+                           "micro_batches": len(mbs)}}
 
 
 def scenario_replay(out_dir: Path, args: dict) -> dict:

@@ -18,6 +18,7 @@ from kimi_pipeline.rl.grpo import (
     ppo_ratio,
     tis_weights,
 )
+from kimi_pipeline.rl.metrics import settle
 from kimi_pipeline.rl.sampling import collect_groups, filter_groups, group_has_signal
 
 D = torch.float64
@@ -111,6 +112,7 @@ def test_grpo_loss_pg_only_by_hand():
     logp, old, _, _, _, adv, mask = _batch()
     cfg = GRPOSpec(eps_clip=0.2, eps_clip_high=0.28)
     loss, m = grpo_loss(logp, old, None, None, None, adv, mask, cfg)
+    (m,) = settle([m])
     # per-token pg: s0 [-1.28, -0.5] -> -0.89; s1 [0.8, 1.5, 1.0] -> 1.1; mean 0.105
     assert loss.item() == pytest.approx(0.105)
     assert m["pg_loss"] == pytest.approx(0.105)
@@ -130,6 +132,7 @@ def test_grpo_loss_with_tis_kl_entropy_by_hand():
         use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="low_var_kl", entropy_coef=0.01,
     )
     loss, m = grpo_loss(logp, old, rollout, ref, entropy, adv, mask, cfg)
+    (m,) = settle([m])
     # pg * w: s0 [-1.28*2, -0.5*1] -> -1.53; s1 [0.8*0.5, 1.5, 1.0] -> 0.966667; mean -0.281667
     pg = (-1.53 + 2.9 / 3) / 2
     kl = 1 - LN(2)
