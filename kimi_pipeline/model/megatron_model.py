@@ -49,6 +49,12 @@ def fused_mla_rope(device: torch.device) -> bool:
     return bool(fused_mla_yarn_rope_apply.HAVE_TRITON)
 
 
+def _grad_accum_fusion_available() -> bool:
+    from megatron.core.tensor_parallel import layers
+
+    return bool(layers._grad_accum_fusion_available)
+
+
 def _sdpa_choice(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> int:
     """The SDPA kernel torch's dispatcher would run for causal attention on these inputs (`SDPBackend` value)."""
     return torch._fused_sdp_choice(q, k, v, None, 0.0, True, scale=scale)
@@ -155,8 +161,10 @@ def transformer_config(
         moe_aux_loss_coeff=0.0,
         moe_token_dispatcher_type="alltoall",
         moe_grouped_gemm=use_te,
-        moe_permute_fusion=False,
-        moe_router_fusion=False,
+        # TE's fused (un)permute kernels (moe_utils.py:321-334 raise without TE); unfused, megatron_compat's TE-absent
+        # rows keep the permutation free of host syncs
+        moe_permute_fusion=use_te,
+        moe_router_fusion=False,  # TE's fused top-k router: not checked against HF's group-limited sigmoid routing
         # parallelism
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
@@ -177,14 +185,20 @@ def transformer_config(
         recompute_granularity=recompute_granularity,
         recompute_method=recompute_method,
         recompute_num_layers=recompute_num_layers,
-        # kernels: fused ones need CUDA (and TE/apex); on CUDA megatron creates its parallel layers' weights on
-        # the current device, build_model moves the rest (local norms, router, modelopt Linear)
+        # on CUDA megatron creates its parallel layers' weights on the current device, build_model moves the rest
+        # (local norms, router, modelopt Linear)
         use_cpu_initialization=not cuda,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=cuda,
-        masked_softmax_fusion=cuda and use_te,
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=False,
+        # kernels, each on unless its cause forbids it: SwiGLU and bias-dropout-add are megatron's own compiled
+        # functions (core/fusions/fused_bias_swiglu.py, fused_bias_dropout.py: torch.compile where dynamo runs,
+        # plain torch where it is off), so any device takes them
+        bias_activation_fusion=True,
+        bias_dropout_fusion=True,
+        # the scaled masked softmax kernel is TE's (or apex's); the local attention takes SDPA for causal anyway
+        masked_softmax_fusion=use_te,
+        # wgrad accumulated into main_grad inside the GEMM: megatron's own output layer needs apex's
+        # fused_weight_gradient_mlp_cuda for it (tensor_parallel/layers.py:924-931), TE's layers need TE
+        gradient_accumulation_fusion=use_te and _grad_accum_fusion_available(),
+        persist_layer_norm=False,  # apex's persistent LayerNorm: this model has RMSNorm only
         attention_backend=AttnBackend.auto if use_te else AttnBackend.local,
     )
     kwargs.update(overrides)

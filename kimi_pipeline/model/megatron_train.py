@@ -89,7 +89,12 @@ def build_trainable(
         model = Float16Module(config, model)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
-        overlap_grad_reduce=False,
+        # the seeds' --overlap-grad-reduce: each bucket's reduce(-scatter) starts during backward, once its grads
+        # are in (distributed/param_and_grad_buffer.py); finalize_model_grads waits for them (finish_grad_sync)
+        overlap_grad_reduce=True,
+        # not --overlap-param-gather: it defers the optimizer step's param all-gather to the next forward's
+        # pre-hooks, so the weight sync, checkpoints and the logprob passes that follow a step would read stale
+        # shards unless each first finished the gather (finish_param_sync); none does yet
         overlap_param_gather=False,
         use_distributed_optimizer=opt.use_distributed_optimizer,
         check_for_nan_in_grad=False,
