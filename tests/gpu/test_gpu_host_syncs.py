@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 
-from support.common import TINY, engine_samples
+from support.common import one_grpo_step
 
 pytestmark = pytest.mark.gpu
 
@@ -41,9 +41,6 @@ def test_a_bf16_grpo_step_on_the_gpu_waits_only_where_megatron_must(cuda, monkey
     from kimi_pipeline.model.host_syncs import MEGATRON_SYNCS, HostSyncRecorder
     from kimi_pipeline.recipes import load_recipe
     from kimi_pipeline.rl import policy as policy_module
-    from kimi_pipeline.rl.grpo import group_advantages
-    from kimi_pipeline.rl.policy import PolicyWorker, policy_sections
-    from kimi_pipeline.rl.samples import share_rollout
 
     recipe = load_recipe("tiny", ["cluster.device=cuda", "model.params_dtype=bfloat16", "grpo.use_tis=true",
                                   "grpo.use_kl_loss=true", "grpo.kl_loss_coef=0.01", "grpo.entropy_coef=0.001",
@@ -69,17 +66,7 @@ def test_a_bf16_grpo_step_on_the_gpu_waits_only_where_megatron_must(cuda, monkey
                 torch.cuda.set_sync_debug_mode("default")
 
     monkeypatch.setattr(policy_module, "forward_backward", recorded)
-    w = PolicyWorker(**policy_sections(recipe))
-    try:
-        w.load("/nonexistent-checkpoints", str(TINY / "model"))
-        samples = engine_samples(recipe, cuda, n_prompts=4, n=4)
-        rewards = torch.tensor([float(i % 2) for i in range(len(samples))])
-        for s, a, r in zip(samples, group_advantages(rewards, 4).tolist(), rewards.tolist()):
-            s.advantage, s.reward = a, r
-        (share,), _ = share_rollout(samples, recipe.rollout, recipe.parallel, recipe.data_parallel_size)
-        metrics = w.train(share, 0)
-    finally:
-        w.close()
+    metrics = one_grpo_step(recipe, cuda)
     assert metrics["optimizer_steps"] == 1
     assert recorder.ours() == [], recorder.summary()
     print("CUDA's sync check in the micro-batches:\n" + ("\n".join(waits) or "no synchronizing call"))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from kimi_pipeline.model.host_syncs import HostSyncRecorder
-from support.common import TINY, engine_samples
+from support.common import one_grpo_step
 
 
 def test_the_recorder_sees_each_kind_of_host_read_once_and_names_the_line():
@@ -33,9 +33,6 @@ def test_a_grpo_step_of_the_trainer_waits_only_where_megatron_must(monkeypatch):
     and micro-batch."""
     from kimi_pipeline.recipes import load_recipe
     from kimi_pipeline.rl import policy as policy_module
-    from kimi_pipeline.rl.grpo import group_advantages
-    from kimi_pipeline.rl.policy import PolicyWorker, policy_sections
-    from kimi_pipeline.rl.samples import share_rollout
 
     recipe = load_recipe("tiny", ["grpo.use_tis=true", "grpo.use_kl_loss=true", "grpo.kl_loss_coef=0.01",
                                   "grpo.entropy_coef=0.001", "rollout.num_steps_per_rollout=1",
@@ -49,17 +46,7 @@ def test_a_grpo_step_of_the_trainer_waits_only_where_megatron_must(monkeypatch):
             return real(model, batches, loss_fn, **kwargs)
 
     monkeypatch.setattr(policy_module, "forward_backward", recorded)
-    w = PolicyWorker(**policy_sections(recipe))
-    try:
-        w.load("/nonexistent-checkpoints", str(TINY / "model"))
-        samples = engine_samples(recipe, n_prompts=4, n=4)
-        rewards = torch.tensor([float(i % 2) for i in range(len(samples))])
-        for s, a, r in zip(samples, group_advantages(rewards, 4).tolist(), rewards.tolist()):
-            s.advantage, s.reward = a, r
-        (share,), _ = share_rollout(samples, recipe.rollout, recipe.parallel, recipe.data_parallel_size)
-        metrics = w.train(share, 0)
-    finally:
-        w.close()
+    metrics = one_grpo_step(recipe)
     assert metrics["optimizer_steps"] == 1 and {"kl", "entropy", "tis_mean", "tis_max"} <= set(metrics)
     assert recorder.ours() == [], recorder.summary()
     moe_layers = recipe.model.num_layers - recipe.model.first_k_dense

@@ -134,6 +134,28 @@ def engine_samples(recipe, device="cpu", n_prompts: int = 4, n: int = 2):
                    routed_experts=c.routed_experts) for c in out]
 
 
+def one_grpo_step(recipe, device="cpu") -> dict:
+    """`PolicyWorker.train` of one DP rank on 16 embedded-engine samples of the tiny prompts (4 prompts x 4, rewards
+    alternating 0/1, GRPO advantages), from the tiny checkpoint on `device`: the trainer's metrics row."""
+    import torch
+
+    from kimi_pipeline.rl.grpo import group_advantages
+    from kimi_pipeline.rl.policy import PolicyWorker, policy_sections
+    from kimi_pipeline.rl.samples import share_rollout
+
+    w = PolicyWorker(**policy_sections(recipe))
+    try:
+        w.load("/nonexistent-checkpoints", str(TINY / "model"))
+        samples = engine_samples(recipe, device, n_prompts=4, n=4)
+        rewards = torch.tensor([float(i % 2) for i in range(len(samples))])
+        for s, a, r in zip(samples, group_advantages(rewards, 4).tolist(), rewards.tolist()):
+            s.advantage, s.reward = a, r
+        (share,), _ = share_rollout(samples, recipe.rollout, recipe.parallel, recipe.data_parallel_size)
+        return w.train(share, 0)
+    finally:
+        w.close()
+
+
 def fixed_batch(spec, device="cpu", n: int = 8, s: int = 24):
     """A fixed random batch (seed 5) on `device`: tokens and next-token targets [n, s]."""
     import torch
