@@ -16,7 +16,7 @@ SGLANG_VENV ?= .venv-sglang
 # SGLang's launch-argument parser on CPU, for the tests only: sglang + what its parser imports, --no-deps.
 SGLANG_PARSER := .cache/sglang-parser
 
-.PHONY: install run test clean browser gpu-check sglang-env sglang-parser
+.PHONY: install run test test-fast clean browser gpu-check sglang-env sglang-parser
 
 $(BIN)/.installed: pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -61,6 +61,11 @@ browser:
 
 test: install browser sglang-parser
 	KIMI_SGLANG_PARSER_PATH=$(CURDIR)/$(SGLANG_PARSER) $(BIN)/python -m pytest $(ARGS)
+
+# The inner loop while developing: the unit tests and the integration tests of a few seconds each (those that start
+# clusters, many processes, served runs or the tiny run are marked `slow`); `make test` runs everything, as CI does.
+test-fast: install sglang-parser
+	KIMI_SGLANG_PARSER_PATH=$(CURDIR)/$(SGLANG_PARSER) $(BIN)/python -m pytest -m "not slow" $(ARGS)
 
 # GPU machines only: preflight (CUDA + megatron-core, else exit 1 naming what is missing), `pytest -m gpu tests/gpu`,
 # the GPU benchmarks, then gpu-check.json / gpu-check.md in the repo root (bench/gpu_check.py). Installs nothing:

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out: each benchmark runs end to end (~5-20 s)
+
 ROOT = Path(__file__).resolve().parents[2]
 SMALLEST = {
     "int4": ["--experts", "1", "--rows", "64", "--cols", "256", "--repeats", "1"],

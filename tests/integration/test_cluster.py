@@ -36,6 +36,9 @@ from kimi_pipeline.errors import is_permanent
 from kimi_pipeline.recipes import load_recipe
 from kimi_pipeline.stages import CLUSTER, run_stage
 
+# `make test-fast` leaves it out: local Ray clusters started and stopped (~4-12 s per test)
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 INFRA = ROOT / "infra" / "ray"
 _RUN_DIRS: list[Path] = []

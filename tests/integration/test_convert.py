@@ -536,6 +536,7 @@ def test_bridge_mode_skips_the_stage(tmp_path):
     assert not (tmp_path / "convert").exists()
 
 
+@pytest.mark.slow  # two torchrun launches (~10 s)
 def test_launcher_relaunches_when_the_rendezvous_port_is_taken(tmp_path, monkeypatch):
     """Another process grabs the port between picking it and node 0 listening: relaunch on a new one."""
     import socket

@@ -184,6 +184,7 @@ def _serve(seed: int) -> tuple[subprocess.Popen, str]:
     return proc, proc.stdout.readline().strip()
 
 
+@pytest.mark.slow  # engine processes killed and awaited (~15 s)
 def test_an_engine_killed_mid_rollout_leaves_its_prompt_groups_to_the_others():
     """Two engine processes behind the router; one is SIGKILLed while it has rows in flight: every prompt still gets
     exactly n samples, of its own prompt, the dead engine is out, its unanswered requests were sent again; a

@@ -11,6 +11,9 @@ import pytest
 
 from support.common import ROOT, TINY, assert_eval_agrees_with_its_problems
 
+# `make test-fast` leaves it out: an engine process and Prefect's ephemeral server (~15 s)
+pytestmark = pytest.mark.slow
+
 sys.path.insert(0, str(ROOT))
 
 from prefect import flow  # noqa: E402

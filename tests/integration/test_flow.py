@@ -9,6 +9,8 @@ import sys
 import pytest
 from support.common import ROOT, tiny_overrides
 
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out: Prefect flows over a tiny run (~15 s of set-up)
+
 sys.path.insert(0, str(ROOT))
 
 from prefect.client.orchestration import get_client  # noqa: E402

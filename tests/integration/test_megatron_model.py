@@ -349,6 +349,7 @@ def test_cpu_speed_patches_compute_what_megatron_computes():
     assert torch.allclose(outs[0], outs[1]) and all(torch.allclose(a, b) for a, b in zip(*grads))
 
 
+@pytest.mark.slow  # torch_dist saves and a killed writer (~12 s)
 def test_checkpoint_is_atomic_and_round_trips(single_process, tmp_path, monkeypatch):
     from megatron.core import dist_checkpointing
 

@@ -25,6 +25,9 @@ import pytest
 
 from support.common import ROOT
 
+# `make test-fast` leaves it out: a simulated multi-node Ray cluster per module (~50 s to start)
+pytestmark = pytest.mark.slow
+
 UNSHARE = ["unshare", "--user", "--map-root-user", "--mount"]
 
 

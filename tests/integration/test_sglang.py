@@ -14,6 +14,9 @@ from kimi_pipeline.recipes import load_recipe, preset_names
 from kimi_pipeline.rl.actor_layout import lay_out_actors
 from kimi_pipeline.rl.rehearse import check_engine_commands
 
+# `make test-fast` leaves it out: SGLang's own argument parser and process groups (~5-20 s per test)
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 PINNED = (ROOT / "requirements-sglang.txt").read_text().split("==")[1].strip()
 

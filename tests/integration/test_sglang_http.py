@@ -50,6 +50,8 @@ from kimi_pipeline.model.hf_config import hf_config_dict
 from kimi_pipeline.model.hf_model import save_hf_model
 from kimi_pipeline.recipes import load_recipe
 
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out: SGLang's own HTTP app and an engine process (~10 s)
+
 # what each endpoint the client uses answers in SGLang 0.5.23 (route → handler's answer kind, JSON keys)
 EMPTY, TEXT, NULL, SUCCESS, STATUS, JSON = "empty", "text", "null", "success-message", "message-status", "json"
 EXPECTED: dict[str, tuple[str, frozenset[str]]] = {

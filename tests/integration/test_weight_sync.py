@@ -22,6 +22,8 @@ from kimi_pipeline.weight_sync.buckets import BucketSchedule
 from support.common import random_tiny_hf
 from support.megatron_worker import launch
 
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out: 8 gloo ranks per layout (~30 s each)
+
 LAYOUT = {"tp": 2, "ep": 2, "pp": 2}
 BUFFER = 96 * 1024  # bytes: several buckets per stage, some with both dtypes (fp32 weights + the fp32 expert bias)
 
