@@ -1,10 +1,11 @@
-"""MLA attention on one GPU: the trainer's zero-padded V (flash kernel) vs V as it is (q/k 192, v 128).
+"""MLA attention on one GPU: V as it is (q/k 192, v 128) vs V zero-padded to the q/k head size.
 
     .venv/bin/python bench/gpu_attention.py [--batch 4] [--seq 4096] [--heads 16] [--steps 20]
 
 The local spec's core attention (`model/megatron_model.py`, MLADotProductAttention) pads MLA's 128-wide value
-heads to the 192-wide query/key heads so that torch's SDPA can take a flash kernel (one head size for q, k and v);
-unpadded, CUDA takes the memory-efficient kernel. Both run causal fwd+bwd in bf16 on [b, n, s, d] views of
+heads to the 192-wide query/key heads only where torch's SDPA would otherwise run its math path (CPU, whose flash
+kernel needs one head size); this benchmark is the GPU evidence for leaving V unpadded there (on an H200 cuDNN's
+kernel takes 192/128 as it is). Both run causal fwd+bwd in bf16 on [b, n, s, d] views of
 [s, b, n, d] tensors, as the trainer does; the time is the mean of `--steps` after three warm-ups, CUDA
 synchronised. Also prints which kernel each variant dispatched to (torch.profiler) and the largest difference of
 their outputs. Last line: `gpu_attention ratio=<unpadded seconds / padded seconds>` (> 1: padding is faster).

@@ -69,7 +69,12 @@ class HostSync:
 
     @property
     def megatron(self) -> bool:
-        return any(all(part in self.where for part in key.split(" in ")) for key in MEGATRON_SYNCS)
+        return megatrons(self.where)
+
+
+def megatrons(where: str) -> bool:
+    """Whether a sync made at `where` ("path:line in function") is one megatron requires (`MEGATRON_SYNCS`)."""
+    return any(all(part in where for part in key.split(" in ")) for key in MEGATRON_SYNCS)
 
 
 # Python-level calls that read a tensor back to the host (on a CUDA tensor: a wait for the device).
@@ -100,7 +105,8 @@ _OPS = {
 }
 _TORCH_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(contextlib.__file__))
 # Never the cause of a sync: this module, and the CPU stand-ins for CUDA streams and events that report megatron's.
-_NOT_CALLERS = (os.path.abspath(__file__), os.path.join(os.path.dirname(os.path.abspath(__file__)), "megatron_compat.py"))
+_HERE = os.path.abspath(__file__)
+_NOT_CALLERS = (_HERE, os.path.join(os.path.dirname(_HERE), "megatron_compat.py"))
 _active: list[HostSyncRecorder] = []
 _lock = threading.Lock()
 

@@ -127,13 +127,13 @@ def worker_env(device: str, threads: int = 1, *, choose_own_gpu: bool = False, t
     trainer's variables: `engine.sglang.sglang_env` strips them (PYTHONPATH included)."""
     env = {"OMP_NUM_THREADS": str(max(1, threads)), "TOKENIZERS_PARALLELISM": "false",
            "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    if device != "cuda":
-        env.update(CPU_ENV)
     if device == "cuda":
         env.update(SEED_CUDA_ENV if trainer else {k: v for k, v in SEED_CUDA_ENV.items()
                                                    if k != "CUDA_DEVICE_MAX_CONNECTIONS"})
         if choose_own_gpu:
             env[NOSET_VISIBLE_DEVICES] = "1"
+    else:
+        env.update(CPU_ENV)
     return env
 
 

@@ -53,7 +53,7 @@ from kimi_pipeline.recipes.models import (
 )
 from kimi_pipeline.rl.batching import split_micro_batches
 from kimi_pipeline.rl.grpo import grpo_loss
-from kimi_pipeline.rl.metrics import Metric, reduce_metrics, settle
+from kimi_pipeline.rl.metrics import DeviceMetric, reduce_metrics, settle
 from kimi_pipeline.rl.samples import MicroBatch, RankShare, Sample, collate, padding_micro_batch, response_values
 from kimi_pipeline.weight_sync.policy_tensors import policy_tensors
 from kimi_pipeline.weight_sync.updaters import SyncTarget, choose_weight_sync
@@ -332,7 +332,7 @@ class PolicyWorker:
         flat = [mb for st in steps for mb in st]
         old = self._logprobs(self.model, flat)
         ref = self._logprobs([self.ref_model], flat) if self.ref_model is not None else None
-        reports: list[dict[str, Metric]] = []
+        reports: list[dict[str, DeviceMetric]] = []  # read back once, after the last optimizer step (settle)
         grad_norms, updated, tokens, j = [], 0, 0, 0
 
         def loss_fn(logits: torch.Tensor, batch: dict):
@@ -341,8 +341,9 @@ class PolicyWorker:
         for mbs in steps:
             batches = []
             for mb in mbs:
-                d = {"tokens": mb.tokens, "targets": mb.targets, "lengths": mb.lengths, "mask": mb.mask, "rows": mb.rows,
-                     "rollout_logprobs": mb.rollout_logprobs, "advantages": mb.advantages, "old_logprobs": old[j]}
+                d = {"tokens": mb.tokens, "targets": mb.targets, "lengths": mb.lengths, "mask": mb.mask,
+                     "rows": mb.rows, "rollout_logprobs": mb.rollout_logprobs, "advantages": mb.advantages,
+                     "old_logprobs": old[j]}
                 if ref is not None:
                     d["ref_logprobs"] = ref[j]
                 batches.append(d)
