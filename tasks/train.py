@@ -15,6 +15,7 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 
+from kimi_pipeline.engine.client import EnginesDown
 from kimi_pipeline.eval.record import EvalSections, run_eval_step
 from kimi_pipeline.hub.download import model_root
 from kimi_pipeline.recipes import Recipe
@@ -23,12 +24,24 @@ from kimi_pipeline.stages import TRAIN
 from tasks.common import RETRY_DELAYS, retry_unless_permanent, run_stage_task
 
 
+def _retry_eval(task, task_run, state) -> bool:
+    """Retry a transient eval failure, except every engine down: the training loop restarts them, syncs them to
+    the policy and runs the eval again (`rl.loop.LiveRollouts.evaluate`); a retry here would ask the dead ones."""
+    try:
+        state.result()
+    except EnginesDown:
+        return False
+    except BaseException:  # noqa: BLE001 - the general rule classifies it
+        return retry_unless_permanent(task, task_run, state)
+    return True
+
+
 @task(
     name="eval",
     task_run_name="eval-step-{step}",
     retries=2,
     retry_delay_seconds=2,
-    retry_condition_fn=retry_unless_permanent,
+    retry_condition_fn=_retry_eval,
     cache_policy=NO_CACHE,
     persist_result=False,
 )

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, SecretStr, ValidationError
 
 from kimi_pipeline.errors import PermanentError
 from kimi_pipeline.recipes.checks import Problem, check_recipe
@@ -101,24 +101,48 @@ def _field_model(model: type[BaseModel], key: str) -> type[BaseModel] | None:
     return None
 
 
+def _secret_fields(model: type[BaseModel], prefix: str = "") -> frozenset[str]:
+    """The dotted paths of the recipe's SecretStr fields (hub.token)."""
+    out: set[str] = set()
+    for name, field in model.model_fields.items():
+        args = getattr(field.annotation, "__args__", ()) or (field.annotation,)
+        if SecretStr in args:
+            out.add(prefix + name)
+        elif (sub := _field_model(model, name)) is not None:
+            out |= _secret_fields(sub, f"{prefix}{name}.")
+    return frozenset(out)
+
+
+SECRET_FIELDS = _secret_fields(Recipe)
+
+
+def _paths(keys: list[str], value: Any) -> list[str]:
+    """Every dotted path an override sets: its own, and those inside a mapping it sets whole."""
+    here = ".".join(keys)
+    if isinstance(value, Mapping):
+        return [here] + [p for k, v in value.items() for p in _paths(keys + [str(k)], v)]
+    return [here]
+
+
 def apply_override(data: dict, assignment: str) -> dict:
     """Apply one `section.field=value` (value parsed as a YAML scalar/list) with field-name checking."""
     if "=" not in assignment:
         raise RecipeError("--set", [Problem(assignment, "expected section.field=value, e.g. parallel.ep=16")])
     path, raw = assignment.split("=", 1)
     keys = [k for k in path.strip().split(".") if k]
-    if keys == ["hub", "token"]:
-        raise RecipeError(
-            "--set",
-            [Problem(path, "secrets are not accepted as overrides (they would be stored as run parameters); "
-                           "set HF_TOKEN or the Prefect Secret block 'hf-token'")],
-        )
     if not keys:
         raise RecipeError("--set", [Problem(assignment, "empty field name")])
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError:
         value = raw
+    secret = sorted(p for p in _paths(keys, value) if p in SECRET_FIELDS)
+    if secret:  # `hub.token=…`, or the token inside a whole section: `hub={token: …}`
+        raise RecipeError(
+            "--set",
+            [Problem(path, f"{', '.join(secret)}: secrets are not accepted as overrides (they would be stored as run "
+                           "parameters); set HF_TOKEN or the Prefect Secret block 'hf-token'")],
+        )
     model: type[BaseModel] | None = Recipe
     node = data
     for i, key in enumerate(keys):

@@ -8,25 +8,30 @@ reads exactly like an uninterrupted run.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
 
 from kimi_pipeline.util.files import atomic_write_text
 
+log = logging.getLogger(__name__)
+
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """The rows of a JSON-lines file. A line that is not JSON (torn by a kill mid-write, or a later row appended to
+    such a fragment) is dropped with a warning naming it; the rows after it stay."""
     p = Path(path)
     if not p.is_file():
         return []
     out = []
-    for line in p.read_text().splitlines():
+    for n, line in enumerate(p.read_text(errors="replace").splitlines(), 1):
         line = line.strip()
         if line:
             try:
                 out.append(json.loads(line))
-            except json.JSONDecodeError:
-                break  # a line torn by a kill: everything before it is intact
+            except json.JSONDecodeError as e:
+                log.warning("%s:%d: not a JSON row (torn by a kill mid-write?), dropped: %s", p, n, e)
     return out
 
 
@@ -44,7 +49,8 @@ class MetricsLog:
         self._wandb = wandb_run
 
     def truncate_after(self, step: int) -> None:
-        """Drop rows with step > `step` (work after the checkpoint a run resumes from)."""
+        """Drop rows with step > `step` (work after the checkpoint a run resumes from; every row when a run starts
+        afresh) and lines torn by a kill, so the next row starts a line of its own."""
         rows = [r for r in read_jsonl(self.path) if r.get("step", 0) <= step]
         atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in rows))
 

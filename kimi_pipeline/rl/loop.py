@@ -24,7 +24,7 @@ import ray
 from kimi_pipeline.cluster.health import Requirements, wait_until_healthy
 from kimi_pipeline.cluster.placement import create_placement_groups, remove_placement_groups
 from kimi_pipeline.convert.names import HFLayout
-from kimi_pipeline.engine.client import EngineRequestError
+from kimi_pipeline.engine.client import EngineRequestError, EnginesDown, EngineUnreachable
 from kimi_pipeline.engine.kinds import engine_kind
 from kimi_pipeline.errors import PermanentError
 from kimi_pipeline.model.checkpoint_dirs import iteration_dir, latest_step, prune_checkpoints
@@ -207,10 +207,10 @@ def run_training(recipe: Recipe, run_dir: Path, *, init_checkpoint: Path, model_
         extra = trainers.load(paths.checkpoints, init_checkpoint, ref_checkpoint or init_checkpoint,
                               HFLayout.of_dir(model_dir))
         start = int(extra.get("step", 0))
+        metrics_log.truncate_after(start)  # a fresh start too: an earlier attempt's rows are not this run's
         if extra:
             if engines:
                 ray.get(rollouts.restore.remote(extra["data"]))
-            metrics_log.truncate_after(start)
             log.info("resumed from %s at step %d", paths.checkpoints, start)
         handoff.to("weight_sync")
         sync = plain(trainers.sync_weights(urls, str(start))) if urls else {}
@@ -260,7 +260,7 @@ def _loop(
     total = recipe.rollout.num_rollout
     progress = TrainProgress(total, start)
     if evaluator and start == 0:  # the base policy, on a fresh run only
-        progress.log_eval(0, evaluator.evaluate(0, source.urls))
+        progress.log_eval(0, source.evaluate(evaluator, 0))
     progress.start_clock()
     handoff.take_seconds()  # start-up moves are not a step's
     for step in range(start, end):
@@ -275,10 +275,8 @@ def _loop(
             prune_checkpoints(paths.checkpoints, recipe.checkpoint.keep_last)
         sync: dict[str, float] = {}
         if source.urls:
-            handoff.to("weight_sync")
-            sync = plain(trainers.sync_weights(source.urls, str(done)))
-            handoff.to("rollout")
-            source.settle(str(done))  # engines restarted during this step serve again
+            sync, restarted = source.sync(str(done))  # engines restarted during this step serve again
+            row["engine_restarts"] += restarted
         row = {**row, **sync, "step_seconds": time.perf_counter() - t0}
         if handoff.colocated:  # what the memory handoff cost this step (GPU memory to host and back, at scale)
             row["handoff_seconds"] = handoff.take_seconds()
@@ -287,7 +285,7 @@ def _loop(
         if on_step:
             on_step(row)
         if evaluator and evaluator.should_evaluate(done):
-            progress.log_eval(done, evaluator.evaluate(done, source.urls))
+            progress.log_eval(done, source.evaluate(evaluator, done))
 
 
 def _rollout_only(
@@ -313,36 +311,79 @@ def _rollout_only(
 
 
 class LiveRollouts:
-    """Each step's rollout from the engines (the `RolloutManager` actor), through engine deaths: engines that
-    stopped answering are restarted first (`heal`); when that leaves none serving the policy, they get its weights
-    through the normal sync path before the rollout (without a trainer, rollout-only, they serve the weights they
-    started with); a rollout every engine dropped runs again. The engines taken out during the rollout are restarted
-    after it, so the step's sync brings them back. `urls` (the engines', kept current) is the list the caller
-    passed."""
+    """Each step's rollout, weight sync and eval through the engines (the `RolloutManager` actor), through engine
+    deaths in any of them: engines that stopped answering are restarted (`heal`) and brought to the policy through
+    the normal sync path (without a trainer, rollout-only, they serve the weights they started with), then what
+    every engine dropped runs again: the rollout from the same prompts, the sync whole, the eval with its step's
+    seed. Each is seeded or deterministic, so the run ends with an uninterrupted run's metrics. A step's row counts
+    the engines restarted from its rollout to its row (`engine_restarts`); those restarted during the eval after
+    it count in the next row. `urls` (the engines', kept current) is the list the caller passed."""
 
     def __init__(
         self, manager, urls: list[str], trainers: TrainerGroup | None, handoff: Handoff, start_version: str
     ) -> None:
         self.manager, self.urls, self.trainers, self.handoff = manager, urls, trainers, handoff
         self.start_version = start_version  # what restarted engines serve without a trainer to sync them
+        self.uncounted = 0  # engines restarted since the last row (during an eval): the next row counts them
 
     def take(self, step: int) -> tuple[list, dict[str, Any], int]:
         """(one object-store reference per data-parallel rank, the rollout's metrics, engines restarted)."""
-        restarts = 0
+        restarts, self.uncounted = self.uncounted, 0
         while True:
-            restarted = self._heal()
-            restarts += restarted
-            if restarted and self.trainers is not None:  # serve the policy of `step` before the rollout of `step`
-                self.handoff.to("weight_sync")
-                self.trainers.sync_weights(self.urls, str(step))
-                self.handoff.to("rollout")
-                self.settle(str(step))
-            elif restarted:
-                self.settle(self.start_version)
+            restarts += self._revive(str(step))  # serve the policy of `step` before the rollout of `step`
             result = ray.get(self.manager.generate.remote(step))
             if result is not None:
                 break
         return result[0], result[1], restarts + self._heal()
+
+    def sync(self, version: str) -> tuple[dict[str, float], int]:
+        """The trainer's weights to every engine as `version`: (the sync's metrics, engines restarted). An engine
+        that stops answering mid-sync is restarted and the sync runs again whole (the restarted engine holds none
+        of the buckets sent before; the trainer ranks drop their updater, all of them, and build it for the new
+        URLs). Anything but an engine that stopped answering is the stage's error."""
+        restarts = 0
+        while True:
+            self.handoff.to("weight_sync")
+            try:
+                metrics = plain(self.trainers.sync_weights(self.urls, version))
+            except ray.exceptions.RayTaskError as e:
+                if not isinstance(_root_cause(e), EngineUnreachable):
+                    raise
+                log.warning("weight sync %s: %s; it runs again after the engines restart", version, _first_line(e))
+                self.trainers.release()
+                restarted = self._heal()
+                if not restarted:
+                    raise
+                restarts += restarted
+                continue
+            finally:
+                self.handoff.to("rollout")
+            self.settle(version)
+            return metrics, restarts
+
+    def evaluate(self, evaluator: PeriodicEval, step: int) -> dict[str, Any]:
+        """`evaluator` on the engines serving the policy of `step`. When every engine stopped answering during it,
+        they are restarted, synced to that policy and the eval runs again: seeded by its step, it scores as the
+        first try would have (an engine lost beside others only moves its requests, `engine.client.Router`)."""
+        while True:
+            try:
+                return evaluator.evaluate(step, self.urls)
+            except EnginesDown as e:
+                log.warning("eval at step %d: %s; it runs again after the engines restart", step, e)
+                restarted = self._revive(str(step))
+                if not restarted:
+                    raise
+                self.uncounted += restarted
+
+    def _revive(self, version: str) -> int:
+        """Restart the engines that stopped answering and bring them to the policy at `version`; how many."""
+        restarted = self._heal()
+        if restarted and self.trainers is not None:
+            _, more = self.sync(version)
+            restarted += more
+        elif restarted:
+            self.settle(self.start_version)
+        return restarted
 
     def _heal(self) -> int:
         urls, restarted = ray.get(self.manager.heal.remote())

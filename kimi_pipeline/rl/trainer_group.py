@@ -50,6 +50,11 @@ class TrainerGroup:
         return reduce_metrics(ray.get([w.sync_weights.remote(urls, version) for w in self.workers]),
                               equal_weights=True)
 
+    def release(self) -> None:
+        """Every rank drops its weight updater (no collective): the next sync builds it afresh on all of them, as
+        after a sync an engine's death cut short."""
+        ray.get([w.release.remote() for w in self.workers])
+
     def sleep(self, parts: tuple[str, ...]) -> dict[str, float]:
         """Colocated: every rank hands these parts of its device state to the engines (`model.offload`)."""
 

@@ -116,10 +116,14 @@ def weight_update_session(engines: Engines, enabled: bool = True) -> Iterator[No
 def paused(engines: Engines, enabled: bool = True) -> Iterator[None]:
     """Generation paused in place around a weight update (one engine or all of a router's), resumed however
     the update ends."""
-    if enabled:
-        engines.pause()
+    if not enabled:
+        yield
+        return
+    engines.pause()
     try:
         yield
-    finally:
-        if enabled:
+    except BaseException:
+        with contextlib.suppress(Exception):  # as in `weight_update_session`: the update's error is the one raised
             engines.resume()
+        raise
+    engines.resume()

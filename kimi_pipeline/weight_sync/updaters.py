@@ -21,6 +21,7 @@ import json
 import shutil
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -121,6 +122,18 @@ class Handoff(ABC):
     """How a rank hands a bucket it holds whole to the engine rank on its own device, and what ends a sync."""
 
     collectives_per_bucket = 0  # collectives `send` issues (over an engine's ranks)
+    failed: Exception | None = None  # the first post to the engine that failed in this sync
+
+    def post(self, call: Callable[[], Any]) -> None:
+        """One call to the engine, unless one already failed in this sync. A failure is kept, not raised: the
+        other ranks are in this bucket's collectives and will be in the next ones, so every rank drains the sync
+        and it is raised after the last barrier (`GroupBuckets.update`); raised here, it would leave them waiting
+        in a collective this rank never joins."""
+        if self.failed is None:
+            try:
+                call()
+            except Exception as e:  # noqa: BLE001 - any failure: kept whole and raised after the drain
+                self.failed = e
 
     @abstractmethod
     def send(self, named: list[tuple[str, torch.Tensor]]) -> None:
@@ -150,13 +163,15 @@ class SharedMemoryHandoff(Handoff):
 
     def send(self, named: list[tuple[str, torch.Tensor]]) -> None:
         if self.client is not None:
-            self.client.post_weight_chunk(json.dumps(self.segment.write_bucket(dict(named))), None, shm.LOAD_FORMAT)
+            self.post(lambda: self.client.post_weight_chunk(json.dumps(self.segment.write_bucket(dict(named))), None,
+                                                            shm.LOAD_FORMAT))
 
     def commit(self, version: str) -> None:
         """An empty bucket carries the version: the engine checks that no quantized weight is incomplete and
         flushes its cache (`engine/server.py`)."""
         if self.client is not None:
-            self.client.post_weight_chunk(json.dumps(self.segment.write_bucket({})), version, shm.LOAD_FORMAT)
+            self.post(lambda: self.client.post_weight_chunk(json.dumps(self.segment.write_bucket({})), version,
+                                                            shm.LOAD_FORMAT))
 
     def close(self) -> None:
         if self.segment is not None:
@@ -191,7 +206,7 @@ class CudaIpcHandoff(Handoff):
         entries = [None] * self.gpus if self.client is not None else None
         dist.gather_object(serialize_bucket(named), entries, dst=self.lead, group=self.group)
         if self.client is not None:
-            self.client.post_tensor_request(build_update_request(entries))
+            self.post(lambda: self.client.post_tensor_request(build_update_request(entries)))
         dist.barrier(group=self.group)  # the engine has loaded the bucket: its IPC buffers may go
         torch.cuda.ipc_collect()
 
@@ -199,8 +214,8 @@ class CudaIpcHandoff(Handoff):
         """One cache flush and the version after the last bucket, for every engine (from rank 0, which holds the
         session open: control calls, no weights)."""
         if self.rank0:
-            self.router.flush_cache()
-            self.router.update_weight_version(version)
+            self.post(self.router.flush_cache)
+            self.post(lambda: self.router.update_weight_version(version))
 
 
 class GroupBuckets(WeightSync):
@@ -225,6 +240,7 @@ class GroupBuckets(WeightSync):
         world = self.trainer.world_size > 1
         counters = SyncCounters()
         tensors = model_tensors(self.trainer.model[0])  # live parameters: read, never copied whole
+        self.handoff.failed = None
         with paused(self.router, lead), weight_update_session(self.router, lead):
             if world:  # no rank hands over a bucket before rank 0 paused the engines and opened the session
                 dist.barrier()
@@ -236,6 +252,8 @@ class GroupBuckets(WeightSync):
             self.handoff.commit(version)
             if world:  # every engine has every bucket before rank 0 ends the session
                 dist.barrier()
+            if self.handoff.failed is not None:  # drained: no rank is left in a collective
+                raise self.handoff.failed
         collectives = counters.total + len(self.schedule.buckets) * self.handoff.collectives_per_bucket + 2 * world
         return {"sync_seconds": time.perf_counter() - t0, "sync_chunks": float(counters.buckets),
                 "sync_collectives": float(collectives), "sync_received_bytes": float(counters.received_bytes)}

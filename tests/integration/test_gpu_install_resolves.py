@@ -41,6 +41,7 @@ import tarfile
 import time
 import urllib.request
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -66,7 +67,7 @@ def _index() -> str:
 TE_TORCH = "transformer_engine_torch"
 MAX_WHOLE_DOWNLOAD_MB = 50  # fast-deps may still fetch small files whole; nothing CUDA-sized
 
-pytestmark = pytest.mark.slow  # two resolutions of ~200 packages each: ~20-60 s apiece
+pytestmark = pytest.mark.slow  # two resolutions of ~200 packages each, at once: ~100 s on 2 cores
 
 
 def _gpu_torch_spec() -> str:
@@ -129,29 +130,52 @@ def _metadata_only_wheel(pkg_info: str, dest: Path) -> Path:
     return wheel
 
 
-def _resolve(args: list[str], report: Path) -> tuple[dict, float, str]:
-    """`pip install --dry-run --ignore-installed --report` in this interpreter: (report, seconds, pip's output).
-    Installs nothing into this environment (pip's isolated build environments are temporary)."""
+@dataclass
+class _Resolution:
+    """One `pip install --dry-run` running in the background, its output in files (two pips writing to pipes read
+    one after the other could fill a pipe and stall)."""
+
+    cmd: list[str]
+    proc: subprocess.Popen
+    report: Path
+    out: Path
+    started: float
+
+
+def _start(args: list[str], report: Path) -> _Resolution:
+    """`pip install --dry-run --ignore-installed --report` in this interpreter, started: installs nothing into this
+    environment (pip's isolated build environments are temporary)."""
     cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--report", str(report),
            *_pip_flags(), *args]
     env = {**os.environ, "PIP_NO_INPUT": "1"}
-    start = time.monotonic()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=540)
-    seconds = time.monotonic() - start
-    output = f"$ {' '.join(cmd)}\n--- stdout ---\n{proc.stdout}\n--- stderr ---\n{proc.stderr}"
+    out = report.with_suffix(".log")
+    with out.open("w") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+    return _Resolution(cmd, proc, report, out, time.monotonic())
+
+
+def _finish(r: _Resolution) -> tuple[dict, float, str]:
+    """Wait for a resolution: (report, seconds, pip's output)."""
+    try:
+        r.proc.wait(timeout=540)
+    except subprocess.TimeoutExpired:
+        r.proc.kill()
+        r.proc.wait()
+    seconds = time.monotonic() - r.started
+    output = f"$ {' '.join(r.cmd)}\n--- output ---\n{r.out.read_text()}"
     tail = output[-20000:]
-    if proc.returncode != 0:
+    if r.proc.returncode != 0:
         offline = re.search(r"NewConnectionError|NameResolutionError|Network is unreachable|Max retries exceeded",
                             output)
         pytest.fail(("pip could not reach the package index: this test needs network access.\n" if offline else "")
-                    + f"pip exited {proc.returncode} after {seconds:.0f} s:\n{tail}", pytrace=False)
+                    + f"pip exited {r.proc.returncode} after {seconds:.0f} s:\n{tail}", pytrace=False)
     whole = [(m[1], float(m[2]) * {"kB": 1e-3, "MB": 1, "GB": 1e3}[m[3]])
              for m in re.finditer(r"Downloading (\S+) \(([\d.]+) (kB|MB|GB)\)", output)]
     big = [f"{n} ({mb:.0f} MB)" for n, mb in whole if mb > MAX_WHOLE_DOWNLOAD_MB]
     assert not big, f"the dry run downloaded whole distributions, not only metadata: {big}\n{tail}"
     print(f"resolved in {seconds:.1f} s; {len(whole)} small files fetched whole "
           f"({sum(mb for _, mb in whole):.1f} MB)")
-    return json.loads(report.read_text()), seconds, tail
+    return json.loads(r.report.read_text()), seconds, tail
 
 
 def _versions(report: dict) -> dict[str, str]:
@@ -189,18 +213,31 @@ def te_stub(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def trainer(tmp_path_factory, te_stub) -> tuple[dict, float]:
-    report, seconds, _ = _resolve(["--find-links", str(te_stub), "--only-binary", TE_TORCH,
-                                   "-e", ".[dev,gpu]", _gpu_torch_spec()],
-                                  tmp_path_factory.mktemp("trainer") / "report.json")
-    return report, seconds
+def resolutions(tmp_path_factory, te_stub) -> dict[str, tuple[dict, float]]:
+    """Both sets resolved at once: each pip waits mostly on the index, so together they take about as long as the
+    slower one alone."""
+    started = {
+        "trainer": _start(["--find-links", str(te_stub), "--only-binary", TE_TORCH, "-e", ".[dev,gpu]",
+                           _gpu_torch_spec()], tmp_path_factory.mktemp("trainer") / "report.json"),
+        "sglang": _start(["-r", "requirements-sglang.txt"], tmp_path_factory.mktemp("sglang") / "report.json"),
+    }
+    try:
+        return {name: _finish(r)[:2] for name, r in started.items()}
+    finally:
+        for r in started.values():  # a failure in one leaves no pip running behind the test
+            if r.proc.poll() is None:
+                r.proc.kill()
+                r.proc.wait()
 
 
 @pytest.fixture(scope="module")
-def sglang(tmp_path_factory) -> tuple[dict, float]:
-    report, seconds, _ = _resolve(["-r", "requirements-sglang.txt"],
-                                  tmp_path_factory.mktemp("sglang") / "report.json")
-    return report, seconds
+def trainer(resolutions) -> tuple[dict, float]:
+    return resolutions["trainer"]
+
+
+@pytest.fixture(scope="module")
+def sglang(resolutions) -> tuple[dict, float]:
+    return resolutions["sglang"]
 
 
 def test_trainer_set_resolves(trainer):

@@ -4,7 +4,8 @@ Covers: metrics / checkpoints / summary section; engine logprobs after weight sy
 (the TIS ratio); `kimi eval` of the step-4 checkpoint and of the HF directory; `kimi train --quiet`; kill -9
 of the trainer at a random step, and kill -9 while megatron writes a checkpoint, then a retry resumes from
 the last complete checkpoint and ends with exactly the metrics and eval rows of an uninterrupted run (routing
-replay on); EP2 across 2 trainer actors. Tests kill and inspect only their own processes and segments.
+replay on); the only engine killed in each phase of its work (rollout, decode, weight sync, eval) survived
+with the same metrics; EP2 across 2 trainer actors. Tests kill and inspect only their own processes and segments.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import pytest
 from support.common import (REPRODUCIBLE, TIMING, TRAIN_SET, assert_eval_agrees_with_its_problems, assert_same_rows,
                             stable_row, tiny_overrides, train_recipe)
 from support.learning import read_summary
+from support import engine_gate
 from support.save_gate import GATE_ENV
 
 pytestmark = pytest.mark.slow
@@ -36,21 +38,29 @@ def save_gate(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def ray_local(save_gate):
+def engine_gate_dir(tmp_path_factory) -> Path:
+    """The directory that arms `support.engine_gate` in this module's Ray workers (see the engine-kill test)."""
+    return tmp_path_factory.mktemp("engine_gate")
+
+
+@pytest.fixture(scope="module")
+def ray_local(save_gate, engine_gate_dir):
     import ray
 
     from kimi_pipeline.cluster.lifecycle import export_driver_env
 
     export_driver_env("token")  # as the cluster stage does; also refreshes Ray's cached config
     os.environ[GATE_ENV] = str(save_gate)  # the raylet, and so every worker, inherits it
-    # every worker runs the gate's hook, so every worker (plain tasks too, not only the stage's actors, whose
+    os.environ[engine_gate.GATE_ENV] = str(engine_gate_dir)
+    # every worker runs the gates' hook, so every worker (plain tasks too, not only the stage's actors, whose
     # env carries our sys.path) needs tests/ on its path to import it
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
-             runtime_env={"worker_process_setup_hook": "support.save_gate.install",
+             runtime_env={"worker_process_setup_hook": "support.gates.install",
                           "env_vars": {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}})
     yield
     ray.shutdown()
     os.environ.pop(GATE_ENV, None)
+    os.environ.pop(engine_gate.GATE_ENV, None)
 
 
 @pytest.fixture(scope="module")
@@ -80,13 +90,23 @@ def _rows(run: Path) -> list[dict]:
     return read_jsonl(run / "train" / "metrics.jsonl")
 
 
+# the resume tests' recipe: reproducible, and routing replay on (the rollout's expert ids drive the trainer's routers)
+RESUME_SET = REPRODUCIBLE + ["rollout.routing_replay=true"]
+
+
+SAVE_ROLLOUTS = ["rollout.save_data=true"]
+
+
 @pytest.fixture(scope="module")
 def trained(prepared, ray_local, tmp_path_factory) -> tuple[Path, Path, dict]:
+    """The module's one uninterrupted run, of the resume tests' recipe (evals at 0, 2, 4), its rollouts saved
+    (train/rollouts): read by the metrics, eval and replay tests, and what every interrupted run must end as
+    (`uninterrupted`). (tiny data dir, run dir, the stage's section.)"""
     from kimi_pipeline.stages import TRAIN, run_stage
 
     tiny, base = prepared
-    run = _copy_run(base, tmp_path_factory.mktemp("trained") / "run")
-    return tiny, run, run_stage(TRAIN, train_recipe(tiny), run)
+    run = _copy_run(base, tmp_path_factory.mktemp("uninterrupted") / "run")
+    return tiny, run, run_stage(TRAIN, train_recipe(tiny, RESUME_SET + SAVE_ROLLOUTS), run)
 
 
 def test_train_records_metrics_checkpoints_and_evals(trained):
@@ -122,7 +142,7 @@ def test_kimi_eval_checkpoint_reproduces_the_in_training_eval(trained, tmp_path)
     args = [sys.executable, "-m", "kimi_pipeline.cli", "eval", "--checkpoint",
             str(run / "train" / "checkpoints" / "iter_0000004"), "--model-dir", str(tiny / "model"),
             "--data", str(tiny / "aime-tiny.jsonl"), "--out", str(tmp_path / "eval")]
-    for item in TRAIN_SET:
+    for item in TRAIN_SET + RESUME_SET:
         args += ["--set", item]
     out = subprocess.run(args, capture_output=True, text=True, timeout=300, env={**os.environ, "TORCHDYNAMO_DISABLE": "1"})
     assert out.returncode == 0, out.stderr[-2000:]
@@ -171,27 +191,14 @@ def test_kimi_train_quiet_drops_the_progress_lines_not_the_result(prepared, ray_
     assert outputs[True] == ([], []), outputs[True]
 
 
-# the resume tests' recipe: reproducible, and routing replay on (the rollout's expert ids drive the trainer's routers)
-RESUME_SET = REPRODUCIBLE + ["rollout.routing_replay=true"]
-
-
 def _eval_rows(run: Path) -> list[dict]:
     """The run's eval rows (summary.json) without their wall-clock `seconds`."""
     return [{k: v for k, v in e.items() if k != "seconds"} for e in read_summary(run)["eval"]]
 
 
-SAVE_ROLLOUTS = ["rollout.save_data=true"]
-
-
 @pytest.fixture(scope="module")
-def uninterrupted_run(prepared, ray_local, tmp_path_factory) -> Path:
-    """An uninterrupted run of the resume tests' recipe (evals at 0, 2, 4), its rollouts saved (train/rollouts)."""
-    from kimi_pipeline.stages import TRAIN, run_stage
-
-    tiny, base = prepared
-    run = _copy_run(base, tmp_path_factory.mktemp("uninterrupted") / "run")
-    run_stage(TRAIN, train_recipe(tiny, RESUME_SET + SAVE_ROLLOUTS), run)
-    return run
+def uninterrupted_run(trained) -> Path:
+    return trained[1]
 
 
 @pytest.fixture(scope="module")
@@ -286,76 +293,100 @@ def test_kill_9_during_a_checkpoint_save_resumes_from_the_previous_checkpoint(pr
 RESTART_KEYS = ("engine_restarts", "retried_requests")
 
 
-def _engine_pids() -> list[int]:
-    """This test's embedded engine actors (our descendants, as in `_trainer_pids`)."""
-    return [p.pid for p in psutil.Process().children(recursive=True)
-            if any("ray::EmbeddedEngine" in part for part in _cmdline(p))]
-
-
-def _kill_engine_when_busy(stop: threading.Event, killed: list[int]) -> None:
-    """SIGKILL the engine once it has rows in flight (read from its /server_info), once."""
-    import httpx
-
+def _kill_held_engines(gate: Path, stop: threading.Event, killed: list[str]) -> None:
+    """SIGKILL each engine `support.engine_gate` holds, recording the point it was held at."""
     while not stop.is_set():
-        for pid in _engine_pids():
-            ports = [c.laddr.port for c in psutil.Process(pid).net_connections("tcp") if c.status == psutil.CONN_LISTEN]
-            for port in ports:
-                try:
-                    busy = httpx.get(f"http://127.0.0.1:{port}/server_info", timeout=5).json().get("running_requests")
-                except (httpx.HTTPError, ValueError):
-                    continue
-                if busy:
-                    os.kill(pid, signal.SIGKILL)
-                    killed.append(pid)
-                    return
-        stop.wait(0.01)
+        for held in gate.glob("held-*"):
+            pid = int(held.name.split("-")[1])
+            point = (gate / f"point-{pid}").read_text()
+            os.kill(pid, signal.SIGKILL)
+            psutil.Process(pid).wait(30) if psutil.pid_exists(pid) else None
+            held.unlink()
+            killed.append(point)
+        stop.wait(0.02)
+
+
+def _arm(gate: Path, point: str, count: int = 1) -> None:
+    tmp = gate / "arm.tmp"
+    tmp.write_text(f"{point} {count}")
+    tmp.rename(gate / "arm")
 
 
 def _without(row: dict, keys) -> dict:
     return {k: v for k, v in row.items() if k not in keys}
 
 
-def test_an_engine_killed_mid_rollout_is_restarted_and_the_run_ends_as_uninterrupted(prepared, ray_local,
-                                                                                      uninterrupted, tmp_path):
-    """The only engine is SIGKILLed while step 2's rollout runs: the rollout manager restarts it in its placement,
-    the trainer syncs it to the policy through the normal weight sync, the rollout runs again from the same prompts
-    and the run ends with the uninterrupted run's metrics and evals; step 2's row counts the restart and the
-    request sent again."""
+def test_an_engine_killed_in_every_phase_is_restarted_and_the_run_ends_as_uninterrupted(
+        prepared, ray_local, engine_gate_dir, uninterrupted, tmp_path):
+    """The only engine is SIGKILLed four times in one run, each where its work is held for the kill
+    (`support.engine_gate`, no timing): step 2's rollout before any answer, the step-2 eval mid-decode, step 3's
+    weight sync at a bucket, step 4's rollout mid-decode (random decode steps). Each time the rollout manager
+    restarts it in its placement, the trainer syncs it to the policy and what it dropped runs again (the rollout
+    from the same prompts, the eval with its seed, the sync whole): the run ends with the uninterrupted run's metrics
+    and evals, and each row counts the restarts of its step (the eval's in the next row) and the requests sent
+    again. Issue 40 item 2 on the way: the run dir holds the metrics of an earlier attempt that died before its first
+    checkpoint, its last line torn mid-write; a fresh start begins metrics.jsonl afresh (it used to append to them)."""
+    from kimi_pipeline.eval.record import EvalSections, run_eval_step
+    from kimi_pipeline.hub.download import model_root
     from kimi_pipeline.stages import TRAIN, run_stage
 
     tiny, base = prepared
     run = _copy_run(base, tmp_path / "run")
+    (run / "train").mkdir()
+    (run / "train" / "metrics.jsonl").write_text('{"step": 1, "reward_mean": -1.0}\n{"step": 2, "reward_me')
+    recipe = train_recipe(tiny, RESUME_SET + ["rollout.max_engine_restarts=4"])
+    gate, rng = engine_gate_dir, random.Random()
+    decode_steps = [rng.randint(1, 12), rng.randint(1, 12)]
+    print(f"mid-decode kills at decode steps {decode_steps}")
     stop, killed = threading.Event(), []
-    killer = threading.Thread(target=_kill_engine_when_busy, args=(stop, killed), daemon=True)
+    killer = threading.Thread(target=_kill_held_engines, args=(gate, stop, killed), daemon=True)
 
-    def after(row: dict) -> None:  # step 1 has no eval: the engine's next requests are step 2's rollout
+    def after(row: dict) -> None:  # step 1 has no eval: the engine's next batch is step 2's rollout
         if row["step"] == 1:
-            killer.start()
+            _arm(gate, "generate")
+        elif row["step"] == 3:
+            _arm(gate, "decode", decode_steps[1])
 
+    evals: list[int] = []
+
+    def evaluate(step: int, urls: list[str]) -> dict:  # called again for an eval the engines dropped
+        evals.append(step)
+        if evals.count(2) == 1:
+            _arm(gate, "decode", decode_steps[0])
+        result = run_eval_step(EvalSections.of(recipe), run, step, urls, model_root(run))
+        if step == 2:  # the next weights an engine loads: step 3's sync (the eval's own restart has synced)
+            _arm(gate, "weights")
+        return result
+
+    killer.start()
     try:
-        run_stage(TRAIN, train_recipe(tiny, RESUME_SET), run, on_step=after)
+        run_stage(TRAIN, recipe, run, on_step=after, evaluate=evaluate)
     finally:
         stop.set()
         killer.join(60)
-    assert killed
+        (gate / "arm").unlink(missing_ok=True)
+    assert killed == ["generate 1", f"decode {decode_steps[0]}", "weights 1", f"decode {decode_steps[1]}"]
+    assert evals == [0, 2, 2, 4]
     rows = _rows(run)
     assert [(r["engine_restarts"], r["retried_requests"] > 0) for r in rows] == \
-        [(0.0, False), (1.0, True), (0.0, False), (0.0, False)]
+        [(0.0, False), (1.0, True), (2.0, False), (1.0, True)]
     expected_rows, expected_evals = uninterrupted
     assert_same_rows([_without(stable_row(x), RESTART_KEYS) for x in rows],
                      [_without(x, RESTART_KEYS) for x in expected_rows], resumed_after=0)
     assert _eval_rows(run) == expected_evals
 
 
-def test_an_engine_past_max_engine_restarts_fails_the_stage_retryably_naming_it(prepared, ray_local, tmp_path):
+def test_an_engine_past_max_engine_restarts_fails_the_stage_retryably_naming_it(prepared, ray_local,
+                                                                               engine_gate_dir, tmp_path):
     from kimi_pipeline.rl.loop import TrainingError
     from kimi_pipeline.stages import TRAIN, run_stage
 
     tiny, base = prepared
     run = _copy_run(base, tmp_path / "run")
     stop, killed = threading.Event(), []
-    killer = threading.Thread(target=_kill_engine_when_busy, args=(stop, killed), daemon=True)
-    killer.start()  # the first requests after start-up: the step-0 eval's
+    killer = threading.Thread(target=_kill_held_engines, args=(engine_gate_dir, stop, killed), daemon=True)
+    _arm(engine_gate_dir, "generate")  # no eval: the engine's first batch is step 1's rollout
+    killer.start()
     try:
         with pytest.raises(TrainingError, match=r"rollout engine 0 .*rollout.max_engine_restarts=0"):
             run_stage(TRAIN, train_recipe(tiny, RESUME_SET + ["rollout.max_engine_restarts=0"]), run,
@@ -363,7 +394,8 @@ def test_an_engine_past_max_engine_restarts_fails_the_stage_retryably_naming_it(
     finally:
         stop.set()
         killer.join(60)
-    assert killed
+        (engine_gate_dir / "arm").unlink(missing_ok=True)
+    assert killed == ["generate 1"]
 
 
 def test_saved_rollouts_replayed_without_engines_give_the_recorded_metrics(prepared, ray_local, uninterrupted_run):
@@ -425,7 +457,10 @@ def _cmdline(p: psutil.Process) -> list[str]:
         return []
 
 
-def test_ep2_across_two_trainer_actors(prepared, ray_local, tmp_path):
+def test_ep2_across_two_trainer_actors(prepared, ray_local, engine_gate_dir, tmp_path):
+    """Also: the engine killed while step 2's sync hands it the bucket. Rank 0's post fails mid-sync; it drains the
+    sync's collectives with rank 1 before raising (raised at once, rank 1 would wait in the last barrier forever),
+    both ranks drop their updater, the engine restarts and the sync runs again whole."""
     from kimi_pipeline.stages import TRAIN, run_stage
 
     tiny, base = prepared
@@ -434,21 +469,33 @@ def test_ep2_across_two_trainer_actors(prepared, ray_local, tmp_path):
     from kimi_pipeline.weight_sync import shm
 
     trainers: set[int] = set()
-    segments: set[str] = set()
+    segments: list[list[str]] = []
+    stop, killed = threading.Event(), []
+    killer = threading.Thread(target=_kill_held_engines, args=(engine_gate_dir, stop, killed), daemon=True)
 
     def note_trainers(row: dict) -> None:  # while the run is live: its trainers and the segments they own
         trainers.update(_trainer_pids())
-        segments.update(p.name for pid in trainers for p in shm.shm_dir().glob(f"{shm.PREFIX}{pid}-*"))
+        segments.append([p.name for pid in trainers for p in shm.shm_dir().glob(f"{shm.PREFIX}{pid}-*")])
+        if row["step"] == 1:
+            _arm(engine_gate_dir, "weights")
 
-    section = run_stage(TRAIN, r, run, evaluate=lambda step, urls: {}, on_step=note_trainers)
+    killer.start()
+    try:
+        section = run_stage(TRAIN, r, run, evaluate=lambda step, urls: {}, on_step=note_trainers)
+    finally:
+        stop.set()
+        killer.join(60)
+        (engine_gate_dir / "arm").unlink(missing_ok=True)
+    assert killed == ["weights 1"]
     rows = _rows(run)
+    assert [x["engine_restarts"] for x in rows] == [0.0, 1.0]
     m = r.model
     routed_bytes = (m.num_layers - m.first_k_dense) * m.num_experts * 3 * m.moe_ffn_hidden_size * m.hidden_size * 4
     assert [x["step"] for x in rows] == [1, 2] and section["steps"] == 2
     assert all(x["optimizer_steps"] == -(-(x["samples"] - x["samples_trimmed"]) // x["global_batch_size"]) for x in rows)
-    # one engine on this host: the first of its ranks hands it each bucket through its segment; the trainers
-    # removed it (ours only: a segment is named after its owner's pid)
-    assert len(trainers) == 2 and len(segments) == 1, (trainers, segments)
+    # one engine on this host: the first of its ranks hands it each bucket through its segment (a new one for the
+    # updater built after the failed sync); the trainers removed them (ours only: named after the owner's pid)
+    assert len(trainers) == 2 and [len(x) for x in segments] == [1, 1] and segments[0] != segments[1], segments
     assert not [p for pid in trainers for p in shm.shm_dir().glob(f"{shm.PREFIX}{pid}-*")]
     for x in rows:
         assert abs(x["tis_min"] - 1) < 1e-3 and abs(x["tis_max"] - 1) < 1e-3, x

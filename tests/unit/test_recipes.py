@@ -154,9 +154,12 @@ def test_unknown_field_and_type_errors():
         load_recipe("tiny", ["parallel.tp=two"])
     with pytest.raises(RecipeError, match="no preset or file named 'kimi-k3'"):
         load_recipe("kimi-k3")
-    with pytest.raises(RecipeError, match="secrets are not accepted") as e:
-        load_recipe("tiny", ["hub.token=hf_abcdef"])
-    assert "hf_abcdef" not in str(e.value)
+    # the token alone, or inside a whole section (issue 40 item 5: `hub={...}` used to carry it past the check)
+    for assignment in ("hub.token=hf_abcdef", "hub={token: hf_abcdef}",
+                       "hub={model: {kind: local, path: m}, token: hf_abcdef}", "hub.token={a: hf_abcdef}"):
+        with pytest.raises(RecipeError, match=r"hub\.token: secrets are not accepted") as e:
+            load_recipe("tiny", [assignment])
+        assert "hf_abcdef" not in str(e.value), assignment
 
 
 def test_yaml_extends_and_env_alias(tmp_path):
