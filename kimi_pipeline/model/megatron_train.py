@@ -24,8 +24,12 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException: megatron raises it on every rank
 
 from kimi_pipeline.model.checkpoint_dirs import TRACKER, CheckpointError, iteration_dir, latest_step
+from kimi_pipeline.model.checkpoint_manifest import (CheckpointSpaceError, entries, failure_line, is_enospc,
+                                                     rank_files, resume_candidates, shared_files, space_problem,
+                                                     verify_share, write_manifest)
 from kimi_pipeline.model.context_parallel import Packing, SeqLayout, batch_logprobs, cp_group, seq_multiple
 from kimi_pipeline.model.megatron_compat import megatron_kernels
 from kimi_pipeline.model.megatron_model import build_model, causal_mask, check_positions, model_device, unwrap
@@ -408,22 +412,53 @@ def _model_sharded_state_dict(model_chunks) -> dict:
 
 
 def _save(ckpt_dir: Path, step: int, state: dict, extra: dict | None, device: torch.device) -> Path:
-    """torch_dist save into a temp dir, rename into place, tracker last (collective)."""
+    """torch_dist save into a temp dir, its manifest, rename into place, tracker last (collective).
+
+    Collectives beyond megatron's own: one object broadcast before (rank 0's free-space verdict,
+    `checkpoint_manifest.space_problem`) and one object all-gather after (each rank's files with sizes and CRC-32,
+    or its failure), so every rank takes the same branch. A full disk, foreseen or met (ENOSPC, which megatron's
+    writer reports to all ranks as a CheckpointException), removes the temp dir and raises CheckpointSpaceError
+    (permanent: a retry would redo the rollouts since the last save and fail the same way)."""
     from megatron.core import dist_checkpointing
 
     final = iteration_dir(ckpt_dir, step)
     tmp = final.with_name(final.name + ".tmp")
-    if _rank() == 0:
+    rank, world = _rank(), _world()
+    problem = None
+    if rank == 0:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save of this step
-        tmp.mkdir()
-    _barrier()
-    dist_checkpointing.save(state, str(tmp), content_metadata=dict(SHARDED_METADATA))
-    atomic_write_json(tmp / f"rng_rank{_rank():05d}.json", rng_state(device))
-    _barrier()
-    if _rank() == 0:
+        problem = space_problem(ckpt_dir)
+        if problem is None:
+            tmp.mkdir()
+    problem = _from_rank0(problem)  # also the barrier before anyone writes
+    if problem is not None:
+        raise CheckpointSpaceError(problem)
+    mine: dict = {}
+    try:
+        dist_checkpointing.save(state, str(tmp), content_metadata=dict(SHARDED_METADATA))
+        atomic_write_json(tmp / f"rng_rank{rank:05d}.json", rng_state(device))
+        mine = {"files": entries(tmp, rank_files(tmp, rank))}
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - every rank reaches the gather, whatever failed
+        mine = {"error": failure_line(e), "enospc": is_enospc(e)}
+    parts = _all_gather(mine)
+    failed = [(r, p) for r, p in enumerate(parts) if "error" in p]
+    if failed:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        _barrier()
+        why = "; ".join(f"rank {r}: {p['error']}" for r, p in failed[:4])
+        if any(p["enospc"] for _, p in failed):
+            raise CheckpointSpaceError(
+                f"{final}: the disk filled up during the save ({why}); the partial {tmp.name} was removed: free "
+                f"space in {ckpt_dir} (free now: {shutil.disk_usage(ckpt_dir).free} bytes) or set "
+                "checkpoint.keep_last, then retry")
+        raise CheckpointError(f"{final}: the save failed ({why}); the partial {tmp.name} was removed")
+    if rank == 0:
         # save_id: new on every save, so a re-save of the same step is a new checkpoint to its readers' caches
         atomic_write_json(tmp / EXTRA, {"step": step, "save_id": uuid.uuid4().hex, "extra": extra or {}})
+        files = {name: entry for p in parts for name, entry in p["files"].items()}
+        write_manifest(tmp, {**files, **entries(tmp, shared_files(tmp, world))})
         old = final.with_name(final.name + ".old")
         if final.exists():  # re-saving a step: keep the old copy until the new one is in place
             shutil.rmtree(old, ignore_errors=True)
@@ -434,6 +469,47 @@ def _save(ckpt_dir: Path, step: int, state: dict, extra: dict | None, device: to
         atomic_write_text(ckpt_dir / TRACKER, f"{step}\n")  # last: only now is the checkpoint "latest"
     _barrier()
     return final
+
+
+def resume_step(ckpt_dir: str | Path) -> tuple[int | None, list[str]]:
+    """The newest checkpoint of `ckpt_dir` that verifies against its manifest (`checkpoint_manifest.verify_share`:
+    each rank checks every file's size and the CRC of its share; one object all-gather per iteration tried), and a
+    warning for each newer one skipped; (None, []) without a tracker. None verifying: CheckpointError naming each."""
+    ckpt_dir = Path(ckpt_dir)
+    rank, world = _rank(), _world()
+    skipped: list[str] = []
+    for step in resume_candidates(ckpt_dir):
+        path = iteration_dir(ckpt_dir, step)
+        problems = [p for part in _all_gather(verify_share(path, rank, world)) for p in part]
+        if not problems:
+            return step, [f"{s}; resuming from {path} instead" for s in skipped]
+        skipped.append(f"{path} does not verify ({'; '.join(problems[:3])})")
+    if skipped:
+        raise CheckpointError(f"{ckpt_dir}: no checkpoint verifies: {' | '.join(skipped)}; move the broken "
+                              "iterations away (or the whole directory to start afresh)")
+    return None, []
+
+
+def _world() -> int:
+    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+
+
+def _from_rank0(obj):
+    """Rank 0's `obj` on every rank (one object broadcast)."""
+    if not torch.distributed.is_initialized():
+        return obj
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _all_gather(obj) -> list:
+    """Every rank's `obj`, in rank order (one object all-gather)."""
+    if not torch.distributed.is_initialized():
+        return [obj]
+    out: list = [None] * _world()
+    torch.distributed.all_gather_object(out, obj)
+    return out
 
 
 def _fsync_dir(path: Path) -> None:

@@ -82,10 +82,10 @@ def stage_error(e: Exception, engines: dict[str, str] | None = None) -> Exceptio
     retry cannot fix; anything else (a lost actor, node or engine) is a retryable TrainingError naming the
     actor that failed. `engines`: engine URL → the engine actor's name, for errors that only carry a URL."""
 
-    if isinstance(e, PermanentError):
-        return e
     cause = _root_cause(e)  # Ray's RayTaskError carries the actor's own exception
-    if isinstance(cause, PermanentError):
+    if isinstance(e, PermanentError) and cause is e:
+        return e
+    if isinstance(cause, PermanentError):  # its own message, not the Ray traceback around it
         return PermanentError(f"{type(cause).__name__} in a training actor: {cause}")
     what = "rollout engine" if isinstance(e, EngineRequestError) or isinstance(cause, EngineRequestError) \
         else "training actors"

@@ -28,12 +28,12 @@ from kimi_pipeline.model.megatron_model import build_model, unwrap
 from kimi_pipeline.model.megatron_train import (
     build_trainable,
     forward_backward,
-    latest_step,
     load_checkpoint,
     load_model_only,
     lr_scheduler,
     micro_batch_logprobs,
     optimizer_step,
+    resume_step,
     save_checkpoint,
     seq_layout,
     state_tensors,
@@ -194,8 +194,10 @@ class PolicyWorker:
         extra = None
         self._ckpt_dir = train_ckpt_dir
         self.hf_layout = HFLayout(hf_prefix)
-        if latest_step(train_ckpt_dir) is not None:
-            extra = load_checkpoint(train_ckpt_dir, self.model, self.optimizer)
+        step, skipped = resume_step(train_ckpt_dir)  # the newest that verifies (a corrupt latest is skipped)
+        if step is not None:
+            extra = load_checkpoint(train_ckpt_dir, self.model, self.optimizer, step=step)
+            extra["skipped_checkpoints"] = skipped  # for the driver's log; not saved
             sched = extra.get("scheduler")
             if sched:
                 self.scheduler.load_state_dict(sched)

@@ -3,6 +3,7 @@ torch.distributed job), placed by the actor layout, driven together."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,8 @@ from kimi_pipeline.recipes import Recipe
 from kimi_pipeline.rl.actor_layout import trainer_options
 from kimi_pipeline.rl.metrics import reduce_metrics
 from kimi_pipeline.rl.policy import PolicyWorker, policy_sections
+
+log = logging.getLogger(__name__)
 
 
 class TrainerGroup:
@@ -36,7 +39,10 @@ class TrainerGroup:
 
         extras = ray.get([w.load.remote(str(ckpt_dir), str(init_checkpoint), str(ref_checkpoint), hf_layout.prefix)
                           for w in self.workers])
-        return extras[0] or {}
+        extra = extras[0] or {}
+        for skipped in extra.pop("skipped_checkpoints", []):  # a newer checkpoint that did not verify
+            log.warning("%s", skipped)
+        return extra
 
     def train(self, shares: list, step: int) -> dict[str, float]:
         """`shares[dp]` is the object-store reference of DP rank `dp`'s `RankShare` (the rollout manager put it

@@ -123,7 +123,7 @@ def test_preflight_names_the_node_with_another_package_version(faulty_cluster, r
     check = _failed(rep, "software: megatron-core")
     assert check["nodes"] == [_labels(rep, faults["version"])], check
     assert "0.15.0" in check["detail"] and "install the same versions" in check["fix"]
-    assert f"FAILED software: megatron-core" in stderr
+    assert "FAILED software: megatron-core" in stderr
 
 
 def test_preflight_names_the_node_that_never_joins_the_collective_within_the_timeout(faulty_cluster, report):

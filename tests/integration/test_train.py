@@ -290,6 +290,57 @@ def test_kill_9_during_a_checkpoint_save_resumes_from_the_previous_checkpoint(pr
     assert (ckpts / "iter_0000004" / ".metadata").is_file() and not tmp.exists()
 
 
+def test_a_full_disk_during_a_save_fails_permanently_and_leaves_no_partial_checkpoint(prepared, ray_local, save_gate,
+                                                                                      tmp_path):
+    """Issue 40 item 6: the disk fills up while megatron writes the step-2 checkpoint (ENOSPC at its shard's fsync,
+    `support.save_gate`). The stage fails at once with a permanent error naming the checkpoint and the full disk,
+    not three retries that redo the rollouts to fail again; the partial iter_0000002.tmp is gone and no tracker
+    claims a checkpoint."""
+    from kimi_pipeline.errors import PermanentError
+    from kimi_pipeline.stages import TRAIN, run_stage
+
+    tiny, base = prepared
+    run = _copy_run(base, tmp_path / "run")
+    (save_gate / "enospc").write_text("2")
+    try:
+        with pytest.raises(PermanentError, match=r"CheckpointSpaceError .*iter_0000002: the disk filled up during the "
+                                                 r"save .*No space left on device.*iter_0000002\.tmp was removed"):
+            run_stage(TRAIN, train_recipe(tiny, RESUME_SET + ["rollout.num_rollout=2"]), run,
+                      evaluate=lambda step, urls: {})
+    finally:
+        (save_gate / "enospc").unlink()
+    ckpts = run / "train" / "checkpoints"
+    assert not list(ckpts.glob("iter_*")) and not (ckpts / "latest_checkpointed_iteration.txt").exists()
+    assert json.loads((run / "summary.json").read_text())["stages"]["train"]["status"] == "failed"
+
+
+def test_a_corrupt_latest_checkpoint_is_skipped_for_the_previous_one(trained, ray_local, uninterrupted, tmp_path,
+                                                                     caplog):
+    """Issue 40 item 6: one flipped byte in a shard of the step-4 checkpoint (same size). The resume checks it against
+    the manifest the save wrote (sizes, CRC-32), warns naming both checkpoints, resumes from step 2 and ends with the
+    uninterrupted run's metrics and evals. Without the check megatron loads the damaged tensor as it is."""
+    from kimi_pipeline.model.checkpoint_manifest import MANIFEST
+    from kimi_pipeline.stages import TRAIN, run_stage
+
+    tiny, done, _ = trained
+    run = _copy_run(done, tmp_path / "run")
+    ckpts = run / "train" / "checkpoints"
+    assert (ckpts / "iter_0000004" / MANIFEST).is_file() and (ckpts / "iter_0000002" / MANIFEST).is_file()
+    shard = ckpts / "iter_0000004" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with caplog.at_level("WARNING", logger="kimi_pipeline.rl.trainer_group"), \
+            caplog.at_level("INFO", logger="kimi_pipeline.rl.loop"):
+        run_stage(TRAIN, train_recipe(tiny, RESUME_SET + SAVE_ROLLOUTS), run)
+    assert (f"{ckpts / 'iter_0000004'} does not verify (__0_0.distcp: CRC-32 differs from the save's (corrupt)); "
+            f"resuming from {ckpts / 'iter_0000002'} instead") in caplog.text, caplog.text
+    assert "at step 2" in " ".join(m for m in caplog.messages if m.startswith("resumed from"))
+    expected_rows, expected_evals = uninterrupted
+    assert_same_rows([stable_row(x) for x in _rows(run)], expected_rows, resumed_after=2)
+    assert _eval_rows(run) == expected_evals
+
+
 RESTART_KEYS = ("engine_restarts", "retried_requests")
 
 
