@@ -1,17 +1,21 @@
 """Stage `validate`: DAPO/AIME rows through pandera; bad rows quarantined with a reason, never dropped silently.
 
-Files load through `datasets` (jsonl as text lines, so one malformed line is one bad row and not a
-crash of the JSON loader; parquet as-is). Clean rows are written to DIR/validate/{train,eval}.jsonl
-for the later stages; bad rows to DIR/validate/quarantine-{split}.jsonl with the file, line, field
-and reason. The stage fails (after writing its report) when a split's bad fraction exceeds
+Parquet loads through `datasets`; JSON lines are read as bytes and each line decoded and parsed on its own (a
+non-UTF-8 byte, a number past Python's digit limit or nesting past its JSON reader's depth is one bad row, not a
+crash of the file: `datasets`' text loader decodes the whole file at once). Every line ends clean or quarantined,
+and validation raises nothing but its own permanent `DataValidationError`. Clean rows are written to
+DIR/validate/{train,eval}.jsonl for the later stages; bad rows to DIR/validate/quarantine-{split}.jsonl with the
+file, line, field and reason. The stage fails (after writing its report) when a split's bad fraction exceeds
 `data.max_bad_fraction` or train/eval contamination exceeds `data.max_contamination`.
 """
 
 from __future__ import annotations
 
 import collections
+import gzip
 import json
 import math
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -39,52 +43,118 @@ class DataValidationError(SectionError):
 
 
 def load_rows(path: Path, cache_dir: Path | None = None) -> list[tuple[int, Any, str | None, str]]:
-    """(line, parsed object or None, json error or None, raw text) per row, via `datasets`."""
+    """(line, parsed object or None, why the line is not a row or None, raw text) per non-blank line."""
 
-    datasets.disable_progress_bars()
     path = Path(path)
     if not path.is_file():
         raise DataValidationError(f"data file {path} does not exist; run the download stage first")
     suffix = "".join(path.suffixes[-2:]) if path.suffix == ".gz" else path.suffix
-    kw = {"split": "train", "cache_dir": str(cache_dir) if cache_dir else None, "keep_in_memory": True}
-    try:
-        if suffix in (".parquet",):
-            ds = datasets.load_dataset("parquet", data_files=str(path), **kw)
-            return [(i + 1, row, None, json.dumps(row, default=str)[:RAW_PREVIEW_CHARS]) for i, row in enumerate(ds)]
-        if suffix not in (".jsonl", ".json", ".jsonl.gz", ".json.gz"):
-            raise DataValidationError(f"{path}: unsupported data format {suffix!r}; use .jsonl or .parquet")
-        ds = datasets.load_dataset("text", data_files=str(path), **kw)
-    except DataValidationError:
-        raise
-    except Exception as e:  # a corrupt parquet/gzip: name the file, not the arrow internals
-        raise DataValidationError(f"{path}: cannot be read as {suffix} ({type(e).__name__}: {str(e)[:200]})") from None
-    out = []
-    for i, rec in enumerate(ds):
-        line = rec["text"]
-        if not line.strip():
-            continue  # blank lines are not rows
+    if suffix == ".parquet":
+        datasets.disable_progress_bars()
+        kw = {"split": "train", "cache_dir": str(cache_dir) if cache_dir else None, "keep_in_memory": True}
         try:
-            obj = json.loads(line)
-            err = None if isinstance(obj, dict) else f"not a JSON object (got {type(obj).__name__})"
-        except json.JSONDecodeError as e:
-            obj, err = None, f"not valid JSON ({e.msg} at column {e.colno})"
-        out.append((i + 1, obj if err is None else None, err, line[:RAW_PREVIEW_CHARS]))
+            ds = datasets.load_dataset("parquet", data_files=str(path), **kw)
+        except Exception as e:  # a corrupt parquet: name the file, not the arrow internals
+            raise DataValidationError(f"{path}: cannot be read as {suffix} ({type(e).__name__}: {str(e)[:200]})") \
+                from None
+        return [(i + 1, row, None, json.dumps(row, default=str)[:RAW_PREVIEW_CHARS]) for i, row in enumerate(ds)]
+    if suffix not in (".jsonl", ".json", ".jsonl.gz", ".json.gz"):
+        raise DataValidationError(f"{path}: unsupported data format {suffix!r}; use .jsonl or .parquet")
+    out = []
+    try:
+        with (gzip.open(path, "rb") if suffix.endswith(".gz") else open(path, "rb")) as f:
+            for n, raw in enumerate(f, 1):
+                if raw.strip():  # blank lines are not rows
+                    out.append((n, *_parse_line(raw)))
+    except (OSError, EOFError, zlib.error) as e:  # a corrupt gzip, an unreadable file
+        raise DataValidationError(f"{path}: cannot be read as {suffix} ({type(e).__name__}: {str(e)[:200]})") from None
     return out
+
+
+def _parse_line(raw: bytes) -> tuple[Any, str | None, str]:
+    """(the row's object or None, why the line is not a row or None, its text for the quarantine) of one line."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        text = raw.decode("utf-8", errors="backslashreplace")
+        return None, f"not valid UTF-8 (byte 0x{raw[e.start]:02x} at byte {e.start + 1})", text[:RAW_PREVIEW_CHARS]
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        return None, f"not valid JSON ({e.msg} at column {e.colno})", line[:RAW_PREVIEW_CHARS]
+    except RecursionError:
+        return None, "not valid JSON (nested deeper than the JSON reader allows)", line[:RAW_PREVIEW_CHARS]
+    except ValueError as e:  # e.g. an integer past Python's digit limit
+        return None, f"not valid JSON ({str(e).split(';')[0]})", line[:RAW_PREVIEW_CHARS]
+    if not isinstance(obj, dict):
+        return None, f"not a JSON object (got {type(obj).__name__})", line[:RAW_PREVIEW_CHARS]
+    if (bad := _unencodable(obj)) is not None:
+        return None, f"not valid UTF-8 text ({bad})", line[:RAW_PREVIEW_CHARS]
+    return obj, None, line[:RAW_PREVIEW_CHARS]
+
+
+def _unencodable(obj: Any) -> str | None:
+    """A string in the row that cannot be written as UTF-8 (a lone surrogate from a JSON \\u escape), found without
+    recursion (rows may nest as deep as the JSON reader allows)."""
+    todo = [obj]
+    while todo:
+        x = todo.pop()
+        if isinstance(x, dict):
+            todo += list(x.keys()) + list(x.values())
+        elif isinstance(x, list):
+            todo += x
+        elif isinstance(x, str):
+            try:
+                x.encode("utf-8")
+            except UnicodeEncodeError as e:
+                return f"lone surrogate \\u{ord(x[e.start]):04x} from a JSON escape"
+    return None
 
 
 def _render(prompts: list[Any], tokenizer, apply_chat_template: bool) -> list[int]:
     if apply_chat_template and getattr(tokenizer, "chat_template", None):
-        texts = [tokenizer.apply_chat_template(as_messages(p), tokenize=False, add_generation_prompt=True) for p in prompts]
+        texts = [tokenizer.apply_chat_template(as_messages(p), tokenize=False, add_generation_prompt=True)
+                 for p in prompts]
     else:
         texts = [p if isinstance(p, str) else "\n".join(m["content"] for m in p) for p in prompts]
     enc = tokenizer(texts, add_special_tokens=False)["input_ids"]
     return [len(x) for x in enc]
 
 
+def _prompt_lengths(prompts: list[Any], tokenizer, apply_chat_template: bool) -> list[int | str]:
+    """Each prompt's token count with the chat template, or why it cannot be rendered: the whole batch at once, and
+    one by one only when the batch fails (so one prompt the template or tokenizer refuses is one bad row)."""
+    try:
+        return list(_render(prompts, tokenizer, apply_chat_template))
+    except Exception:  # noqa: BLE001 - find the rows at fault below
+        pass
+    out: list[int | str] = []
+    for p in prompts:
+        try:
+            out.append(_render([p], tokenizer, apply_chat_template)[0])
+        except Exception as e:  # noqa: BLE001 - a property of this row
+            out.append(f"prompt cannot be rendered with the chat template and tokenized ({type(e).__name__}: "
+                       f"{str(e)[:200]})")
+    return out
+
+
 def validate_split(
     split: str, path: Path, data: DataSpec, max_prompt_len: int, tokenizer, cache_dir: Path | None = None
 ) -> tuple[list[dict], list[dict], dict[str, Any]]:
-    """(clean rows, quarantined rows, stats) for one data file."""
+    """(clean rows, quarantined rows, stats) for one data file. Raises DataValidationError only (permanent: what
+    a file holds does not change on a retry), naming the file."""
+    try:
+        return _validate_split(split, path, data, max_prompt_len, tokenizer, cache_dir)
+    except DataValidationError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a row no check foresaw: the file named, never retried as transient
+        raise DataValidationError(f"{path}: validation stopped on this file ({type(e).__name__}: {str(e)[:300]}); "
+                                  "the rows in it defeat a check: please report it with the file") from e
+
+
+def _validate_split(
+    split: str, path: Path, data: DataSpec, max_prompt_len: int, tokenizer, cache_dir: Path | None
+) -> tuple[list[dict], list[dict], dict[str, Any]]:
     ikey, lkey = data.input_key, data.label_key
     path = Path(path)
     rows = load_rows(path, cache_dir)
@@ -106,10 +176,14 @@ def validate_split(
     df = pd.DataFrame({c: pd.Series([r[c] for r in frame], dtype=object) for c in cols})
     df["prompt_tokens"] = pd.Series([math.nan] * len(frame), dtype=float)
     valid_idx = [i for i, r in enumerate(frame) if r["json_error"] is None and prompt_problem(r["prompt"]) is None]
-    if valid_idx:
-        lengths = _render([frame[i]["prompt"] for i in valid_idx], tokenizer, data.apply_chat_template)
-        df.loc[valid_idx, "prompt_tokens"] = [float(n) for n in lengths]
     reasons: dict[int, list[tuple[str, str]]] = collections.defaultdict(list)
+    if valid_idx:
+        lengths = _prompt_lengths([frame[i]["prompt"] for i in valid_idx], tokenizer, data.apply_chat_template)
+        for i, n in zip(valid_idx, lengths):
+            if isinstance(n, str):
+                reasons[i].append((ikey, n))
+            else:
+                df.at[i, "prompt_tokens"] = float(n)
     max_tokens = max_prompt_len
     try:
         row_schema(f"{split}:{path.name}", max_tokens).validate(df, lazy=True)
@@ -161,7 +235,7 @@ def validate_split(
         "bad_rows": len(bad),
         "bad_fraction": round(len(bad) / len(rows), 6) if rows else 0.0,
         "reasons": dict(counts.most_common()),
-        "max_prompt_tokens": int(df["prompt_tokens"].max()) if valid_idx else 0,
+        "max_prompt_tokens": int(df["prompt_tokens"].max()) if df["prompt_tokens"].notna().any() else 0,
     }
     return clean, bad, stats
 
