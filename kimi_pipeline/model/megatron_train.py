@@ -418,7 +418,8 @@ def _save(ckpt_dir: Path, step: int, state: dict, extra: dict | None, device: to
     `checkpoint_manifest.space_problem`) and one object all-gather after (each rank's files with sizes and CRC-32,
     or its failure), so every rank takes the same branch. A full disk, foreseen or met (ENOSPC, which megatron's
     writer reports to all ranks as a CheckpointException), removes the temp dir and raises CheckpointSpaceError
-    (permanent: a retry would redo the rollouts since the last save and fail the same way)."""
+    (permanent: a retry would redo the rollouts since the last save and fail the same way). Any other failure is
+    raised as it was on each rank that had it (retryable unless permanent)."""
     from megatron.core import dist_checkpointing
 
     final = iteration_dir(ckpt_dir, step)
@@ -434,26 +435,30 @@ def _save(ckpt_dir: Path, step: int, state: dict, extra: dict | None, device: to
     problem = _from_rank0(problem)  # also the barrier before anyone writes
     if problem is not None:
         raise CheckpointSpaceError(problem)
-    mine: dict = {}
+    own: BaseException | None = None
     try:
         dist_checkpointing.save(state, str(tmp), content_metadata=dict(SHARDED_METADATA))
         atomic_write_json(tmp / f"rng_rank{rank:05d}.json", rng_state(device))
         mine = {"files": entries(tmp, rank_files(tmp, rank))}
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - every rank reaches the gather, whatever failed
-        mine = {"error": failure_line(e), "enospc": is_enospc(e)}
+        own, mine = e, {"error": failure_line(e), "enospc": is_enospc(e)}
     parts = _all_gather(mine)
     failed = [(r, p) for r, p in enumerate(parts) if "error" in p]
     if failed:
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        _barrier()
         why = "; ".join(f"rank {r}: {p['error']}" for r, p in failed[:4])
-        if any(p["enospc"] for _, p in failed):
+        if any(p["enospc"] for _, p in failed):  # the partial save goes: it holds the space the next one needs
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            _barrier()
             raise CheckpointSpaceError(
                 f"{final}: the disk filled up during the save ({why}); the partial {tmp.name} was removed: free "
                 f"space in {ckpt_dir} (free now: {shutil.disk_usage(ckpt_dir).free} bytes) or set "
                 "checkpoint.keep_last, then retry")
-        raise CheckpointError(f"{final}: the save failed ({why}); the partial {tmp.name} was removed")
+        # anything else stays what it was (retryable unless permanent); the next save of this step replaces the
+        # partial temp dir, as after a crash
+        if own is not None:
+            raise own
+        raise RuntimeError(f"{final}: the save failed on another rank ({why})")
     if rank == 0:
         # save_id: new on every save, so a re-save of the same step is a new checkpoint to its readers' caches
         atomic_write_json(tmp / EXTRA, {"step": step, "save_id": uuid.uuid4().hex, "extra": extra or {}})
