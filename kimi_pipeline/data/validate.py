@@ -78,19 +78,20 @@ def _parse_line(raw: bytes) -> tuple[Any, str | None, str]:
     except UnicodeDecodeError as e:
         text = raw.decode("utf-8", errors="backslashreplace")
         return None, f"not valid UTF-8 (byte 0x{raw[e.start]:02x} at byte {e.start + 1})", text[:RAW_PREVIEW_CHARS]
+    preview = line[:RAW_PREVIEW_CHARS]
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
-        return None, f"not valid JSON ({e.msg} at column {e.colno})", line[:RAW_PREVIEW_CHARS]
+        return None, f"not valid JSON ({e.msg} at column {e.colno})", preview
     except RecursionError:
-        return None, "not valid JSON (nested deeper than the JSON reader allows)", line[:RAW_PREVIEW_CHARS]
+        return None, "not valid JSON (nested deeper than the JSON reader allows)", preview
     except ValueError as e:  # e.g. an integer past Python's digit limit
-        return None, f"not valid JSON ({str(e).split(';')[0]})", line[:RAW_PREVIEW_CHARS]
+        return None, f"not valid JSON ({str(e).split(';')[0]})", preview
     if not isinstance(obj, dict):
-        return None, f"not a JSON object (got {type(obj).__name__})", line[:RAW_PREVIEW_CHARS]
+        return None, f"not a JSON object (got {type(obj).__name__})", preview
     if (bad := _unencodable(obj)) is not None:
-        return None, f"not valid UTF-8 text ({bad})", line[:RAW_PREVIEW_CHARS]
-    return obj, None, line[:RAW_PREVIEW_CHARS]
+        return None, f"not valid UTF-8 text ({bad})", preview
+    return obj, None, preview
 
 
 def _unencodable(obj: Any) -> str | None:

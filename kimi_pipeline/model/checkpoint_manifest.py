@@ -52,9 +52,9 @@ def rank_files(directory: Path, rank: int) -> list[str]:
     return shards + ([rng] if (directory / rng).is_file() else [])
 
 
-def shared_files(directory: Path, world: int) -> list[str]:
-    """Files no rank's share holds (megatron's metadata, common state, our extra state): rank 0 hashes them."""
-    owned = {n for r in range(world) for n in rank_files(directory, r)}
+def shared_files(directory: Path, owned: set[str]) -> list[str]:
+    """Files outside the ranks' shares (`owned`: the names they hashed; megatron's metadata, common state, our extra
+    state): rank 0 hashes them."""
     return sorted(p.name for p in directory.iterdir() if p.is_file() and p.name not in owned and p.name != MANIFEST)
 
 

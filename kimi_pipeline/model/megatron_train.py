@@ -424,7 +424,7 @@ def _save(ckpt_dir: Path, step: int, state: dict, extra: dict | None, device: to
 
     final = iteration_dir(ckpt_dir, step)
     tmp = final.with_name(final.name + ".tmp")
-    rank, world = _rank(), _world()
+    rank = _rank()
     problem = None
     if rank == 0:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
@@ -463,7 +463,7 @@ def _save(ckpt_dir: Path, step: int, state: dict, extra: dict | None, device: to
         # save_id: new on every save, so a re-save of the same step is a new checkpoint to its readers' caches
         atomic_write_json(tmp / EXTRA, {"step": step, "save_id": uuid.uuid4().hex, "extra": extra or {}})
         files = {name: entry for p in parts for name, entry in p["files"].items()}
-        write_manifest(tmp, {**files, **entries(tmp, shared_files(tmp, world))})
+        write_manifest(tmp, {**files, **entries(tmp, shared_files(tmp, set(files)))})
         old = final.with_name(final.name + ".old")
         if final.exists():  # re-saving a step: keep the old copy until the new one is in place
             shutil.rmtree(old, ignore_errors=True)
@@ -603,9 +603,8 @@ def load_checkpoint(
         optimizer.load_state_dict(loaded["optimizer"])
     meta = json.loads((path / EXTRA).read_text()) if (path / EXTRA).is_file() else {"extra": {}}
     rng_file = path / f"rng_rank{_rank():05d}.json"
-    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     saved_world = len(list(path.glob("rng_rank*.json")))
-    if restore_rng and rng_file.is_file() and saved_world == world:
+    if restore_rng and rng_file.is_file() and saved_world == _world():
         set_rng_state(json.loads(rng_file.read_text()), model_device(unwrap(model_chunks)))
     _barrier()
     return meta.get("extra", {})

@@ -24,7 +24,7 @@ def _iteration(root, step: int, world: int = 2):
     files = {}
     for r in range(world):
         files |= cm.entries(d, cm.rank_files(d, r))
-    cm.write_manifest(d, {**files, **cm.entries(d, cm.shared_files(d, world))})
+    cm.write_manifest(d, {**files, **cm.entries(d, cm.shared_files(d, set(files)))})
     (root / TRACKER).write_text(f"{step}\n")
     return d
 
