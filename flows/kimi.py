@@ -6,13 +6,16 @@ import contextlib
 
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
+from prefect.runtime import flow_run
 
 from flows.limits import cluster_slot
 from flows.notify import clear_failure, notify_failure, remember_run_dir
 from kimi_pipeline.cluster.lifecycle import stop_cluster
+from kimi_pipeline.cluster.run_guard import RunGuard
 from kimi_pipeline.recipes import load_recipe
 from kimi_pipeline.report.markdown import write_summary_markdown
 from kimi_pipeline.stages import CONVERT, DOWNLOAD, EXPORT, STAGES, VALIDATE, mark_skipped, prepare_run
+from kimi_pipeline.util.run_lock import release_owner
 from tasks.cluster import cluster_task
 from tasks.common import cached
 from tasks.convert import convert_task
@@ -22,8 +25,15 @@ from tasks.train import train_task
 from tasks.validate import validate_task
 
 
-@flow(name="kimi", log_prints=True, on_failure=[notify_failure], on_crashed=[notify_failure],
-      on_completion=[clear_failure])
+def let_go_of_run_dir(flow, run, state) -> None:
+    """Final-state hook: the flow run's retries are over, so its run directory's lock goes (a dead process's goes
+    with it, by the kernel)."""
+    release_owner(str(run.id))
+
+
+@flow(name="kimi", log_prints=True, on_failure=[notify_failure, let_go_of_run_dir],
+      on_crashed=[notify_failure, let_go_of_run_dir], on_completion=[clear_failure, let_go_of_run_dir],
+      on_cancellation=[let_go_of_run_dir])
 def kimi(
     recipe: str = "tiny",
     overrides: list[str] | None = None,
@@ -32,11 +42,12 @@ def kimi(
 ) -> dict:
     """Run the pipeline for a recipe (preset name or YAML path) up to and including stage `until`."""
     spec = load_recipe(recipe, overrides or [])
-    path = prepare_run(spec, run_dir)
+    path = prepare_run(spec, run_dir, owner=str(flow_run.id))  # held across this flow run's retries: hooks let go
     remember_run_dir(path)  # for the failure hook: DIR/FAILED.md
     run = str(path)
     print(f"run directory: {path}")
     selected = STAGES[: STAGES.index(until) + 1] if until else STAGES
+    guard = RunGuard(path)  # if this process is killed -9, what it started is stopped and the summary says so
     slot = contextlib.ExitStack()  # one run per Ray cluster: held from the cluster stage to its teardown
     try:
         downloaded = cached(download_task, DOWNLOAD, path)(spec, run)
@@ -57,6 +68,9 @@ def kimi(
             stop_cluster(path)  # the run's embedded Ray cluster, also on failure (kept only with cluster.keep)
         finally:
             slot.close()
-        md = write_summary_markdown(path)
-        create_markdown_artifact(md.read_text(), key="run-summary", description=f"{spec.name}: {path}")
+        try:
+            md = write_summary_markdown(path)
+            create_markdown_artifact(md.read_text(), key="run-summary", description=f"{spec.name}: {path}")
+        finally:
+            guard.done()
     return {"run_dir": run, "summary": str(path / "summary.json")}

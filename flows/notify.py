@@ -18,6 +18,7 @@ from typing import Any
 import httpx  # a Prefect dependency; no extra package
 
 from kimi_pipeline.util.files import atomic_write_text
+from kimi_pipeline.util.run_lock import held_elsewhere
 
 WEBHOOK_ENV = "KIMI_NOTIFY_WEBHOOK"
 FAILED_FILE = "FAILED.md"
@@ -46,7 +47,9 @@ def _run_dir(flow_run) -> Path | None:
     if str(flow_run.id) in _RUN_DIRS:
         return _RUN_DIRS[str(flow_run.id)]
     given = (flow_run.parameters or {}).get("run_dir")
-    return Path(given) if given else None
+    if not given or held_elsewhere(given):  # another run's directory (this one failed to take it): not ours to write
+        return None
+    return Path(given)
 
 
 def _failed_stages(run_dir: Path | None) -> list[tuple[str, str]]:

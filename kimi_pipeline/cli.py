@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Optional, TypeVar
 
@@ -18,6 +19,7 @@ from kimi_pipeline.cluster.cli import cluster_app
 from kimi_pipeline.cluster.errors import ClusterConfigError
 from kimi_pipeline.cluster.lifecycle import attach_driver
 from kimi_pipeline.cluster.preflight import report_markdown, run_preflight
+from kimi_pipeline.cluster.run_guard import mark_interrupted, stop_children, stop_on_signals
 from kimi_pipeline.data.tiny_assets import BASE_POLICY_TOLERANCE, build_tiny_assets_reproducibly, compare_builds
 from kimi_pipeline.errors import PermanentError
 from kimi_pipeline.eval.record import EvalSections, base_policy_scores, evaluate_checkpoint
@@ -26,9 +28,9 @@ from kimi_pipeline.plan import plan_command
 from kimi_pipeline.recipes import RecipeError, check_recipe, load_recipe, pipeline_layers, preset_names, recipe_to_yaml
 from kimi_pipeline.report.progress import echo_to_stderr, set_quiet
 from kimi_pipeline.rl.rehearse import refused_layout, run_rehearsal
-from kimi_pipeline.stages import CONVERT, DOWNLOAD, EXPORT, STAGES, TRAIN, VALIDATE, prepare_run, run_stage
+from kimi_pipeline.stages import CONVERT, DOWNLOAD, EXPORT, STAGES, TRAIN, VALIDATE, prepare_run, release_run, run_stage
 from kimi_pipeline.util.files import atomic_write_json, atomic_write_text
-from kimi_pipeline.util.paths import resolve_path
+from kimi_pipeline.util.paths import new_run_dir, resolve_path
 from kimi_pipeline.util.prefect_env import configure_prefect_env
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Kimi-K2-family RL post-training pipeline.")
@@ -55,6 +57,16 @@ def _run_or_exit(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         raise typer.Exit(1) from None
 
 
+@contextmanager
+def _run_dir(recipe, run_dir: Path) -> Iterator[Path]:
+    """The run directory, this command's alone until it ends (its lock); one another run holds is an error line."""
+    path = _run_or_exit(prepare_run, recipe, run_dir)
+    try:
+        yield path
+    finally:
+        release_run(path)
+
+
 @app.command()
 def run(
     recipe: str = typer.Option("tiny", "--recipe", "-r", help=RECIPE_HELP),
@@ -76,13 +88,23 @@ def run(
     from flows.kimi import kimi
 
     console.print(f"recipe [bold]{r.name}[/bold]; Prefect home {os.environ['PREFECT_HOME']}")
-    state = kimi(recipe=recipe, overrides=list(set_), run_dir=str(run_dir) if run_dir else None, until=until, return_state=True)
+    run_dir = run_dir or new_run_dir(r.paths.base_dir, r.name)  # known here, so an interrupted run can be marked
+    stop_on_signals()
+    try:
+        state = kimi(recipe=recipe, overrides=list(set_), run_dir=str(run_dir), until=until, return_state=True)
+    except KeyboardInterrupt as e:  # SIGINT, SIGTERM, SIGHUP: the flow has unwound; stop what it left, mark the run
+        stopped = stop_children()
+        marked = mark_interrupted(run_dir, os.getpid()) if (run_dir / "summary.json").is_file() else []
+        err.print(f"run stopped ({e or 'SIGINT'}); {stopped} process(es) it started stopped; stage(s) marked "
+                  f"interrupted: {', '.join(marked) or 'none'}; run directory {run_dir}", highlight=False, markup=False)
+        raise typer.Exit(130) from None
     result = state.result(raise_on_failure=False)
     out = result if isinstance(result, dict) else {}
     rd = out.get("run_dir") or (str(run_dir) if run_dir else None)
     if rd:
         console.print(f"run directory: {rd}\nsummary: {Path(rd) / 'summary.json'}\nreport:  {Path(rd) / 'summary.md'}")
     if not state.is_completed():
+        stop_children()  # anything the failed flow left running (its temporary Prefect server is stopped at exit)
         err.print(f"[red]flow {state.name}:[/red] {result}", markup=True, highlight=False)
         raise typer.Exit(1)
 
@@ -113,7 +135,8 @@ def download(
     """Stage `download` alone (HF token from HF_TOKEN)."""
 
     r = recipe_or_exit(recipe, set_)
-    section = _run_or_exit(run_stage, DOWNLOAD, r, prepare_run(r, run_dir))
+    with _run_dir(r, run_dir) as path:
+        section = _run_or_exit(run_stage, DOWNLOAD, r, path)
     console.print_json(json.dumps(section))
 
 
@@ -126,7 +149,8 @@ def validate(
     """Stage `validate` alone (after `download` in the same run dir)."""
 
     r = recipe_or_exit(recipe, set_)
-    section = _run_or_exit(run_stage, VALIDATE, r, prepare_run(r, run_dir))
+    with _run_dir(r, run_dir) as path:
+        section = _run_or_exit(run_stage, VALIDATE, r, path)
     console.print_json(json.dumps({k: v for k, v in section.items() if k not in ("train", "eval")}))
 
 
@@ -139,7 +163,8 @@ def convert(
     """Stage `convert` alone: HF → torch_dist over the recipe's conversion nodes, verified."""
 
     r = recipe_or_exit(recipe, set_)
-    section = _run_or_exit(run_stage, CONVERT, r, prepare_run(r, run_dir))
+    with _run_dir(r, run_dir) as path:
+        section = _run_or_exit(run_stage, CONVERT, r, path)
     console.print_json(json.dumps(section, default=str))
 
 
@@ -163,15 +188,9 @@ def train(
     r = recipe_or_exit(recipe, set_)
     set_quiet(quiet)
     echo_to_stderr()
-    section = _run_or_exit(
-        run_stage,
-        TRAIN,
-        r,
-        prepare_run(r, run_dir),
-        ray_address=ray_address,
-        replay=replay_rollouts,
-        rollout_only=rollout_only,
-    )
+    with _run_dir(r, run_dir) as path:
+        section = _run_or_exit(run_stage, TRAIN, r, path, ray_address=ray_address, replay=replay_rollouts,
+                               rollout_only=rollout_only)
     console.print_json(json.dumps(section, default=str))
 
 
@@ -188,9 +207,9 @@ def export(
     """Stage `export` alone: a training checkpoint → INT4 compressed-tensors HF directory, verified."""
 
     r = recipe_or_exit(recipe, set_)
-    path = prepare_run(r, run_dir)
-    ckpt = checkpoint or path / "train" / "checkpoints"
-    section = _run_or_exit(run_stage, EXPORT, r, path, checkpoint_dir=ckpt, step=step)
+    with _run_dir(r, run_dir) as path:
+        ckpt = checkpoint or path / "train" / "checkpoints"
+        section = _run_or_exit(run_stage, EXPORT, r, path, checkpoint_dir=ckpt, step=step)
     console.print_json(json.dumps(section, default=str))
 
 

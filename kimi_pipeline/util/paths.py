@@ -26,6 +26,17 @@ def resolve_path(value: str | Path, base_dir: str | Path = "runs") -> Path:
 
 
 def new_run_dir(base_dir: str | Path, recipe_name: str) -> Path:
+    """A fresh `<base_dir>/<time>-<recipe>` directory, created here and never an existing one: two runs of a recipe
+    started in the same second get `…-<recipe>` and `…-<recipe>-2` (mkdir is atomic, so the race has one winner)."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
     safe = re.sub(r"[^A-Za-z0-9_.-]+", "-", recipe_name)
-    return resolve_path(base_dir) / f"{stamp}-{safe}"
+    base = resolve_path(base_dir)
+    base.mkdir(parents=True, exist_ok=True)
+    for n in range(1, 10_000):
+        path = base / (f"{stamp}-{safe}" if n == 1 else f"{stamp}-{safe}-{n}")
+        try:
+            path.mkdir()
+        except FileExistsError:
+            continue
+        return path
+    raise FileExistsError(f"{base}: 9999 run directories named {stamp}-{safe}-N already exist")

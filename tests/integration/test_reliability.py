@@ -3,7 +3,10 @@ test_train kill -9, test_hub_download corrupt shard re-fetch, test_convert inter
 test_validate malformed rows; flow level: test_deployment kill -9 through a served deployment run):
 
 - a corrupt model shard fails the flow at `download`, not retried, naming the file; the failure hook
-  writes DIR/FAILED.md and posts the webhook (secrets redacted); a fixed re-run clears FAILED.md;
+  writes DIR/FAILED.md and posts the webhook (secrets redacted); a fixed re-run clears FAILED.md; a flow run on a
+  run dir another run holds fails at once naming the holder and writes nothing there;
+- `kimi run` stopped by SIGTERM or killed -9 mid-conversion leaves nothing it started running, and summary.json
+  says the conversion did not finish;
 - a Ray node lost during `train`: the stage fails clearly (the actors it lost), and once the node is
   back the retry resumes from the last checkpoint and completes;
 - the W&B mirror of the metrics (real wandb, offline) writes no secret into any file;
@@ -15,12 +18,16 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import pickle
 import shutil
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from support.common import ROOT, tiny_overrides, train_recipe
@@ -73,6 +80,22 @@ def test_corrupt_shard_fails_the_flow_naming_it_and_the_failure_hook_reports(tmp
         flip_byte(shard)  # restored: the same run dir completes and the stale FAILED.md goes away
         again = kimi(recipe="tiny", overrides=tiny_overrides(tiny_copy), run_dir=str(run_dir), until="download",
                      return_state=True)
+        notes_before = len(received)
+        held = tmp_path / "held"
+        holder = subprocess.Popen([sys.executable, "-c", HOLD_RUN_DIR, str(held)], stdout=subprocess.PIPE, text=True)
+        try:
+            assert holder.stdout.readline().strip() == "held"
+            refused = kimi(recipe="tiny", overrides=tiny_overrides(tiny_copy), run_dir=str(held), until="download",
+                           return_state=True)
+        finally:
+            holder.kill()
+            holder.wait(timeout=30)
+    # one run per run directory: a flow run on a directory another run holds fails at once naming the holder, and
+    # writes nothing there (no summary, no FAILED.md in the other run's directory)
+    assert refused.is_failed() and f"pid {holder.pid}" in str(refused.message) and "flow run other-run" in str(
+        refused.message), refused.message
+    assert sorted(p.name for p in held.iterdir()) == [".run.lock"]
+    assert len(received) == notes_before + 1 and received[-1]["run_dir"] is None
     assert state.is_failed()
     # not retried: a corrupt local file is a permanent error
     assert [(t.name.rsplit("-", 1)[0], t.state.name, t.run_count) for t in runs] == [("download", "Failed", 1)]
@@ -80,12 +103,21 @@ def test_corrupt_shard_fails_the_flow_naming_it_and_the_failure_hook_reports(tmp
     assert str(shard) in summary["stages"]["download"]["error"] and "sha256" in summary["stages"]["download"]["error"]
 
     assert "download" in failed and shard.name in failed and "Re-running with the same parameters" in failed
-    assert len(received) == 1, received
+    assert notes_before == 1, received
     note = received[0]
     assert note["state"] == "Failed" and note["failed_stages"] == ["download"] and note["run_dir"] == str(run_dir)
     assert shard.name in note["text"] and note["flow_run_id"] == str(state.state_details.flow_run_id)
     assert HF_SENTINEL not in json.dumps(note) and HF_SENTINEL not in failed
-    assert again.is_completed() and not (run_dir / FAILED_FILE).exists() and len(received) == 1
+    assert again.is_completed() and not (run_dir / FAILED_FILE).exists() and notes_before == 1
+
+
+HOLD_RUN_DIR = """
+import sys, time
+from kimi_pipeline.util import run_lock
+run_lock.take(sys.argv[1], "other-run")
+print("held", flush=True)
+time.sleep(600)
+"""
 
 
 def test_failure_report_redacts_secrets(monkeypatch):
@@ -352,3 +384,98 @@ def test_planted_pickles_in_the_model_dir_are_never_loaded(tmp_path, tiny_copy, 
     monkeypatch.undo()
     pickle.loads((model_dir / "training_args.bin").read_bytes())
     assert marker.exists()
+
+
+# --------------------------------------------------------------------------- the run's own process dies
+
+
+@pytest.fixture(scope="module")
+def prefect_home(tmp_path_factory) -> Path:
+    """One Prefect home for the kill tests: its database migrations run once."""
+    return tmp_path_factory.mktemp("prefect-home")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_kimi_run_stopped_during_convert_leaves_nothing_it_started_and_says_so(sig, tmp_path, tiny_copy,
+                                                                               prefect_home):
+    """`kimi run` signalled while its conversion runs: its temporary Prefect API server, the conversion's agents and
+    ranks and the run guard are all gone afterwards (SIGTERM: the run unwinds; SIGKILL: the run guard stops them),
+    and summary.json says the conversion did not finish."""
+    from support.learning import kimi_command
+
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "PREFECT_HOME": str(prefect_home), "COLUMNS": "200"}
+    cmd = [*kimi_command(), "run", "--run-dir", str(run_dir), "--until", "convert"]
+    cmd += [a for o in tiny_overrides(tiny_copy) for a in ("--set", o)]
+    log = open(tmp_path / "kimi-run.log", "w")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    owner = psutil.Process(proc.pid)
+    started: dict[int, psutil.Process] = {}
+    names: dict[int, str] = {}
+
+    def look() -> None:  # what the run has started so far, named while they live
+        for c in owner.children(recursive=True):
+            if c.pid not in started:
+                started[c.pid], names[c.pid] = c, " ".join(_cmdline(c))[:200]
+
+    deadline = time.monotonic() + 600
+    try:
+        while time.monotonic() < deadline and proc.poll() is None:
+            look()
+            summary = _summary_or_empty(run_dir)
+            if summary.get("stages", {}).get("convert", {}).get("status") == "running" and any(
+                    "torch.distributed.run" in c for c in names.values()):
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail(f"the conversion never ran: {(tmp_path / 'kimi-run.log').read_text()[-3000:]}")
+        time.sleep(1.0)
+        look()
+        os.kill(proc.pid, sig)
+        code = proc.wait(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+    out = (tmp_path / "kimi-run.log").read_text()
+    assert any("uvicorn" in c and "prefect.server" in c for c in names.values()), names  # the test saw the server
+    assert any("run_guard" in c for c in names.values()) and any("torch.distributed.run" in c
+                                                                 for c in names.values()), names
+    left: dict[int, str] = {}
+    deadline = time.monotonic() + 90  # SIGKILL: the guard notices within its poll and gives each a grace period
+    while time.monotonic() < deadline:
+        left = {pid: names[pid] for pid, p in started.items() if _alive(p)}
+        if not left:
+            break
+        time.sleep(0.5)
+    assert not left, f"left running after {sig.name}: {left}\n{out[-3000:]}"
+    convert = json.loads((run_dir / "summary.json").read_text())["stages"]["convert"]
+    assert convert["status"] == "failed", convert
+    if sig == signal.SIGTERM:
+        assert code == 130 and "run stopped (stopped by SIGTERM" in out, out[-3000:]
+    else:
+        assert code == -signal.SIGKILL
+        assert convert.get("interrupted") is True and f"pid {proc.pid}" in convert["error"], convert
+        assert "re-run with the same run directory" in convert["error"]
+
+
+def _summary_or_empty(run_dir: Path) -> dict:
+    try:
+        return json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _cmdline(p: psutil.Process) -> list[str]:
+    try:
+        return p.cmdline()
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return []
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

@@ -66,16 +66,16 @@ def ray_local(save_gate, engine_gate_dir):
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory) -> tuple[Path, Path]:
     """A run dir after download → validate → convert (1 rank: the conversion has its own tests)."""
-    from kimi_pipeline.stages import CONVERT, DOWNLOAD, VALIDATE, prepare_run, run_stage
+    from kimi_pipeline.stages import CONVERT, DOWNLOAD, VALIDATE, prepared_run, run_stage
 
     root = tmp_path_factory.mktemp("train")
     tiny = root / "tiny"
     shutil.copytree(Path(__file__).resolve().parents[2] / "data" / "tiny", tiny)
     r = train_recipe(tiny)
-    run = prepare_run(r, root / "base")
-    run_stage(DOWNLOAD, r, run)
-    run_stage(VALIDATE, r, run)
-    run_stage(CONVERT, r, run)
+    with prepared_run(r, root / "base") as run:  # let go before the tests copy it and run `kimi train` in the copies
+        run_stage(DOWNLOAD, r, run)
+        run_stage(VALIDATE, r, run)
+        run_stage(CONVERT, r, run)
     return tiny, run
 
 

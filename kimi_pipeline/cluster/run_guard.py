@@ -1,0 +1,168 @@
+"""`python -m kimi_pipeline.cluster.run_guard --owner-pid PID --run-dir DIR`: nothing a run started outlives it.
+
+A flow process killed with SIGKILL (or OOM-killed) runs no `finally`, no `atexit`: its temporary Prefect API
+server, its weight-job agents and anything else it started would be orphaned, and summary.json would say a stage
+is still running. This guard, a detached process started when the run takes its directory, watches the owner:
+
+- while the owner lives it remembers the owner's descendants every `--poll` seconds (after the owner dies they
+  are reparented and can no longer be told apart);
+- when the owner dies, it stops those still alive (SIGTERM, then SIGKILL after a grace period; a pid is matched
+  with its start time, so a reused pid is never hit), and marks every stage summary.json has as running as failed,
+  `interrupted`, saying how to resume.
+
+The embedded Ray cluster is not its business: the cluster's own watchdog (`cluster/watchdog.py`) tears it down,
+and keeps it when the recipe says `cluster.keep`, so processes carrying the cluster's marker are left to it.
+The owner ends the guard on a normal exit by writing `done` to its stdin; EOF without `done` means it died.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+from kimi_pipeline.cluster.procs import MARKER_VAR, stop_processes
+from kimi_pipeline.report.summary import RunSummary
+
+DONE = b"done\n"
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+PREFECT_SERVER_APP = "prefect.server.api.server:create_app"  # the temporary API server's uvicorn factory
+
+
+class RunStopped(KeyboardInterrupt):
+    """SIGTERM / SIGHUP of the run's process, raised where it waits, so that the run unwinds as on Ctrl-C: the
+    flow's `finally` stops its cluster, then `stop_children` and atexit stop what else it started."""
+
+
+def stop_on_signals() -> None:
+    """SIGTERM and SIGHUP stop this process as SIGINT does (Python's default for them exits without unwinding:
+    no `finally`, no atexit, so the temporary Prefect server and the cluster were left running)."""
+
+    def stop(signum: int, frame) -> None:
+        raise RunStopped(f"stopped by {signal.Signals(signum).name}: re-run with the same --run-dir to resume")
+
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, stop)
+
+
+def _prefect_server(p: psutil.Process) -> bool:
+    try:
+        return PREFECT_SERVER_APP in " ".join(p.cmdline())
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return False
+
+
+def stop_children(grace_s: float = 5.0) -> int:
+    """Stop every process this one started that is still alive (not the Ray cluster's: its watchdog owns them; not
+    the temporary Prefect server: Prefect stops it at exit, after its log handler has sent the last lines);
+    returns how many. Called by a run unwinding from a signal or a failure, after its flow has ended."""
+    left = [p for p in _descendants(psutil.Process()).values() if not _prefect_server(p)]
+    if left:
+        stop_processes(left, grace_s=grace_s)
+    return len(left)
+
+
+def _descendants(owner: psutil.Process) -> dict[int, psutil.Process]:
+    """The owner's descendants now, without the guard itself and the Ray cluster's processes."""
+    found: dict[int, psutil.Process] = {}
+    try:
+        children = owner.children(recursive=True)
+    except psutil.NoSuchProcess:
+        return found
+    for p in children:
+        if p.pid == os.getpid():
+            continue
+        try:
+            if MARKER_VAR in p.environ():
+                continue
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+        found[p.pid] = p
+    return found
+
+
+def mark_interrupted(run_dir: Path, owner_pid: int) -> list[str]:
+    """Every stage summary.json has as running becomes failed + interrupted; returns their names."""
+    summary = RunSummary(run_dir)
+    running = [name for name, s in summary.read().get("stages", {}).items() if s.get("status") == "running"]
+    for name in running:
+        summary.set_stage(name, "failed", None, interrupted=True,
+                          error=f"the run's process (pid {owner_pid} on {socket.gethostname()}) died while this stage "
+                                f"ran (killed or out of memory); nothing it started is left: re-run with the same "
+                                f"run directory to resume (training from its last checkpoint)")
+    return running
+
+
+def watch(owner_pid: int, run_dir: Path, poll_s: float, stop_fd: int | None) -> int:
+    try:
+        owner = psutil.Process(owner_pid)
+    except psutil.NoSuchProcess:
+        return 0
+    seen: dict[int, psutil.Process] = {}
+    while owner.is_running() and owner.status() != psutil.STATUS_ZOMBIE:
+        seen = {pid: p for pid, p in seen.items() if p.is_running()} | _descendants(owner)
+        if stop_fd is not None:
+            ready, _, _ = select.select([stop_fd], [], [], poll_s)
+            if ready:
+                data = os.read(stop_fd, 64)
+                if data.startswith(DONE.strip()):
+                    return 0  # the owner ended normally and has cleaned up
+                if not data:
+                    stop_fd = None  # EOF: the owner is dying; confirm by its pid on the next turn
+        else:
+            time.sleep(poll_s)
+    left = [p for p in seen.values() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    counts = stop_processes(left) if left else {}
+    stages = mark_interrupted(run_dir, owner_pid) if (run_dir / "summary.json").is_file() else []
+    print(f"owner {owner_pid} died: stopped {len(left)} process(es) it started {counts}; "
+          f"stages marked interrupted: {stages or 'none'}", flush=True)
+    return 0
+
+
+class RunGuard:
+    """The owner's handle on its guard: `start` when the run takes its directory, `done` when it ends cleanly."""
+
+    def __init__(self, run_dir: Path, poll_s: float = 0.5):
+        log_path = Path(run_dir) / "run-guard.log"
+        with open(log_path, "a") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "kimi_pipeline.cluster.run_guard", "--owner-pid", str(os.getpid()),
+                 "--run-dir", str(run_dir), "--poll", str(poll_s)],
+                stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True,  # a terminal's Ctrl-C (its process group) must not stop the guard too
+            )
+
+    def done(self) -> None:
+        """The run ended in this process (normally, or unwinding an error or a signal): the guard has nothing to do."""
+        if self.proc.stdin is None or self.proc.stdin.closed:
+            return
+        try:
+            self.proc.stdin.write(DONE)
+            self.proc.stdin.close()
+        except BrokenPipeError:
+            pass
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--owner-pid", type=int, required=True)
+    ap.add_argument("--run-dir", type=Path, required=True)
+    ap.add_argument("--poll", type=float, default=0.5)
+    args = ap.parse_args(argv)
+    return watch(args.owner_pid, args.run_dir, args.poll, sys.stdin.fileno())
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
