@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 
 from prefect import flow
-from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run
 
 from flows.limits import cluster_slot
@@ -15,9 +14,10 @@ from kimi_pipeline.cluster.run_guard import RunGuard
 from kimi_pipeline.recipes import load_recipe
 from kimi_pipeline.report.markdown import write_summary_markdown
 from kimi_pipeline.stages import CONVERT, DOWNLOAD, EXPORT, STAGES, VALIDATE, mark_skipped, prepare_run
+from kimi_pipeline.util.redact import install_log_redaction
 from kimi_pipeline.util.run_lock import release_owner
 from tasks.cluster import cluster_task
-from tasks.common import cached
+from tasks.common import cached, markdown_artifact
 from tasks.convert import convert_task
 from tasks.download import download_task
 from tasks.export import export_task
@@ -41,6 +41,7 @@ def kimi(
     until: str | None = None,
 ) -> dict:
     """Run the pipeline for a recipe (preset name or YAML path) up to and including stage `until`."""
+    install_log_redaction()  # a served run's own process: its log records reach the Prefect API redacted
     spec = load_recipe(recipe, overrides or [])
     path = prepare_run(spec, run_dir, owner=str(flow_run.id))  # held across this flow run's retries: hooks let go
     remember_run_dir(path)  # for the failure hook: DIR/FAILED.md
@@ -70,7 +71,7 @@ def kimi(
             slot.close()
         try:
             md = write_summary_markdown(path)
-            create_markdown_artifact(md.read_text(), key="run-summary", description=f"{spec.name}: {path}")
+            markdown_artifact(md.read_text(), "run-summary", f"{spec.name}: {path}")
         finally:
             guard.done()
     return {"run_dir": run, "summary": str(path / "summary.json")}

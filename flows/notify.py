@@ -3,7 +3,8 @@
 What a person woken up by a failed nightly run needs, in three places: `DIR/FAILED.md` (next to
 summary.json), an ERROR line in the flow run's log, and — when `KIMI_NOTIFY_WEBHOOK` is set — a JSON
 POST (Slack-compatible `text` field) to that URL. Secrets known to this process are redacted from all
-three. Hooks run in the flow's process after its final state is set: they must never raise.
+three (`kimi_pipeline.util.redact`: secret env values, Prefect Secret values, token shapes). Hooks run in the
+flow's process after its final state is set: they must never raise.
 A server-side Prefect Automation (README) covers runs whose process died before a hook could run.
 """
 
@@ -11,18 +12,17 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from pathlib import Path
 from typing import Any
 
 import httpx  # a Prefect dependency; no extra package
 
 from kimi_pipeline.util.files import atomic_write_text
+from kimi_pipeline.util.redact import redact, redact_data
 from kimi_pipeline.util.run_lock import held_elsewhere
+from kimi_pipeline.util.secret_env import WEBHOOK_ENV
 
-WEBHOOK_ENV = "KIMI_NOTIFY_WEBHOOK"
 FAILED_FILE = "FAILED.md"
-SECRET_ENVS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "WANDB_API_KEY", "RAY_AUTH_TOKEN")
 _RUN_DIRS: dict[str, Path] = {}  # flow run id -> run dir (a default run dir is only known inside the flow)
 
 
@@ -32,15 +32,6 @@ def remember_run_dir(run_dir: Path) -> None:
 
     if flow_run.id:
         _RUN_DIRS[str(flow_run.id)] = Path(run_dir)
-
-
-def redact(text: str) -> str:
-    """Remove the values of secret env vars and anything shaped like an HF token."""
-    for var in SECRET_ENVS:
-        value = os.environ.get(var)
-        if value and len(value) >= 6:
-            text = text.replace(value, f"<{var}>")
-    return re.sub(r"\bhf_[A-Za-z0-9]{20,}\b", "<hf-token>", text)
 
 
 def _run_dir(flow_run) -> Path | None:
@@ -70,15 +61,15 @@ def _ui_url(flow_run_id: Any) -> str | None:
 
 
 def failure_report(flow_run, state, run_dir: Path | None) -> dict[str, Any]:
-    """The facts of a failed run (also the webhook payload)."""
+    """The facts of a failed run (also the webhook payload), redacted whole: parameters too."""
     stages = _failed_stages(run_dir)
-    message = redact(str(state.message or state.name))
-    stage_text = "; ".join(f"{name}: {redact(err.splitlines()[0]) if err else 'failed'}" for name, err in stages)
+    message = str(state.message or state.name)
+    stage_text = "; ".join(f"{name}: {err.splitlines()[0] if err else 'failed'}" for name, err in stages)
     text = (f"kimi flow run {flow_run.name!r} {state.name}"
             + (f" in stage {', '.join(n for n, _ in stages)}" if stages else "")
             + f": {stage_text or message}"
             + (f" (run dir {run_dir})" if run_dir else ""))
-    return {
+    return redact_data({
         "text": text,
         "flow_run_id": str(flow_run.id),
         "flow_run_name": flow_run.name,
@@ -89,10 +80,11 @@ def failure_report(flow_run, state, run_dir: Path | None) -> dict[str, Any]:
         "run_dir": str(run_dir) if run_dir else None,
         "ui_url": _ui_url(flow_run.id),
         "parameters": {k: v for k, v in (flow_run.parameters or {}).items()},
-    }
+    })
 
 
 def failure_markdown(report: dict[str, Any], run_dir: Path | None) -> str:
+    """DIR/FAILED.md's text, redacted whole (like the report it is made from)."""
     lines = [f"# Run failed: {report['state']}", "", report["text"], ""]
     if report["ui_url"]:
         lines += [f"Prefect UI: {report['ui_url']}", ""]
@@ -104,7 +96,7 @@ def failure_markdown(report: dict[str, Any], run_dir: Path | None) -> str:
         "Re-running with the same parameters (same `run_dir`) reuses the cached stages and resumes training "
         "from its latest checkpoint" + (f": see `{run_dir / 'summary.json'}` for every stage." if run_dir else "."),
     ]
-    return "\n".join(lines) + "\n"
+    return redact("\n".join(lines) + "\n")
 
 
 def post_webhook(url: str, payload: dict[str, Any], timeout_s: float = 10.0) -> int:

@@ -32,6 +32,7 @@ from kimi_pipeline.stages import CONVERT, DOWNLOAD, EXPORT, STAGES, TRAIN, VALID
 from kimi_pipeline.util.files import atomic_write_json, atomic_write_text
 from kimi_pipeline.util.paths import new_run_dir, resolve_path
 from kimi_pipeline.util.prefect_env import configure_prefect_env
+from kimi_pipeline.util.redact import install_log_redaction, redact
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Kimi-K2-family RL post-training pipeline.")
 recipe_app = typer.Typer(no_args_is_help=True, help="List, show and check recipes.")
@@ -53,7 +54,7 @@ def _run_or_exit(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     try:
         return fn(*args, **kwargs)
     except (PermanentError, DownloadError) as e:
-        err.print(f"error: {e}", highlight=False, markup=False)
+        err.print(f"error: {redact(str(e))}", highlight=False, markup=False)
         raise typer.Exit(1) from None
 
 
@@ -105,7 +106,7 @@ def run(
         console.print(f"run directory: {rd}\nsummary: {Path(rd) / 'summary.json'}\nreport:  {Path(rd) / 'summary.md'}")
     if not state.is_completed():
         stop_children()  # anything the failed flow left running (its temporary Prefect server is stopped at exit)
-        err.print(f"[red]flow {state.name}:[/red] {result}", markup=True, highlight=False)
+        err.print(f"[red]flow {state.name}:[/red] {redact(str(result))}", markup=True, highlight=False)
         raise typer.Exit(1)
 
 
@@ -419,6 +420,7 @@ def data_make_tiny(
 
 
 def main() -> None:  # console-script entry point
+    install_log_redaction()  # before any command logs: the in-process flow, `kimi serve`, single stages
     app()
 
 

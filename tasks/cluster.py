@@ -13,13 +13,12 @@ from pathlib import Path
 from typing import Any
 
 from prefect import task
-from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
 from kimi_pipeline.cluster.lifecycle import PREFLIGHT_MD
 from kimi_pipeline.recipes import Recipe
 from kimi_pipeline.stages import CLUSTER
-from tasks.common import RETRY_DELAYS, retry_unless_permanent, run_stage_task
+from tasks.common import RETRY_DELAYS, markdown_artifact, retry_unless_permanent, run_stage_task
 
 
 @task(
@@ -38,5 +37,4 @@ def cluster_task(recipe: Recipe, run_dir: str, timeout_s: float | None = None) -
     finally:
         report = Path(run_dir) / "cluster" / PREFLIGHT_MD
         if report.is_file():
-            create_markdown_artifact(report.read_text(), key="cluster-preflight",
-                                     description=f"preflight of the Ray cluster of {recipe.name}")
+            markdown_artifact(report.read_text(), "cluster-preflight", f"preflight of the Ray cluster of {recipe.name}")

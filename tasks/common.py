@@ -1,4 +1,5 @@
-"""Shared task plumbing: retry policy, content-hash cache keys, output-presence checks (`cached`)."""
+"""Shared task plumbing: retry policy, content-hash cache keys, output-presence checks (`cached`), artifacts (every
+one redacted: the Prefect API stores them and the UI shows them to whoever can read the workspace)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from kimi_pipeline.recipes import Recipe
 from kimi_pipeline.stages import Stage, StageReport, run_stage
 from kimi_pipeline.stages.runner import Publish
 from kimi_pipeline.util.files import sha256_json
+from kimi_pipeline.util.redact import redact, redact_data
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -57,11 +59,18 @@ def publish_artifact(recipe: Recipe) -> Publish:
 
     def publish(report: StageReport, section: dict[str, Any], failed: bool) -> None:
         title = (report.failed_title if failed else report.title) or ""
-        description = title.format_map({**section, "recipe": recipe.name})
-        create = create_table_artifact if report.table else create_markdown_artifact
-        create(report.render(section), key=report.key, description=description)
+        description = redact(title.format_map({**section, "recipe": recipe.name}))
+        if report.table:
+            create_table_artifact(redact_data(report.render(section)), key=report.key, description=description)
+        else:
+            markdown_artifact(report.render(section), report.key, description)
 
     return publish
+
+
+def markdown_artifact(markdown: str, key: str, description: str) -> None:
+    """A markdown artifact, redacted (every task's and the flow's)."""
+    create_markdown_artifact(redact(markdown), key=key, description=redact(description))
 
 
 def run_stage_task(stage: Stage, recipe: Recipe, run_dir: str | Path, **inputs: Any) -> dict[str, Any]:

@@ -1,8 +1,14 @@
-"""Secrets from Prefect Secret blocks when they exist (env vars otherwise); never logged."""
+"""Secrets from Prefect Secret blocks when they exist (env vars otherwise); never logged.
+
+Each value found is registered for redaction: a block's value is in no env var, so without it summary.json, logs,
+artifacts and FAILED.md would not know to hide it."""
 
 from __future__ import annotations
 
 import os
+
+from kimi_pipeline.util.redact import register_secret
+from kimi_pipeline.util.secret_env import WANDB_KEY_ENV
 
 
 def secret(block_name: str, env_var: str) -> str | None:
@@ -11,9 +17,11 @@ def secret(block_name: str, env_var: str) -> str | None:
     try:
         from prefect.blocks.system import Secret
 
-        return Secret.load(block_name, _sync=True).get()
+        value = Secret.load(block_name, _sync=True).get()
     except Exception:  # no such block / no API: the secret is simply not configured
         return None
+    register_secret(value if isinstance(value, str) else None, env_var)
+    return value
 
 
 def hf_token() -> str | None:
@@ -21,4 +29,4 @@ def hf_token() -> str | None:
 
 
 def wandb_key() -> str | None:
-    return secret("wandb-api-key", "WANDB_API_KEY")
+    return secret("wandb-api-key", WANDB_KEY_ENV)

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from prefect import task
-from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
+from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 
 from kimi_pipeline.engine.client import EnginesDown
@@ -21,7 +21,7 @@ from kimi_pipeline.hub.download import model_root
 from kimi_pipeline.recipes import Recipe
 from kimi_pipeline.rl.actor_layout import ActorLayout, layout_markdown
 from kimi_pipeline.stages import TRAIN
-from tasks.common import RETRY_DELAYS, retry_unless_permanent, run_stage_task
+from tasks.common import RETRY_DELAYS, markdown_artifact, retry_unless_permanent, run_stage_task
 
 
 def _retry_eval(task, task_run, state) -> bool:
@@ -47,7 +47,7 @@ def _retry_eval(task, task_run, state) -> bool:
 )
 def eval_task(recipe: Recipe, run_dir: str, step: int, engine_urls: list[str], model_dir: str) -> dict[str, Any]:
     result = run_eval_step(EvalSections.of(recipe), Path(run_dir), step, engine_urls, Path(model_dir))
-    create_markdown_artifact(result.pop("markdown"), key="eval", description=f"AIME-style eval at step {step}")
+    markdown_artifact(result.pop("markdown"), "eval", f"AIME-style eval at step {step}")
     return result
 
 
@@ -72,8 +72,7 @@ def train_task(recipe: Recipe, run_dir: str, cluster: dict[str, Any] | None = No
         return eval_task(recipe, run_dir, step, urls, hf_dir)
 
     def show_layout(layout: ActorLayout) -> None:  # shown before the stage refuses a layout with problems
-        create_markdown_artifact(layout_markdown(layout), key="launch-plan",
-                                 description="trainer ranks and engines → nodes/GPUs")
+        markdown_artifact(layout_markdown(layout), "launch-plan", "trainer ranks and engines → nodes/GPUs")
 
     section = run_stage_task(TRAIN, recipe, run_dir, ray_address=(cluster or {}).get("address"),
                              evaluate=evaluate, on_step=on_step, on_layout=show_layout)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from kimi_pipeline.cluster.errors import ClusterConfigError
 from kimi_pipeline.util.net import is_loopback
+from kimi_pipeline.util.redact import register_secret
 
 AUTH_MODES = ("token", "disabled")
 DEFAULT_TOKEN_PATH = Path.home() / ".ray" / "auth_token"
@@ -59,7 +60,10 @@ def engine_api_key() -> str | None:
         token = path.read_text() if path.is_file() else ""
     if not token.strip():
         return None
-    return hmac.new(token.strip().encode(), b"kimi-pipeline rollout engine", hashlib.sha256).hexdigest()
+    key = hmac.new(token.strip().encode(), b"kimi-pipeline rollout engine", hashlib.sha256).hexdigest()
+    register_secret(token, "RAY_AUTH_TOKEN")  # read from its file, it is in no env var that redaction reads
+    register_secret(key, "engine-key")
+    return key
 
 
 def server_api_key(host: str) -> str | None:

@@ -19,6 +19,7 @@ import ray
 from kimi_pipeline.cluster.env import gcs_reachable
 from kimi_pipeline.cluster.errors import ClusterError, ClusterHealthError
 from kimi_pipeline.recipes.models import ClusterSpec
+from kimi_pipeline.util.redact import ray_worker_setup
 
 log = logging.getLogger(__name__)
 GB = 1024**3
@@ -167,7 +168,8 @@ def connected(address: str) -> Iterator[None]:
         yield
         return
     try:
-        ray.init(address=address, log_to_driver=False, logging_level="WARNING", configure_logging=False)
+        ray.init(address=address, log_to_driver=False, logging_level="WARNING", configure_logging=False,
+                 runtime_env=ray_worker_setup())
     except ConnectionError as e:
         raise ClusterError(f"cannot connect to Ray at {address}: {e}") from e
     except Exception as e:  # AuthenticationError and friends: say what to set

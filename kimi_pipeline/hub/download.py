@@ -41,6 +41,7 @@ from kimi_pipeline.model.hf_config import (
 from kimi_pipeline.recipes.models import DataSpec, HubSpec, ModelSpec, Source
 from kimi_pipeline.util.files import atomic_write_json
 from kimi_pipeline.util.paths import resolve_path
+from kimi_pipeline.util.redact import register_secret
 
 log = logging.getLogger(__name__)
 
@@ -82,8 +83,11 @@ class Fetched:
 
 
 def resolve_token(explicit: str | None = None) -> str | None:
-    """Explicit token (e.g. from a Prefect Secret) > HF_TOKEN > HUGGING_FACE_HUB_TOKEN."""
-    return explicit or os.environ.get("HF_TOKEN") or os.environ.get("HUGGING_FACE_HUB_TOKEN") or None
+    """Explicit token (e.g. from a Prefect Secret, or the recipe's `hub.token`) > HF_TOKEN > HUGGING_FACE_HUB_TOKEN.
+    Registered for redaction: an explicit one is in no env var that redaction reads."""
+    token = explicit or os.environ.get("HF_TOKEN") or os.environ.get("HUGGING_FACE_HUB_TOKEN") or None
+    register_secret(token, "HF_TOKEN")
+    return token
 
 
 def _issues_text(issues: list[FileIssue]) -> str:

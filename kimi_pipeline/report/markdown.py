@@ -9,6 +9,7 @@ from typing import Any
 from kimi_pipeline.report.plots import write_plots
 from kimi_pipeline.report.summary import RunSummary
 from kimi_pipeline.util.files import atomic_write_text
+from kimi_pipeline.util.redact import redact
 
 
 def _fmt(v: Any) -> str:
@@ -72,7 +73,7 @@ def render_summary(summary: dict[str, Any], plots: dict[str, str] | None = None,
 
 
 def write_summary_markdown(run_dir: Path) -> Path:
-    """summary.md (+ the PNG plots it links) from summary.json and the metric files."""
+    """summary.md (+ the PNG plots it links) from summary.json and the metric files (redacted, as summary.json)."""
 
     run_dir = Path(run_dir)
     path = run_dir / "summary.md"
@@ -81,5 +82,5 @@ def write_summary_markdown(run_dir: Path) -> Path:
     except Exception as e:  # noqa: BLE001 - a plotting problem must not hide the summary
         plots = {}
         print(f"plots skipped: {type(e).__name__}: {e}")
-    atomic_write_text(path, render_summary(RunSummary(run_dir).read(), plots, run_dir))
+    atomic_write_text(path, redact(render_summary(RunSummary(run_dir).read(), plots, run_dir)))
     return path

@@ -2,7 +2,8 @@
 
 Shape: {"recipe": NAME, "stages": {"download": {"status": ..., "seconds": ...}, ...}, "<stage>": {...}}.
 Stage status is one of completed | failed | skipped (and running while it runs). Section names are
-stable: automation reads them.
+stable: automation reads them. Every write is redacted (`util.redact`): a stage's error or a section can quote
+a secret (a hub URL with its token, an env dump), and summary.json is read by people and automation alike.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from kimi_pipeline.util.files import atomic_write_json
+from kimi_pipeline.util.files import atomic_write_text
+from kimi_pipeline.util.redact import redact
 
 STATUSES = ("running", "completed", "failed", "skipped")
 
@@ -47,7 +49,7 @@ class RunSummary:
             data = self.read()
             data.setdefault("stages", {})
             fn(data)
-            atomic_write_json(self.path, data)
+            atomic_write_text(self.path, redact(json.dumps(data, indent=2, default=str) + "\n"))
             return data
 
     def set_section(self, name: str, payload: dict[str, Any]) -> None:

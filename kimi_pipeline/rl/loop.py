@@ -39,6 +39,7 @@ from kimi_pipeline.rl.metrics import plain
 from kimi_pipeline.rl.rollout_data import SavedRollouts
 from kimi_pipeline.rl.rollout_manager import start_rollout_manager, stop_rollout_manager
 from kimi_pipeline.rl.trainer_group import TrainerGroup
+from kimi_pipeline.util.redact import ray_worker_setup
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +161,7 @@ def run_training(recipe: Recipe, run_dir: Path, *, init_checkpoint: Path, model_
     if not ray.is_initialized():
         if ray_address is None:
             raise PermanentError("no Ray cluster: run the cluster stage first (or pass --ray-address)")
-        ray.init(address=ray_address, log_to_driver=False)
+        ray.init(address=ray_address, log_to_driver=False, runtime_env=ray_worker_setup())
     _require_healthy_cluster(recipe.cluster, ray_address)
     total = recipe.rollout.num_rollout
     engines = replay is None  # replaying saved rollouts starts no engine, so nothing evaluates or takes weights

@@ -35,6 +35,7 @@ from kimi_pipeline.rl.actor_layout import (
     trainer_options,
 )
 from kimi_pipeline.util.files import atomic_write_json, atomic_write_text
+from kimi_pipeline.util.redact import ray_worker_setup
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +160,7 @@ def _on_cluster(actor_layout, recipe: Recipe, address: str, stand_in_nodes: int,
 
     add = lambda f, m: actor_layout.problems.append(Problem(f, m))  # noqa: E731
     export_driver_env(os.environ.get("RAY_AUTH_MODE", "token"))
-    ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
+    ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING, runtime_env=ray_worker_setup())
     try:
         res = ray.cluster_resources()
         out: dict[str, Any] = {"gpus_available": int(res.get("GPU", 0)), "cpus_available": int(res.get("CPU", 0)),

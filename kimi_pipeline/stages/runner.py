@@ -1,7 +1,8 @@
 """The one runner of the DAG's stages: every stage is a `Stage` (declared in its own module of this package)
 and runs through `run_stage`, which owns what all of them share: the status and duration in summary.json, the
-stage's section (also the partial one a failing stage carries), and the stage's report for a caller that
-publishes it (the Prefect tasks make it an artifact; the CLI prints the section)."""
+stage's section (also the partial one a failing stage carries), the stage's report for a caller that
+publishes it (the Prefect tasks make it an artifact; the CLI prints the section), and a failing stage's error
+with the secrets in its message redacted."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Any
 from kimi_pipeline.errors import SectionError
 from kimi_pipeline.recipes import Recipe
 from kimi_pipeline.report.summary import RunSummary
+from kimi_pipeline.util.redact import redact_exception
 
 Section = dict[str, Any]
 # publish(report, section, failed): hands a stage's report and section to whoever shows it (a Prefect artifact)
@@ -70,15 +72,19 @@ def run_stage(stage: Stage, recipe: Recipe, run_dir: str | Path, *, publish: Pub
         summary.set_stage(name, "skipped", 0.0, reason=skipped.get("skipped"))
         summary.set_section(name, skipped)
         return skipped
-    with summary.stage(name):
-        try:
-            section = stage.run(recipe, run_dir, **inputs)
-        except SectionError as e:
-            summary.set_section(name, e.section)
-            if publish and e.section and stage.report.failed_title:
-                publish(stage.report, e.section, True)
-            raise
-        summary.set_section(name, section)
+    try:
+        with summary.stage(name):
+            try:
+                section = stage.run(recipe, run_dir, **inputs)
+            except SectionError as e:
+                summary.set_section(name, e.section)
+                if publish and e.section and stage.report.failed_title:
+                    publish(stage.report, e.section, True)
+                raise
+            summary.set_section(name, section)
+    except BaseException as e:
+        redact_exception(e)  # whoever shows it next (Prefect's state message, the CLI) reads the clean text
+        raise
     if publish:
         publish(stage.report, section, False)
     return section

@@ -1,0 +1,109 @@
+"""Secrets stay secret (issue 40 item 5): what leaves a process as text is redacted (summary.json, log records with
+their tracebacks, a failing stage's exception)."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+
+import pytest
+
+from kimi_pipeline.errors import SectionError
+from kimi_pipeline.recipes import load_recipe
+from kimi_pipeline.stages import Stage, StageReport, run_stage
+from kimi_pipeline.util import redact as redaction
+from kimi_pipeline.util.redact import install_log_redaction, redact, redact_exception, register_secret
+
+HF = "SentinelHubToken-4f7a9c2e81"  # not `hf_`-shaped: only its value can find it
+BLOCK = "blockSecretValue-93c1d7e0aa"  # a Prefect Secret block's value: in no env var
+
+
+@pytest.fixture
+def secrets(monkeypatch):
+    """HF_TOKEN in the env and a registered secret (as tasks/secrets.py registers a block's value); the registry and
+    the log-record factory are restored afterwards."""
+    monkeypatch.setenv("HF_TOKEN", HF)
+    monkeypatch.setattr(redaction, "_registered", {})
+    monkeypatch.setattr(redaction, "_logs_redacted", False)
+    factory = logging.getLogRecordFactory()
+    register_secret(BLOCK, "WANDB_API_KEY")
+    yield
+    logging.setLogRecordFactory(factory)
+
+
+def test_values_and_credential_shapes_are_redacted_and_checksums_kept(secrets):
+    commit, digest = "0123456789abcdef0123456789abcdef01234567", "ab" * 32
+    text = (f"401 for {HF} (key {BLOCK}); hf_abcdefghijklmnopqrstuvwxyz0123 env HUGGING_FACE_HUB_TOKEN=other-value "
+            f"{{'RAY_AUTH_TOKEN': 'deadbeef'}} Authorization: Bearer abcdefghij0123456789; revision {commit} "
+            f"sha256 {digest}; short x")
+    assert redact(text) == (
+        "401 for <HF_TOKEN> (key <WANDB_API_KEY>); <hf-token> env HUGGING_FACE_HUB_TOKEN=<HUGGING_FACE_HUB_TOKEN> "
+        "{'RAY_AUTH_TOKEN': '<RAY_AUTH_TOKEN>'} Authorization: Bearer <redacted>; "
+        f"revision {commit} sha256 {digest}; short x")
+    assert redact(redact(text)) == redact(text)
+    register_secret("abc", "TOO_SHORT")  # would redact ordinary words
+    assert redact("abc") == "abc"
+
+
+def test_log_records_and_their_tracebacks_are_redacted_for_handlers_added_later(secrets):
+    install_log_redaction()
+    install_log_redaction()  # idempotent: one factory
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)  # added after the install, like Prefect's and Ray's handlers
+    logger = logging.getLogger("kimi_pipeline.test_redact")
+    logger.addHandler(handler)
+    try:
+        logger.warning("hub refused %s", HF)
+        try:
+            raise RuntimeError(f"W&B refused key {BLOCK}")
+        except RuntimeError:
+            logger.exception("upload failed")
+    finally:
+        logger.removeHandler(handler)
+    text = out.getvalue()
+    assert "hub refused <HF_TOKEN>" in text and "RuntimeError: W&B refused key <WANDB_API_KEY>" in text, text
+    assert HF not in text and BLOCK not in text
+
+
+def _failing(message: str, section: dict) -> Stage:
+    """A stage that fails quoting secrets, in its message and in the partial section it carries."""
+
+    def run(recipe, run_dir):
+        raise SectionError(message, section)
+
+    return Stage(name="download", run=run, reads=(), needs=(), outputs=(),
+                 report=StageReport(key="probe", render=lambda s: str(s), title="probe", failed_title="probe failed"))
+
+
+def test_a_failing_stage_records_and_raises_its_error_redacted(tmp_path, secrets):
+    recipe = load_recipe("tiny")
+    published = []
+    with pytest.raises(SectionError) as raised:
+        run_stage(_failing(f"hub said 401 to token {HF}", {"detail": f"key {BLOCK}"}), recipe, tmp_path,
+                  publish=lambda report, section, failed: published.append(section))
+    summary = (tmp_path / "summary.json").read_text()
+    data = json.loads(summary)
+    assert data["stages"]["download"]["error"] == "hub said 401 to token <HF_TOKEN>"
+    assert data["download"] == {"detail": "key <WANDB_API_KEY>"}
+    assert HF not in summary and BLOCK not in summary
+    assert str(raised.value) == "hub said 401 to token <HF_TOKEN>"  # what Prefect's state message and the CLI show
+    assert published  # the section reaches the publisher (tasks/common.py redacts the artifact it makes)
+
+
+def test_an_exception_chain_is_redacted_where_its_message_is_its_arguments(secrets):
+    class Custom(Exception):
+        def __str__(self) -> str:
+            return "built elsewhere"
+
+    try:
+        try:
+            raise OSError(2, f"no such file: /cache/{HF}")
+        except OSError as inner:
+            raise ValueError(f"fetch failed with {BLOCK}") from inner
+    except ValueError as e:
+        redact_exception(e)
+        assert str(e) == "fetch failed with <WANDB_API_KEY>" and "<HF_TOKEN>" in str(e.__cause__)
+    custom = Custom(HF)
+    assert redact_exception(custom).args == (HF,)  # left alone: its text is redacted where it is written
+
