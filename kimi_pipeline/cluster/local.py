@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 import shutil
 import subprocess
@@ -28,6 +27,7 @@ from kimi_pipeline.util.net import free_port
 from kimi_pipeline.cluster.errors import ClusterError
 from kimi_pipeline.cluster.procs import MARKER_VAR, cluster_processes, stop_processes
 from kimi_pipeline.util.files import atomic_write_json
+from kimi_pipeline.util.secret_env import without_secrets
 
 log = logging.getLogger(__name__)
 
@@ -137,14 +137,21 @@ class LocalCluster:
             raise
         return cluster
 
-    def _ray_start(self, args: list[str], log_name: str, timeout_s: float, env_extra: dict[str, str] | None = None,
-                   prefix: list[str] | None = None) -> str:
-        """`ray start ARGS` with this cluster's environment (plus `env_extra`), run through `prefix` when given (a
-        command that execs the rest, e.g. into another mount namespace)."""
-        env = dict(os.environ)
+    def process_env(self, env_extra: dict[str, str] | None = None) -> dict[str, str]:
+        """The environment of this cluster's Ray processes: this process's, without the flow's secrets (every Ray
+        process, and so every actor of the run, inherits it, and none needs the hub token, the W&B key or the
+        webhook), plus the cluster's variables, `env_extra` and the marker that finds them at teardown."""
+        env = without_secrets()
         env.update(self.env)
         env.update(env_extra or {})
         env[MARKER_VAR] = self.state["marker"]
+        return env
+
+    def _ray_start(self, args: list[str], log_name: str, timeout_s: float, env_extra: dict[str, str] | None = None,
+                   prefix: list[str] | None = None) -> str:
+        """`ray start ARGS` with `process_env(env_extra)`, run through `prefix` when given (a command that execs the
+        rest, e.g. into another mount namespace)."""
+        env = self.process_env(env_extra)
         log_path = self.run_dir / "cluster" / f"{log_name}.log"
         with open(log_path, "w") as out:
             proc = subprocess.Popen(
@@ -200,7 +207,7 @@ class LocalCluster:
 
     def _start_watchdog(self, owner_pid: int) -> None:
         """A detached helper that tears the cluster down if the owning process dies without doing so."""
-        env = dict(os.environ)
+        env = without_secrets()
         env[MARKER_VAR] = self.state["marker"]
         out = open(self.run_dir / "cluster" / "watchdog.log", "a")
         with out:

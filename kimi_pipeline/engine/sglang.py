@@ -36,6 +36,7 @@ from kimi_pipeline.errors import PermanentError
 from kimi_pipeline.recipes.models import SGLangSpec
 from kimi_pipeline.util.lifetime import die_with_parent
 from kimi_pipeline.util.net import bind_host, free_port
+from kimi_pipeline.util.secret_env import without_secrets
 
 SGLANG_ENV_VAR = "KIMI_SGLANG_PYTHON"
 ARGCHECK_SCRIPT = Path(__file__).with_name("sglang_argcheck.py")
@@ -59,10 +60,10 @@ TRAINER_ONLY_PREFIXES = ("WANDB_",)
 
 
 def sglang_env(base: Mapping[str, str], *, memory_saver: bool) -> dict[str, str]:
-    """The environment of an SGLang server process: `base` (the engine actor's) without the trainer's variables,
-    plus the seeds' SGLang-side variables, the hub kept offline (the model is a local directory), and, colocated,
-    the memory saver's CUDA-graph switch."""
-    env = {k: v for k, v in base.items()
+    """The environment of an SGLang server process: `base` (the engine actor's) without the trainer's variables and
+    the flow's secrets, plus the seeds' SGLang-side variables, the hub kept offline (the model is a local
+    directory), and, colocated, the memory saver's CUDA-graph switch."""
+    env = {k: v for k, v in without_secrets(base).items()
            if k not in TRAINER_ONLY_ENV and not k.startswith(TRAINER_ONLY_PREFIXES)}
     env.update(SEED_SGLANG_ENV)
     env["HF_HUB_OFFLINE"] = "1"
@@ -313,10 +314,10 @@ class ParsedCommands:
 def parse_with_sglang(commands: list[list[str]], spec: SGLangSpec, timeout_s: float = 300.0) -> ParsedCommands:
     """Parse `commands` with the SGLang parser of `sglang.python`'s environment, or of the sglang found in
     $KIMI_SGLANG_PARSER_PATH (run by this interpreter: the CPU test set-up); one subprocess for all."""
-    tries = [(sglang_python(spec), dict(os.environ))]
+    tries = [(sglang_python(spec), without_secrets())]
     if os.environ.get(PARSER_PATH_VAR):
         path = os.pathsep.join(p for p in (os.environ[PARSER_PATH_VAR], os.environ.get("PYTHONPATH")) if p)
-        tries.append((sys.executable, {**os.environ, "PYTHONPATH": path}))
+        tries.append((sys.executable, {**without_secrets(), "PYTHONPATH": path}))
     reasons = []
     for python, env in tries:
         try:

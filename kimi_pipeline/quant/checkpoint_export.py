@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 import subprocess
 import sys
@@ -57,6 +56,7 @@ from kimi_pipeline.recipes import Recipe
 from kimi_pipeline.recipes.models import ClusterSpec, ConvertSpec, ModelSpec, QuantSpec
 from kimi_pipeline.util.files import atomic_write_json, sha256_files, sha256_json
 from kimi_pipeline.util.lifetime import die_with_parent
+from kimi_pipeline.util.secret_env import without_secrets
 from kimi_pipeline.weight_sync.policy_tensors import checkpoint_model, policy_tensors
 from kimi_pipeline.weightjobs.job_file import write_job_file
 from kimi_pipeline.weightjobs.run import run_weight_job
@@ -382,7 +382,7 @@ def _model_check_child(
            "model": sections.spec.model_dump(mode="json"), "quant": sections.quant.model_dump(mode="json"),
            "device": sections.cluster.device, "result": str(out / "work" / "model_check.json")}
     atomic_write_json(out / "job.json", job)
-    env = {**os.environ, "TORCHDYNAMO_DISABLE": "1"}
+    env = {**without_secrets(), "TORCHDYNAMO_DISABLE": "1"}
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT"):
         env.pop(var, None)  # the child is its own one-rank world
     proc = subprocess.run(

@@ -27,6 +27,7 @@ from typing import Literal, Sequence
 
 import kimi_pipeline
 from kimi_pipeline.reward.errors import RewardError
+from kimi_pipeline.util.secret_env import without_secrets
 
 DEFAULT_TIMEOUT_S = 5.0
 DEFAULT_MEMORY_MB = 2048
@@ -37,7 +38,7 @@ Outcome = Literal["equal", "different", "timeout", "error"]
 
 class _Worker:
     def __init__(self, memory_mb: int):
-        env = dict(os.environ)
+        env = without_secrets()  # a grader parses model output: it gets no secret to leak
         root = str(Path(kimi_pipeline.__file__).resolve().parents[1])
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):

@@ -29,6 +29,7 @@ from kimi_pipeline.errors import PermanentError, is_permanent
 from kimi_pipeline.model.device import JOB_DEVICE_ENV, cuda_device_count
 from kimi_pipeline.util.lifetime import bind_to_parent, die_with_parent
 from kimi_pipeline.util.net import free_port
+from kimi_pipeline.util.secret_env import without_secrets
 
 WORKER_ENV = {
     "OMP_NUM_THREADS": "1",  # one intra-op thread per rank: 2 cores, several ranks
@@ -259,7 +260,7 @@ def _port_clash(log: Path) -> bool:
 def _run(module: str, args: list[str], nodes: int, ppn: int, log_dir: Path, name: str, env: dict[str, str] | None,
          timeout: float | None, grace: float) -> tuple[list[int | None], float, list[Path], list[list[str]], bool]:
     port = free_port()
-    full_env = {**os.environ, **WORKER_ENV, "KIMI_LAUNCH_TIME": repr(time.time()), **(env or {})}
+    full_env = {**without_secrets(), **WORKER_ENV, "KIMI_LAUNCH_TIME": repr(time.time()), **(env or {})}
     commands, procs, logs = [], [], []
     t0 = time.monotonic()
     timed_out = False

@@ -3,7 +3,9 @@ scripts), health checks that pass and fail, placement groups, and no Ray process
 
 from __future__ import annotations
 
+import io
 import json
+import logging
 import os
 import shutil
 import signal
@@ -35,12 +37,14 @@ from kimi_pipeline.cluster.ray_submit import ray_submit_command
 from kimi_pipeline.errors import is_permanent
 from kimi_pipeline.recipes import load_recipe
 from kimi_pipeline.stages import CLUSTER, run_stage
+from kimi_pipeline.util.redact import ray_worker_setup
 
 # `make test-fast` leaves it out: local Ray clusters started and stopped (~4-12 s per test)
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 INFRA = ROOT / "infra" / "ray"
+FLOW_SECRETS = {"HF_TOKEN": "hf_ClusterSentinel0123456789abcdef", "WANDB_API_KEY": "wandbClusterSentinel-5e21"}
 _RUN_DIRS: list[Path] = []
 
 
@@ -273,19 +277,26 @@ def test_infra_scripts_parse_and_name_the_seed_variables():
 
 @pytest.fixture(scope="module")
 def embedded(tmp_path_factory):
-    """Stage `cluster` on the tiny recipe, with the dashboard on (for the job test). The run dir is a
-    pytest tmp dir: too long for Ray's sockets, so this also exercises the /tmp fallback."""
+    """Stage `cluster` on the tiny recipe, with the dashboard on (for the job test) and the flow's secrets in the
+    environment it starts from (the Ray processes must not get them). The run dir is a pytest tmp dir: too long for
+    Ray's sockets, so this also exercises the /tmp fallback."""
     import ray
 
     if ray.is_initialized():
         ray.shutdown()
     run_dir = tmp_path_factory.mktemp("embedded") / "run"
     _RUN_DIRS.append(run_dir)
-    os.environ["KIMI_RAY_DASHBOARD"] = "1"
+    started_with = {"KIMI_RAY_DASHBOARD": "1", **FLOW_SECRETS}
+    saved = {k: os.environ.get(k) for k in started_with}
+    os.environ.update(started_with)
     try:
         section = run_stage(CLUSTER, load_recipe("tiny"), run_dir)
     finally:
-        os.environ.pop("KIMI_RAY_DASHBOARD", None)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     pids, cluster = _snapshot(run_dir)
     yield {"run_dir": run_dir, "section": section, "pids": pids, "cluster": cluster}
     stop_cluster(run_dir)
@@ -318,6 +329,31 @@ def test_ray_processes_get_explicit_hygiene_env(embedded):
     assert env["RAY_AUTH_MODE"] == "token" and env["RAY_USAGE_STATS_ENABLED"] == "0"
     assert env["RAY_TMPDIR"] == embedded["section"]["temp_dir"] and MARKER_VAR in env
     assert os.environ["RAY_AUTH_MODE"] == "token"  # exported for the train stage's driver
+    assert not set(FLOW_SECRETS) & set(env), "the raylet (and so every actor) got the flow's secrets"
+
+
+def test_ray_workers_get_no_flow_secret_and_redact_their_logs(embedded, monkeypatch):
+    """A worker of a run's driver (as rl/loop.py connects: `ray_worker_setup`, actor env_vars of its own) holds
+    none of the flow's secrets though its driver does, and its log records are redacted before any handler."""
+    import ray
+
+    for k, v in FLOW_SECRETS.items():
+        monkeypatch.setenv(k, v)
+    ray.init(address=embedded["section"]["address"], log_to_driver=False, runtime_env=ray_worker_setup())
+    try:
+        @ray.remote(num_cpus=0, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})  # merged with the job's
+        def worker_view() -> tuple[dict[str, str], str]:
+            out = io.StringIO()
+            logger = logging.getLogger("kimi_pipeline.probe")
+            logger.addHandler(logging.StreamHandler(out))
+            logger.warning("engine refused token %s", "hf_" + "Q" * 30)
+            return {k: v for k, v in os.environ.items() if k in FLOW_SECRETS}, out.getvalue()
+
+        held, logged = ray.get(worker_view.remote())
+    finally:
+        ray.shutdown()
+    assert held == {}
+    assert logged.strip() == "engine refused token <hf-token>"
 
 
 def test_a_driver_can_use_the_cluster(embedded):

@@ -1,19 +1,24 @@
 """Secrets stay secret (issue 40 item 5): what leaves a process as text is redacted (summary.json, log records with
-their tracebacks, a failing stage's exception)."""
+their tracebacks, a failing stage's exception), and the processes a run starts get no secret they do not use."""
 
 from __future__ import annotations
 
 import io
 import json
 import logging
+import os
 
 import pytest
 
+from kimi_pipeline.cluster.env import ray_env
+from kimi_pipeline.cluster.local import LocalCluster
+from kimi_pipeline.engine.sglang import sglang_env
 from kimi_pipeline.errors import SectionError
 from kimi_pipeline.recipes import load_recipe
 from kimi_pipeline.stages import Stage, StageReport, run_stage
 from kimi_pipeline.util import redact as redaction
 from kimi_pipeline.util.redact import install_log_redaction, redact, redact_exception, register_secret
+from kimi_pipeline.util.secret_env import without_secrets
 
 HF = "SentinelHubToken-4f7a9c2e81"  # not `hf_`-shaped: only its value can find it
 BLOCK = "blockSecretValue-93c1d7e0aa"  # a Prefect Secret block's value: in no env var
@@ -107,3 +112,17 @@ def test_an_exception_chain_is_redacted_where_its_message_is_its_arguments(secre
     custom = Custom(HF)
     assert redact_exception(custom).args == (HF,)  # left alone: its text is redacted where it is written
 
+
+def test_processes_a_run_starts_get_no_flow_secret(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_TOKEN", HF)
+    monkeypatch.setenv("HUGGING_FACE_HUB_TOKEN", HF)
+    monkeypatch.setenv("WANDB_API_KEY", BLOCK)
+    monkeypatch.setenv("KIMI_NOTIFY_WEBHOOK", "https://hooks.example.com/services/T0/B0/secret")
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "ray-cluster-token-0123")
+    flow_only = {"HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "WANDB_API_KEY", "KIMI_NOTIFY_WEBHOOK"}
+    cluster = LocalCluster(tmp_path, {"env": ray_env(tmp_path, "token"), "marker": "m"})
+    for env in (cluster.process_env({"EXTRA": "1"}), without_secrets(), sglang_env(os.environ, memory_saver=False)):
+        assert not flow_only & set(env), flow_only & set(env)
+    env = cluster.process_env({"EXTRA": "1"})
+    assert env["RAY_AUTH_TOKEN"] == "ray-cluster-token-0123"  # token auth: every Ray process needs it
+    assert env["EXTRA"] == "1" and env["RAY_AUTH_MODE"] == "token" and "PATH" in env
