@@ -3,6 +3,9 @@
 metrics.jsonl is the source of truth (plots, summary and resume read it); loggers are views of it
 with the same metric names. A resumed run truncates lines past its checkpoint step so the file
 reads exactly like an uninterrupted run.
+
+W&B is a mirror on someone else's servers: when it is down (wandb.init or a log call raising), training goes on
+and metrics.jsonl is still written; each kind of failure is warned about once, with its error (redacted).
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from kimi_pipeline.util.files import atomic_write_text
+from kimi_pipeline.util.redact import redact
+from kimi_pipeline.util.secret_env import WANDB_KEY_ENV
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +52,7 @@ class MetricsLog:
 
             self._tb = SummaryWriter(str(tensorboard_dir))
         self._wandb = wandb_run
+        self._wandb_failures: set[tuple[str, str]] = set()  # (call, error type) already warned about
 
     def truncate_after(self, step: int) -> None:
         """Drop rows with step > `step` (work after the checkpoint a run resumes from; every row when a run starts
@@ -66,13 +72,28 @@ class MetricsLog:
                 self._tb.add_scalar(k, v, step)
             self._tb.flush()
         if self._wandb is not None:
-            self._wandb.log(scalars, step=step)
+            try:
+                self._wandb.log(scalars, step=step)
+            except Exception as e:  # noqa: BLE001 - a W&B outage must not stop training: the row is in the file
+                self._wandb_failed("log", e, f"step {step} is in {self.path} but not in W&B")
 
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
         if self._wandb is not None:
-            self._wandb.finish()
+            try:
+                self._wandb.finish()
+            except Exception as e:  # noqa: BLE001 - the run's metrics are in metrics.jsonl whatever W&B says
+                self._wandb_failed("finish", e, f"the W&B run may be incomplete; {self.path} has every row")
+
+    def _wandb_failed(self, call: str, error: Exception, consequence: str) -> None:
+        """Warn once per (call, error type): an outage over a long run is one line, not one per step."""
+        kind = (call, type(error).__name__)
+        if kind in self._wandb_failures:
+            return
+        self._wandb_failures.add(kind)
+        log.warning("W&B %s failed (%s); training goes on: %s (later failures like this one are not logged)",
+                    call, redact(f"{type(error).__name__}: {error}"), consequence)
 
 
 def first_last_mean(rows: list[dict[str, Any]], key: str, fraction: float = 0.1) -> tuple[float | None, float | None]:
@@ -85,11 +106,19 @@ def first_last_mean(rows: list[dict[str, Any]], key: str, fraction: float = 0.1)
 
 
 def open_wandb(project: str | None, run_name: str, config: dict[str, Any]):
-    """A W&B run when WANDB_API_KEY is set and wandb is installed; None otherwise (never logs the key)."""
-    if not os.environ.get("WANDB_API_KEY"):
+    """A W&B run when WANDB_API_KEY is set, wandb is installed and W&B answers; None otherwise, with a warning
+    when the key says W&B was wanted (never logs the key)."""
+    if not os.environ.get(WANDB_KEY_ENV):
         return None
     try:
-        import wandb
+        import wandb  # optional (`pip install -e .[wandb]`): imported only when a key asks for it
     except ImportError:
+        log.warning("%s is set but wandb is not installed (pip install -e .[wandb]): no W&B mirror; metrics go to "
+                    "metrics.jsonl and TensorBoard", WANDB_KEY_ENV)
         return None
-    return wandb.init(project=project or "kimi-pipeline", name=run_name, config=config, reinit=True)
+    try:
+        return wandb.init(project=project or "kimi-pipeline", name=run_name, config=config, reinit=True)
+    except Exception as e:  # noqa: BLE001 - W&B down, key refused, init timed out: train without the mirror
+        log.warning("W&B unavailable (%s): training goes on without the W&B mirror; metrics go to metrics.jsonl "
+                    "and TensorBoard", redact(f"{type(e).__name__}: {e}"))
+        return None
