@@ -31,6 +31,7 @@ import psutil
 
 from kimi_pipeline.cluster.procs import MARKER_VAR, stop_processes
 from kimi_pipeline.report.summary import RunSummary
+from kimi_pipeline.util.secret_env import without_secrets
 
 DONE = b"done\n"
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
@@ -136,7 +137,7 @@ class RunGuard:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "kimi_pipeline.cluster.run_guard", "--owner-pid", str(os.getpid()),
                  "--run-dir", str(run_dir), "--poll", str(poll_s)],
-                stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT,
+                stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT, env=without_secrets(),
                 start_new_session=True,  # a terminal's Ctrl-C (its process group) must not stop the guard too
             )
 
