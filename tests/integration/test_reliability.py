@@ -401,7 +401,8 @@ def test_kimi_run_stopped_during_convert_leaves_nothing_it_started_and_says_so(s
                                                                                prefect_home):
     """`kimi run` signalled while its conversion runs: its temporary Prefect API server, the conversion's agents and
     ranks and the run guard are all gone afterwards (SIGTERM: the run unwinds; SIGKILL: the run guard stops them),
-    and summary.json says the conversion did not finish."""
+    and summary.json says the conversion did not finish; after the kill -9, a re-run of the directory takes it over
+    and completes."""
     from support.learning import kimi_command
 
     run_dir = tmp_path / "run"
@@ -458,6 +459,13 @@ def test_kimi_run_stopped_during_convert_leaves_nothing_it_started_and_says_so(s
         assert code == -signal.SIGKILL
         assert convert.get("interrupted") is True and f"pid {proc.pid}" in convert["error"], convert
         assert "re-run with the same run directory" in convert["error"]
+        # the re-run of the same directory takes over the dead run's lock (naming it) and converts afresh
+        again = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+        out = again.stdout + again.stderr
+        assert again.returncode == 0, out[-3000:]
+        assert f"pid {proc.pid}" in out and "taking it over" in out, out[-3000:]
+        stages = json.loads((run_dir / "summary.json").read_text())["stages"]
+        assert stages["convert"]["status"] == "completed" and "interrupted" not in stages["convert"], stages
 
 
 def _summary_or_empty(run_dir: Path) -> dict:
