@@ -4,6 +4,7 @@ tests/support/ (`pythonpath = ["tests"]` in pyproject.toml); unit/ and integrati
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import sys
 import tempfile
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from kimi_pipeline.engine.key import KEY_FILE_VAR, KEY_VAR
 from kimi_pipeline.util.prefect_env import configure_prefect_env
 from support.common import TINY
 
@@ -25,6 +27,23 @@ configure_prefect_env()  # the same Prefect settings `kimi run` uses (ephemeral 
 os.environ.setdefault("KIMI_SGLANG_PARSER_PATH", str(Path(__file__).resolve().parents[1] / ".cache" / "sglang-parser"))
 for var in ("OPEN_TRAINING_INT4_FAKE_QAT_FLAG", "OPEN_TRAINING_INT4_GROUP_SIZE"):
     os.environ.pop(var, None)
+# the engine key of the session, as a run's driver has one: the engines, clients, helper processes and Ray clusters
+# the tests start inherit it (`kimi_pipeline.engine.key`)
+os.environ.pop(KEY_FILE_VAR, None)
+os.environ[KEY_VAR] = secrets.token_hex(32)
+
+
+@pytest.fixture(autouse=True)
+def _session_engine_key():
+    """A test that runs the train loop points this process at its run's key file (`use_run_key`): the next test
+    gets the session's key back."""
+    saved = {v: os.environ.get(v) for v in (KEY_VAR, KEY_FILE_VAR)}
+    yield
+    for var, value in saved.items():
+        if value is None:
+            os.environ.pop(var, None)
+        else:
+            os.environ[var] = value
 
 
 @pytest.fixture

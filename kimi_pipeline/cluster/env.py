@@ -7,8 +7,6 @@ machine's history. We always set it: `token` unless the user exported RAY_AUTH_M
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import os
 import secrets
 import socket
@@ -16,8 +14,6 @@ import tempfile
 from pathlib import Path
 
 from kimi_pipeline.cluster.errors import ClusterConfigError
-from kimi_pipeline.util.net import is_loopback
-from kimi_pipeline.util.redact import register_secret
 
 AUTH_MODES = ("token", "disabled")
 DEFAULT_TOKEN_PATH = Path.home() / ".ray" / "auth_token"
@@ -43,32 +39,6 @@ def token_source() -> str:
     if os.environ.get("RAY_AUTH_TOKEN_PATH"):
         return os.environ["RAY_AUTH_TOKEN_PATH"]
     return str(DEFAULT_TOKEN_PATH)
-
-
-def engine_api_key() -> str | None:
-    """The bearer key of rollout engines bound beyond loopback (a layout over several nodes), derived from the Ray
-    cluster's token: every process of the cluster holds that token (token auth needs it on every node), so drivers,
-    trainers and engines agree on the key without a second secret to hand out, and nobody outside the cluster can
-    reach an engine's weight-update endpoints. None when the cluster runs without token auth."""
-    if auth_mode() != "token":
-        return None
-    source = token_source()
-    if source == "RAY_AUTH_TOKEN":
-        token = os.environ["RAY_AUTH_TOKEN"]
-    else:
-        path = Path(source)
-        token = path.read_text() if path.is_file() else ""
-    if not token.strip():
-        return None
-    key = hmac.new(token.strip().encode(), b"kimi-pipeline rollout engine", hashlib.sha256).hexdigest()
-    register_secret(token, "RAY_AUTH_TOKEN")  # read from its file, it is in no env var that redaction reads
-    register_secret(key, "engine-key")
-    return key
-
-
-def server_api_key(host: str) -> str | None:
-    """The key a rollout engine bound at `host` requires: none on loopback, else the cluster's."""
-    return None if is_loopback(host) else engine_api_key()
 
 
 def ensure_token() -> str:

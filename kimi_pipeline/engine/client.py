@@ -25,7 +25,7 @@ import httpx
 import numpy as np
 import torch
 
-from kimi_pipeline.cluster.env import engine_api_key
+from kimi_pipeline.engine.key import KEY_FILE_VAR, KEY_VAR, auth_headers
 from kimi_pipeline.engine.sampler import ENGINE_NAME, MEMORY_TAGS, Completion, SamplingParams, row_seeds
 from kimi_pipeline.errors import PermanentError
 from kimi_pipeline.weight_sync import shm
@@ -134,9 +134,9 @@ class EngineClient:
         # TCP_NODELAY: h11 writes headers and body separately; with Nagle + the server's delayed ACK every POST
         # waited ~40 ms (measured: pause + resume 80 ms -> see README's weight-sync row)
         transport = httpx.HTTPTransport(socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
-        key = engine_api_key()  # engines bound beyond loopback want the cluster's key; loopback ones ignore it
+        # every engine wants the run's key (`engine.key`), on loopback too
         self._http = httpx.Client(base_url=self.url, timeout=httpx.Timeout(timeout_s, connect=10.0), transport=transport,
-                                  headers={"Authorization": f"Bearer {key}"} if key else None)
+                                  headers=auth_headers())
         self._layout = (num_layers, topk, first_k_dense) if None not in (num_layers, topk, first_k_dense) else None
         self._info: dict[str, Any] | None = None
 
@@ -164,7 +164,9 @@ class EngineClient:
             raise EngineRequestError(f"{self.url}{path}: {type(exc).__name__}: {exc}") from exc
         if r.status_code >= 400:
             cls = EngineBadRequest if r.status_code == 400 else EngineRequestError
-            raise cls(f"{self.url}{path}: HTTP {r.status_code}: {error_message(r)}")
+            hint = (f" (this process's engine key, from ${KEY_FILE_VAR} or ${KEY_VAR}, is not the engine's run's)"
+                    if r.status_code == 401 else "")
+            raise cls(f"{self.url}{path}: HTTP {r.status_code}: {error_message(r)}{hint}")
         body = response_body(r)
         if isinstance(body, dict) and body.get("success") is False:
             raise EngineRequestError(f"{self.url}{path}: {body.get('message')}")

@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from kimi_pipeline.cluster.env import server_api_key
+from kimi_pipeline.engine.key import engine_api_key
 from kimi_pipeline.engine.model import EngineModel
 from kimi_pipeline.engine.sampler import RolloutEngine
 from kimi_pipeline.engine.server import EngineServer
@@ -33,7 +33,7 @@ class EmbeddedEngine:
         model = EngineModel.from_pretrained(self.model_path, device=device)
         engine = RolloutEngine(model, seed=self.seed, decode_mode=self.decode_mode)
         host = bind_host(self.host)
-        self.server = EngineServer(engine, host, 0, None, self.model_path, api_key=server_api_key(host))
+        self.server = EngineServer(engine, host, 0, None, self.model_path, api_key=engine_api_key())
         return self.server.start()
 
     def get_url(self) -> str:

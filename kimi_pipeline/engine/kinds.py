@@ -38,8 +38,7 @@ class EngineSettings:
     @classmethod
     def of(cls, recipe: Recipe) -> EngineSettings:
         """`host`: the recipe's host (loopback by default) on one node; the node's own address when the layout spans
-        nodes, so trainers and the router on other nodes reach it (with the cluster's key,
-        `cluster.env.engine_api_key`)."""
+        nodes, so trainers and the router on other nodes reach it. Either way with the run's key (`engine.key`)."""
         rollout, cluster = recipe.rollout, recipe.cluster
         return cls(kind=rollout.engine, sglang=recipe.sglang, seed=rollout.seed, routing_replay=rollout.routing_replay,
                    device=cluster.device, gpus_per_node=cluster.gpus_per_node, colocate=cluster.colocate,

@@ -43,6 +43,7 @@ import hmac
 import json
 import logging
 import math
+import os
 import socket
 import threading
 import time
@@ -59,6 +60,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict
 from safetensors.torch import load as load_safetensors
 
+from kimi_pipeline.engine.key import KEY_FILE_VAR, KEY_VAR, engine_api_key
 from kimi_pipeline.engine.model import EngineModel, EngineWeightError, config_summary, iter_safetensors
 from kimi_pipeline.engine.sampler import (
     ENGINE_NAME,
@@ -379,9 +381,10 @@ class EngineServer:
     def __init__(self, engine: RolloutEngine, host: str = "127.0.0.1", port: int = 0, tokenizer=None,
                  model_path: str | None = None, api_key: str | None = None):
         """`api_key`: required as `Authorization: Bearer` on every endpoint but /health* (SGLang's `--api-key`
-        rule, sglang/srt/utils/auth.py); set when the server binds beyond loopback."""
+        rule, sglang/srt/utils/auth.py); None: this process's run key (`engine.key`). There is no open server:
+        on loopback too, any local user could otherwise swap the policy or abort the run's requests."""
         self.engine, self.host, self.port, self.tokenizer = engine, host, port, tokenizer
-        self.model_path, self.api_key = model_path, api_key
+        self.model_path, self.api_key = model_path, api_key or engine_api_key()
         self.weight_groups: dict[str, Any] = {}  # group name -> process group with a trainer (weight_sync/dist_group.py)
         self.update_session = False  # between /begin_weight_update and /end_weight_update (SGLang's protocol)
         self.memory_events: list[tuple[str, tuple[str, ...]]] = []  # (release|resume, tags), in order
@@ -450,7 +453,7 @@ class EngineServer:
 
         @app.middleware("http")
         async def _auth(request, call_next):
-            if self.api_key and not request.url.path.startswith("/health"):
+            if not request.url.path.startswith("/health"):
                 given = request.headers.get("authorization", "")
                 if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
                     return JSONResponse(status_code=401, content={"error": {"message": "missing or wrong API key"}})
@@ -822,6 +825,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="decode steps: eager 'dynamic', eager 'static', or 'static' captured in CUDA 'graphs' "
                          "(default: graphs where the GPU and dtype allow them, else dynamic)")
     args = ap.parse_args(argv)
+    if not (os.environ.get(KEY_VAR) or os.environ.get(KEY_FILE_VAR)):  # a key drawn here would be nobody's
+        ap.error(f"the server requires a key its clients know: export {KEY_VAR}=$(openssl rand -hex 32) "
+                 f"(or {KEY_FILE_VAR}=a 0600 file holding it), then send `Authorization: Bearer $KEY`")
     if args.threads:
         torch.set_num_threads(args.threads)
 

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import httpx
 
-from kimi_pipeline.cluster.env import server_api_key
+from kimi_pipeline.engine.key import engine_api_key
 from kimi_pipeline.errors import PermanentError
 from kimi_pipeline.recipes.models import SGLangSpec
 from kimi_pipeline.util.lifetime import die_with_parent
@@ -265,12 +265,9 @@ class SGLangEngine:
         raise SGLangLaunchError(f"sglang server at {self.url} not healthy after {timeout_s:.0f} s")
 
     def launch_command(self) -> list[str]:
-        """The planned command, plus (bound beyond loopback) the cluster's key: SGLang then checks
+        """The planned command, plus the run's engine key (`engine.key`), on loopback too: SGLang then checks
         `Authorization: Bearer` on every endpoint but /health* (sglang/srt/utils/auth.py)."""
-        key = server_api_key(self.host)
-        if not key:
-            return list(self.command)
-        return [*self.command, "--config", self._private_config({"api-key": key})]  # not on a command line (`ps`)
+        return [*self.command, "--config", self._private_config({"api-key": engine_api_key()})]  # not in `ps`
 
     def _private_config(self, values: dict[str, str]) -> str:
         """A 0600 YAML file of launch options for SGLang's `--config` (server_args.py:683-689 merges it before

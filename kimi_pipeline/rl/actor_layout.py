@@ -26,6 +26,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 
 from kimi_pipeline.cluster.errors import ClusterConfigError
 from kimi_pipeline.cluster.placement import Placement, compute_placement
+from kimi_pipeline.engine.key import key_env
 from kimi_pipeline.engine.kinds import EngineSettings, engine_kind
 from kimi_pipeline.engine.sglang import sglang_command
 from kimi_pipeline.model.device import NOSET_VISIBLE_DEVICES
@@ -123,10 +124,11 @@ def worker_env(device: str, threads: int = 1, *, choose_own_gpu: bool = False, t
     its small fused ops, `core/jit.py`: ~22 s per CPU process for less than it saves there; on a GPU those are the
     fusions megatron relies on, `core/fusions/`, so GPU actors keep them); on CUDA the seeds' NCCL/CUDA
     settings — megatron's CUDA_DEVICE_MAX_CONNECTIONS for trainer ranks only (`trainer=False`: an engine actor) —
-    and (colocated) no Ray-set CUDA_VISIBLE_DEVICES. An SGLang server an engine actor starts gets none of the
-    trainer's variables: `engine.sglang.sglang_env` strips them (PYTHONPATH included)."""
+    and (colocated) no Ray-set CUDA_VISIBLE_DEVICES; the path of the run's engine key file (`engine.key.key_env`).
+    An SGLang server an engine actor starts gets none of the trainer's variables: `engine.sglang.sglang_env` strips
+    them (PYTHONPATH included)."""
     env = {"OMP_NUM_THREADS": str(max(1, threads)), "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+           "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), **key_env()}
     if device == "cuda":
         env.update(SEED_CUDA_ENV if trainer else {k: v for k, v in SEED_CUDA_ENV.items()
                                                    if k != "CUDA_DEVICE_MAX_CONNECTIONS"})

@@ -25,6 +25,7 @@ from kimi_pipeline.cluster.health import Requirements, wait_until_healthy
 from kimi_pipeline.cluster.placement import create_placement_groups, remove_placement_groups
 from kimi_pipeline.convert.names import HFLayout
 from kimi_pipeline.engine.client import EngineRequestError, EnginesDown, EngineUnreachable
+from kimi_pipeline.engine.key import use_run_key
 from kimi_pipeline.engine.kinds import engine_kind
 from kimi_pipeline.errors import PermanentError
 from kimi_pipeline.model.checkpoint_dirs import iteration_dir, latest_step, prune_checkpoints
@@ -155,6 +156,7 @@ def run_training(recipe: Recipe, run_dir: Path, *, init_checkpoint: Path, model_
     # replay and rollout-only runs keep their own metrics and checkpoints beside the run's training, never over it
     paths = TrainPaths(Path(run_dir) / ("replay" if replay is not None else "rollout-only" if rollout_only else "train"))
     paths.root.mkdir(parents=True, exist_ok=True)
+    use_run_key(run_dir)  # before the layout: every actor's environment names the run's engine key file
     actor_layout = lay_out_actors(recipe, str(model_dir))  # pure: no Ray yet
     if on_layout:
         on_layout(actor_layout)

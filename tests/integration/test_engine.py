@@ -31,6 +31,7 @@ from kimi_pipeline.model.hf_config import hf_config_dict
 from kimi_pipeline.model.hf_model import save_hf_model
 from kimi_pipeline.recipes import load_recipe
 from kimi_pipeline.weight_sync.push import chunk_named_tensors
+from support import engine_http
 from support.common import assert_bf16_engine_tracks_fp32, random_tiny_hf
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -406,7 +407,7 @@ def test_http_generate_equals_the_engine(servers, hf_a):
         assert g.finish_reason == d.finish_reason == "length" and g.weight_version == "0"
         assert np.array_equal(g.routed_experts, d.routed_experts)
     # SGLang's JSON shapes on the wire
-    body = httpx.post(server.url + "/generate", json={
+    body = engine_http.post(server.url + "/generate", json={
         "input_ids": prompts[0], "sampling_params": {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True},
         "return_logprob": True, "return_routed_experts": True}, timeout=60).json()
     meta = body["meta_info"]
@@ -440,26 +441,26 @@ def test_http_rejects_what_it_cannot_do(servers):
     with EngineClient(url) as client:
         with pytest.raises(EngineBadRequest, match="token ids"):
             client.generate([[1, 500]])
-    r = httpx.post(url + "/generate", json={"input_ids": [1, 2], "sampling_params": {"frequency_penalty": 0.5}},
-                   timeout=60)
+    r = engine_http.post(url + "/generate", json={"input_ids": [1, 2], "sampling_params": {"frequency_penalty": 0.5}},
+                         timeout=60)
     assert r.status_code == 400 and "frequency_penalty" in r.text
     with _session(url):
-        r = httpx.post(url + "/update_weights_from_tensor",
-                       json={"serialized_named_tensors": ["AAAA"], "load_format": "direct"}, timeout=60)
+        r = engine_http.post(url + "/update_weights_from_tensor",
+                             json={"serialized_named_tensors": ["AAAA"], "load_format": "direct"}, timeout=60)
         assert r.status_code == 400 and "pickled payloads are refused" in r.json()["message"]
-        r = httpx.post(url + "/update_weights_from_tensor",
-                       json={"serialized_named_tensors": ["bm90IHNhZmV0ZW5zb3Jz"]}, timeout=60)
+        r = engine_http.post(url + "/update_weights_from_tensor",
+                             json={"serialized_named_tensors": ["bm90IHNhZmV0ZW5zb3Jz"]}, timeout=60)
         assert r.status_code == 400 and r.json()["success"] is False
 
 
 @contextlib.contextmanager
 def _session(url: str):
     """SGLang's weight-update session around hand-made update requests."""
-    assert httpx.post(url + "/begin_weight_update", json={}, timeout=60).status_code == 200
+    assert engine_http.post(url + "/begin_weight_update", json={}, timeout=60).status_code == 200
     try:
         yield
     finally:
-        assert httpx.post(url + "/end_weight_update", json={}, timeout=60).status_code == 200
+        assert engine_http.post(url + "/end_weight_update", json={}, timeout=60).status_code == 200
 
 
 def test_weight_update_by_safetensors_chunks_switches_the_model(servers, hf_a, hf_b, tmp_path):
@@ -635,8 +636,8 @@ def _post_shm(url: str, descriptor: dict) -> httpx.Response:
     from kimi_pipeline.weight_sync import shm
 
     with _session(url):
-        return httpx.post(f"{url}/update_weights_from_tensor",
-                          json={"serialized_named_tensors": [json.dumps(descriptor)], "load_format": shm.LOAD_FORMAT})
+        body = {"serialized_named_tensors": [json.dumps(descriptor)], "load_format": shm.LOAD_FORMAT}
+        return engine_http.post(f"{url}/update_weights_from_tensor", json=body)
 
 
 # a trainer rank that stages one bucket (norm weights of 7.0) and is then SIGKILLed: its segment stays behind

@@ -1,11 +1,13 @@
 """SGLang 0.5.23's control protocol as the embedded engine serves it, so the CPU suite makes the calls a GPU run
 makes: the weight-update session, the live weight version in /model_info, the colocated memory handoff
-(release / resume of weights, KV cache and CUDA graphs) in the order the train loop runs it, and the API key of
-engines bound beyond loopback."""
+(release / resume of weights, KV cache and CUDA graphs) in the order the train loop runs it, and the run's key,
+which every engine requires, on loopback too."""
 
 from __future__ import annotations
 
+import os
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -15,7 +17,6 @@ import httpx
 import pytest
 import torch
 
-from kimi_pipeline.cluster.env import engine_api_key
 from kimi_pipeline.engine.client import (
     EngineBadRequest,
     EngineClient,
@@ -24,11 +25,14 @@ from kimi_pipeline.engine.client import (
     Router,
     sampling_payload,
 )
+from kimi_pipeline.engine.embedded import EmbeddedEngine
+from kimi_pipeline.engine.key import KEY_FILE_VAR, EngineKeyError, engine_api_key, use_run_key
 from kimi_pipeline.engine.model import EngineModel
 from kimi_pipeline.engine.sampler import MEMORY_TAGS, RolloutEngine, SamplingParams
 from kimi_pipeline.engine.server import EngineServer
 from kimi_pipeline.weight_sync.push import weight_update_session
 from kimi_pipeline.rl.handoff import RESIDENT, Handoff
+from support import engine_http
 from support.common import TINY, random_tiny_hf
 
 PROMPTS = [[3, 5, 7, 9], [4, 6, 8]]
@@ -56,13 +60,14 @@ def test_updates_outside_a_session_are_refused_as_sglang_refuses_them(server, hf
     body = {"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[8]], "group_name": "g"}
     for path, payload in (("/update_weights_from_tensor", {"serialized_named_tensors": []}),
                           ("/update_weights_from_distributed", body)):
-        r = httpx.post(url + path, json=payload, timeout=60)
+        r = engine_http.post(url + path, json=payload, timeout=60)
         assert r.status_code == 400
         assert r.json()["message"] == f"{path[1:]} must run between begin_weight_update() and end_weight_update()"
-    assert httpx.post(url + "/end_weight_update", json={}).json()["message"].startswith("no weight-update session")
-    assert httpx.post(url + "/begin_weight_update", json={}).status_code == 200
-    assert "already open" in httpx.post(url + "/begin_weight_update", json={}).json()["message"]
-    assert httpx.post(url + "/end_weight_update", json={}).status_code == 200
+    answer = engine_http.post(url + "/end_weight_update", json={}).json()
+    assert answer["message"].startswith("no weight-update session")
+    assert engine_http.post(url + "/begin_weight_update", json={}).status_code == 200
+    assert "already open" in engine_http.post(url + "/begin_weight_update", json={}).json()["message"]
+    assert engine_http.post(url + "/end_weight_update", json={}).status_code == 200
     # the client opens and ends the session itself, and the live version is /model_info's
     with EngineClient(url) as client:
         assert client.update_weights(hf.state_dict().items(), 1 << 20, weight_version="v7") > 1
@@ -109,7 +114,7 @@ def test_release_and_resume_around_a_sync_give_back_the_same_generation(server, 
 
 
 def test_unknown_memory_tags_are_refused(server):
-    r = httpx.post(server.url + "/release_memory_occupation", json={"tags": ["activations"]}, timeout=60)
+    r = engine_http.post(server.url + "/release_memory_occupation", json={"tags": ["activations"]}, timeout=60)
     assert r.status_code == 400 and "known tags are ['weights', 'kv_cache', 'cuda_graph']" in r.text
     assert not server.engine.released
 
@@ -155,22 +160,56 @@ def test_the_handoff_runs_the_resident_table_in_order(hf):
             s.stop()
 
 
-def test_an_engine_bound_beyond_loopback_wants_the_clusters_key(hf, monkeypatch):
-    monkeypatch.setenv("RAY_AUTH_MODE", "token")
-    monkeypatch.setenv("RAY_AUTH_TOKEN", "a-cluster-token")
-    key = engine_api_key()
-    assert key and "a-cluster-token" not in key
-    with EngineServer(RolloutEngine(EngineModel.from_hf_model(hf), seed=0), api_key=key) as s:
-        assert httpx.get(s.url + "/health").status_code == 200  # health stays open, as in SGLang
-        assert httpx.get(s.url + "/model_info").status_code == 401
-        assert httpx.get(s.url + "/model_info", headers={"Authorization": "Bearer wrong"}).status_code == 401
-        with EngineClient(s.url) as client:  # clients derive the same key from the same token
-            assert client.weight_version() == "0"
-        monkeypatch.setenv("RAY_AUTH_TOKEN", "another-cluster")
-        with EngineClient(s.url) as client, pytest.raises(EngineRequestError, match="401"):
+# every endpoint a local user could abuse without the key: swap the policy from a path of theirs, push tensors or join
+# a weight-update group, free memory, stop or abort generation, read the state
+CONTROL = [
+    ("POST", "/update_weights_from_disk", {"model_path": str(TINY / "model")}),
+    ("POST", "/update_weights_from_tensor", {"serialized_named_tensors": []}),
+    ("POST", "/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 9, "rank_offset": 1,
+                                            "world_size": 2, "group_name": "g", "backend": "gloo"}),
+    ("POST", "/begin_weight_update", {}), ("POST", "/release_memory_occupation", {"tags": ["kv_cache"]}),
+    ("POST", "/pause_generation", {"mode": "abort"}), ("POST", "/abort_request", {"abort_all": True, "rid": ""}),
+    ("POST", "/flush_cache", {}), ("POST", "/generate", {"input_ids": PROMPTS[0]}),
+    ("GET", "/model_info", None), ("GET", "/server_info", None),
+]
+
+
+def test_an_engine_on_loopback_wants_the_runs_key(tmp_path):
+    """The embedded engine as the run starts it, on loopback: every control endpoint answers 401 without the run's
+    key (`<run_dir>/engine.key`, 0600, found through $KIMI_ENGINE_KEY_FILE) or with another key, and does nothing;
+    /health* stay open, as in SGLang; the run's clients send the key; a resumed run keeps it; a client of another
+    run gets 401 and is told why."""
+    key_file = use_run_key(tmp_path / "run")
+    key = key_file.read_text()
+    assert stat.S_IMODE(key_file.stat().st_mode) == 0o600 and len(key) == 64
+    assert os.environ[KEY_FILE_VAR] == str(key_file) and use_run_key(tmp_path / "run").read_text() == key
+    engine = EmbeddedEngine(str(TINY / "model"), seed=0)
+    url = engine.start()
+    try:
+        assert url.startswith("http://127.0.0.1:")
+        for path in ("/health", "/health_generate"):
+            assert httpx.get(url + path, timeout=60).status_code == 200, path
+        for method, path, body in CONTROL:
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": key}):
+                r = httpx.request(method, url + path, json=body, headers=headers, timeout=60)
+                assert r.status_code == 401, (path, headers, r.status_code, r.text[:200])
+        assert engine.server.memory_events == [] and not engine.server.update_session
+        with EngineClient(url) as client:
+            assert client.weight_version() == "0" and client.model_info()["model_path"] == str(TINY / "model")
+        use_run_key(tmp_path / "another-run")
+        with EngineClient(url) as client, pytest.raises(EngineRequestError, match=f"401.*{KEY_FILE_VAR}"):
             client.weight_version()
-    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
-    assert engine_api_key() is None
+    finally:
+        engine.stop()
+
+
+def test_a_key_file_others_can_read_is_refused(tmp_path, monkeypatch):
+    path = tmp_path / "engine.key"
+    path.write_text("k" * 64)
+    path.chmod(0o644)
+    monkeypatch.setenv(KEY_FILE_VAR, str(path))
+    with pytest.raises(EngineKeyError, match="chmod 600"):
+        engine_api_key()
 
 
 # --------------------------------------------------------------------------- an engine that dies mid-rollout
@@ -318,16 +357,16 @@ def test_the_embedded_engine_samples_as_sglang_does_for_the_same_request(server)
     url = server.url
     body = {"input_ids": [PROMPTS[0]] * 4, "return_logprob": True,
             "sampling_params": {"max_new_tokens": 6, "temperature": 1.0, "sampling_seed": 42, "ignore_eos": True}}
-    shared = httpx.post(url + "/generate", json=body, timeout=60).json()
+    shared = engine_http.post(url + "/generate", json=body, timeout=60).json()
     assert len({tuple(x["output_ids"]) for x in shared}) == 1
     with EngineClient(url) as client:
         a, b = _samples(client), _samples(client)
     assert a == b and len({tuple(ids) for ids, _ in a[:2]}) == 2
     stops = list(range(0, 384))  # every token is a stop id: without ignore_eos the first token stops
-    out = httpx.post(url + "/generate", json={"input_ids": PROMPTS[0], "sampling_params": {
+    out = engine_http.post(url + "/generate", json={"input_ids": PROMPTS[0], "sampling_params": {
         "max_new_tokens": 5, "stop_token_ids": stops, "ignore_eos": True}}, timeout=60).json()
     assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 5}
-    r = httpx.post(url + "/generate", json={"input_ids": PROMPTS[0], "sampling_params": {"top_k": 0}}, timeout=60)
+    r = engine_http.post(url + "/generate", json={"input_ids": PROMPTS[0], "sampling_params": {"top_k": 0}}, timeout=60)
     assert r.status_code == 400
     assert r.json() == {"error": {"message": "top_k must be -1 (disable) or at least 1, got 0."}}
 
@@ -335,24 +374,26 @@ def test_the_embedded_engine_samples_as_sglang_does_for_the_same_request(server)
 def test_control_answers_are_sglangs(server):
     """Status, content type and body of each control endpoint exactly as SGLang 0.5.23 answers it."""
     url = server.url
-    flush = httpx.post(url + "/flush_cache", timeout=60)
+    flush = engine_http.post(url + "/flush_cache", timeout=60)
     assert flush.status_code == 200 and "content-type" not in flush.headers
     assert flush.text.startswith("Cache flushed.\n")
     for path in ("/health", "/health_generate"):
-        r = httpx.get(url + path, timeout=60)
+        r = engine_http.get(url + path, timeout=60)
         assert (r.status_code, r.content, r.headers.get("content-type")) == (200, b"", None), path
-    r = httpx.post(url + "/abort_request", json={"abort_all": True, "rid": ""}, timeout=60)
+    r = engine_http.post(url + "/abort_request", json={"abort_all": True, "rid": ""}, timeout=60)
     assert (r.status_code, r.content) == (200, b"")
     for path in ("/release_memory_occupation", "/resume_memory_occupation"):
-        r = httpx.post(url + path, json={"tags": ["kv_cache"]}, timeout=60)
+        r = engine_http.post(url + path, json={"tags": ["kv_cache"]}, timeout=60)
         assert (r.status_code, r.headers["content-type"], r.content) == (200, "application/json", b"null"), path
-    r = httpx.post(url + "/pause_generation", json={"mode": "in_place"}, timeout=60)
+    r = engine_http.post(url + "/pause_generation", json={"mode": "in_place"}, timeout=60)
     assert r.json() == {"message": "Generation paused successfully.", "status": "ok"}
-    r = httpx.post(url + "/continue_generation", json={}, timeout=60)
+    r = engine_http.post(url + "/continue_generation", json={}, timeout=60)
     assert r.json() == {"message": "Generation continued successfully.", "status": "ok"}
-    r = httpx.post(url + "/begin_weight_update", json={}, timeout=60)
+    r = engine_http.post(url + "/begin_weight_update", json={}, timeout=60)
     assert r.json() == {"success": True, "message": "Success"}
-    assert httpx.post(url + "/end_weight_update", json={}, timeout=60).json() == {"success": True, "message": "Success"}
-    r = httpx.post(url + "/generate", json={"input_ids": "not ids"}, timeout=60)
+    r = engine_http.post(url + "/end_weight_update", json={}, timeout=60)
+    assert r.json() == {"success": True, "message": "Success"}
+    r = engine_http.post(url + "/generate", json={"input_ids": "not ids"}, timeout=60)
     assert r.status_code == 400 and r.json()["object"] == "error" and r.json()["code"] == 400  # not FastAPI's 422
-    assert httpx.get(url + "/get_weight_version", timeout=60).status_code == 404  # SGLang 0.5.23 has no such route
+    # SGLang 0.5.23 has no such route
+    assert engine_http.get(url + "/get_weight_version", timeout=60).status_code == 404

@@ -135,35 +135,36 @@ print(parser.parse_args(ConfigArgumentMerger(parser).merge_config_with_args(argv
 """
 
 
-def test_an_engine_beyond_loopback_gets_the_clusters_key_through_a_private_config_file(parser_dir, monkeypatch):
-    """SGLang reads the key from the 0600 `--config` file the engine writes (through SGLang's own merger), so the
-    key is on no command line; the planned command of a multi-node layout binds to the node's address."""
+@pytest.mark.parametrize("host", ["10.1.2.3", "127.0.0.1"])
+def test_every_sglang_engine_gets_the_runs_key_through_a_private_config_file(parser_dir, tmp_path, host):
+    """SGLang reads the run's key from the 0600 `--config` file the engine writes (through SGLang's own merger), on
+    loopback too, so the key is on no command line; the planned command of a multi-node layout binds to the node's
+    address."""
     import json
     import stat
     import subprocess
     import sys
 
-    from kimi_pipeline.cluster.env import engine_api_key
+    from kimi_pipeline.engine.key import engine_api_key, use_run_key
     from kimi_pipeline.engine.sglang import SGLangEngine
 
-    monkeypatch.setenv("RAY_AUTH_MODE", "token")
-    monkeypatch.setenv("RAY_AUTH_TOKEN", "a-cluster-token")
+    key = use_run_key(tmp_path).read_text()
     recipe = load_recipe("kimi-k2-instruct")
     assert recipe.cluster.nodes > 1
     planned = [n.command for e in lay_out_actors(recipe, "/ckpt").engines for n in e.nodes]
     assert all(c[c.index("--host") + 1] == "<node-ip>" for c in planned)
-    assert not any(engine_api_key() in " ".join(c) for c in planned)
-    engine = SGLangEngine("/ckpt", recipe.sglang, port=30000, host="10.1.2.3", gpus_per_node=8,
-                          dist_init_addr="10.1.2.3:5000", python=sys.executable)
+    assert not any(key in " ".join(c) for c in planned)
+    engine = SGLangEngine("/ckpt", recipe.sglang, port=30000, host=host, gpus_per_node=8,
+                          dist_init_addr=f"{host}:5000", python=sys.executable)
     argv = engine.launch_command()[3:]  # what start() runs, without `python -m sglang.launch_server`
     path = argv[argv.index("--config") + 1]
     try:
-        assert engine_api_key() not in " ".join(argv)
+        assert key not in " ".join(argv) and engine_api_key() == key
         assert stat.S_IMODE(Path(path).stat().st_mode) == 0o600
         done = subprocess.run([sys.executable, "-P", "-c", _MERGE, json.dumps(argv)], capture_output=True, text=True,
                               env={**os.environ, "PYTHONPATH": str(parser_dir)}, timeout=300)
         assert done.returncode == 0, done.stderr[-2000:]
-        assert done.stdout.strip().splitlines()[-1] == engine_api_key()
+        assert done.stdout.strip().splitlines()[-1] == key
     finally:
         engine.stop()
     assert not Path(path).exists()

@@ -39,6 +39,7 @@ import httpx
 import numpy as np
 import pytest
 import torch
+from support import engine_http
 from support.common import random_tiny_hf
 
 from kimi_pipeline.engine.client import EngineBadRequest, EngineClient
@@ -186,7 +187,7 @@ def test_the_embedded_engine_answers_every_endpoint_as_sglang(server, tmp_path):
     hf_dir = save_hf_model(random_tiny_hf(), tmp_path / "hf", config=hf_config_dict(load_recipe("tiny").model))
     calls = _calls(hf_dir)[:16]  # the requests both servers answer with 200 (the last ones are refusals)
     for method, path, body in calls:
-        r = httpx.request(method, url + path, json=body, timeout=60)
+        r = engine_http.request(method, url + path, json=body, timeout=60)
         assert r.status_code == 200, (path, r.status_code, r.text)
         kind, keys = EXPECTED[path]
         got = _kind(r)
@@ -399,10 +400,12 @@ def _serve_sglang(model_path: str, record_path: str) -> None:
                                             scheduler_info=scheduler_info))
     # what `_setup_and_run_http_server` does next (http_server.py:2870-2897), minus the lifespan: that builds
     # the OpenAI-compatible servings and starts the warm-up, neither on the endpoints checked here
-    from sglang.srt.utils.auth import add_api_key_middleware, app_has_admin_force_endpoints
+    from sglang.srt.utils.auth import add_api_key_middleware
 
-    if app_has_admin_force_endpoints(http.app):
-        add_api_key_middleware(http.app, api_key=None, admin_api_key=None)
+    from kimi_pipeline.engine.key import engine_api_key
+
+    # as a run starts SGLang: with the run's key (`--api-key` through the engine's private --config file)
+    add_api_key_middleware(http.app, api_key=engine_api_key(), admin_api_key=None)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     print(f"PORT {sock.getsockname()[1]}", flush=True)
@@ -512,8 +515,15 @@ def test_sglang_and_the_embedded_engine_answer_every_endpoint_alike(sglang_app, 
     url, record = sglang_app
     hf = json.loads((hf_dir / "config.json").read_text())
     for method, path, body in _calls(hf_dir):
+        # without the run's key: the same 401 (or, /health*, the same answer), and nothing reaches SGLang's scheduler
+        reached = len(_records(record))
         theirs = httpx.request(method, url + path, json=body, timeout=120)
         ours = httpx.request(method, server.url + path, json=body, timeout=120)
+        assert ours.status_code == theirs.status_code == (200 if path.startswith("/health") else 401), path
+        assert path.startswith("/health") or len(_records(record)) == reached, path
+        assert _media(ours) == _media(theirs), path
+        theirs = engine_http.request(method, url + path, json=body, timeout=120)
+        ours = engine_http.request(method, server.url + path, json=body, timeout=120)
         assert (ours.status_code, _media(ours)) == (theirs.status_code, _media(theirs)), (
             path, theirs.status_code, theirs.text[:300], ours.status_code, ours.text[:300])
         assert bool(ours.content) == bool(theirs.content), (path, theirs.content[:200], ours.content[:200])
@@ -542,7 +552,7 @@ def test_sglang_and_the_embedded_engine_answer_every_endpoint_alike(sglang_app, 
     assert single and single[-1]["return_routed_experts"] and single[-1]["return_logprob"]
     assert single[-1]["sampling_params"]["max_new_tokens"] == 2
     # one [prompt + completion - 1, layers, topk] int32 block per row, as both encode it
-    assert _shape(httpx.post(url + "/generate", json=_calls(hf_dir)[15][2], timeout=60).json())[4] == \
+    assert _shape(engine_http.post(url + "/generate", json=_calls(hf_dir)[15][2], timeout=60).json())[4] == \
         (3 + 2 - 1) * hf["num_hidden_layers"] * hf["num_experts_per_tok"]
 
 
