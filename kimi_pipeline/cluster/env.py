@@ -10,10 +10,12 @@ from __future__ import annotations
 import os
 import secrets
 import socket
+import sys
 import tempfile
 from pathlib import Path
 
 from kimi_pipeline.cluster.errors import ClusterConfigError
+from kimi_pipeline.util.net import is_loopback
 
 AUTH_MODES = ("token", "disabled")
 DEFAULT_TOKEN_PATH = Path.home() / ".ray" / "auth_token"
@@ -39,6 +41,41 @@ def token_source() -> str:
     if os.environ.get("RAY_AUTH_TOKEN_PATH"):
         return os.environ["RAY_AUTH_TOKEN_PATH"]
     return str(DEFAULT_TOKEN_PATH)
+
+
+# One-host Ray on loopback. Ray 2.60 binds every server of a node to loopback only when the node's IP is 127.0.0.1:
+# its C++ gRPC servers (GCS, raylet, every worker: measured with /proc/net/tcp, no option binds them otherwise) and
+# its Python ones (dashboard agent dashboard/agent.py:164-169 and dashboard/http_server_agent.py:60-63, metrics
+# exporters dashboard/modules/reporter/reporter_agent.py:534, dashboard/head.py:361, autoscaler/_private/monitor.py:205,
+# the Ray Client server's --host). Elsewhere they listen on every interface. And Ray takes 127.0.0.1 as a node IP
+# only in its single-host (Windows/macOS) mode: otherwise `ray start --node-ip-address 127.0.0.1` and
+# `ray.init(address="127.0.0.1:…")` swap in the host's routable address (_private/services.py:716, 786-803) unless
+# RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (services.py:815-819, _private/ray_constants.py:657-661). That mode refuses a
+# second raylet (`ray start --address`, scripts/scripts.py:1169-1180): only a cluster of one node can be on loopback.
+SINGLE_HOST_VAR = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def loopback_env() -> dict[str, str]:
+    """What the processes of a one-node cluster on 127.0.0.1 (its `ray start`, its drivers) run with."""
+    return {SINGLE_HOST_VAR: "0"}
+
+
+def use_loopback_ray(on: bool) -> None:
+    """Make this process's Ray take 127.0.0.1 as its node's address (a driver of a loopback cluster, or of a
+    `ray.init()` local cluster it starts) or not (any other cluster). Ray reads the variable once, at import
+    (ray_constants.py:658), so in a process that has imported Ray the constant follows as well."""
+    if on:
+        os.environ.update(loopback_env())
+    else:
+        os.environ.pop(SINGLE_HOST_VAR, None)
+    constants = sys.modules.get("ray._private.ray_constants")
+    if constants is not None:
+        constants.ENABLE_RAY_CLUSTER = constants.env_bool(SINGLE_HOST_VAR, not constants.IS_WINDOWS_OR_OSX)
+
+
+def is_loopback_address(address: str) -> bool:
+    """Whether a GCS address HOST:PORT is on loopback: its drivers must `use_loopback_ray(True)`."""
+    return is_loopback(address.rpartition(":")[0].strip("[]"))
 
 
 def ensure_token() -> str:

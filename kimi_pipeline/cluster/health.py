@@ -16,7 +16,7 @@ from typing import Any
 
 import ray
 
-from kimi_pipeline.cluster.env import gcs_reachable
+from kimi_pipeline.cluster.env import gcs_reachable, is_loopback_address, use_loopback_ray
 from kimi_pipeline.cluster.errors import ClusterError, ClusterHealthError
 from kimi_pipeline.recipes.models import ClusterSpec
 from kimi_pipeline.util.redact import ray_worker_setup
@@ -167,6 +167,7 @@ def connected(address: str) -> Iterator[None]:
             log.warning("already connected to Ray at %s; checking that cluster, not %s", current, address)
         yield
         return
+    use_loopback_ray(is_loopback_address(address))
     try:
         ray.init(address=address, log_to_driver=False, logging_level="WARNING", configure_logging=False,
                  runtime_env=ray_worker_setup())

@@ -6,6 +6,9 @@ anything holding the run dir (the flow's `finally`, a watchdog, `kimi cluster do
 
 Simulated nodes are extra raylets on the same host (`ray start --address`), each with its own CPU count
 and a `node_<i>` custom resource: enough to test multi-node placement on one machine.
+
+A cluster of one node (the one-host layout) runs on 127.0.0.1: every Ray process of it listens on loopback only
+(`env.use_loopback_ray` says how, and why simulated nodes cannot: Ray's single-host mode takes no second raylet).
 """
 
 from __future__ import annotations
@@ -22,8 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kimi_pipeline.cluster.env import choose_temp_dir, gcs_reachable, ray_env
-from kimi_pipeline.util.net import free_port
+from kimi_pipeline.cluster.env import SINGLE_HOST_VAR, choose_temp_dir, gcs_reachable, loopback_env, ray_env
+from kimi_pipeline.util.net import LOOPBACK, free_port
 from kimi_pipeline.cluster.errors import ClusterError
 from kimi_pipeline.cluster.procs import MARKER_VAR, cluster_processes, stop_processes
 from kimi_pipeline.util.files import atomic_write_json
@@ -89,6 +92,11 @@ class LocalCluster:
         return dict(self.state.get("env", {}))
 
     @property
+    def loopback(self) -> bool:
+        """Every process of the cluster listens on 127.0.0.1 only (its drivers: `env.use_loopback_ray(True)`)."""
+        return bool(self.state.get("loopback"))
+
+    @property
     def stopped(self) -> bool:
         return self.state.get("stopped_at") is not None
 
@@ -103,8 +111,15 @@ class LocalCluster:
         dashboard: bool = False,
         owner_pid: int | None = None,
         timeout_s: float = START_TIMEOUT_S,
+        loopback: bool | None = None,
     ) -> LocalCluster:
-        """Start a head (+ simulated worker raylets). On any failure, whatever started is stopped."""
+        """Start a head (+ simulated worker raylets). On any failure, whatever started is stopped.
+
+        `loopback` (default: when there are no workers): every Ray process of the cluster listens on 127.0.0.1 only
+        (`env.use_loopback_ray`); such a cluster cannot take a second node, so a caller that adds nodes later passes
+        False."""
+        if loopback and workers:
+            raise ClusterError("a Ray cluster on loopback has one node (Ray's single-host mode): no simulated nodes")
         run_dir = Path(run_dir)
         (run_dir / "cluster").mkdir(parents=True, exist_ok=True)
         temp_dir, temp_note = choose_temp_dir(run_dir)
@@ -118,6 +133,7 @@ class LocalCluster:
             "temp_dir_note": temp_note,
             "env": env,
             "address": None,
+            "loopback": not workers if loopback is None else loopback,
             "dashboard_url": None,
             "nodes_started": 0,
             "owner_pid": owner_pid,
@@ -142,6 +158,7 @@ class LocalCluster:
         process, and so every actor of the run, inherits it, and none needs the hub token, the W&B key or the
         webhook), plus the cluster's variables, `env_extra` and the marker that finds them at teardown."""
         env = without_secrets()
+        env.pop(SINGLE_HOST_VAR, None)  # a driver's own mode is not this cluster's
         env.update(self.env)
         env.update(env_extra or {})
         env[MARKER_VAR] = self.state["marker"]
@@ -175,7 +192,7 @@ class LocalCluster:
     def _start_head(self, head: NodeSpec, dashboard: bool, timeout_s: float) -> None:
         dash_port = free_port()
         args = [
-            "--head", "--port", "0",
+            "--head", "--port", "0", *(["--node-ip-address", LOOPBACK] if self.loopback else []),
             "--include-dashboard", "true" if dashboard else "false",
             "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash_port),
             "--ray-client-server-port", str(free_port()),
@@ -183,7 +200,7 @@ class LocalCluster:
             *head.args(),
         ]
         t0 = time.monotonic()
-        text = self._ray_start(args, "ray-start-head", timeout_s)
+        text = self._ray_start(args, "ray-start-head", timeout_s, loopback_env() if self.loopback else None)
         current = Path(self.state["temp_dir"]) / "ray_current_cluster"
         address = current.read_text().strip() if current.is_file() else None
         if not address:
@@ -198,6 +215,8 @@ class LocalCluster:
     def _start_worker(self, spec: NodeSpec, index: int, timeout_s: float, env_extra: dict[str, str] | None = None,
                       prefix: list[str] | None = None) -> None:
         """A simulated node; `env_extra` / `prefix` make it differ from the others (a node's own environment)."""
+        if self.loopback:
+            raise ClusterError(f"the Ray cluster at {self.address} is on loopback (one node): it takes no other node")
         t0 = time.monotonic()
         args = ["--address", self.address, "--dashboard-agent-listen-port", str(free_port()), *spec.args()]
         self._ray_start(args, f"ray-start-node-{index}", timeout_s, env_extra, prefix)

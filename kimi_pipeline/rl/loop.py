@@ -21,6 +21,7 @@ from typing import Any
 
 import ray
 
+from kimi_pipeline.cluster.env import is_loopback_address, use_loopback_ray
 from kimi_pipeline.cluster.health import Requirements, wait_until_healthy
 from kimi_pipeline.cluster.placement import create_placement_groups, remove_placement_groups
 from kimi_pipeline.convert.names import HFLayout
@@ -163,6 +164,7 @@ def run_training(recipe: Recipe, run_dir: Path, *, init_checkpoint: Path, model_
     if not ray.is_initialized():
         if ray_address is None:
             raise PermanentError("no Ray cluster: run the cluster stage first (or pass --ray-address)")
+        use_loopback_ray(is_loopback_address(ray_address))
         ray.init(address=ray_address, log_to_driver=False, runtime_env=ray_worker_setup())
     _require_healthy_cluster(recipe.cluster, ray_address)
     total = recipe.rollout.num_rollout

@@ -22,6 +22,7 @@ from typing import Any
 import ray
 
 from kimi_pipeline.cluster.errors import PlacementError
+from kimi_pipeline.cluster.env import is_loopback_address, use_loopback_ray
 from kimi_pipeline.cluster.lifecycle import export_driver_env
 from kimi_pipeline.cluster.local import LocalCluster, NodeSpec
 from kimi_pipeline.cluster.placement import bundle_nodes, create_placement_groups, remove_placement_groups
@@ -160,6 +161,7 @@ def _on_cluster(actor_layout, recipe: Recipe, address: str, stand_in_nodes: int,
 
     add = lambda f, m: actor_layout.problems.append(Problem(f, m))  # noqa: E731
     export_driver_env(os.environ.get("RAY_AUTH_MODE", "token"))
+    use_loopback_ray(is_loopback_address(address))
     ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING, runtime_env=ray_worker_setup())
     try:
         res = ray.cluster_resources()

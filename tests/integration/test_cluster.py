@@ -356,6 +356,32 @@ def test_ray_workers_get_no_flow_secret_and_redact_their_logs(embedded, monkeypa
     assert logged.strip() == "engine refused token <hf-token>"
 
 
+def test_the_one_host_cluster_listens_on_loopback_only(embedded):
+    """Every Ray process of the one-host cluster (GCS, raylet, workers, the dashboard, its agents and metrics
+    exporters, the Ray Client server) and the driver's listen on 127.0.0.1 alone: nobody on another host reaches
+    them. Such a cluster takes no second node (Ray's single-host mode), and says so."""
+    import ray
+
+    from kimi_pipeline.cluster.errors import ClusterError
+    from kimi_pipeline.cluster.health import connected
+    from kimi_pipeline.cluster.local import NodeSpec
+    from support.sockets import listeners, session_members, with_descendants
+
+    cluster = embedded["cluster"]
+    assert cluster.loopback and embedded["section"]["address"].startswith("127.0.0.1:")
+    with connected(cluster.address):
+        assert set(ray.get([ray.remote(ray.util.get_node_ip_address).remote() for _ in range(2)])) == {"127.0.0.1"}
+        sids = cluster.state["sids"]
+        found = listeners(session_members(sids) | with_descendants(sids) | with_descendants([os.getpid()]))
+    print(f"{len(found)} listening sockets of {len({x.pid for x in found})} processes")
+    commands = " ".join(x.command for x in found)
+    for process in ("gcs_server", "raylet", "dashboard.py", "ray.util.client.server", "monitor.py"):
+        assert process in commands, (process, found)
+    assert [x for x in found if not x.loopback] == []
+    with pytest.raises(ClusterError, match="loopback"):
+        cluster._start_worker(NodeSpec(num_cpus=1, num_gpus=0), 1, 60)
+
+
 def test_a_driver_can_use_the_cluster(embedded):
     import ray
 

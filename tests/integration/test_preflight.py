@@ -61,7 +61,7 @@ def faulty_cluster(tmp_path_factory):
     pythonpath = os.pathsep.join(p for p in sys.path if p)
     if auth_mode() == "token":
         ensure_token()  # as the cluster stage does before it starts a cluster
-    cluster = LocalCluster.start(root / "run", NodeSpec(num_cpus=2, num_gpus=0))
+    cluster = LocalCluster.start(root / "run", NodeSpec(num_cpus=2, num_gpus=0), loopback=False)  # nodes join later
     faults: dict[str, str] = {}
     try:
         env = {**cluster.env}
