@@ -17,9 +17,10 @@ WANDB_KEY_ENV = "WANDB_API_KEY"
 WEBHOOK_ENV = "KIMI_NOTIFY_WEBHOOK"  # a Slack-style webhook URL is itself the credential that lets anyone post
 # what only the flow's own process reads; every process it starts goes without them
 FLOW_ONLY_ENVS = (*HUB_TOKEN_ENVS, WANDB_KEY_ENV, WEBHOOK_ENV)
-# every secret an environment can hold: the Ray cluster token is needed by every Ray process (token auth), so it is
-# redacted wherever it shows but kept in their environment
-SECRET_ENVS = (*FLOW_ONLY_ENVS, "RAY_AUTH_TOKEN")
+# every secret an environment can hold: the Ray cluster token is needed by every Ray process (token auth) and the
+# run's engine key by every engine and its clients (`engine/key.py`), so they are redacted wherever they show but
+# kept in the environment of the processes a run starts
+SECRET_ENVS = (*FLOW_ONLY_ENVS, "RAY_AUTH_TOKEN", "KIMI_ENGINE_API_KEY")
 
 
 def without_secrets(base: Mapping[str, str] | None = None) -> dict[str, str]:
