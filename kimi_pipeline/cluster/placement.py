@@ -220,7 +220,8 @@ def free_port_on(pg, bundle: int) -> tuple[str, int]:
 
     @ray.remote(num_cpus=0.01)
     def probe() -> tuple[str, int]:
-        return ray.util.get_node_ip_address(), free_port("")
+        ip = ray.util.get_node_ip_address()
+        return ip, free_port(ip)  # where rank 0's store will listen (`util.rendezvous.tcp_store`)
 
     if ray.is_initialized() and len(ray.nodes()) > 1:
         return ray.get(probe.options(scheduling_strategy=PlacementGroupSchedulingStrategy(

@@ -20,7 +20,8 @@ from kimi_pipeline.errors import PermanentError
 from kimi_pipeline.model.megatron_compat import apply_compat
 from kimi_pipeline.recipes.checks import PipelineSplitError, pipeline_layers
 from kimi_pipeline.recipes.models import ConvertSpec, ModelSpec, ParallelSpec
-from kimi_pipeline.util.net import free_port
+from kimi_pipeline.util.net import LOOPBACK
+from kimi_pipeline.util.rendezvous import gloo_on, tcp_store
 
 
 class LayoutError(PermanentError):
@@ -152,6 +153,16 @@ def process_group_timeout(default_minutes: int = 30) -> datetime.timedelta:
     return datetime.timedelta(seconds=seconds)
 
 
+def _trainer_store(address: str, port: int, rank: int, world: int, timeout: datetime.timedelta) -> dist.Store:
+    """The default group's store, as `init_process_group(init_method="tcp://…")` makes it (rank 0 hosts it,
+    multi-tenant, keys under "default_pg": torch/distributed/rendezvous.py:162-214, distributed_c10d.py:1883-1897)
+    but listening on MASTER_ADDR alone. Under
+    torchrun the agent of node 0 hosts it (TORCHELASTIC_USE_AGENT_STORE) and every rank is a client."""
+    agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    store = tcp_store(address, port, world, rank == 0 and not agent_hosts, timeout, multi_tenant=True)
+    return dist.PrefixStore("default_pg", store)  # the prefix init_process_group gives the store it makes
+
+
 def init_distributed(
     layout: Layout,
     *,
@@ -178,34 +189,29 @@ def init_distributed(
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         if "MASTER_PORT" not in os.environ:
             raise LayoutError("RANK/WORLD_SIZE are set but MASTER_PORT is not (launch with torchrun or set it)")
-        init_method = f"tcp://{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{os.environ['MASTER_PORT']}"
+        address, port = os.environ.get("MASTER_ADDR", LOOPBACK), int(os.environ["MASTER_PORT"])
     else:  # a lone process: its own loopback rendezvous, without touching the environment
-        rank, world = 0, 1
-        init_method = f"tcp://127.0.0.1:{free_port()}"
+        rank, world, address, port = 0, 1, LOOPBACK, 0
     if world != layout.world_size:
         raise LayoutError(f"layout is for {layout.world_size} ranks but WORLD_SIZE={world}")
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
     if device.type == "cpu":
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", _cpu_threads(local_world))))
     timeout = process_group_timeout(timeout_minutes)
-    if not dist.is_initialized():
-        dist.init_process_group(
-            backend=backend,
-            init_method=init_method,
-            rank=rank,
-            world_size=world,
-            timeout=timeout,
+    with gloo_on(address):  # megatron's gloo groups too: every member is where the rendezvous is
+        if not dist.is_initialized():
+            dist.init_process_group(backend=backend, store=_trainer_store(address, port, rank, world, timeout),
+                                    rank=rank, world_size=world, timeout=timeout)
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=layout.tp,
+            pipeline_model_parallel_size=layout.pp,
+            context_parallel_size=layout.cp,
+            expert_model_parallel_size=layout.ep,
+            expert_tensor_parallel_size=layout.etp,
+            distributed_timeout_minutes=max(1, math.ceil(timeout.total_seconds() / 60)),
         )
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=layout.tp,
-        pipeline_model_parallel_size=layout.pp,
-        context_parallel_size=layout.cp,
-        expert_model_parallel_size=layout.ep,
-        expert_tensor_parallel_size=layout.etp,
-        distributed_timeout_minutes=max(1, math.ceil(timeout.total_seconds() / 60)),
-    )
     torch.manual_seed(seed + 100 * parallel_state.get_pipeline_model_parallel_rank())
     model_parallel_cuda_manual_seed(seed)
     return rank

@@ -32,25 +32,22 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import BackendConfig, rendezvous
+from torch.distributed.distributed_c10d import BackendConfig
 
 from kimi_pipeline.util.net import LOOPBACK, free_port, is_loopback, node_address
+from kimi_pipeline.util.rendezvous import gloo_on, tcp_store
 from kimi_pipeline.weight_sync.shm import DTYPES
 
 GROUP_NAME = "kimi-weight-sync"
 TIMEOUT = datetime.timedelta(minutes=30)
 
 
-def tcp_url(address: str, port: int) -> str:
-    """The rendezvous URL SGLang builds (`NetworkAddress.to_tcp`): IPv6 addresses in brackets."""
-    host = f"[{address}]" if ":" in address and not address.startswith("[") else address
-    return f"tcp://{host}:{port}"
-
-
 def group_store(master_address: str, master_port: int, rank: int, world_size: int, backend: str, group_name: str,
                 timeout: datetime.timedelta = TIMEOUT) -> dist.Store:
-    """The store a member's backend talks through, keys prefixed exactly as SGLang's side prefixes them."""
-    store, _, _ = next(rendezvous(tcp_url(master_address, master_port), rank, world_size, timeout=timeout))
+    """The store a member's backend talks through, keys prefixed exactly as SGLang's side prefixes them. The store
+    is the one a `tcp://` rendezvous makes (torch/distributed/rendezvous.py:162-214: rank 0 hosts it, multi-tenant),
+    except that rank 0's server listens on `master_address` alone (`util.rendezvous.tcp_store`)."""
+    store = tcp_store(master_address, master_port, world_size, rank == 0, timeout, multi_tenant=True)
     store.set_timeout(timeout)
     device = next(iter(BackendConfig(dist.Backend(backend)).get_device_backend_map()))  # the helper's first device
     return dist.PrefixStore(f"{device}/", dist.PrefixStore(f"{group_name}/", dist.PrefixStore(group_name, store)))
@@ -63,7 +60,8 @@ def make_group(master_address: str, master_port: int, rank: int, world_size: int
         raise ValueError(f"weight-update group backend {backend!r}: gloo or nccl")
     store = group_store(master_address, master_port, rank, world_size, backend, group_name, timeout)
     if backend == "gloo":
-        return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+        with gloo_on(master_address):
+            return dist.ProcessGroupGloo(store, rank, world_size, timeout)
     opts = dist.ProcessGroupNCCL.Options()
     opts._timeout = timeout
     return dist.ProcessGroupNCCL(store, rank, world_size, opts)
@@ -142,7 +140,7 @@ class WeightGroup:
         sizes = ranks_per_engine or [1] * len(clients)
         self.world_size = 1 + sum(sizes)
         self.master_address = master_address or _reachable_address([c.url for c in clients])
-        self.master_port = free_port()
+        self.master_port = free_port(self.master_address)
         self.group_name = f"{name}-{uuid.uuid4().hex[:8]}"  # SGLang keeps groups by name: one per group made
         offsets = [1 + sum(sizes[:i]) for i in range(len(clients))]
         joins = [pool.submit(c.init_weights_update_group, self.master_address, self.master_port, off, self.world_size,

@@ -18,6 +18,7 @@ Every trainer rank runs the same updater (the updates are collectives).
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 from abc import ABC, abstractmethod
@@ -36,6 +37,8 @@ from kimi_pipeline.quant.qat import fake_quant_hf_tensors
 from kimi_pipeline.recipes import Recipe
 from kimi_pipeline.recipes.models import ModelSpec
 from kimi_pipeline.util.files import atomic_write_json
+from kimi_pipeline.util.net import LOOPBACK
+from kimi_pipeline.util.rendezvous import gloo_on
 from kimi_pipeline.util.shards import ShardWriter, finish_shards
 from kimi_pipeline.weight_sync import shm
 from kimi_pipeline.weight_sync.buckets import BucketSchedule, Groups, SyncCounters, gather_bucket, pp_stage_dtypes
@@ -195,9 +198,11 @@ class CudaIpcHandoff(Handoff):
         if trainer.world_size % g:
             raise ValueError(f"engines of {g} GPUs do not divide {trainer.world_size} trainer ranks")
         self.gpus, (engine, self.tp_rank) = g, divmod(trainer.rank, g)
-        # one gloo group per engine for the entries (strings), made by every rank in the same order
-        groups = [dist.new_group(list(range(e * g, (e + 1) * g)), backend="gloo")
-                  for e in range(trainer.world_size // g)]
+        # one gloo group per engine for the entries (strings), made by every rank in the same order; on loopback when
+        # the trainers' rendezvous is (`util.rendezvous.gloo_on`)
+        with gloo_on(os.environ.get("MASTER_ADDR", LOOPBACK)):
+            groups = [dist.new_group(list(range(e * g, (e + 1) * g)), backend="gloo")
+                      for e in range(trainer.world_size // g)]
         self.group, self.lead, self.router = groups[engine], engine * g, router
         self.rank0 = trainer.rank == 0
         self.client = router.clients[engine] if self.tp_rank == 0 else None

@@ -112,9 +112,10 @@ def run_job(rank_fn: Callable[[dict[str, Any]], Any], job_path: Path) -> None:
 # ---------------------------------------------------------------- launcher side
 def node_command(module: str, args: list[str], *, nnodes: int, node_rank: int, nproc_per_node: int,
                  master_addr: str, master_port: int, python: str | None = None) -> list[str]:
-    """The torchrun command for one node (static rendezvous: node 0 hosts the store on master_port)."""
+    """The torchrun command for one node (static rendezvous: node 0 hosts the store on master_port, listening on
+    master_addr alone: `weightjobs.agent`)."""
     return [
-        python or sys.executable, "-m", "torch.distributed.run",
+        python or sys.executable, "-m", "kimi_pipeline.weightjobs.agent",
         f"--nnodes={nnodes}", f"--node-rank={node_rank}", f"--nproc-per-node={nproc_per_node}",
         f"--master-addr={master_addr}", f"--master-port={master_port}",
         "--max-restarts=0", "--monitor-interval=0.5",

@@ -58,7 +58,8 @@ class NodeAgent:
         return ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id()
 
     def free_port(self) -> int:
-        return free_port()
+        """A port free on this node's address, where node 0's rendezvous store will listen (`weightjobs.agent`)."""
+        return free_port(ray.util.get_node_ip_address())
 
     def start(self, cmd: list[str], env: dict[str, str]) -> int:
         """Start the node's agent with this node's Python (the cluster's environment, not the driver's)."""
