@@ -43,13 +43,48 @@ def engine_gate_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("engine_gate")
 
 
+class _Listening:
+    """Every listening TCP socket of this process and its descendants (Ray's processes, the conversion's agents
+    and ranks, the actors), sampled from /proc every 0.25 s: most live only while their part of the run does."""
+
+    def __init__(self) -> None:
+        from support.sockets import listeners, with_descendants
+
+        self.seen: set = set()
+        self._stop = threading.Event()
+        self._sample = lambda: self.seen.update(listeners(with_descendants([os.getpid()])))
+        self._thread = threading.Thread(target=self._run, name="listening-sampler", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.25):
+            self._sample()
+
+    def stop(self) -> set:
+        if not self._stop.is_set():
+            self._sample()
+            self._stop.set()
+            self._thread.join(30)
+        return self.seen
+
+
 @pytest.fixture(scope="module")
-def ray_local(save_gate, engine_gate_dir):
+def listening():
+    """Where the module's tiny run listens, from before its conversion to the end of its training (`trained`)."""
+    sampler = _Listening()
+    yield sampler
+    sampler.stop()
+
+
+@pytest.fixture(scope="module")
+def ray_local(save_gate, engine_gate_dir, listening):
     import ray
 
+    from kimi_pipeline.cluster.env import use_loopback_ray
     from kimi_pipeline.cluster.lifecycle import export_driver_env
 
     export_driver_env("token")  # as the cluster stage does; also refreshes Ray's cached config
+    use_loopback_ray(True)  # a one-node cluster, as the cluster stage starts it: every Ray process on 127.0.0.1
     os.environ[GATE_ENV] = str(save_gate)  # the raylet, and so every worker, inherits it
     os.environ[engine_gate.GATE_ENV] = str(engine_gate_dir)
     # every worker runs the gates' hook, so every worker (plain tasks too, not only the stage's actors, whose
@@ -59,12 +94,13 @@ def ray_local(save_gate, engine_gate_dir):
                           "env_vars": {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}})
     yield
     ray.shutdown()
+    use_loopback_ray(False)
     os.environ.pop(GATE_ENV, None)
     os.environ.pop(engine_gate.GATE_ENV, None)
 
 
 @pytest.fixture(scope="module")
-def prepared(tmp_path_factory) -> tuple[Path, Path]:
+def prepared(tmp_path_factory, listening) -> tuple[Path, Path]:
     """A run dir after download → validate → convert (1 rank: the conversion has its own tests)."""
     from kimi_pipeline.stages import CONVERT, DOWNLOAD, VALIDATE, prepared_run, run_stage
 
@@ -131,6 +167,19 @@ def test_train_records_metrics_checkpoints_and_evals(trained):
     assert set(summary["eval"][0]) >= {"avg_at_n", "pass_at_1", "pass_at_n", "maj_at_n"}
     assert (run / "eval" / "eval.jsonl").is_file() and (run / "eval" / "step_0000004.json").is_file()
     assert list((run / "train" / "tensorboard").glob("events.out.tfevents.*")), "TensorBoard logger"
+
+
+def test_the_run_listens_on_loopback_only(trained, listening):
+    """Issue 40 item 4: every socket the tiny run's processes listened on, from the conversion to the end of its
+    training, is on loopback: the conversion's torchrun agent (its rendezvous store) and rank, Ray's GCS, raylet,
+    workers and agents, the trainer's rendezvous store and gloo pairs, the engine's HTTP server."""
+    seen = listening.stop()
+    commands = " ".join(x.command for x in seen)
+    for what in ("kimi_pipeline.weightjobs.agent", "kimi_pipeline.weightjobs.rank", "gcs_server", "raylet",
+                 "ray::PolicyWorker", "ray::EmbeddedEngine"):
+        assert what in commands, (what, sorted({x.command[:80] for x in seen}))
+    print(f"{len(seen)} listening sockets of {len({x.pid for x in seen})} processes during the run")
+    assert sorted({(x.address, x.port, x.command[:80]) for x in seen if not x.loopback}) == []
 
 
 def test_kimi_eval_checkpoint_reproduces_the_in_training_eval(trained, tmp_path):
