@@ -73,6 +73,17 @@ def use_loopback_ray(on: bool) -> None:
         constants.ENABLE_RAY_CLUSTER = constants.env_bool(SINGLE_HOST_VAR, not constants.IS_WINDOWS_OR_OSX)
 
 
+def require_auth(mode: str, nodes: int, allow_insecure: bool) -> None:
+    """Refuse a Ray cluster of several nodes without token auth, unless the recipe accepts it
+    (`cluster.allow_insecure`): its GCS, raylets and workers listen beyond this host, and without auth anyone who
+    reaches them can run code as the run's user (one node runs on loopback: `use_loopback_ray`)."""
+    if mode == "disabled" and nodes > 1 and not allow_insecure:
+        raise ClusterConfigError(
+            f"RAY_AUTH_MODE=disabled on a Ray cluster of {nodes} nodes: anyone who reaches a node can run code as this "
+            "run's user. Use token auth (unset RAY_AUTH_MODE, or RAY_AUTH_MODE=token with the cluster's token: "
+            "infra/ray/env.sh, KubeRay's authOptions), or accept the risk with --set cluster.allow_insecure=true")
+
+
 def is_loopback_address(address: str) -> bool:
     """Whether a GCS address HOST:PORT is on loopback: its drivers must `use_loopback_ray(True)`."""
     return is_loopback(address.rpartition(":")[0].strip("[]"))

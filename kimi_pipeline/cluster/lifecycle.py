@@ -24,7 +24,7 @@ from typing import Any
 import psutil
 import ray
 
-from kimi_pipeline.cluster.env import auth_mode, ensure_token, token_source
+from kimi_pipeline.cluster.env import auth_mode, ensure_token, require_auth, token_source
 from kimi_pipeline.cluster.errors import ClusterConfigError, ClusterHealthError, LocalClusterTooSmall, PreflightError
 from kimi_pipeline.cluster.health import ClusterFacts, Requirements, wait_until_healthy
 from kimi_pipeline.cluster.local import LocalCluster, NodeSpec
@@ -169,12 +169,15 @@ def bring_up(recipe, run_dir: Path, timeout_s: float | None = None, owner_pid: i
     if wanted.address:
         address = attach_driver(wanted.address)
         mode, auth = "existing", auth_mode()
+        require_auth(auth, wanted.nodes, wanted.allow_insecure)
         if previous is not None and previous.state.get("mode") == "embedded" and not previous.stopped:
             previous.stop()  # the run dir's own cluster must not outlive the record that tracks it
         atomic_write_json(cdir / "state.json", {"mode": "existing", "address": address, "stopped_at": None})
         facts = wait_until_healthy(address, req, timeout_s or EXISTING_TIMEOUT_S)
+        require_auth(auth, len(facts.nodes), wanted.allow_insecure)  # more nodes than the recipe asks for
     else:
         mode, auth = "embedded", auth_mode()
+        require_auth(auth, wanted.nodes, wanted.allow_insecure)  # simulated nodes listen beyond loopback
         if previous is not None and previous.state.get("mode") == "embedded" and not previous.stopped:
             if previous.alive():
                 log.info("reusing the embedded Ray cluster at %s recorded in %s", previous.address, cdir)

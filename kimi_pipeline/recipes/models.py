@@ -227,6 +227,9 @@ class ClusterSpec(Section):
     keep: bool = Field(False, description="keep the embedded cluster running after the flow")
     cpus_per_node: int | None = Field(None, gt=0, description="required CPUs per node (health check)")
     memory_gb_per_node: float | None = Field(None, gt=0, description="required RAM per node (health check)")
+    allow_insecure: bool = Field(
+        False, description="run on a Ray cluster of several nodes without token auth (RAY_AUTH_MODE=disabled): "
+        "anyone who reaches a node's ports can run code as the run's user; refused unless true")
 
     @property
     def world_size(self) -> int:

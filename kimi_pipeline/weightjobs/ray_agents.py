@@ -25,6 +25,7 @@ import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from kimi_pipeline.cluster.health import connected
+from kimi_pipeline.cluster.env import auth_mode, require_auth
 from kimi_pipeline.cluster.lifecycle import attach_driver
 from kimi_pipeline.cluster.placement import GroupSpec, create_group, remove_placement_groups
 from kimi_pipeline.util.lifetime import die_with_parent
@@ -104,14 +105,16 @@ class NodeAgent:
 def launch_ray(module: str, args: list[str], *, nodes: int, procs_per_node: int, work_dir: str | Path,
                report_dir: str | Path, address: str, name: str = "job", gpus_per_node: int = 0,
                env: dict[str, str] | None = None, timeout: float | None = None, grace: float = 15.0,
-               placement_timeout_s: float = 120.0) -> JobResult:
+               placement_timeout_s: float = 120.0, allow_insecure: bool = False) -> JobResult:
     """Run `python -m module args` as a `nodes` x `procs_per_node` job, one torchrun agent per Ray node.
 
     Raises WeightJobPermanentError / WeightJobError naming the failing rank and node, PlacementError
-    when the cluster has fewer nodes (or resources) than the job needs.
+    when the cluster has fewer nodes (or resources) than the job needs; ClusterConfigError for a cluster of
+    several nodes without token auth unless `allow_insecure` (`cluster.allow_insecure`, `env.require_auth`).
     """
 
     address = attach_driver(address)
+    require_auth(auth_mode(), nodes, allow_insecure)
 
     work_dir, report_dir = Path(work_dir), Path(report_dir)
     log_dir = work_dir / "logs"

@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 def launch(module: str, args: list[str], *, nodes: int, procs_per_node: int, work_dir: str | Path,
            report_dir: str | Path, name: str = "job", launcher: str = "auto", address: str | None = None,
            gpus_per_node: int = 0, report_prefix: str = "rank", master_port: int = 29500,
-           timeout: float | None = None) -> JobResult:
+           timeout: float | None = None, allow_insecure: bool = False) -> JobResult:
     """Start the job's per-node agents where `launcher` says: `ray` (one per node of the cluster at `address`,
     `ray_agents`), `local` (every node's agent on this host), `manual` (print the per-node command, wait for
     every rank's `<report_prefix>_<rank>.json`); `auto` = ray when `address` has at least `nodes` nodes."""
@@ -37,7 +37,7 @@ def launch(module: str, args: list[str], *, nodes: int, procs_per_node: int, wor
         try:
             return launch_ray(module, args, nodes=nodes, procs_per_node=procs_per_node, work_dir=work_dir,
                               report_dir=report_dir, address=address, name=name, gpus_per_node=gpus_per_node,
-                              timeout=timeout)
+                              timeout=timeout, allow_insecure=allow_insecure)
         except TooFewNodes as e:
             if launcher == "ray":
                 raise WeightJobPermanentError(f"{e}; add nodes or set convert.launcher=local") from None
@@ -52,7 +52,8 @@ def launch_target(convert: ConvertSpec, cluster: ClusterSpec) -> dict[str, Any]:
     """Where the offline weight jobs (conversion, INT4 export) start their per-node agents (`convert.launcher`):
     on `cluster.address`'s Ray nodes, one torchrun agent per node; on this host; or by hand (manual)."""
     return {"launcher": convert.launcher, "address": cluster.address, "master_port": convert.master_port,
-            "gpus_per_node": convert.gpus_per_node if cluster.device == "cuda" else 0}
+            "gpus_per_node": convert.gpus_per_node if cluster.device == "cuda" else 0,
+            "allow_insecure": cluster.allow_insecure}
 
 
 def run_weight_job(convert: ConvertSpec, cluster: ClusterSpec, kind: str, job: Path, reports: Path, name: str,

@@ -218,6 +218,30 @@ def test_addresses_and_embedded_limits():
     assert all(n.num_cpus == 1 and n.num_gpus == 0 for n in [head, *workers])
 
 
+def test_a_multi_node_cluster_without_token_auth_is_refused_unless_the_recipe_allows_it(tmp_path, monkeypatch):
+    """Ray without token auth over several nodes lets anyone who reaches a node run code as the run's user: the
+    cluster stage (an existing cluster or simulated nodes) and a weight job on a Ray cluster refuse it, naming the
+    fix, before they connect or start anything; `cluster.allow_insecure=true` accepts it; one node (loopback) and
+    token auth pass."""
+    from kimi_pipeline.cluster.env import require_auth
+    from kimi_pipeline.cluster.lifecycle import bring_up
+    from kimi_pipeline.weightjobs.ray_agents import launch_ray
+
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    for sets in (["cluster.nodes=2"], ["cluster.nodes=2", "cluster.address=127.0.0.1:9"]):
+        with pytest.raises(ClusterConfigError, match="cluster.allow_insecure=true") as refused:
+            bring_up(load_recipe("tiny", sets), tmp_path / "run")
+        assert is_permanent(refused.value) and "RAY_AUTH_MODE=disabled" in str(refused.value)
+        assert LocalCluster.load(tmp_path / "run") is None  # nothing started or recorded
+    with pytest.raises(ClusterConfigError, match="allow_insecure"):
+        launch_ray("platform", [], nodes=2, procs_per_node=1, work_dir=tmp_path, report_dir=tmp_path / "r",
+                   address="127.0.0.1:9")
+    assert load_recipe("tiny", ["cluster.nodes=2", "cluster.allow_insecure=true"]).cluster.allow_insecure
+    require_auth("disabled", 2, allow_insecure=True)
+    require_auth("disabled", 1, allow_insecure=False)
+    require_auth("token", 32, allow_insecure=False)
+
+
 def test_temp_dir_falls_back_when_socket_paths_would_be_too_long(tmp_path):
     deep = tmp_path / ("d" * 80)
     deep.mkdir()
