@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One-time set-up of the multi-host variant, against a Prefect server every host can reach:
+# One-time set-up of the multi-host variant, against a Prefect server every host can reach (server.sh: with API
+# auth, whose string this script and worker.sh read from KIMI_PREFECT_AUTH_FILE, see auth.sh):
 #   the process work pool, the one-run-per-cluster concurrency limit, and deployment `full` (prefect.yaml).
 #   PREFECT_API_URL=http://prefect-host:4200/api bash infra/prefect/setup.sh
 # Then on every worker host (same repo path on the shared filesystem, or KIMI_PROJECT_DIR set):
@@ -16,6 +17,8 @@ POOL="${KIMI_WORK_POOL:-kimi-process}"
 LIMITS="${KIMI_CLUSTER_LIMITS:-kimi-cluster-local}"
 : "${PREFECT_API_URL:?set PREFECT_API_URL to the shared Prefect server, e.g. http://prefect-host:4200/api}"
 [[ -x "$PY" ]] || { echo "error: $PY not found; create the venv (make install) or set KIMI_VENV" >&2; exit 2; }
+source "$(dirname "${BASH_SOURCE[0]}")/auth.sh"
+kimi_prefect_client_auth   # PREFECT_API_AUTH_STRING from KIMI_PREFECT_AUTH_FILE; refused beyond this host without
 
 cd "$REPO_ROOT"
 "$PY" -m prefect work-pool create "$POOL" --type process --overwrite
