@@ -399,7 +399,9 @@ def test_the_one_host_cluster_listens_on_loopback_only(embedded):
         found = listeners(session_members(sids) | with_descendants(sids) | with_descendants([os.getpid()]))
     print(f"{len(found)} listening sockets of {len({x.pid for x in found})} processes")
     commands = " ".join(x.command for x in found)
-    for process in ("gcs_server", "raylet", "dashboard.py", "ray.util.client.server", "monitor.py"):
+    # the servers every cluster has from its start (the autoscaler's monitor.py opens its metrics port some seconds
+    # later: seen in one run of this test, not in another, so it is checked with the rest when present, not waited for)
+    for process in ("gcs_server", "raylet", "dashboard.py", "ray.util.client.server"):
         assert process in commands, (process, found)
     assert [x for x in found if not x.loopback] == []
     with pytest.raises(ClusterError, match="loopback"):
