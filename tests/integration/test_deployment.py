@@ -397,6 +397,7 @@ def test_kill_9_of_the_trainer_in_a_served_run_retries_and_resumes_with_identica
 
 @pytest.mark.timeout(SERVE_S + RUN_A_S + KILLED_S + CHECKS_S)
 def test_secrets_never_reach_logs_artifacts_parameters_or_the_run_dir(served, run_a, killed_run):
+    """HF_TOKEN and WANDB_API_KEY sentinels, and each run's engine key, appear in none of the places searched."""
     runs = [run_a, killed_run]
     ids = [run_a["id"], killed_run["id"], run_a["second_id"]]
     logs = all_logs(served["api_url"], ids)
@@ -418,6 +419,12 @@ def test_secrets_never_reach_logs_artifacts_parameters_or_the_run_dir(served, ru
     assert len(wandb_runs) >= len(runs), "the runs' W&B mirror wrote no run: the WANDB_API_KEY check proves nothing"
     leaks = [where for where, text in texts.items() if HF_SENTINEL in text or WANDB_SENTINEL in text]
     assert leaks == []
+    # each run's engine key: in its own 0600 DIR/engine.key and nowhere else (Ray logs included)
+    keys = {r["run_dir"] / "engine.key": (r["run_dir"] / "engine.key").read_text() for r in runs}
+    assert all(k.stat().st_mode & 0o777 == 0o600 for k in keys) and len(set(keys.values())) == len(runs)
+    key_leaks = [where for where, text in texts.items() if where not in map(str, keys)
+                 and any(key in text for key in keys.values())]
+    assert key_leaks == []
     print(f"searched {len(texts)} places ({len(logs)} log lines, {len(artifacts)} artifacts): no secret")
 
 
