@@ -27,7 +27,7 @@ from typing import Any
 
 from kimi_pipeline.cluster.env import SINGLE_HOST_VAR, choose_temp_dir, gcs_reachable, loopback_env, ray_env
 from kimi_pipeline.util.net import LOOPBACK, free_port
-from kimi_pipeline.cluster.errors import ClusterError
+from kimi_pipeline.cluster.errors import ClusterConfigError, ClusterError
 from kimi_pipeline.cluster.procs import MARKER_VAR, cluster_processes, stop_processes
 from kimi_pipeline.util.files import atomic_write_json
 from kimi_pipeline.util.secret_env import without_secrets
@@ -119,7 +119,7 @@ class LocalCluster:
         (`env.use_loopback_ray`); such a cluster cannot take a second node, so a caller that adds nodes later passes
         False."""
         if loopback and workers:
-            raise ClusterError("a Ray cluster on loopback has one node (Ray's single-host mode): no simulated nodes")
+            raise ClusterConfigError("a Ray cluster on loopback has one node (Ray's single-host mode): no simulated nodes")
         run_dir = Path(run_dir)
         (run_dir / "cluster").mkdir(parents=True, exist_ok=True)
         temp_dir, temp_note = choose_temp_dir(run_dir)
@@ -216,7 +216,7 @@ class LocalCluster:
                       prefix: list[str] | None = None) -> None:
         """A simulated node; `env_extra` / `prefix` make it differ from the others (a node's own environment)."""
         if self.loopback:
-            raise ClusterError(f"the Ray cluster at {self.address} is on loopback (one node): it takes no other node")
+            raise ClusterConfigError(f"the Ray cluster at {self.address} is on loopback (one node): it takes no other node")
         t0 = time.monotonic()
         args = ["--address", self.address, "--dashboard-agent-listen-port", str(free_port()), *spec.args()]
         self._ray_start(args, f"ray-start-node-{index}", timeout_s, env_extra, prefix)

@@ -386,7 +386,6 @@ def test_the_one_host_cluster_listens_on_loopback_only(embedded):
     them. Such a cluster takes no second node (Ray's single-host mode), and says so."""
     import ray
 
-    from kimi_pipeline.cluster.errors import ClusterError
     from kimi_pipeline.cluster.health import connected
     from kimi_pipeline.cluster.local import NodeSpec
     from support.sockets import listeners, session_members, with_descendants
@@ -404,7 +403,7 @@ def test_the_one_host_cluster_listens_on_loopback_only(embedded):
     for process in ("gcs_server", "raylet", "dashboard.py", "ray.util.client.server"):
         assert process in commands, (process, found)
     assert [x for x in found if not x.loopback] == []
-    with pytest.raises(ClusterError, match="loopback"):
+    with pytest.raises(ClusterConfigError, match="loopback"):
         cluster._start_worker(NodeSpec(num_cpus=1, num_gpus=0), 1, 60)
 
 
