@@ -156,8 +156,8 @@ def process_group_timeout(default_minutes: int = 30) -> datetime.timedelta:
 def _trainer_store(address: str, port: int, rank: int, world: int, timeout: datetime.timedelta) -> dist.Store:
     """The default group's store, as `init_process_group(init_method="tcp://…")` makes it (rank 0 hosts it,
     multi-tenant, keys under "default_pg": torch/distributed/rendezvous.py:162-214, distributed_c10d.py:1883-1897)
-    but listening on MASTER_ADDR alone. Under
-    torchrun the agent of node 0 hosts it (TORCHELASTIC_USE_AGENT_STORE) and every rank is a client."""
+    but listening on MASTER_ADDR alone (`util.rendezvous.tcp_store`). Under torchrun the agent of node 0 hosts it
+    (TORCHELASTIC_USE_AGENT_STORE; `weightjobs.agent` binds it) and every rank is a client."""
     agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
     store = tcp_store(address, port, world, rank == 0 and not agent_hosts, timeout, multi_tenant=True)
     return dist.PrefixStore("default_pg", store)  # the prefix init_process_group gives the store it makes
