@@ -106,6 +106,15 @@ def take(run_dir: str | Path, owner: str | None = None) -> None:
         _HELD[path] = _Held(fd, owner, 1)
 
 
+def _drop(path: Path) -> None:
+    """Let go of the lock on `path` whatever its count (the caller holds _GUARD)."""
+    held = _HELD.pop(path)
+    try:
+        os.ftruncate(held.fd, 0)  # a cleared file tells the next holder this run let go cleanly
+    finally:
+        os.close(held.fd)
+
+
 def release(run_dir: str | Path) -> None:
     """Let go of one hold; the last one clears the holder text and drops the lock. A no-op when not held here."""
     path = Path(run_dir).resolve()
@@ -114,25 +123,15 @@ def release(run_dir: str | Path) -> None:
         if held is None:
             return
         held.depth -= 1
-        if held.depth > 0:
-            return
-        del _HELD[path]
-        try:
-            os.ftruncate(held.fd, 0)  # a cleared file tells the next holder this run let go cleanly
-        finally:
-            os.close(held.fd)
+        if held.depth == 0:
+            _drop(path)
 
 
 def release_owner(owner: str) -> None:
     """Drop every hold of `owner` (a flow run's final-state hook: its retries are over)."""
     with _GUARD:
-        paths = [p for p, h in _HELD.items() if h.owner == owner]
-    for p in paths:
-        with _GUARD:
-            held = _HELD.get(p)
-            if held is not None:
-                held.depth = 1
-        release(p)
+        for path in [p for p, h in _HELD.items() if h.owner == owner]:
+            _drop(path)
 
 
 def held_elsewhere(run_dir: str | Path) -> bool:
