@@ -59,8 +59,14 @@ browser:
 	    || ( $$SUDO apt-get update -q >/dev/null 2>&1 && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null 2>&1 ) ) \
 	  || echo "note: could not install chromium with apt: the browser test will skip"; fi
 
+# Two pytest-xdist workers (TEST_WORKERS=0: one process): most tests wait on the processes they start (runs, clusters,
+# servers), so two overlap on 2 cores; whole files go to a worker (their module fixtures are made once), heaviest
+# first (tests/conftest.py: HEAVIEST_FIRST).
+TEST_WORKERS ?= 2
+XDIST = $(if $(filter 0,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
+
 test: install browser sglang-parser
-	KIMI_SGLANG_PARSER_PATH=$(CURDIR)/$(SGLANG_PARSER) $(BIN)/python -m pytest $(ARGS)
+	KIMI_SGLANG_PARSER_PATH=$(CURDIR)/$(SGLANG_PARSER) $(BIN)/python -m pytest $(XDIST) $(ARGS)
 
 # The inner loop while developing: the unit tests and the integration tests of a few seconds each (those that start
 # clusters, many processes, served runs or the tiny run are marked `slow`); `make test` runs everything, as CI does.

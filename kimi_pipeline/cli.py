@@ -42,7 +42,7 @@ app.add_typer(data_app, name="data")
 app.add_typer(cluster_app, name="cluster")
 app.command("plan", help="Memory and time model of a recipe's layout (fits or not, before launch).")(plan_command)
 console = Console()
-err = Console(stderr=True)
+err = Console(stderr=True, soft_wrap=True)  # an error names paths and commands: a wrapped path cannot be copied
 T = TypeVar("T")
 
 QUIET_HELP = "No per-rollout / per-eval progress lines (and only warnings from Prefect)."

@@ -63,6 +63,37 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         server.SubprocessASGIServer().stop()  # the default (port None) server; a no-op when none was started
 
 
+# The suite's heaviest files, slowest first: seconds of each under `make test` (two workers, a clean clone, 2-core
+# Intel Xeon, 2026-11-27). `make test` hands whole files to its workers in collection order (pytest-xdist's
+# `--dist loadfile --no-loadscope-reorder`): the long ones start first and the many short ones fill in after them
+# (longest first), so no worker ends alone on a 10-minute file. Files not listed keep pytest's order, after these.
+HEAVIEST_FIRST = (
+    "test_deployment.py",  # 732: `kimi serve` and four served runs
+    "test_train.py",  # 708
+    "test_learning.py",  # 584: the full tiny run
+    "test_convert.py",  # 521
+    "test_reliability.py",  # 441
+    "test_rehearse.py",  # 428: the simulated 32 x 8 cluster
+    "test_cluster.py",  # 306
+    "test_megatron_model.py",  # 162
+    "test_tiny_assets.py",  # 147
+    "test_weight_sync.py",  # 125
+    "test_gpu_install_resolves.py",  # 118: pip resolutions (network waits)
+    "test_sglang.py",  # 109
+    "test_k25.py",  # 105
+    "test_preflight.py",  # 99
+    "test_int4.py",  # 89
+    "test_flow.py",  # 66
+    "test_benches.py",  # 65
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Heaviest files first (HEAVIEST_FIRST); a stable sort, so each file's tests stay together and in order."""
+    rank = {name: i for i, name in enumerate(HEAVIEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
 GPU_TESTS = Path(__file__).resolve().parent / "gpu"  # skipped without CUDA, by tests/gpu/conftest.py
 
 

@@ -10,6 +10,11 @@ class ClusterError(RuntimeError):
     """Transient cluster trouble (start-up race, unreachable head): retrying may help."""
 
 
+class RayStartTimedOut(ClusterError):
+    """`ray start` gave up waiting for its raylet to register (Ray's fixed 30 s, ray/_private/node.py:428): a host
+    too loaded at that moment, or a port another process took meanwhile."""
+
+
 class ClusterConfigError(PermanentError):
     """The request cannot be met as configured (e.g. 32 GPU nodes from an embedded CPU head)."""
 

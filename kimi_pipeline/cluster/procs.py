@@ -39,8 +39,9 @@ def _protected() -> set[int]:
     return {me.pid, *(a.pid for a in me.parents())}
 
 
-def cluster_processes(marker: str, sids: Iterable[int] = ()) -> list[psutil.Process]:
-    """Live processes of this user that carry `marker` or belong to one of `sids`, plus descendants."""
+def cluster_processes(marker: str | None, sids: Iterable[int] = ()) -> list[psutil.Process]:
+    """Live processes of this user that carry `marker` (None: match by session only) or belong to one of `sids`,
+    plus descendants."""
     uid = os.getuid()
     sids = set(sids)
     protected = _protected()
@@ -52,7 +53,7 @@ def cluster_processes(marker: str, sids: Iterable[int] = ()) -> list[psutil.Proc
             if sids and os.getsid(p.pid) in sids and _looks_like_ray(p):
                 found[p.pid] = p
                 continue
-            if p.environ().get(MARKER_VAR) == marker:
+            if marker is not None and p.environ().get(MARKER_VAR) == marker:
                 found[p.pid] = p
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, ProcessLookupError):
             continue

@@ -61,7 +61,10 @@ STAGES = ("download", "validate", "convert", "cluster", "train", "export")
 CACHED = ("download", "validate", "convert", "export")
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                  "--window-size=1400,1000", "--virtual-time-budget=10000"]
+                  "--window-size=1400,1000"]
+# Chromium's virtual time runs ahead while the page waits on nothing, and real time while it waits on the API: on a
+# loaded host (the suite's other worker) the UI's log query may answer after 10 s of it; a later load waits longer.
+UI_BUDGETS_MS = (10_000, 30_000, 60_000)
 STABLE_COPY = ROOT / "runs" / "test-artifacts" / "prefect-ui.png"
 
 # Time limits, seconds. The served runs are module fixtures, made by the first test that needs them, and
@@ -351,18 +354,22 @@ def _chromium() -> str | None:
 # decided at collection, before the served runs are made for it
 @pytest.mark.skipif(_chromium() is None, reason="no headless Chromium to load the Prefect UI with: `make browser` "
                     "(part of `make test`) installs Debian's chromium with apt")
-@pytest.mark.timeout(SERVE_S + RUN_A_S + 2 * CHROMIUM_S + CHECKS_S)
+@pytest.mark.timeout(SERVE_S + RUN_A_S + 2 * len(UI_BUDGETS_MS) * CHROMIUM_S + CHECKS_S)
 def test_prefect_ui_shows_the_flow_run_in_headless_chromium(served, run_a, tmp_path):
     exe = _chromium()
     url = f"{served['ui_url']}/runs/flow-run/{run_a['id']}"
     png = tmp_path / "prefect-ui.png"
     common = [exe, *CHROMIUM_FLAGS]
-    shot = subprocess.run([*common, f"--user-data-dir={tmp_path / 'profile-1'}", f"--screenshot={png}", url],
-                          capture_output=True, text=True, timeout=CHROMIUM_S)
-    assert png.is_file() and png.stat().st_size > 20_000, shot.stderr[-2000:]
-    dom = subprocess.run([*common, f"--user-data-dir={tmp_path / 'profile-2'}", "--dump-dom", url],
-                         capture_output=True, text=True, timeout=CHROMIUM_S).stdout
-    text = re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", dom))
+    for attempt, budget in enumerate(UI_BUDGETS_MS):  # the first load whose page shows every task's logs
+        budget_flag = f"--virtual-time-budget={budget}"
+        shot = subprocess.run([*common, budget_flag, f"--user-data-dir={tmp_path / f'shot-{attempt}'}",
+                               f"--screenshot={png}", url], capture_output=True, text=True, timeout=CHROMIUM_S)
+        assert png.is_file() and png.stat().st_size > 20_000, shot.stderr[-2000:]
+        dom = subprocess.run([*common, budget_flag, f"--user-data-dir={tmp_path / f'dom-{attempt}'}", "--dump-dom",
+                              url], capture_output=True, text=True, timeout=CHROMIUM_S).stdout
+        text = re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", dom))
+        if set(re.findall(r"\b(download|validate|convert|cluster|train|export)-[0-9a-f]{3}\b", text)) == set(STAGES):
+            break
     STABLE_COPY.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(png, STABLE_COPY)
     assert "Can't connect to Server API" not in text, text[:2000]
