@@ -21,7 +21,7 @@ from typing import Any
 
 import ray
 
-from kimi_pipeline.cluster.env import is_loopback_address, use_loopback_ray
+from kimi_pipeline.cluster.env import gcs_reachable, is_loopback_address, use_loopback_ray
 from kimi_pipeline.cluster.health import Requirements, wait_until_healthy
 from kimi_pipeline.cluster.placement import create_placement_groups, remove_placement_groups
 from kimi_pipeline.convert.names import HFLayout
@@ -48,6 +48,12 @@ log = logging.getLogger(__name__)
 
 class TrainingError(RuntimeError):
     """A transient training failure (lost actor, engine down): the stage retry resumes from the checkpoint."""
+
+
+class RayHeadLost(PermanentError):
+    """The Ray head stopped answering mid-train: the cluster's actors, placement groups and object store went with
+    it, and a task retry would only dial the dead address again. The flow's re-run brings a cluster up (its cluster
+    stage) and resumes from the latest checkpoint."""
 
 
 @dataclass
@@ -177,6 +183,7 @@ def run_training(recipe: Recipe, run_dir: Path, *, init_checkpoint: Path, model_
     trainers: TrainerGroup | None = None
     pgs: dict = {}
     urls: list[str] = []  # the engines'
+    head_lost = False
 
     def engines_memory(action: str, tags: tuple[str, ...]) -> None:
         method = rollouts.release_memory if action == "release" else rollouts.resume_memory
@@ -229,18 +236,27 @@ def run_training(recipe: Recipe, run_dir: Path, *, init_checkpoint: Path, model_
             log.info("training on the rollouts saved in %s (no engines)", replay)
         _loop(recipe, source, trainers, handoff, evaluator, metrics_log, paths, start, end, on_step)
     except (ray.exceptions.RayError, EngineRequestError) as e:
+        head = ray_address or ray.get_runtime_context().gcs_address
+        if not gcs_reachable(head):
+            head_lost = True
+            raise RayHeadLost(f"the Ray head at {head} stopped answering during training ({type(e).__name__}: "
+                              f"{_first_line(e)}): the cluster and every actor on it are gone. Bring the cluster back "
+                              "(a re-run of the flow starts one in its cluster stage; an external cluster: restart "
+                              f"its head), then re-run: training resumes from the latest checkpoint in "
+                              f"{paths.checkpoints}") from e
         actor = engine_kind(recipe.rollout.engine).actor_class().__name__ if urls else ""
         err = stage_error(e, {url: f"rollout engine {i} ({actor} actor)" for i, url in enumerate(urls)})
         if err is e:
             raise
         raise err from e
     finally:
-        if trainers is not None:
-            trainers.close()
-        if rollouts is not None:
-            stop_rollout_manager(rollouts)
+        if not head_lost:  # with the head gone every call below would wait on a dead GCS, and there is nothing to free
+            if trainers is not None:
+                trainers.close()
+            if rollouts is not None:
+                stop_rollout_manager(rollouts)
+            remove_placement_groups(pgs)  # a retry in this driver must find the bundles free again
         metrics_log.close()
-        remove_placement_groups(pgs)  # a retry in this driver must find the bundles free again
     return _train_section(paths)
 
 

@@ -9,6 +9,8 @@ test_validate malformed rows; flow level: test_deployment kill -9 through a serv
   says the conversion did not finish;
 - a Ray node lost during `train`: the stage fails clearly (the actors it lost), and once the node is
   back the retry resumes from the last checkpoint and completes;
+- the Ray head lost during `kimi run`'s training: the run fails at once naming the head (summary, FAILED.md), leaves
+  nothing of the cluster, and a re-run resumes from the last checkpoint;
 - the W&B mirror of the metrics (real wandb, offline) writes no secret into any file;
 - no downloaded file is ever unpickled: none of our code can (static), and pickles planted in the
   model directory are never loaded on the download → validate → convert path or by the model loaders.
@@ -490,3 +492,61 @@ def _alive(p: psutil.Process) -> bool:
         return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_ray_head_lost_during_train_fails_naming_it_and_a_re_run_resumes(tmp_path, tiny_copy, prefect_home):
+    """Issue 40 item 7: `kimi run` whose Ray head (GCS server and head raylet, SIGKILL) dies after the step-2
+    checkpoint fails without retrying what a retry cannot fix: the error, summary.json and FAILED.md name the head;
+    nothing of the cluster is left; a re-run of the directory brings a cluster up and resumes from step 2."""
+    from kimi_pipeline.cluster.local import LocalCluster
+    from kimi_pipeline.report.metrics import read_jsonl
+    from support.common import REPRODUCIBLE, TRAIN_SET
+    from support.learning import kimi_command
+
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "PREFECT_HOME": str(prefect_home), "COLUMNS": "200"}
+    cmd = [*kimi_command(), "run", "--run-dir", str(run_dir), "--until", "train"]
+    cmd += [a for o in tiny_overrides(tiny_copy) + TRAIN_SET + REPRODUCIBLE for a in ("--set", o)]
+    log = open(tmp_path / "kimi-run.log", "w")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    tracker = run_dir / "train" / "checkpoints" / "latest_checkpointed_iteration.txt"
+    try:
+        deadline = time.monotonic() + 600
+        while not (tracker.is_file() and tracker.read_text().strip() == "2"):
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "kimi-run.log").read_text()[-3000:]
+            time.sleep(0.2)
+        cluster = LocalCluster.load(run_dir)
+        head = [p for p in cluster.processes() if p.name() in ("gcs_server", "raylet")]
+        assert sorted(p.name() for p in head) == ["gcs_server", "raylet"], head
+        for p in head:
+            p.kill()
+        killed_at = time.monotonic()
+        code = proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+    out = (tmp_path / "kimi-run.log").read_text()
+    address = cluster.address
+    assert code == 1, out[-3000:]
+    named = f"the Ray head at {address} stopped answering"
+    assert named in out, out[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["stages"]["train"]["status"] == "failed" and named in summary["stages"]["train"]["error"]
+    assert named in (run_dir / "FAILED.md").read_text()
+    left = LocalCluster.load(run_dir).processes()
+    assert left == [], [" ".join(_cmdline(p)) for p in left]
+    before = read_jsonl(run_dir / "train" / "metrics.jsonl")
+    assert [r["step"] for r in before][:2] == [1, 2], before
+    fail_s = time.monotonic() - killed_at
+
+    again = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
+    rows = read_jsonl(run_dir / "train" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert rows[:2] == before[:2]  # kept, timings and all: resumed from the step-2 checkpoint, not restarted
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["stages"]["train"]["status"] == "completed" and not (run_dir / "FAILED.md").exists()
+    print(f"head killed after the step-2 checkpoint; the run failed {fail_s:.1f} s later naming it; the re-run resumed")
