@@ -60,8 +60,8 @@ browser:
 	  || echo "note: could not install chromium with apt: the browser test will skip"; fi
 
 # TEST_WORKERS=2: two pytest-xdist workers, whole files to a worker (their module fixtures are made once), heaviest
-# first (tests/conftest.py: HEAVIEST_FIRST): 48 min instead of 68 on 2 cores, but one worker still meets an order
-# dependency (tests/conftest.py), so the default is one process, the order CI has proved.
+# first (tests/conftest.py: HEAVIEST_FIRST): 48 min instead of 68 on 2 cores. The order dependency that run met is
+# fixed (tests/conftest.py); the default stays one process, the order CI has proved, until two workers pass in full.
 TEST_WORKERS ?= 0
 XDIST = $(if $(filter 0,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 

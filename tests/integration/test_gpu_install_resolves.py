@@ -61,9 +61,12 @@ def _index() -> str:
                           text=True)
     if done.returncode == 0 and done.stdout.strip():
         return done.stdout.strip().rstrip("/")
-    from pip._internal.models.index import PyPI  # pip's default index (the module pip's own options read)
-
-    return PyPI.simple_url.rstrip("/")
+    # pip's default index (the module pip's own options read), asked of a child: importing pip's internals here takes
+    # setuptools' distutils shim out of this process (pip/_internal/locations/_distutils.py: remove_shim), and a
+    # later test's `import megatron` → `import setuptools` then fails on the standard library's distutils
+    default = subprocess.run([sys.executable, "-c", "from pip._internal.models.index import PyPI; "
+                              "print(PyPI.simple_url)"], capture_output=True, text=True, check=True)
+    return default.stdout.strip().rstrip("/")
 TE_TORCH = "transformer_engine_torch"
 MAX_WHOLE_DOWNLOAD_MB = 50  # fast-deps may still fetch small files whole; nothing CUDA-sized
 
