@@ -63,8 +63,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         server.SubprocessASGIServer().stop()  # the default (port None) server; a no-op when none was started
 
 
-# The suite's heaviest files, slowest first: seconds of each under `make test` (two workers, a clean clone, 2-core
-# Intel Xeon, 2026-11-27). `make test` hands whole files to its workers in collection order (pytest-xdist's
+# The suite's heaviest files, slowest first: seconds of each under two workers (a clean clone, 2-core Intel Xeon,
+# 2026-11-27). `make test TEST_WORKERS=2` hands whole files to its workers in collection order (pytest-xdist's
 # `--dist loadfile --no-loadscope-reorder`): the long ones start first and the many short ones fill in after them
 # (longest first), so no worker ends alone on a 10-minute file. Files not listed keep pytest's order, after these.
 # On the worker that ran test_gpu_install_resolves, 17 later tests that import megatron failed in setuptools'

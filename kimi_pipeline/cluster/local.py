@@ -21,9 +21,10 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 from kimi_pipeline.cluster.env import SINGLE_HOST_VAR, choose_temp_dir, gcs_reachable, loopback_env, ray_env
 from kimi_pipeline.util.net import LOOPBACK, free_port
@@ -187,7 +188,8 @@ class LocalCluster:
         text = log_path.read_text(errors="replace")
         if rc != 0 and "timed out during startup" in text:
             stop_processes(cluster_processes(None, [proc.pid]))  # what this start left behind, not the cluster
-            raise RayStartTimedOut(f"`ray start` ({log_name}): its raylet did not register in Ray's 30 s; see {log_path}")
+            raise RayStartTimedOut(f"`ray start` ({log_name}): its raylet did not register in Ray's 30 s; "
+                                   f"see {log_path}")
         if rc != 0:
             tail = "\n".join(text.strip().splitlines()[-8:])
             raise ClusterError(f"`ray start` ({log_name}) exited {rc}; see {log_path}:\n{tail}")
@@ -206,7 +208,8 @@ class LocalCluster:
                 "--dashboard-agent-listen-port", str(free_port()),
                 *head.args(),
             ]
-            return self._ray_start(args, "ray-start-head", timeout_s, loopback_env() if self.loopback else None), dash_port
+            env_extra = loopback_env() if self.loopback else None
+            return self._ray_start(args, "ray-start-head", timeout_s, env_extra), dash_port
 
         text, dash_port = _once_more_if_it_timed_out(start)
         current = Path(self.state["temp_dir"]) / "ray_current_cluster"

@@ -19,6 +19,7 @@ test_validate malformed rows; flow level: test_deployment kill -9 through a serv
 from __future__ import annotations
 
 import ast
+import contextlib
 import json
 import os
 import pickle
@@ -408,25 +409,19 @@ def test_kimi_run_stopped_during_convert_leaves_nothing_it_started_and_says_so(s
     ranks and the run guard are all gone afterwards (SIGTERM: the run unwinds; SIGKILL: the run guard stops them),
     and summary.json says the conversion did not finish; after the kill -9, a re-run of the directory takes it over
     and completes."""
-    from support.learning import kimi_command
-
     run_dir = tmp_path / "run"
-    env = {**os.environ, "PREFECT_HOME": str(prefect_home), "COLUMNS": "200"}
-    cmd = [*kimi_command(), "run", "--run-dir", str(run_dir), "--until", "convert"]
-    cmd += [a for o in tiny_overrides(tiny_copy) for a in ("--set", o)]
-    log = open(tmp_path / "kimi-run.log", "w")
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    owner = psutil.Process(proc.pid)
+    cmd, env = _kimi_run(run_dir, "convert", tiny_overrides(tiny_copy), prefect_home)
     started: dict[int, psutil.Process] = {}
     names: dict[int, str] = {}
+    with _in_background(cmd, env, tmp_path / "kimi-run.log") as proc:
+        owner = psutil.Process(proc.pid)
 
-    def look() -> None:  # what the run has started so far, named while they live
-        for c in owner.children(recursive=True):
-            if c.pid not in started:
-                started[c.pid], names[c.pid] = c, " ".join(_cmdline(c))[:200]
+        def look() -> None:  # what the run has started so far, named while they live
+            for c in owner.children(recursive=True):
+                if c.pid not in started:
+                    started[c.pid], names[c.pid] = c, " ".join(_cmdline(c))[:200]
 
-    deadline = time.monotonic() + 600
-    try:
+        deadline = time.monotonic() + 600
         while time.monotonic() < deadline and proc.poll() is None:
             look()
             summary = _summary_or_empty(run_dir)
@@ -440,10 +435,6 @@ def test_kimi_run_stopped_during_convert_leaves_nothing_it_started_and_says_so(s
         look()
         os.kill(proc.pid, sig)
         code = proc.wait(timeout=180)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        log.close()
     out = (tmp_path / "kimi-run.log").read_text()
     assert any("uvicorn" in c and "prefect.server" in c for c in names.values()), names  # the test saw the server
     assert any("run_guard" in c for c in names.values()) and any(AGENT in c
@@ -471,6 +462,27 @@ def test_kimi_run_stopped_during_convert_leaves_nothing_it_started_and_says_so(s
         assert f"pid {proc.pid}" in out and "taking it over" in out, out[-3000:]
         stages = json.loads((run_dir / "summary.json").read_text())["stages"]
         assert stages["convert"]["status"] == "completed" and "interrupted" not in stages["convert"], stages
+
+
+def _kimi_run(run_dir: Path, until: str, overrides: list[str], prefect_home: Path) -> tuple[list[str], dict[str, str]]:
+    """`kimi run` of the tiny recipe on `run_dir` up to `until` with this module's Prefect home: (command, env)."""
+    from support.learning import kimi_command
+
+    cmd = [*kimi_command(), "run", "--run-dir", str(run_dir), "--until", until]
+    return cmd + [a for o in overrides for a in ("--set", o)], {**os.environ, "PREFECT_HOME": str(prefect_home),
+                                                                 "COLUMNS": "200"}
+
+
+@contextlib.contextmanager
+def _in_background(cmd: list[str], env: dict[str, str], log_path: Path):
+    """`cmd` in its own session, its output in `log_path`; killed on the way out if it still runs."""
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            yield proc
+        finally:
+            if proc.poll() is None:
+                proc.kill()
 
 
 def _summary_or_empty(run_dir: Path) -> dict:
@@ -503,16 +515,11 @@ def test_ray_head_lost_during_train_fails_naming_it_and_a_re_run_resumes(tmp_pat
     from kimi_pipeline.cluster.local import LocalCluster
     from kimi_pipeline.report.metrics import read_jsonl
     from support.common import REPRODUCIBLE, TRAIN_SET
-    from support.learning import kimi_command
 
     run_dir = tmp_path / "run"
-    env = {**os.environ, "PREFECT_HOME": str(prefect_home), "COLUMNS": "200"}
-    cmd = [*kimi_command(), "run", "--run-dir", str(run_dir), "--until", "train"]
-    cmd += [a for o in tiny_overrides(tiny_copy) + TRAIN_SET + REPRODUCIBLE for a in ("--set", o)]
-    log = open(tmp_path / "kimi-run.log", "w")
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    cmd, env = _kimi_run(run_dir, "train", tiny_overrides(tiny_copy) + TRAIN_SET + REPRODUCIBLE, prefect_home)
     tracker = run_dir / "train" / "checkpoints" / "latest_checkpointed_iteration.txt"
-    try:
+    with _in_background(cmd, env, tmp_path / "kimi-run.log") as proc:
         deadline = time.monotonic() + 600
         while not (tracker.is_file() and tracker.read_text().strip() == "2"):
             assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "kimi-run.log").read_text()[-3000:]
@@ -524,10 +531,6 @@ def test_ray_head_lost_during_train_fails_naming_it_and_a_re_run_resumes(tmp_pat
             p.kill()
         killed_at = time.monotonic()
         code = proc.wait(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        log.close()
     out = (tmp_path / "kimi-run.log").read_text()
     address = cluster.address
     assert code == 1, out[-3000:]
