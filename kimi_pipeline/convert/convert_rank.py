@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 import os
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -56,26 +55,6 @@ def check_loaded(model: torch.nn.Module, model_dir: str) -> None:
         )
 
 
-def prewarm_checkpoint_writer() -> threading.Thread | None:
-    """Start megatron's checkpoint-result queue now, in the background.
-
-    megatron's torch_dist writer creates it lazily at the first save: a `spawn`ed Manager process (a
-    fresh interpreter) that a training job pays once, but a one-shot converter pays inside its save.
-    Starting it while the model is built and filled hides that. Private megatron API: if it moves, the
-    save simply creates the queue itself, as before.
-    """
-    try:
-        from megatron.core.dist_checkpointing.strategies import filesystem_async
-    except ImportError:
-        return None
-    make = getattr(filesystem_async, "_get_write_results_queue", None)
-    if make is None:
-        return None
-    t = threading.Thread(target=make, name="prewarm-ckpt-queue", daemon=True)
-    t.start()
-    return t
-
-
 def convert_rank(job: dict[str, Any]) -> dict[str, Any]:
     """Build this rank's slice, fill it from the HF checkpoint, save torch_dist; return the rank report."""
     t0 = time.monotonic()
@@ -84,7 +63,6 @@ def convert_rank(job: dict[str, Any]) -> dict[str, Any]:
     layout = Layout(**job["layout"])
     device = job_device(job["device"])
     init_distributed(layout, device=device)
-    prewarm = prewarm_checkpoint_writer()
     coords = ranks()
     t_init = time.monotonic()
     # stored dtype (dequantized tensors: the checkpoint's torch_dtype); the loader casts to each parameter's
@@ -98,8 +76,6 @@ def convert_rank(job: dict[str, Any]) -> dict[str, Any]:
     load_hf_tensors_into_model(model, reader.get, spec, layout)
     check_loaded(model, job["model_dir"])
     t_load = time.monotonic()
-    if prewarm is not None:
-        prewarm.join()
     save_model_only(job["out_dir"], model, extra={"converted_from": job["model_dir"],
                                                   "source_format": reader.format.describe()})
     t_save = time.monotonic()

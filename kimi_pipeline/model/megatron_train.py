@@ -15,6 +15,7 @@ import json
 import logging
 import math
 import os
+import queue
 import random
 import shutil
 import uuid
@@ -411,6 +412,23 @@ def _model_sharded_state_dict(model_chunks) -> dict:
     return unwrap(model_chunks).sharded_state_dict(metadata=dict(SHARDED_METADATA))
 
 
+def _write_results_in_process() -> None:
+    """Hand megatron's torch_dist writer an in-process results queue, so that no save starts a Manager process.
+
+    The writer collects its write results through a queue it makes on first use: a Manager queue served by a
+    `spawn`ed process (megatron/core/dist_checkpointing/strategies/filesystem_async.py:51-56, megatron-core 0.16.1), a
+    fresh interpreter that re-imports the saving process's `__main__` (measured: 2.7 CPU-s for each converter rank
+    and trainer process). It exists for asynchronous saves, whose worker process puts the results. Every save here
+    is synchronous (`dist_checkpointing.save` -> `AsyncRequest.execute_sync`, strategies/base.py:212-215): the
+    writer runs in this process, its forked writers report through their own local queue, and this process puts
+    the gathered results (filesystem_async.py:335) and reads them back in finalize (:435-441). A plain queue does
+    that. An asynchronous save would need megatron's own queue back: this runs before synchronous saves only."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", False) is None:  # not made yet (absent: megatron moved it)
+        filesystem_async._results_queue = queue.Queue()
+
+
 def _save(ckpt_dir: Path, step: int, state: dict, extra: dict | None, device: torch.device) -> Path:
     """torch_dist save into a temp dir, its manifest, rename into place, tracker last (collective).
 
@@ -436,6 +454,7 @@ def _save(ckpt_dir: Path, step: int, state: dict, extra: dict | None, device: to
     if problem is not None:
         raise CheckpointSpaceError(problem)
     own: BaseException | None = None
+    _write_results_in_process()
     try:
         dist_checkpointing.save(state, str(tmp), content_metadata=dict(SHARDED_METADATA))
         atomic_write_json(tmp / f"rng_rank{rank:05d}.json", rng_state(device))

@@ -1,9 +1,10 @@
 """The entry of every weight-job rank: `python -m kimi_pipeline.weightjobs.rank {convert,verify,export} --job JOB.json`.
 
-Why one thin entry: megatron's torch_dist writer and loader start a helper process (the Manager of its
-write-results queue) that re-imports the rank's `__main__` module. With this module as `__main__`, that helper loads
-the standard library and the job plumbing only, not the model code (seconds per rank at scale), and it goes when
-its rank goes. The rank bodies (`convert.convert_rank`, `convert.verify`, `quant.export_rank`) import everything at
+Why one thin entry: a helper process a library `spawn`s re-imports the rank's `__main__` module (megatron's
+torch_dist writer started one per saving process, the Manager of its write-results queue, until
+`model.megatron_train._write_results_in_process` handed it an in-process queue). With this module as `__main__`,
+such a helper loads the standard library and the job plumbing only, not the model code, and it goes when its rank
+goes. The rank bodies (`convert.convert_rank`, `convert.verify`, `quant.export_rank`) import everything at
 their own module top; `rank_body` is the one place they are imported inside a function.
 """
 

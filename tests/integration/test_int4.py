@@ -364,6 +364,31 @@ def test_run_export_section(tmp_path):
     assert json.loads((tmp_path / "export" / SECTION_FILE).read_text()) == section
 
 
+def test_a_checkpoint_save_starts_no_helper_process(megatron_pair, tmp_path):
+    """A synchronous torch_dist save collects its write results in this process: megatron's writer would otherwise
+    spawn a Manager process for its results queue (a fresh interpreter per saving rank,
+    `megatron_train._write_results_in_process`). The checkpoint still loads back bit for bit."""
+    import psutil
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from kimi_pipeline.model.megatron_train import load_model_only, save_model_only
+
+    qat, ref = megatron_pair
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    assert save_model_only(tmp_path / "ckpt", ref, step=3).name == "iter_0000003"
+    started = [" ".join(p.cmdline()) for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    assert not [c for c in started if "multiprocessing" in c], started
+    assert type(filesystem_async._results_queue).__module__ == "queue"  # the in-process one, not a Manager proxy
+    saved = {k: v.clone() for k, v in ref.state_dict().items() if isinstance(v, torch.Tensor)}
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(1.0)
+    assert load_model_only(tmp_path / "ckpt", ref) == 3
+    for k, v in ref.state_dict().items():
+        if isinstance(v, torch.Tensor):
+            assert torch.equal(v, saved[k]), k
+
+
 @pytest.mark.slow  # a 4-rank distributed export plus the checkpoint model check in a child process
 def test_stage_export_from_a_megatron_checkpoint(megatron_pair, tmp_path):
     """Trainer checkpoint (torch_dist) -> child process -> INT4 export whose logits match the megatron

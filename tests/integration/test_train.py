@@ -13,8 +13,10 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import signal
+import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -133,22 +135,37 @@ RESUME_SET = REPRODUCIBLE + ["rollout.routing_replay=true"]
 SAVE_ROLLOUTS = ["rollout.save_data=true"]
 
 
-@pytest.fixture(scope="module")
-def trained(prepared, ray_local, tmp_path_factory) -> tuple[Path, Path, dict]:
-    """The module's one uninterrupted run, of the resume tests' recipe (evals at 0, 2, 4), its rollouts saved
-    (train/rollouts): read by the metrics, eval and replay tests, and what every interrupted run must end as
-    (`uninterrupted`). (tiny data dir, run dir, the stage's section.)"""
-    from kimi_pipeline.stages import TRAIN, run_stage
+def _kimi_train(run: Path, sets: list[str], quiet: bool = False) -> tuple[dict, str]:
+    """`kimi train` in a child process on this module's Ray cluster: (the train section it prints, its terminal
+    output, stdout and stderr)."""
+    import ray
 
+    args = [sys.executable, "-m", "kimi_pipeline.cli", "train", "--run-dir", str(run),
+            "--ray-address", ray.get_runtime_context().gcs_address] + (["--quiet"] if quiet else [])
+    for item in sets:
+        args += ["--set", item]
+    out = subprocess.run(args, capture_output=True, text=True, timeout=400,
+                         env={**os.environ, "TORCHDYNAMO_DISABLE": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout[out.stdout.index("{"):]), out.stdout + out.stderr
+
+
+@pytest.fixture(scope="module")
+def trained(prepared, ray_local, tmp_path_factory) -> tuple[Path, Path, dict, str]:
+    """The module's one uninterrupted run, of the resume tests' recipe (evals at 0, 2, 4), its rollouts saved
+    (train/rollouts): read by the metrics, eval, `--quiet` and replay tests, and what every interrupted run must end
+    as (`uninterrupted`). Run as `kimi train` (its terminal output is the `--quiet` test's loud side). (tiny data
+    dir, run dir, the train section, the terminal output.)"""
     tiny, base = prepared
     run = _copy_run(base, tmp_path_factory.mktemp("uninterrupted") / "run")
-    return tiny, run, run_stage(TRAIN, train_recipe(tiny, RESUME_SET + SAVE_ROLLOUTS), run)
+    section, out = _kimi_train(run, tiny_overrides(tiny) + TRAIN_SET + RESUME_SET + SAVE_ROLLOUTS)
+    return tiny, run, section, out
 
 
 def test_train_records_metrics_checkpoints_and_evals(trained):
     from kimi_pipeline.report.summary import RunSummary
 
-    tiny, run, section = trained
+    tiny, run, section, _ = trained
     rows = _rows(run)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     for key in ("reward_mean", "solved_group_fraction", "response_len_mean", "clip_fraction", "entropy", "tis_mean",
@@ -184,9 +201,7 @@ def test_the_run_listens_on_loopback_only(trained, listening):
 
 def test_kimi_eval_checkpoint_reproduces_the_in_training_eval(trained, tmp_path):
     """`kimi eval --checkpoint iter_0000004` (torch_dist) gives the numbers the run recorded at step 4."""
-    import subprocess
-
-    tiny, run, _ = trained
+    tiny, run, _, _ = trained
     recorded = {e["step"]: e for e in json.loads((run / "summary.json").read_text())["eval"]}
     args = [sys.executable, "-m", "kimi_pipeline.cli", "eval", "--checkpoint",
             str(run / "train" / "checkpoints" / "iter_0000004"), "--model-dir", str(tiny / "model"),
@@ -210,34 +225,25 @@ def test_kimi_eval_checkpoint_reproduces_the_in_training_eval(trained, tmp_path)
     assert_eval_agrees_with_its_problems(base, table)
 
 
-def test_kimi_train_quiet_drops_the_progress_lines_not_the_result(prepared, ray_local, tmp_path):
-    """`kimi train` prints one progress line per rollout and per eval on stderr; with `--quiet` none, while the
-    stage still trains, evaluates and prints its section (one rollout on this module's Ray cluster)."""
-    import re
-    import subprocess
+def _progress_lines(text: str, steps: int) -> tuple[list[str], list[str]]:
+    """The rollout and eval progress lines in a terminal output (the formats the learning test reads)."""
+    return (re.findall(rf"^step +\d+/{steps}  reward .* ETA \S+$", text, re.M),
+            re.findall(r"^eval at step \d+: avg@2 .*$", text, re.M))
 
-    import ray
 
+def test_kimi_train_quiet_drops_the_progress_lines_not_the_result(prepared, trained, tmp_path):
+    """`kimi train` prints one progress line per rollout and per eval on stderr (the module's uninterrupted run: 4
+    rollouts, evals at 0, 2, 4); with `--quiet` none, while the stage still trains, evaluates and prints its section
+    (one rollout on this module's Ray cluster)."""
     tiny, base = prepared
-    outputs = {}
-    for quiet in (False, True):
-        run = _copy_run(base, tmp_path / ("quiet" if quiet else "loud"))
-        args = [sys.executable, "-m", "kimi_pipeline.cli", "train", "--run-dir", str(run),
-                "--ray-address", ray.get_runtime_context().gcs_address] + (["--quiet"] if quiet else [])
-        for item in tiny_overrides(tiny) + TRAIN_SET + ["rollout.num_rollout=1", "eval.interval=1"]:
-            args += ["--set", item]
-        out = subprocess.run(args, capture_output=True, text=True, timeout=300,
-                             env={**os.environ, "TORCHDYNAMO_DISABLE": "1"})
-        assert out.returncode == 0, out.stderr[-3000:]
-        section = json.loads(out.stdout[out.stdout.index("{"):])  # the result: the train section
-        assert section["steps"] == 1 and section["checkpoint"].endswith("iter_0000001"), section
-        assert [r["step"] for r in _rows(run)] == [1]
-        assert [e["step"] for e in json.loads((run / "summary.json").read_text())["eval"]] == [0, 1]  # evaluated
-        text = out.stdout + out.stderr
-        outputs[quiet] = (re.findall(r"^step 1/1  reward .* ETA \S+$", text, re.M),
-                          re.findall(r"^eval at step \d+: avg@2 .*$", text, re.M))
-    assert [len(lines) for lines in outputs[False]] == [1, 2], outputs[False]  # one rollout, evals at 0 and 1
-    assert outputs[True] == ([], []), outputs[True]
+    assert [len(lines) for lines in _progress_lines(trained[3], 4)] == [4, 3], trained[3][-3000:]
+    run = _copy_run(base, tmp_path / "quiet")
+    section, out = _kimi_train(run, tiny_overrides(tiny) + TRAIN_SET + ["rollout.num_rollout=1", "eval.interval=1"],
+                               quiet=True)
+    assert section["steps"] == 1 and section["checkpoint"].endswith("iter_0000001"), section
+    assert [r["step"] for r in _rows(run)] == [1]
+    assert [e["step"] for e in json.loads((run / "summary.json").read_text())["eval"]] == [0, 1]  # evaluated
+    assert _progress_lines(out, 1) == ([], []), out[-3000:]
 
 
 def _eval_rows(run: Path) -> list[dict]:
@@ -371,7 +377,7 @@ def test_a_corrupt_latest_checkpoint_is_skipped_for_the_previous_one(trained, ra
     from kimi_pipeline.model.checkpoint_manifest import MANIFEST
     from kimi_pipeline.stages import TRAIN, run_stage
 
-    tiny, done, _ = trained
+    tiny, done, _, _ = trained
     run = _copy_run(done, tmp_path / "run")
     ckpts = run / "train" / "checkpoints"
     assert (ckpts / "iter_0000004" / MANIFEST).is_file() and (ckpts / "iter_0000002" / MANIFEST).is_file()
