@@ -77,7 +77,8 @@ def write_plots(run_dir: str | Path) -> dict[str, str]:
 
         plt, fig, ax = _figure("Training stability")
         for key, color in (("kl", "tab:red"), ("clip_fraction", "tab:orange"), ("entropy", "tab:gray"),
-                           ("grad_norm", "tab:brown")):
+                           ("grad_norm", "tab:brown"), ("mismatch_k3", "tab:cyan"),
+                           ("mismatch_abs_logp_max", "tab:olive")):  # train/inference mismatch (rl/grpo.py)
             xs, ys = _series(train, key)
             if xs:
                 ax.plot(xs, ys, color=color, label=key)

@@ -12,6 +12,7 @@ that the accumulated gradient equals the full-batch mean.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -91,6 +92,24 @@ def tis_weights(
     return raw.clamp(clip_low, clip), raw
 
 
+def mismatch_metrics(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor,
+                     mean: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, DeviceMetric]:
+    """How far the engine that sampled is from the trainer on the sampled tokens (the train/inference mismatch that
+    precedes the collapses of long MoE runs): per-token d = log p_trainer - log p_engine over response tokens.
+
+    mismatch_abs_logp_mean / _max: |d|, per-sample token mean and the extreme; mismatch_k3: k3 = e^d - 1 - d, an
+    unbiased, never-negative estimate of KL(engine || trainer) from the engine's own samples (E_engine[e^d] = 1).
+    Reported on every step, TIS or not; device tensors, read back with the step's other metrics."""
+    d = (old_logp - rollout_logp).detach()
+    _, worst = _masked_extremes(d.abs(), mask)
+    dc = d.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return {
+        "mismatch_abs_logp_mean": DeviceMetric(mean(d.abs())),
+        "mismatch_abs_logp_max": DeviceMetric(worst, "max"),
+        "mismatch_k3": DeviceMetric(mean((torch.expm1(dc) - dc).clamp_min(0.0))),  # expm1: exact near d = 0
+    }
+
+
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "low_var_kl") -> torch.Tensor:
     """Per-token KL(pi || ref) estimate. low_var_kl (k3): e^d - 1 - d with d = clamp(ref - logp, +-20),
     clamped to [-10, 10]; k1: logp - ref; k2: (logp - ref)^2 / 2."""
@@ -146,6 +165,8 @@ def grpo_loss(
 
     pg, clipped = policy_loss(logp, old_logp, advantages, cfg.eps_clip, cfg.eps_clip_high)
     metrics: dict[str, DeviceMetric] = {}
+    if rollout_logp is not None:
+        metrics.update(mismatch_metrics(old_logp, rollout_logp, mask, mean))
     if cfg.use_tis:
         if rollout_logp is None:
             raise ValueError("grpo.use_tis is on but no rollout logprobs were given (the rollout must return logprobs)")

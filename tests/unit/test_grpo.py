@@ -118,7 +118,7 @@ def test_grpo_loss_pg_only_by_hand():
     assert m["pg_loss"] == pytest.approx(0.105)
     # clipped tokens: s0 1/2, s1 1/3 -> 0.416667
     assert m["clip_fraction"] == pytest.approx((0.5 + 1 / 3) / 2)
-    assert "tis_mean" not in m and "kl" not in m
+    assert "tis_mean" not in m and "kl" not in m and "mismatch_k3" not in m  # no rollout logprobs given
     loss.backward()
     # d/dlogp of -A*rho/(2 tokens)/(2 samples) at s0 t1 (unclipped, rho 0.5): -0.125; clipped and padded: 0;
     # s1 t1: +1.5/3/2 = 0.25, s1 t2: 1/3/2
@@ -144,6 +144,10 @@ def test_grpo_loss_with_tis_kl_entropy_by_hand():
     # raw TIS ratios on response tokens: s0 [3, 1], s1 [0.5, 1, 1]; the mean is per sample, as every mean here
     assert (m["tis_mean"], m["tis_min"], m["tis_max"]) == pytest.approx(((2 + 2.5 / 3) / 2, 0.5, 3.0))
     assert m["tis_clipfrac"] == pytest.approx((1 / 2 + 0) / 2)
+    # train/inference mismatch, d = old - rollout: s0 [ln 3, 0], s1 [ln 0.5, 0, 0]; k3 = e^d - 1 - d
+    assert m["mismatch_abs_logp_mean"] == pytest.approx((LN(3) / 2 + LN(2) / 3) / 2)
+    assert m["mismatch_abs_logp_max"] == pytest.approx(LN(3))  # the padded token (d = 0 there too) is not counted
+    assert m["mismatch_k3"] == pytest.approx(((2 - LN(3)) / 2 + (LN(2) - 0.5) / 3) / 2)
     # split into micro-batches of one sample with num_samples=2: the parts add up to the whole
     parts = [
         grpo_loss(logp[i : i + 1], old[i : i + 1], rollout[i : i + 1], ref[i : i + 1], entropy[i : i + 1],
@@ -151,6 +155,15 @@ def test_grpo_loss_with_tis_kl_entropy_by_hand():
         for i in range(2)
     ]
     assert sum(parts) == pytest.approx(loss.item())
+
+
+def test_mismatch_is_reported_without_tis_and_is_zero_when_engine_and_trainer_agree():
+    logp, old, rollout, _, _, adv, mask = _batch()
+    cfg = GRPOSpec(eps_clip=0.2, eps_clip_high=0.28, use_tis=False)
+    (m,) = settle([grpo_loss(logp, old, rollout, None, None, adv, mask, cfg)[1]])
+    assert "tis_mean" not in m and m["mismatch_abs_logp_max"] == pytest.approx(LN(3))
+    (same,) = settle([grpo_loss(logp, old, old.clone(), None, None, adv, mask, cfg)[1]])
+    assert (same["mismatch_abs_logp_mean"], same["mismatch_abs_logp_max"], same["mismatch_k3"]) == (0.0, 0.0, 0.0)
 
 
 def test_grpo_loss_refuses_missing_inputs():
