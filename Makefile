@@ -2,10 +2,12 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-# CPU torch: the local 2.13.0 wheel (an unpinned torch pulls a multi-GB CUDA build). GPU: TORCH_SPEC=torch==2.14.1 EXTRAS=dev,gpu
-# Packages built from source (transformer_engine_torch: sdist only) build against the same torch: pip 26.3 applies
-# no install constraints inside build environments, --build-constraint does.
+# CPU torch: the local 2.13.0 wheel (an unpinned torch pulls a multi-GB CUDA build). GPU: TORCH_SPEC=$(CUDA_TORCH_SPEC)
+# EXTRAS=dev,gpu (the GPU torch below; the trainer image installs the same). Packages built from source
+# (transformer_engine_torch: sdist only) build against the same torch: pip 26.3 applies no install constraints inside
+# build environments, --build-constraint does.
 TORCH_SPEC ?= torch==2.13.0
+CUDA_TORCH_SPEC := torch==2.14.1
 EXTRAS ?= dev
 WHEELS := $(wildcard /opt/wheels)
 PIP_FLAGS := --disable-pip-version-check $(if $(WHEELS),--find-links $(WHEELS))
@@ -16,7 +18,7 @@ SGLANG_VENV ?= .venv-sglang
 # SGLang's launch-argument parser on CPU, for the tests only: sglang + what its parser imports, --no-deps.
 SGLANG_PARSER := .cache/sglang-parser
 
-.PHONY: install run test test-fast clean browser gpu-check sglang-env sglang-parser
+.PHONY: install run test test-fast clean browser gpu-check sglang-env sglang-parser trainer-env images
 
 $(BIN)/.installed: pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -28,6 +30,9 @@ $(BIN)/.installed: pyproject.toml Makefile
 	touch $@
 
 install: $(BIN)/.installed $(if $(findstring gpu,$(EXTRAS)),sglang-env)
+
+# The trainer's environment alone (the trainer image: SGLang's comes from its own image).
+trainer-env: $(BIN)/.installed
 
 $(SGLANG_VENV)/.installed: requirements-sglang.txt
 	test -x $(SGLANG_VENV)/bin/python || $(PYTHON) -m venv $(SGLANG_VENV)
@@ -82,3 +87,21 @@ gpu-check:
 
 clean:
 	rm -rf $(VENV) $(SGLANG_VENV) .cache .prefect runs
+
+# The cluster's container images (infra/docker), built here only where docker exists (not in CI): SGLang's own
+# environment (requirements-sglang.txt) and the trainer image the KubeRay manifests name (kimi-pipeline:<version>:
+# CUDA_TORCH_SPEC, the `gpu` extra, this package, SGLang's environment copied in). Both install through the targets
+# above, so an image cannot drift from `make install` (tests/unit/test_images.py). CUDA_IMAGE's CUDA major is the
+# one CUDA_TORCH_SPEC's wheels use (tests/integration/test_gpu_install_resolves.py); both images share it, so
+# SGLang's venv runs unchanged in the trainer image.
+VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+SGLANG_VERSION := $(shell sed -n 's/^sglang==//p' requirements-sglang.txt)
+CUDA_IMAGE ?= nvidia/cuda:13.0.1-cudnn-devel-ubuntu24.04
+IMAGE ?= kimi-pipeline:$(VERSION)
+SGLANG_IMAGE ?= kimi-sglang:$(SGLANG_VERSION)
+
+images:
+	@command -v docker >/dev/null 2>&1 || { echo "make images: docker not found (the images are built where docker runs; CI here does not build them)" >&2; exit 1; }
+	docker build -f infra/docker/sglang.Dockerfile --build-arg CUDA_IMAGE=$(CUDA_IMAGE) -t $(SGLANG_IMAGE) .
+	docker build -f infra/docker/trainer.Dockerfile --build-arg CUDA_IMAGE=$(CUDA_IMAGE) \
+	  --build-arg SGLANG_IMAGE=$(SGLANG_IMAGE) --build-arg TORCH_SPEC=$(CUDA_TORCH_SPEC) -t $(IMAGE) .

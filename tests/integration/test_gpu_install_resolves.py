@@ -74,10 +74,17 @@ pytestmark = pytest.mark.slow  # two resolutions of ~200 packages each, at once:
 
 
 def _gpu_torch_spec() -> str:
-    """The GPU torch the Makefile documents (`GPU: TORCH_SPEC=torch==X`)."""
-    m = re.search(r"GPU: TORCH_SPEC=(torch==[\w.+]+)", (ROOT / "Makefile").read_text())
-    assert m, "Makefile no longer documents the GPU torch as `GPU: TORCH_SPEC=torch==X`"
+    """The GPU torch the Makefile pins (`CUDA_TORCH_SPEC := torch==X`: GPU installs and the trainer image)."""
+    m = re.search(r"^CUDA_TORCH_SPEC := (torch==[\w.+]+)$", (ROOT / "Makefile").read_text(), re.M)
+    assert m, "Makefile no longer pins the GPU torch as `CUDA_TORCH_SPEC := torch==X`"
     return m.group(1)
+
+
+def _cuda_image_major() -> int:
+    """The CUDA major of the images' base (Makefile `CUDA_IMAGE ?= nvidia/cuda:X.Y...`, `make images`)."""
+    m = re.search(r"^CUDA_IMAGE \?= nvidia/cuda:(\d+)\.", (ROOT / "Makefile").read_text(), re.M)
+    assert m, "Makefile no longer names the images' base as `CUDA_IMAGE ?= nvidia/cuda:X.Y...`"
+    return int(m.group(1))
 
 
 def _pip_flags() -> list[str]:
@@ -268,7 +275,11 @@ def test_trainer_set_resolves(trainer):
         elif m := re.fullmatch(r"nvidia-.+-cu(\d+)", canonicalize_name(r.name)):
             cuda.add(int(m[1]))
     assert len(cuda) == 1, f"cannot tell torch {torch}'s CUDA major from its requirements: {cuda}"
-    core = f"transformer-engine-cu{cuda.pop()}"
+    major = cuda.pop()
+    # the trainer image builds Transformer Engine against that torch with the base image's nvcc: the same major
+    base = _cuda_image_major()
+    assert base == major, f"Makefile CUDA_IMAGE is CUDA {base}, torch {torch}'s wheels are CUDA {major}"
+    core = f"transformer-engine-cu{major}"
     assert got.get(core) == te, f"want {core}=={te} (torch {torch}'s CUDA), resolved: " \
                                 f"{ {k: v for k, v in got.items() if k.startswith('transformer-engine')} }"
 
