@@ -60,8 +60,9 @@ def eval_prompts(data: DataSpec, run_dir: Path, tokenizer):
     return load_prompts(path, tokenizer, data.input_key, data.label_key, data.apply_chat_template)
 
 
-def _evaluate(client, tokenizer, prompts, sections: EvalSections, step: int, out_dir: Path) -> dict[str, Any]:
-    """`eval.run.evaluate` with the recipe's seed and grader."""
+def evaluate_with(client, tokenizer, prompts, sections: EvalSections, step: int, out_dir: Path) -> dict[str, Any]:
+    """`eval.run.evaluate` with the recipe's seed and grader (the in-training eval, `kimi eval`, the served
+    export: `eval.served`)."""
     rollout = sections.rollout
     return evaluate(client, tokenizer, prompts, sections.eval, step=step, seed=rollout.seed, rm_type=rollout.rm_type,
                     thinking=rollout.thinking, strict=rollout.reward_strict, out_dir=out_dir, top_k=rollout.top_k)
@@ -75,7 +76,7 @@ def run_eval_step(sections: EvalSections, run_dir: Path, step: int, engine_urls:
     prompts = eval_prompts(sections.data, run_dir, tokenizer)
     out_dir = Path(run_dir) / "eval"
     with Router(engine_urls, server_concurrency=sections.server_concurrency) as client:
-        result = _evaluate(client, tokenizer, prompts, sections, step, out_dir)
+        result = evaluate_with(client, tokenizer, prompts, sections, step, out_dir)
     RunSummary(run_dir).upsert_row("eval", {k: result[k] for k in SUMMARY_KEYS})
     table = json.loads(eval_step_path(out_dir, step).read_text()).get("problems_table")
     return {**result, "markdown": eval_report(result, table)}
@@ -109,7 +110,7 @@ def evaluate_checkpoint(sections: EvalSections, checkpoint: Path, run_dir: Path,
     with EngineServer(RolloutEngine(engine_model, seed=sections.rollout.seed)) as server:
         with EngineClient(server.url) as client:
             torch.manual_seed(sections.rollout.seed)
-            return _evaluate(client, tokenizer, prompts, sections, step or 0, Path(run_dir) / "eval")
+            return evaluate_with(client, tokenizer, prompts, sections, step or 0, Path(run_dir) / "eval")
 
 
 def base_policy_scores(sections: EvalSections, model_dir: Path, data_file: Path, work_dir: Path) -> dict[str, float]:

@@ -371,6 +371,17 @@ class QuantSpec(Section):
     export_format: Literal["int4", "bf16"] = "int4"
 
 
+class ExportSpec(Section):
+    """The export scored as it will be served. Read by: the export stage (`eval.served.ServedSections`)."""
+
+    score: bool = Field(True, description="after the export is written, the recipe's rollout engine (embedded on CPU, "
+                                          "SGLang on GPU) loads it from disk and the eval set is scored on it")
+    max_eval_drop: float | None = Field(0.05, ge=0, description="avg@n the served export may lose against the training "
+                                                                "eval at the exported step; more fails the stage "
+                                                                "(permanent; the export stays on disk, marked "
+                                                                "unpublished). None: record the scores only")
+
+
 class CheckpointSpec(Section):
     """Training checkpoints. Read by: `rl.loop` (when to save, what to keep)."""
 

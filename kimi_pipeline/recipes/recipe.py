@@ -10,6 +10,7 @@ from kimi_pipeline.recipes.models import (
     ConvertSpec,
     DataSpec,
     EvalSpec,
+    ExportSpec,
     GRPOSpec,
     HubSpec,
     ModelSpec,
@@ -38,6 +39,7 @@ class Recipe(Section):
     eval: EvalSpec = Field(default_factory=EvalSpec)
     optimizer: OptimizerSpec
     quant: QuantSpec = Field(default_factory=QuantSpec)
+    export: ExportSpec = Field(default_factory=ExportSpec)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     paths: PathsSpec = Field(default_factory=PathsSpec)
 

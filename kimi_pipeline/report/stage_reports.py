@@ -130,6 +130,22 @@ def eval_report(result: dict[str, Any], table: list[dict[str, Any]] | None = Non
     return "\n".join(lines)
 
 
+def _served_rows(ev: dict[str, Any] | None, published: bool | None) -> list[str]:
+    """The export scored as it is served (`eval.served`): its scores beside the training eval's."""
+    if not ev:
+        return []
+    if "skipped" in ev:
+        return [f"| served eval | skipped: {ev['skipped']} |"]
+    rows = [f"| served eval ({ev.get('engine')} engine, step {ev.get('step')}, {ev.get('problems')} problems) | "
+            f"avg@n {_dash_float(ev.get('avg_at_n'))}, pass@1 {_dash_float(ev.get('pass_at_1'))}, "
+            f"pass@n {_dash_float(ev.get('pass_at_n'))} |"]
+    if ev.get("training_avg_at_n") is not None:
+        rows.append(f"| drop from the training eval (bound) | {_dash_float(ev.get('drop'))} "
+                    f"(avg@n {_dash_float(ev.get('training_avg_at_n'))} in training; {ev.get('max_drop')}) |")
+    rows.append(f"| published | **{published}** |")
+    return rows
+
+
 def export_report(s: dict[str, Any]) -> str:
     if "skipped" in s:
         return f"# INT4 export\n\nSkipped: {s['skipped']}"
@@ -158,6 +174,7 @@ def export_report(s: dict[str, Any]) -> str:
     ]
     if s.get("model_check"):
         lines.append(f"| model check | {s['model_check']} |")
+    lines += _served_rows(s.get("eval"), s.get("published"))
     if s.get("note"):
         lines += ["", s["note"]]
     if s.get("problems"):

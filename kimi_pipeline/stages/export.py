@@ -1,17 +1,21 @@
 """Stage `export`: the trained policy's latest (or a chosen) torch_dist checkpoint → an INT4 compressed-tensors HF
 directory engines load (Kimi-K2-Thinking's format), distributed like the conversion and verified bit for bit and by
-its logits (`kimi_pipeline.quant.checkpoint_export`)."""
+its logits (`kimi_pipeline.quant.checkpoint_export`), then scored as it will be served: the recipe's engine loads it
+from disk and the eval set is scored on it (`kimi_pipeline.eval.served`; `export.score`, `export.max_eval_drop`)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
+from kimi_pipeline.eval.served import ExportEvalDropError, ServedSections, score_export
 from kimi_pipeline.hub.download import model_root
-from kimi_pipeline.quant.checkpoint_export import SECTION_FILE, ExportSections, export_checkpoint
+from kimi_pipeline.quant.checkpoint_export import (SECTION_FILE, ExportSections, export_checkpoint, export_dir,
+                                                   resolve_checkpoint)
 from kimi_pipeline.recipes import Recipe
 from kimi_pipeline.report.stage_reports import export_report
 from kimi_pipeline.stages.runner import Stage, StageReport
+from kimi_pipeline.util.files import atomic_write_json
 
 
 def run(recipe: Recipe, run_dir: Path, checkpoint_dir: str | Path, *, step: int | None = None,
@@ -21,13 +25,35 @@ def run(recipe: Recipe, run_dir: Path, checkpoint_dir: str | Path, *, step: int 
     if recipe.quant.export_format != "int4":
         return {"skipped": f"quant.export_format={recipe.quant.export_format!r}"}
     model_dir = Path(model_dir) if model_dir else model_root(run_dir)
-    return export_checkpoint(ExportSections.of(recipe), run_dir, checkpoint_dir, step, model_dir, timeout_s)
+    _, step = resolve_checkpoint(checkpoint_dir, step)
+    section = export_checkpoint(ExportSections.of(recipe), run_dir, checkpoint_dir, step, model_dir, timeout_s)
+    return scored_section(ServedSections.of(recipe), section, run_dir, step)
+
+
+def scored_section(served: ServedSections, section: dict[str, Any], run_dir: Path, step: int) -> dict[str, Any]:
+    """The export's section with `eval` (its served scores) and `published`, rewritten as the stage's completion
+    marker; the marker goes while the scoring runs, so a crash there never leaves an unscored export marked done."""
+    marker = export_dir(run_dir) / SECTION_FILE
+    if not served.export.score:
+        section = {**section, "eval": {"skipped": "export.score=false"}, "published": True}
+        atomic_write_json(marker, section)
+        return section
+    marker.unlink(missing_ok=True)
+    try:
+        scored = score_export(served, Path(section["path"]), run_dir, step)
+    except ExportEvalDropError as e:
+        e.section = {**section, **e.section}
+        atomic_write_json(marker, e.section)  # the record of this export: scored, unpublished
+        raise
+    section = {**section, "eval": scored, "published": True}
+    atomic_write_json(marker, section)
+    return section
 
 
 EXPORT = Stage(
     name="export",
     run=run,
-    reads=("model", "quant", "convert", "cluster"),
+    reads=("model", "quant", "convert", "cluster", "eval", "data", "rollout", "hub", "sglang", "export"),
     needs=("download", "train"),
     outputs=(f"export/{SECTION_FILE}", "export/int4/config.json"),
     report=StageReport(key="int4-export", render=export_report, title="INT4 export + parity",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -411,6 +412,8 @@ def test_stage_export_from_a_megatron_checkpoint(megatron_pair, tmp_path):
     assert key == checkpoint_content_hash(ckpt, 20)
 
     run_dir = tmp_path / "run"
+    (run_dir / "validate").mkdir(parents=True)  # the eval set the served export is scored on (the run's validated one)
+    shutil.copy(TINY / "aime-tiny.jsonl", run_dir / "validate" / "eval.jsonl")
     section = run_stage(EXPORT, recipe, run_dir, checkpoint_dir=ckpt, model_dir=TINY_MODEL, timeout_s=450)  # < the test limit
     assert section["checkpoint"] == str(ckpt / "iter_0000020")
     # distributed: recipe.convert's 4 ranks (pp 2 x ep 2) each wrote the tensors they own ...
@@ -449,3 +452,35 @@ def test_stage_export_from_a_megatron_checkpoint(megatron_pair, tmp_path):
     assert "dequantized == fake-quant (exact) | **True**" in export_report(section)
     (ckpt / "iter_0000020" / "kimi_extra.json").write_text("{}")  # a new save id -> new key
     assert checkpoint_content_hash(ckpt) != key and export_key(None, params) != task_key
+    _assert_served_scoring(recipe, section, run_dir)
+
+
+def _assert_served_scoring(recipe, section: dict, run_dir: Path) -> None:
+    """The export scored as it is served (`eval.served`): the embedded engine loads the INT4 directory from disk and
+    scores the eval set at the exported step's seeds, the same numbers each time; with no training eval at that
+    step the scores are recorded only; one more than `export.max_eval_drop` below fails permanently and leaves the
+    export on disk marked unpublished; within the bound it is published again."""
+    from kimi_pipeline.errors import PermanentError
+    from kimi_pipeline.eval.served import UNPUBLISHED, ServedSections
+    from kimi_pipeline.report.stage_reports import export_report
+    from kimi_pipeline.report.summary import RunSummary
+    from kimi_pipeline.stages.export import scored_section
+
+    served = section["eval"]
+    assert served["engine"] == "embedded" and served["step"] == 20 and served["problems"] == 96, served
+    assert 0 < served["avg_at_n"] <= served["pass_at_n"] <= 1 and served["drop"] is None and section["published"]
+    assert "no training eval at step 20" in served["note"]
+    unscored = {k: v for k, v in section.items() if k not in ("eval", "published")}
+    marker, export = run_dir / "export" / "export.json", Path(section["path"])
+    summary = RunSummary(run_dir)
+    summary.upsert_row("eval", {"step": 20, "avg_at_n": served["avg_at_n"] + 0.5})  # training scored far higher
+    with pytest.raises(PermanentError, match=r"0\.5000 below the training eval at step 20 .*marked unpublished"):
+        scored_section(ServedSections.of(recipe), dict(unscored), run_dir, 20)
+    assert (export / UNPUBLISHED).is_file() and (export / "config.json").is_file()  # kept on disk, marked
+    recorded = json.loads(marker.read_text())
+    assert recorded["published"] is False and recorded["eval"]["avg_at_n"] == served["avg_at_n"]  # same seeds
+    summary.upsert_row("eval", {"step": 20, "avg_at_n": served["avg_at_n"] + 0.01})
+    again = scored_section(ServedSections.of(recipe), dict(unscored), run_dir, 20)
+    assert again["published"] and again["eval"]["drop"] == pytest.approx(0.01) and not (export / UNPUBLISHED).exists()
+    assert json.loads(marker.read_text()) == again
+    assert "| published | **True** |" in export_report(again)

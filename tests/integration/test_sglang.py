@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from kimi_pipeline.engine.sglang import PARSER_PATH_VAR, parse_with_sglang, sglang_command
+from kimi_pipeline.eval.served import ServedSections, export_sglang_engine
 from kimi_pipeline.recipes import load_recipe, preset_names
 from kimi_pipeline.rl.actor_layout import lay_out_actors
 from kimi_pipeline.rl.rehearse import check_engine_commands
@@ -43,9 +44,11 @@ def test_every_preset_engine_command_parses_with_the_pinned_sglang(parser_dir, c
         commands = _planned_commands(recipe)
         if any(len(e.nodes) > 1 for e in lay_out_actors(recipe, "/ckpt").engines):
             assert any("--nnodes" in c for c in commands)  # the multi-node engines' commands are in the set
-        parsed = parse_with_sglang(commands, recipe.sglang)
+        served = export_sglang_engine(ServedSections.of(recipe), Path("/run/export/int4")).command  # export scoring
+        assert served[served.index("--tp-size") + 1] == "8" and "--nnodes" not in served  # one node serves INT4
+        parsed = parse_with_sglang(commands + [served], recipe.sglang)
         assert parsed.version == PINNED, parsed.reason
-        assert parsed.errors == ("",) * len(commands), (name, [e for e in parsed.errors if e])
+        assert parsed.errors == ("",) * (len(commands) + 1), (name, [e for e in parsed.errors if e])
 
 
 def test_a_flag_sglang_does_not_know_fails_the_check(parser_dir):

@@ -1,0 +1,129 @@
+"""The INT4 export scored as it will be served: the recipe's rollout engine loads the exported directory from disk,
+as a deployment would, and the eval set is scored on it.
+
+The export's own checks (`quant.checkpoint_export`) compare tensors and logits with the checkpoint; this is the
+number a user's serving stack should reproduce. The engine is the recipe's: the embedded engine in this process
+(CPU), or an SGLang server on this node's GPUs (`export_sglang_engine`: the command the train stage's engines run,
+`--model-path` the export, on one node). Eval seeds are the training eval's at the exported step, so the two
+avg@n differ by what the export changed (INT4 packing of a policy that trained without QAT, kernels), not by
+sampling.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kimi_pipeline.engine.client import Router
+from kimi_pipeline.engine.model import EngineModel
+from kimi_pipeline.engine.sampler import RolloutEngine
+from kimi_pipeline.engine.server import EngineServer
+from kimi_pipeline.engine.sglang import SGLangEngine
+from kimi_pipeline.errors import SectionError
+from kimi_pipeline.eval.record import EvalSections, eval_prompts, evaluate_with
+from kimi_pipeline.model.tokenizer import load_tokenizer
+from kimi_pipeline.recipes import Recipe
+from kimi_pipeline.recipes.models import ExportSpec, SGLangSpec
+from kimi_pipeline.report.summary import RunSummary
+
+log = logging.getLogger(__name__)
+
+UNPUBLISHED = "UNPUBLISHED.md"  # in the export directory: the scores fell below the bound; do not serve it
+
+
+class ExportEvalDropError(SectionError):
+    """The served export scores more than `export.max_eval_drop` below the training eval (permanent: a retry scores
+    the same files the same way); `section` is the export's section with its scores, unpublished."""
+
+
+@dataclass(frozen=True)
+class ServedSections:
+    """What scoring the served export reads of the recipe (`ServedSections.of`): `evaluation` the eval sections,
+    `export` the gate, `engine` the rollout engine kind, `sglang` its launch options and `gpus_per_node` the GPUs
+    an SGLang server may take on this node."""
+
+    evaluation: EvalSections
+    export: ExportSpec
+    engine: str
+    sglang: SGLangSpec
+    gpus_per_node: int
+
+    @classmethod
+    def of(cls, recipe: Recipe) -> ServedSections:
+        return cls(EvalSections.of(recipe), recipe.export, recipe.rollout.engine, recipe.sglang,
+                   recipe.cluster.gpus_per_node)
+
+
+def export_sglang_engine(sections: ServedSections, model_dir: Path, log_dir: Path | None = None) -> SGLangEngine:
+    """The SGLang server that scores the export: the rollout engines' options on one node of this cluster. An INT4
+    export is a quarter of the bf16 policy a rollout engine holds, so an engine that spans nodes for bf16 (the K2
+    presets' 16 GPUs) serves the export on one node's GPUs, as Kimi-K2-Thinking's INT4 release is deployed (TP 8);
+    EP and DP shrink with it where they were wider."""
+    spec, n = sections.sglang, sections.gpus_per_node
+    if spec.gpus_per_engine > n:
+        spec = spec.model_copy(update={"gpus_per_engine": n, "ep_size": math.gcd(spec.ep_size, n),
+                                       "dp_size": math.gcd(spec.dp_size, n)})
+    ev = sections.evaluation
+    return SGLangEngine(model_dir, spec, gpus_per_node=n, log_dir=log_dir, seed=ev.rollout.seed,
+                        trust_remote_code=ev.trust_remote_code)
+
+
+@contextlib.contextmanager
+def serving(sections: ServedSections, model_dir: Path, log_dir: Path) -> Iterator[str]:
+    """The URL of the recipe's engine serving `model_dir` from disk, for the duration of the block."""
+    if sections.engine == "embedded":
+        engine = RolloutEngine(EngineModel.from_pretrained(model_dir), seed=sections.evaluation.rollout.seed)
+        with EngineServer(engine) as server:
+            yield server.url
+        return
+    server = export_sglang_engine(sections, model_dir, log_dir)
+    try:
+        yield server.start()
+    finally:
+        server.stop()
+
+
+def training_eval(run_dir: Path, step: int) -> dict[str, Any] | None:
+    """The run's in-training eval row at `step` (summary.json), if the run evaluated there."""
+    rows = RunSummary(run_dir).read().get("eval") or []
+    return next((r for r in reversed(rows) if r.get("step") == step), None)
+
+
+def score_export(sections: ServedSections, export_path: Path, run_dir: Path, step: int) -> dict[str, Any]:
+    """Serve the export with the recipe's engine, score the eval set at `step`'s seeds; returns `export.eval`:
+    the scores, the training eval's avg@n at that step and the drop. Above `export.max_eval_drop` the export is
+    marked unpublished (UNPUBLISHED.md beside its files) and ExportEvalDropError (permanent) is raised."""
+    ev = sections.evaluation
+    tokenizer = load_tokenizer(export_path, ev.trust_remote_code)  # the export carries the tokenizer it serves with
+    prompts = eval_prompts(ev.data, run_dir, tokenizer)
+    out_dir = Path(run_dir) / "export" / "eval"
+    with serving(sections, export_path, out_dir / "logs") as url, \
+            Router([url], server_concurrency=ev.server_concurrency) as client:
+        torch.manual_seed(ev.rollout.seed)
+        result = evaluate_with(client, tokenizer, prompts, ev, step, out_dir)
+    scored = {"engine": sections.engine, "step": step, "problems": result["problems"],
+              **{k: result[k] for k in ("avg_at_n", "pass_at_1", "pass_at_n")}}
+    reference = training_eval(run_dir, step)
+    bound = sections.export.max_eval_drop
+    if reference is None:
+        scored.update(training_avg_at_n=None, drop=None, max_drop=bound,
+                      note=f"no training eval at step {step} to compare with: recorded only")
+        return scored
+    drop = reference["avg_at_n"] - result["avg_at_n"]
+    scored.update(training_avg_at_n=reference["avg_at_n"], drop=round(drop, 6), max_drop=bound)
+    (export_path / UNPUBLISHED).unlink(missing_ok=True)
+    if bound is not None and drop > bound:
+        message = (f"the served INT4 export scores avg@n {result['avg_at_n']:.4f} on the eval set, {drop:.4f} below "
+                   f"the training eval at step {step} ({reference['avg_at_n']:.4f}; export.max_eval_drop {bound}). "
+                   f"The export stays at {export_path}, marked unpublished ({UNPUBLISHED}): do not serve it. Train "
+                   "with quant.int4_qat=true so the policy learns its INT4 experts, or raise export.max_eval_drop")
+        (export_path / UNPUBLISHED).write_text(f"# Unpublished\n\n{message}.\n")
+        raise ExportEvalDropError(message, {"eval": scored, "published": False})
+    return scored
