@@ -418,8 +418,11 @@ def test_kimi_run_stopped_during_convert_leaves_nothing_it_started_and_says_so(s
 
         def look() -> None:  # what the run has started so far, named while they live
             for c in owner.children(recursive=True):
-                if c.pid not in started:
-                    started[c.pid], names[c.pid] = c, " ".join(_cmdline(c))[:200]
+                started.setdefault(c.pid, c)
+                # renamed on every look: a child caught between fork and exec still shows its parent's command
+                # line (seen on a loaded host: the run guard named as `kimi run`, the test then missed it)
+                if cmd := _cmdline(c):
+                    names[c.pid] = " ".join(cmd)[:200]
 
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline and proc.poll() is None:
@@ -442,7 +445,7 @@ def test_kimi_run_stopped_during_convert_leaves_nothing_it_started_and_says_so(s
     left: dict[int, str] = {}
     deadline = time.monotonic() + 90  # SIGKILL: the guard notices within its poll and gives each a grace period
     while time.monotonic() < deadline:
-        left = {pid: names[pid] for pid, p in started.items() if _alive(p)}
+        left = {pid: names.get(pid, "?") for pid, p in started.items() if _alive(p)}
         if not left:
             break
         time.sleep(0.5)
