@@ -64,10 +64,9 @@ browser:
 	    || ( $$SUDO apt-get update -q >/dev/null 2>&1 && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null 2>&1 ) ) \
 	  || echo "note: could not install chromium with apt: the browser test will skip"; fi
 
-# TEST_WORKERS=2: two pytest-xdist workers, whole files to a worker (their module fixtures are made once), heaviest
-# first (tests/conftest.py: HEAVIEST_FIRST): 48 min instead of 68 on 2 cores. The order dependency that run met is
-# fixed (tests/conftest.py); the default stays one process, the order CI has proved, until two workers pass in full.
-TEST_WORKERS ?= 0
+# Two pytest-xdist workers: whole files to a worker (their module fixtures are made once), heaviest first
+# (tests/conftest.py: HEAVIEST_FIRST): 48 min instead of 68 on 2 cores. TEST_WORKERS=0: one process, pytest's order.
+TEST_WORKERS ?= 2
 XDIST = $(if $(filter 0,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
 test: install browser sglang-parser

@@ -67,10 +67,9 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 # 2026-11-27). `make test TEST_WORKERS=2` hands whole files to its workers in collection order (pytest-xdist's
 # `--dist loadfile --no-loadscope-reorder`): the long ones start first and the many short ones fill in after them
 # (longest first), so no worker ends alone on a 10-minute file. Files not listed keep pytest's order, after these.
-# On the worker that ran test_gpu_install_resolves, 17 later tests that import megatron failed in setuptools'
-# distutils shim ("AssertionError: …/python3.11/distutils/core.py"): that test imported pip's internals in-process,
-# which take the shim out (found with `pytest -p no:xdist tests/integration/test_gpu_install_resolves.py
-# tests/unit/test_device.py`; fixed there). Two workers become the default after a clean full run in this order.
+# An order dependency this order met once (fixed): on the worker that ran test_gpu_install_resolves, 17 later tests
+# that import megatron failed in setuptools' distutils shim, because that test imported pip's internals in-process
+# (found with `pytest -p no:xdist tests/integration/test_gpu_install_resolves.py tests/unit/test_device.py`).
 HEAVIEST_FIRST = (
     "test_deployment.py",  # 732: `kimi serve` and four served runs
     "test_reliability.py",  # 441, and about 300 more since the Ray-head-loss test (a kimi run failed, then re-run)
@@ -93,8 +92,8 @@ HEAVIEST_FIRST = (
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (`make test TEST_WORKERS=2`), heaviest files first (HEAVIEST_FIRST); a stable sort, so each
-    file's tests stay together and in order. One process keeps pytest's order, the one CI has proved."""
+    """Under pytest-xdist (`make test`: two workers), heaviest files first (HEAVIEST_FIRST); a stable sort, so each
+    file's tests stay together and in order. One process (`TEST_WORKERS=0`) keeps pytest's order."""
     if not hasattr(config, "workerinput"):  # not an xdist worker
         return
     rank = {name: i for i, name in enumerate(HEAVIEST_FIRST)}
