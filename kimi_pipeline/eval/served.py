@@ -12,7 +12,6 @@ sampling.
 from __future__ import annotations
 
 import contextlib
-import logging
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -32,8 +31,6 @@ from kimi_pipeline.model.tokenizer import load_tokenizer
 from kimi_pipeline.recipes import Recipe
 from kimi_pipeline.recipes.models import ExportSpec, SGLangSpec
 from kimi_pipeline.report.summary import RunSummary
-
-log = logging.getLogger(__name__)
 
 UNPUBLISHED = "UNPUBLISHED.md"  # in the export directory: the scores fell below the bound; do not serve it
 
@@ -63,9 +60,9 @@ class ServedSections:
 
 def export_sglang_engine(sections: ServedSections, model_dir: Path, log_dir: Path | None = None) -> SGLangEngine:
     """The SGLang server that scores the export: the rollout engines' options on one node of this cluster. An INT4
-    export is a quarter of the bf16 policy a rollout engine holds, so an engine that spans nodes for bf16 (the K2
-    presets' 16 GPUs) serves the export on one node's GPUs, as Kimi-K2-Thinking's INT4 release is deployed (TP 8);
-    EP and DP shrink with it where they were wider."""
+    export holds its routed experts (nearly all of K2's 1 T parameters) in a quarter of the bf16 bytes a rollout
+    engine holds (~0.6 TB instead of 2 TB), so an engine that spans nodes for bf16 (the K2 presets' 16 GPUs) serves
+    the export on one node's GPUs (8 × 141 GB on H200); EP and DP shrink with it where they were wider."""
     spec, n = sections.sglang, sections.gpus_per_node
     if spec.gpus_per_engine > n:
         spec = spec.model_copy(update={"gpus_per_engine": n, "ep_size": math.gcd(spec.ep_size, n),
