@@ -65,7 +65,7 @@ browser:
 	  || echo "note: could not install chromium with apt: the browser test will skip"; fi
 
 # Two pytest-xdist workers: whole files to a worker (their module fixtures are made once), heaviest first
-# (tests/conftest.py: HEAVIEST_FIRST): 48 min instead of 68 on 2 cores. TEST_WORKERS=0: one process, pytest's order.
+# (tests/conftest.py: HEAVIEST_FIRST): 50 min of pytest instead of 65 on 2 cores. TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 2
 XDIST = $(if $(filter 0,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 

@@ -6,7 +6,7 @@ up by ≥ 0.25 (mean of the last 10 % of rollouts minus the first 10 %) and the 
 disjoint from train by problem) up by ≥ 0.12 avg@n from step 0 — bars set with margin below the gains measured
 under three CPU numerics paths (support/learning.py) — and the INT4 export, served from disk, scoring within
 `export.max_eval_drop` of the last training eval. Runs the full recipe, not a shortened one: about 6 minutes
-on 2 cores.
+on 2 cores alone, about 25 beside the other test worker.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from support.learning import assert_learned_live, read_summary, run_tiny
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.timeout(1800)
+@pytest.mark.timeout(2500)  # > run_tiny's 2400 s limit
 def test_kimi_run_on_tiny_learns_and_shows_progress_live(tmp_path):
     from kimi_pipeline.recipes import load_recipe
 
