@@ -101,10 +101,11 @@ def mismatch_metrics(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: t
     unbiased, never-negative estimate of KL(engine || trainer) from the engine's own samples (E_engine[e^d] = 1).
     Reported on every step, TIS or not; device tensors, read back with the step's other metrics."""
     d = (old_logp - rollout_logp).detach()
-    _, worst = _masked_extremes(d.abs(), mask)
+    size = d.abs()
+    _, worst = _masked_extremes(size, mask)
     dc = d.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     return {
-        "mismatch_abs_logp_mean": DeviceMetric(mean(d.abs())),
+        "mismatch_abs_logp_mean": DeviceMetric(mean(size)),
         "mismatch_abs_logp_max": DeviceMetric(worst, "max"),
         "mismatch_k3": DeviceMetric(mean((torch.expm1(dc) - dc).clamp_min(0.0))),  # expm1: exact near d = 0
     }

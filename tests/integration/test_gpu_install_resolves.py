@@ -49,6 +49,8 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
+from support.common import makefile_var
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -75,14 +77,14 @@ pytestmark = pytest.mark.slow  # two resolutions of ~200 packages each, at once:
 
 def _gpu_torch_spec() -> str:
     """The GPU torch the Makefile pins (`CUDA_TORCH_SPEC := torch==X`: GPU installs and the trainer image)."""
-    m = re.search(r"^CUDA_TORCH_SPEC := (torch==[\w.+]+)$", (ROOT / "Makefile").read_text(), re.M)
-    assert m, "Makefile no longer pins the GPU torch as `CUDA_TORCH_SPEC := torch==X`"
-    return m.group(1)
+    spec = makefile_var("CUDA_TORCH_SPEC")
+    assert re.fullmatch(r"torch==[\w.+]+", spec), f"Makefile CUDA_TORCH_SPEC is {spec!r}, not torch==X"
+    return spec
 
 
 def _cuda_image_major() -> int:
     """The CUDA major of the images' base (Makefile `CUDA_IMAGE ?= nvidia/cuda:X.Y...`, `make images`)."""
-    m = re.search(r"^CUDA_IMAGE \?= nvidia/cuda:(\d+)\.", (ROOT / "Makefile").read_text(), re.M)
+    m = re.fullmatch(r"nvidia/cuda:(\d+)\..*", makefile_var("CUDA_IMAGE"))
     assert m, "Makefile no longer names the images' base as `CUDA_IMAGE ?= nvidia/cuda:X.Y...`"
     return int(m.group(1))
 

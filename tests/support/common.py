@@ -3,6 +3,7 @@ engine samples."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,13 @@ TINY = ROOT / "data" / "tiny"
 # per process: a multi-threaded CPU reduction may split work differently from one process to the next, and
 # on the tiny model a 1e-7 difference can flip a near-tied expert choice (CI saw two runs differ at step 1).
 REPRODUCIBLE = ["cluster.cpus_per_node=1"]
+
+
+def makefile_var(name: str) -> str:
+    """A variable the Makefile sets (`NAME := v`, `NAME ?= v` or `NAME = v`), as written there."""
+    m = re.search(rf"^{name} [:?]?= *(\S+)$", (ROOT / "Makefile").read_text(), re.M)
+    assert m, f"Makefile sets no {name}"
+    return m.group(1)
 
 
 def assert_same_rows(got: list[dict], expected: list[dict], resumed_after: int) -> None:

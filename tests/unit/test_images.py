@@ -15,6 +15,7 @@ from pathlib import Path
 import yaml
 
 from kimi_pipeline.cluster.kuberay import MANIFEST_DIR, default_image
+from support.common import makefile_var
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKER = ROOT / "infra" / "docker"
@@ -34,12 +35,6 @@ def _builds() -> list[dict]:
     return builds
 
 
-def _make_var(name: str) -> str:
-    m = re.search(rf"^{name} :?= *(\S+)$", (ROOT / "Makefile").read_text(), re.M)
-    assert m, f"Makefile defines no {name}"
-    return m.group(1)
-
-
 def _instructions(dockerfile: str) -> list[tuple[str, str]]:
     """(INSTRUCTION, arguments) of a Dockerfile, continuation lines joined, comments dropped."""
     text = re.sub(r"\\\n\s*", " ", (ROOT / dockerfile).read_text())
@@ -55,7 +50,7 @@ def test_make_images_builds_sglang_then_the_trainer_from_the_makefiles_pins():
     want_sglang = (ROOT / "requirements-sglang.txt").read_text().strip().replace("sglang==", "kimi-sglang:")
     assert sglang["tag"] == want_sglang == trainer["args"]["SGLANG_IMAGE"]
     assert trainer["tag"] == default_image()  # the image every KubeRay manifest names
-    assert trainer["args"]["TORCH_SPEC"] == _make_var("CUDA_TORCH_SPEC") and "+cpu" not in trainer["args"]["TORCH_SPEC"]
+    assert trainer["args"]["TORCH_SPEC"] == makefile_var("CUDA_TORCH_SPEC") and "+cpu" not in trainer["args"]["TORCH_SPEC"]
     assert sglang["args"]["CUDA_IMAGE"] == trainer["args"]["CUDA_IMAGE"]  # SGLang's venv runs unchanged in both
     assert re.fullmatch(r"nvidia/cuda:\d+\.\d+(\.\d+)?-cudnn-devel-ubuntu\d+\.\d+", trainer["args"]["CUDA_IMAGE"])
 
