@@ -3,7 +3,8 @@
 `train` is not cached: its state lives in its checkpoints, and a retry (or a re-run of the flow on
 the same run dir) resumes from the latest one — a killed trainer costs the steps since the last save.
 Each periodic evaluation is its own `eval` task run (visible in the UI, with a table artifact),
-retried on its own without restarting training. Progress is a Prefect progress artifact.
+retried on its own without restarting training. Progress is a Prefect progress artifact; the health rules' verdicts (`rl.health`) a
+markdown artifact, published when a rule stops the run too.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from kimi_pipeline.eval.record import EvalSections, run_eval_step
 from kimi_pipeline.hub.download import model_root
 from kimi_pipeline.recipes import Recipe
 from kimi_pipeline.rl.actor_layout import ActorLayout, layout_markdown
+from kimi_pipeline.rl.health import HealthStop, health_markdown
 from kimi_pipeline.stages import TRAIN
 from tasks.common import RETRY_DELAYS, markdown_artifact, retry_unless_permanent, run_stage_task
 
@@ -74,7 +76,13 @@ def train_task(recipe: Recipe, run_dir: str, cluster: dict[str, Any] | None = No
     def show_layout(layout: ActorLayout) -> None:  # shown before the stage refuses a layout with problems
         markdown_artifact(layout_markdown(layout), "launch-plan", "trainer ranks and engines → nodes/GPUs")
 
-    section = run_stage_task(TRAIN, recipe, run_dir, ray_address=(cluster or {}).get("address"),
-                             evaluate=evaluate, on_step=on_step, on_layout=show_layout)
+    try:
+        section = run_stage_task(TRAIN, recipe, run_dir, ray_address=(cluster or {}).get("address"),
+                                 evaluate=evaluate, on_step=on_step, on_layout=show_layout)
+    except HealthStop as stop:
+        markdown_artifact(health_markdown(stop.section["health"]), "health",
+                          f"stopped by health rule {stop.rule} at step {stop.step}")
+        raise
+    markdown_artifact(health_markdown(section["health"]), "health", "health rules over every step")
     update_progress_artifact(progress_id, progress=100.0)
     return section

@@ -12,9 +12,21 @@ from pathlib import Path
 
 import pytest
 
+import torch
+
 from kimi_pipeline.engine.key import KEY_FILE_VAR, KEY_VAR
 from kimi_pipeline.util.prefect_env import configure_prefect_env
+from kimi_pipeline.util.threads import usable_cpus
 from support.common import TINY
+
+# Several xdist workers share the box: each worker, and every process its tests start (runs, Ray actors, ranks),
+# computes on its share of the cores (`OMP_NUM_THREADS`, which the pipeline honours: util/threads.py:cpu_threads).
+# Two workers at two threads each on 2 cores ran a tiny GRPO step in 18-20 s instead of 4 (OpenMP teams spinning
+# for descheduled peers). One process (TEST_WORKERS=0) keeps every core.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, usable_cpus() // _WORKERS)))
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 _HOME = tempfile.mkdtemp(prefix="kimi-test-prefect-")
 os.environ["PREFECT_HOME"] = _HOME

@@ -34,6 +34,13 @@ def latest_step(ckpt_dir: str | Path) -> int | None:
         raise CheckpointError(f"{tracker}: expected an iteration number, got {text!r}") from exc
 
 
+def saved_steps(ckpt_dir: str | Path) -> list[int]:
+    """The steps of the complete iterations, oldest first (none past the tracker's: a later one is a torn save)."""
+    latest = latest_step(ckpt_dir)
+    return sorted(int(p.name[5:]) for p in Path(ckpt_dir).glob("iter_*")
+                  if p.is_dir() and p.name[5:].isdigit() and (latest is None or int(p.name[5:]) <= latest))
+
+
 def prune_checkpoints(ckpt_dir: str | Path, keep_last: int | None) -> list[Path]:
     """Delete all but the newest `keep_last` complete iterations (never the tracker's); returns what went.
 
@@ -41,8 +48,7 @@ def prune_checkpoints(ckpt_dir: str | Path, keep_last: int | None) -> list[Path]
     if not keep_last:
         return []
     latest = latest_step(ckpt_dir)
-    done = sorted((int(p.name[5:]), p) for p in Path(ckpt_dir).glob("iter_*")
-                  if p.is_dir() and p.name[5:].isdigit() and (latest is None or int(p.name[5:]) <= latest))
+    done = [(step, iteration_dir(ckpt_dir, step)) for step in saved_steps(ckpt_dir)]
     gone = [p for step, p in done[:-keep_last] if step != latest]
     for p in gone:
         shutil.rmtree(p)

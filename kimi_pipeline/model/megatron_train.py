@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException: megatron raises it on every rank
 
+from kimi_pipeline.errors import PermanentError
 from kimi_pipeline.model.checkpoint_dirs import TRACKER, CheckpointError, iteration_dir, latest_step
 from kimi_pipeline.model.checkpoint_manifest import (CheckpointSpaceError, entries, failure_line, is_enospc,
                                                      rank_files, resume_candidates, shared_files, space_problem,
@@ -281,12 +282,53 @@ def forward_backward(
     return list(out or [])
 
 
-def optimizer_step(optimizer, scheduler=None) -> tuple[bool, float | None]:
-    """One megatron optimizer step (grad clip inside); returns (updated, grad_norm)."""
-    ok, grad_norm, _ = optimizer.step()
+class NonFiniteError(PermanentError):
+    """A non-finite gradient norm or weight, found on every rank at the same point (the value is reduced over the
+    ranks first), before the optimizer step or the checkpoint that would take it."""
+
+
+def optimizer_step(optimizer, scheduler=None, *, require_finite: bool = False) -> tuple[bool, float | None]:
+    """One megatron optimizer step with gradient clipping; returns (updated, grad_norm).
+
+    Runs the phases of megatron's own `step()` (megatron/core/optimizer/optimizer.py:593-625 for one optimizer,
+    :1308-1338 chained: prepare the grads, the global grad norm, clip by it, step) so that `require_finite` can
+    stop between the norm and the step: without a grad scaler megatron applies a NaN gradient as it is (its clip
+    factor max/(nan + eps) is not < 1, and `step_with_ready_grads` runs). The norm is megatron's, reduced over
+    the grad-stats group, so every rank holds the same value and raises at the same point: no rank is left in a
+    collective the others skipped. Same arithmetic as `optimizer.step()`: a run's metrics do not change."""
+    # the name megatron's own step() calls, so what model/megatron_compat.py patches there applies here too
+    from megatron.core.optimizer import optimizer as megatron_optimizer
+
+    if optimizer.prepare_grads():  # a grad scaler (fp16) found inf/nan: megatron skips the step itself
+        return False, None
+    grad_norm = float(optimizer.get_grad_norm())
+    if require_finite and not math.isfinite(grad_norm):
+        optimizer.zero_grad()
+        raise NonFiniteError(f"the gradient norm is {grad_norm} (a non-finite loss or an overflow in backward); "
+                             "the optimizer step did not run")
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        params = opt.get_parameters()
+        if params and opt.config.clip_grad > 0.0 and not getattr(opt, "is_stub_optimizer", False):
+            megatron_optimizer.clip_grad_by_total_norm_fp32(
+                params, max_norm=opt.config.clip_grad, total_norm=grad_norm,
+                use_decoupled_grad=opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+    ok = optimizer.step_with_ready_grads()
     if ok and scheduler is not None:
         scheduler.step(increment=1)
-    return bool(ok), None if grad_norm is None else float(grad_norm)
+    return bool(ok), grad_norm
+
+
+def require_finite_params(model_chunks) -> None:
+    """Refuse to go on with NaN/inf weights (a checkpoint must never keep them): one flag all-reduced over the
+    world (a MAX of 0/1, the same single collective on every rank), so all ranks raise together."""
+    model = unwrap(model_chunks)
+    bad = torch.zeros((), device=model_device(model))
+    for p in model.parameters():  # device flags, read back once
+        bad = torch.maximum(bad, (~torch.isfinite(p.detach())).any().to(bad.dtype))
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
+    if bad.item():
+        raise NonFiniteError("the weights hold NaN or inf values: no checkpoint is written from them")
 
 
 def _broadcast_from_last_pp_stage(parts: list[torch.Tensor] | None, shapes: list[tuple[int, ...]],

@@ -22,6 +22,7 @@ from kimi_pipeline.recipes.checks import PipelineSplitError, pipeline_layers
 from kimi_pipeline.recipes.models import ConvertSpec, ModelSpec, ParallelSpec
 from kimi_pipeline.util.net import LOOPBACK
 from kimi_pipeline.util.rendezvous import gloo_on, tcp_store
+from kimi_pipeline.util.threads import cpu_threads
 
 
 class LayoutError(PermanentError):
@@ -132,11 +133,6 @@ class Layout:
         )
 
 
-def _cpu_threads(local_world_size: int) -> int:
-    # One process per core: more intra-op threads than cores makes gloo ranks starve each other.
-    return max(1, (os.cpu_count() or 1) // max(1, local_world_size))
-
-
 def process_group_timeout(default_minutes: int = 30) -> datetime.timedelta:
     """How long a collective may wait: the seeds' `NCCL_TIMEOUT` (seconds; `rl.actor_layout.SEED_CUDA_ENV` sets it for
     every GPU actor) when set, else `default_minutes`. Neither torch nor NCCL reads that variable themselves:
@@ -196,7 +192,7 @@ def init_distributed(
         raise LayoutError(f"layout is for {layout.world_size} ranks but WORLD_SIZE={world}")
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
     if device.type == "cpu":
-        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", _cpu_threads(local_world))))
+        torch.set_num_threads(cpu_threads(local_world))  # one rank per core: more starves gloo ranks
     timeout = process_group_timeout(timeout_minutes)
     with gloo_on(address):  # megatron's gloo groups too: every member is where the rendezvous is
         if not dist.is_initialized():

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 
 class Section(BaseModel):
@@ -387,6 +387,55 @@ class CheckpointSpec(Section):
 
     save_interval: int = Field(20, gt=0, description="rollouts between torch_dist checkpoints")
     keep_last: int | None = Field(None, gt=0, description="delete older iterations after each save (None: keep all)")
+
+
+MismatchMetric = Literal["mismatch_k3", "mismatch_abs_logp_mean", "mismatch_abs_logp_max"]
+
+
+class MismatchRule(Section):
+    """Stop when the engines sample from a policy the trainer does not hold (broken weight sync, a drifting kernel):
+    the step's `metric` above `max` for `steps` consecutive steps."""
+
+    metric: MismatchMetric = Field("mismatch_k3", description="a train/rollout mismatch column of the step's row")
+    max: float = Field(0.05, gt=0, description="bound on the metric; k3 0.05 nats per token is a sampler that "
+                                               "disagrees with the trainer on a sizeable share of tokens (a healthy "
+                                               "run's k3 is orders of magnitude lower: tiny CPU < 1e-6)")
+    steps: int = Field(3, gt=0, description="consecutive steps above the bound before the run stops")
+
+
+class CollapseRule(Section):
+    """Stop on reward collapse: the moving mean of the training reward (over `window` steps) below `fraction` of its
+    best so far for `steps` consecutive steps. The stop names the last checkpoint from before the collapse began."""
+
+    window: int = Field(10, gt=0, description="steps in the moving mean of `reward`")
+    fraction: float = Field(0.5, gt=0, le=1, description="collapse: the moving mean below this share of its best")
+    steps: int = Field(5, gt=0, description="consecutive collapsed steps before the run stops")
+
+
+class TruncationRule(Section):
+    """Warn (never stop) when many responses hit `rollout.max_response_len`: rewards of cut-off answers say
+    little, and a rising share is the first sign of a policy that rambles."""
+
+    max_fraction: float = Field(0.5, ge=0, le=1, description="warn above this `truncated_fraction` of a rollout")
+
+
+class HealthSpec(Section):
+    """Rules a run checks at every step, each with a default and `off` (`health.<rule>: off`). A stop is a
+    permanent error naming the rule, the step, the values and the checkpoint to resume from; each step's row
+    records every rule's verdict (`health_<rule>`: 0 ok, 1 warn, 2 stop). Read by: `rl.loop` (`rl.health`) and the
+    trainer (`nonfinite`, checked before the optimizer step)."""
+
+    nonfinite: Literal["stop", "off"] = Field(
+        "stop", description="a non-finite gradient norm or loss stops the run before the optimizer step (and so "
+                            "before any checkpoint) takes the values")
+    mismatch: MismatchRule | Literal["off"] = Field(default_factory=MismatchRule)
+    collapse: CollapseRule | Literal["off"] = Field(default_factory=CollapseRule)
+    truncation: TruncationRule | Literal["off"] = Field(default_factory=TruncationRule)
+
+    @field_validator("nonfinite", "mismatch", "collapse", "truncation", mode="before")
+    @classmethod
+    def _yaml_off(cls, value: object) -> object:
+        return "off" if value is False else value  # YAML 1.1 reads a bare `off` as false
 
 
 class PathsSpec(Section):

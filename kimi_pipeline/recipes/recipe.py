@@ -12,6 +12,7 @@ from kimi_pipeline.recipes.models import (
     EvalSpec,
     ExportSpec,
     GRPOSpec,
+    HealthSpec,
     HubSpec,
     ModelSpec,
     OptimizerSpec,
@@ -41,6 +42,7 @@ class Recipe(Section):
     quant: QuantSpec = Field(default_factory=QuantSpec)
     export: ExportSpec = Field(default_factory=ExportSpec)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    health: HealthSpec = Field(default_factory=HealthSpec)
     paths: PathsSpec = Field(default_factory=PathsSpec)
 
     # ---- derived numbers (never stored, so they cannot drift from the fields) ----

@@ -11,7 +11,6 @@ checkpoint and ends with the same metrics as an uninterrupted run.
 from __future__ import annotations
 
 import logging
-import os
 import re
 import time
 from collections.abc import Callable
@@ -29,7 +28,8 @@ from kimi_pipeline.engine.client import EngineRequestError, EnginesDown, EngineU
 from kimi_pipeline.engine.key import use_run_key
 from kimi_pipeline.engine.kinds import engine_kind
 from kimi_pipeline.errors import PermanentError
-from kimi_pipeline.model.checkpoint_dirs import iteration_dir, latest_step, prune_checkpoints
+from kimi_pipeline.model.checkpoint_dirs import iteration_dir, latest_step, prune_checkpoints, saved_steps
+from kimi_pipeline.model.megatron_train import NonFiniteError
 from kimi_pipeline.recipes import Recipe
 from kimi_pipeline.recipes.models import ClusterSpec
 from kimi_pipeline.report.metrics import MetricsLog, first_last_mean, open_wandb, read_jsonl
@@ -37,11 +37,13 @@ from kimi_pipeline.report.progress import TrainProgress
 from kimi_pipeline.rl.actor_layout import ActorLayout, check_layout, lay_out_actors
 from kimi_pipeline.rl.evaluator import EvalFn, PeriodicEval
 from kimi_pipeline.rl.handoff import Handoff
+from kimi_pipeline.rl.health import STOP, HealthRules, HealthStop, health_section
 from kimi_pipeline.rl.metrics import plain
 from kimi_pipeline.rl.rollout_data import SavedRollouts
 from kimi_pipeline.rl.rollout_manager import start_rollout_manager, stop_rollout_manager
 from kimi_pipeline.rl.trainer_group import TrainerGroup
 from kimi_pipeline.util.redact import ray_worker_setup
+from kimi_pipeline.util.threads import cpu_threads
 
 log = logging.getLogger(__name__)
 
@@ -79,10 +81,8 @@ class TrainPaths:
 
 
 def _cpu_threads(cluster: ClusterSpec, ranks_per_node: int) -> int:
-    if cluster.device == "cuda":
-        return 1
-    cores = cluster.cpus_per_node or os.cpu_count() or 1
-    return max(1, cores // max(1, ranks_per_node))
+    """Intra-op threads of each actor: on CUDA one (the GPU computes); on CPU the node's cores shared out."""
+    return 1 if cluster.device == "cuda" else cpu_threads(ranks_per_node, cluster.cpus_per_node)
 
 
 def stage_error(e: Exception, engines: dict[str, str] | None = None) -> Exception:
@@ -211,7 +211,7 @@ def run_training(recipe: Recipe, run_dir: Path, *, init_checkpoint: Path, model_
         if rollout_only:
             version = ray.get(rollouts.connect.remote())
             _rollout_only(recipe, LiveRollouts(rollouts, urls, None, handoff, version), metrics_log, end, on_step)
-            return _train_section(paths)
+            return _train_section(paths, recipe)
         handoff.to("train")  # colocated: the engines give their GPUs to the trainer while it builds and loads
         trainers = TrainerGroup(
             recipe, actor_layout, pgs["trainer"], _cpu_threads(recipe.cluster, recipe.cluster.gpus_per_node)
@@ -220,6 +220,8 @@ def run_training(recipe: Recipe, run_dir: Path, *, init_checkpoint: Path, model_
                               HFLayout.of_dir(model_dir))
         start = int(extra.get("step", 0))
         metrics_log.truncate_after(start)  # a fresh start too: an earlier attempt's rows are not this run's
+        health = HealthRules(recipe.health, paths.checkpoints)
+        health.replay(read_jsonl(paths.metrics))  # the rules' streaks and best reward, as an uninterrupted run has them
         if extra:
             if engines:
                 ray.get(rollouts.restore.remote(extra["data"]))
@@ -234,7 +236,12 @@ def run_training(recipe: Recipe, run_dir: Path, *, init_checkpoint: Path, model_
         else:
             source = SavedRollouts(replay, recipe.model, recipe.rollout, recipe.parallel, recipe.data_parallel_size)
             log.info("training on the rollouts saved in %s (no engines)", replay)
-        _loop(recipe, source, trainers, handoff, evaluator, metrics_log, paths, start, end, on_step)
+        _loop(recipe, source, trainers, handoff, evaluator, health, metrics_log, paths, start, end, on_step)
+    except HealthStop as stop:
+        section = _train_section(paths, recipe)
+        section["health"]["stop"] = stop.summary()
+        stop.section = section
+        raise
     except (ray.exceptions.RayError, EngineRequestError) as e:
         head = ray_address or ray.get_runtime_context().gcs_address
         if not gcs_reachable(head):
@@ -257,7 +264,7 @@ def run_training(recipe: Recipe, run_dir: Path, *, init_checkpoint: Path, model_
                 stop_rollout_manager(rollouts)
             remove_placement_groups(pgs)  # a retry in this driver must find the bundles free again
         metrics_log.close()
-    return _train_section(paths)
+    return _train_section(paths, recipe)
 
 
 def _loop(
@@ -266,17 +273,19 @@ def _loop(
     trainers: TrainerGroup,
     handoff: Handoff,
     evaluator: PeriodicEval | None,
+    health: HealthRules,
     metrics_log: MetricsLog,
     paths: TrainPaths,
     start: int,
     end: int,
     on_step: Callable[[dict[str, Any]], None] | None,
 ) -> None:
-    """rollout (split over DP ranks) → train → checkpoint → weight sync → metrics → eval, `start` to `end`.
+    """rollout (split over DP ranks) → train → health → checkpoint → weight sync → metrics → eval, `start` to `end`.
     `source` gives each step's rollout: the engines' (`LiveRollouts`) or saved ones (`SavedRollouts`, no weight
     sync). Colocated, `handoff` moves the GPUs between engines and trainer around each phase (`rl/handoff.py`);
     the checkpoint is written while the trainer holds them, with the step's row so far in its state, so a run
-    stopped before the row is written still logs it."""
+    stopped before the row is written still logs it. The health rules judge each row before its checkpoint: a stop
+    writes the row (its verdicts say which rule) and no checkpoint of the step."""
 
     total = recipe.rollout.num_rollout
     progress = TrainProgress(total, start)
@@ -289,7 +298,20 @@ def _loop(
         shares, row, restarts = source.take(step)  # one object-store reference per DP rank
         handoff.to("train")
         done = step + 1
-        row = {"step": done, **row, "engine_restarts": float(restarts), **plain(trainers.train(shares, step))}
+        row = {"step": done, **row, "engine_restarts": float(restarts)}
+        try:
+            row.update(plain(trainers.train(shares, step)))
+        except ray.exceptions.RayTaskError as e:
+            if not isinstance(_root_cause(e), NonFiniteError):
+                raise
+            stop = health.nonfinite_stop(done, _root_cause(e), saved_steps(paths.checkpoints))
+            metrics_log.log({**row, "health_nonfinite": STOP})
+            raise stop from e
+        verdicts, stop = health.judge(row, saved_steps(paths.checkpoints))
+        row.update(verdicts)
+        if stop is not None:
+            metrics_log.log(row)
+            raise stop
         if done % recipe.checkpoint.save_interval == 0 or done == total:
             row["step_seconds"] = time.perf_counter() - t0  # until the save, should the run stop before the row
             trainers.save(paths.checkpoints, done, {"step": done, "data": source.state(), "row": row})
@@ -425,7 +447,7 @@ def _last_logged_step(paths: TrainPaths) -> int:
     return int(rows[-1]["step"]) if rows else 0
 
 
-def _train_section(paths: TrainPaths) -> dict[str, Any]:
+def _train_section(paths: TrainPaths, recipe: Recipe) -> dict[str, Any]:
     rows = read_jsonl(paths.metrics)
     first, last = first_last_mean(rows, "reward_mean")
     ckpt_step = latest_step(paths.checkpoints)
@@ -438,4 +460,5 @@ def _train_section(paths: TrainPaths) -> dict[str, Any]:
         "checkpoint_step": ckpt_step,
         "metrics": str(paths.metrics),
         "seconds_per_step": sum(r.get("step_seconds", 0) for r in rows) / max(len(rows), 1),
+        "health": health_section(rows, recipe.health),
     }

@@ -33,6 +33,7 @@ from kimi_pipeline.model.megatron_train import (
     lr_scheduler,
     micro_batch_logprobs,
     optimizer_step,
+    require_finite_params,
     resume_step,
     save_checkpoint,
     seq_layout,
@@ -45,6 +46,7 @@ from kimi_pipeline.recipes import Recipe
 from kimi_pipeline.recipes.models import (
     ClusterSpec,
     GRPOSpec,
+    HealthSpec,
     ModelSpec,
     OptimizerSpec,
     ParallelSpec,
@@ -115,23 +117,24 @@ def policy_sections(recipe: Recipe) -> dict[str, Any]:
     tests build ranks from a recipe through this one helper). The hub section stays on the driver: a rank only
     needs where the checkpoint keeps its text config, never the token."""
     return {"spec": recipe.model, "parallel": recipe.parallel, "optimizer": recipe.optimizer, "grpo": recipe.grpo,
-            "quant": recipe.quant, "rollout": recipe.rollout, "cluster": recipe.cluster,
+            "quant": recipe.quant, "rollout": recipe.rollout, "cluster": recipe.cluster, "health": recipe.health,
             "target": SyncTarget.of(recipe), "text_config_key": recipe.hub.text_config_key}
 
 
 class PolicyWorker:
     def __init__(self, *, spec: ModelSpec, parallel: ParallelSpec, optimizer: OptimizerSpec, grpo: GRPOSpec,
-                 quant: QuantSpec, rollout: RolloutSpec, cluster: ClusterSpec, target: SyncTarget,
-                 text_config_key: str | None, rank: int = 0, world_size: int = 1, master_addr: str = "127.0.0.1",
+                 quant: QuantSpec, rollout: RolloutSpec, cluster: ClusterSpec, health: HealthSpec,
+                 target: SyncTarget, text_config_key: str | None, rank: int = 0, world_size: int = 1, master_addr: str = "127.0.0.1",
                  master_port: int | None = None, total_steps: int | None = None, threads: int | None = None,
                  local_gpu: int = 0):
         """The sections it reads (`policy_sections`): `spec` the model it builds, `parallel` its process groups,
         `optimizer` / `grpo` / `quant` the update (QAT included), `rollout` the seed, schedule length, sampling
-        temperature and routing replay, `cluster` its device and ranks per node, `target` the engines its
-        weights go to, `text_config_key` where an HF starting checkpoint keeps its text config.
+        temperature and routing replay, `cluster` its device and ranks per node, `health` whether a non-finite
+        gradient norm or weight stops it (`health.nonfinite`), `target` the engines its weights go to, `text_config_key` where an HF starting checkpoint keeps its text config.
         `local_gpu`: the node-local GPU the actor layout gave this rank (used as such when the actor picks
         its own GPU, colocated; otherwise Ray made exactly that GPU visible, as index 0)."""
         self.spec, self.parallel, self.grpo, self.quant, self.rollout = spec, parallel, grpo, quant, rollout
+        self.require_finite = health.nonfinite == "stop"  # no optimizer step or checkpoint takes NaN/inf
         self.target, self.text_config_key = target, text_config_key
         self.device = resolve_device(cluster.device, actor_gpu_index(local_gpu))
         if world_size > 1 or master_port is not None:
@@ -351,7 +354,7 @@ class PolicyWorker:
                 batches.append(d)
                 j += 1
             outs = self._with_replay(mbs, lambda: forward_backward(self.model, batches, loss_fn, optimizer=self.optimizer))
-            ok, grad_norm = optimizer_step(self.optimizer, self.scheduler)
+            ok, grad_norm = optimizer_step(self.optimizer, self.scheduler, require_finite=self.require_finite)
             updated += int(ok)
             grad_norms.append(float(grad_norm or 0.0))
             reports.extend(outs)
@@ -398,6 +401,8 @@ class PolicyWorker:
     # ------------------------------------------------------------------ checkpoints
     def save(self, ckpt_dir: str, step: int, extra: dict[str, Any]) -> str:
         self._require_awake("a checkpoint save")
+        if self.require_finite:
+            require_finite_params(self.model)
         extra = {**extra, "scheduler": self.scheduler.state_dict()}
         return str(save_checkpoint(ckpt_dir, step, self.model, self.optimizer, extra))
 

@@ -95,7 +95,7 @@ TRAIN = Stage(
     run=run,
     record_name=record_name,
     reads=("model", "hub", "data", "convert", "parallel", "cluster", "rollout", "sglang", "grpo", "eval", "optimizer",
-           "quant", "checkpoint", "paths"),
+           "quant", "checkpoint", "health", "paths"),
     needs=("convert", "cluster"),
     outputs=(),
     report=StageReport(key="train", render=train_report, title="GRPO training summary"),

@@ -672,3 +672,53 @@ def test_a_permanent_error_inside_an_actor_is_not_retried(ray_local):
                "http://10.0.0.2:30001": "rollout engine 1 (EmbeddedEngine actor)"}
     got = str(stage_error(EngineRequestError("http://10.0.0.2:30001/generate: ReadError: connection reset"), engines))
     assert "rollout engine 1 (EmbeddedEngine actor)" in got and "engine 0" not in got, got
+
+
+def test_health_rules_stop_the_real_loop_at_their_step_and_keep_bad_weights_out_of_the_checkpoints(prepared, ray_local,
+                                                                                                      tmp_path):
+    """Issue 43 item 2, faults injected into the real loop. A loss that overflows (entropy bonus 1e38: the loss is
+    -inf, the gradient norm inf) stops step 1 before its optimizer step: no checkpoint at all. A mismatch bound
+    below what any engine meets (|Δ log p| max > 1e-9 for 2 steps) stops step 2 before its checkpoint and names
+    step 1's. Re-run with that rule off, as the stop says, the run resumes from step 1's checkpoint and the collapse
+    rule (window 1, any drop below the best) stops at the first step whose reward falls, naming the checkpoint
+    before it; truncation (warn above 0) only warns. Each stop lands in summary.json's train section."""
+    from kimi_pipeline.model.checkpoint_dirs import saved_steps
+    from kimi_pipeline.rl.health import OK, STOP, WARN, HealthStop
+    from kimi_pipeline.stages import TRAIN, run_stage
+
+    tiny, base = prepared
+    # an eval at step 0 only (the runs stop first); a checkpoint every step
+    quick = ["rollout.num_rollout=8", "eval.interval=8", "checkpoint.save_interval=1"]
+
+    run = _copy_run(base, tmp_path / "overflow")
+    with pytest.raises(HealthStop) as stop:
+        run_stage(TRAIN, train_recipe(tiny, quick + ["grpo.entropy_coef=1e38"]), run)
+    assert stop.value.rule == "nonfinite" and stop.value.step == 1
+    assert re.search(r"gradient norm is (inf|nan)", str(stop.value)), stop.value
+    assert stop.value.resume is None and saved_steps(run / "train" / "checkpoints") == []
+    assert [(r["step"], r["health_nonfinite"]) for r in _rows(run)] == [(1, STOP)]
+    assert read_summary(run)["train"]["health"]["stop"]["rule"] == "nonfinite"
+
+    run = _copy_run(base, tmp_path / "rules")
+    ckpts = run / "train" / "checkpoints"
+    mismatch = "health.mismatch={metric: mismatch_abs_logp_max, max: 1.0e-9, steps: 2}"
+    rules = quick + ["health.truncation={max_fraction: 0.0}", "health.collapse=off"]
+    with pytest.raises(HealthStop) as stop:
+        run_stage(TRAIN, train_recipe(tiny, rules + [mismatch]), run)
+    rows = _rows(run)
+    assert all(r["mismatch_abs_logp_max"] > 1e-9 for r in rows)
+    assert [r["health_mismatch"] for r in rows] == [WARN, STOP] and stop.value.step == 2
+    assert stop.value.resume == ckpts / "iter_0000001" and saved_steps(ckpts) == [1]
+    assert f"resume from {ckpts / 'iter_0000001'}" in str(stop.value) and "health.mismatch=off" in str(stop.value)
+    assert read_summary(run)["train"]["health"]["stop"] == stop.value.summary()
+
+    collapse = ["health.mismatch=off", "health.collapse={window: 1, fraction: 1.0, steps: 1}"]
+    with pytest.raises(HealthStop) as stop:
+        run_stage(TRAIN, train_recipe(tiny, rules[:-1] + collapse), run)
+    rows = _rows(run)
+    rewards = [r["reward_mean"] for r in rows]
+    fell = next(i for i in range(1, len(rewards)) if rewards[i] < max(rewards[:i])) + 1  # the first step that fell
+    assert stop.value.rule == "collapse" and stop.value.step == fell == rows[-1]["step"]
+    assert [r["health_collapse"] for r in rows[1:]] == [OK] * (fell - 2) + [STOP]  # row 1 is the first attempt's
+    assert stop.value.resume == ckpts / f"iter_{fell - 1:07d}" and saved_steps(ckpts) == list(range(1, fell))
+    assert all(r["health_truncation"] == (WARN if r["truncated_fraction"] > 0 else OK) for r in rows[1:])
