@@ -28,7 +28,7 @@ class EngineSettings:
     kind: str  # rollout.engine: the `ENGINE_KINDS` entry
     sglang: SGLangSpec  # SGLang's own server settings (its launch command)
     seed: int  # rollout.seed
-    routing_replay: bool  # rollout.routing_replay: engines return the routed expert ids
+    routing_replay: bool  # rollout.returns_routed_experts: engines return the routed expert ids
     device: str  # cluster.device
     gpus_per_node: int  # cluster.gpus_per_node
     colocate: bool  # cluster.colocate: the engines share the trainers' GPUs (SGLang's memory saver)
@@ -40,7 +40,8 @@ class EngineSettings:
         """`host`: the recipe's host (loopback by default) on one node; the node's own address when the layout spans
         nodes, so trainers and the router on other nodes reach it. Either way with the run's key (`engine.key`)."""
         rollout, cluster = recipe.rollout, recipe.cluster
-        return cls(kind=rollout.engine, sglang=recipe.sglang, seed=rollout.seed, routing_replay=rollout.routing_replay,
+        return cls(kind=rollout.engine, sglang=recipe.sglang, seed=rollout.seed,
+                   routing_replay=rollout.returns_routed_experts,
                    device=cluster.device, gpus_per_node=cluster.gpus_per_node, colocate=cluster.colocate,
                    trust_remote_code=recipe.hub.trust_remote_code,
                    host=recipe.sglang.host if cluster.nodes == 1 else NODE_ADDRESS)

@@ -274,6 +274,11 @@ class RolloutSpec(Section):
         "auto", description="what weight sync sends: the engine's own format (auto: SGLang serves INT4 when the "
         "policy exports to INT4, FP8 for an FP8 hub checkpoint, else bf16; the embedded engine: the trainer's dtype)")
     routing_replay: bool = False
+    routing_agreement: bool = Field(
+        False, description="with routing replay off: the engines return their routed expert ids and each step's row "
+        "gets `routing_agreement`, the fraction of (response token, MoE layer) pairs where the trainer's routers "
+        "pick the engine's experts. The ids cost what routing replay's do (SGLang --enable-return-routed-experts: "
+        "MoE layers x top-k int32 per token, 1.9 KB for K2), so it is off in the large presets")
     save_data: bool = Field(
         False, description="save each rollout (tokens, log-probs, rewards, advantages, routed experts, metrics) under "
         "DIR/train/rollouts, to train on again with `kimi train --replay-rollouts`")
@@ -282,6 +287,11 @@ class RolloutSpec(Section):
         "others, it comes back at the policy's weights after the next sync); one more death fails the stage, "
         "retryably")
     seed: int = 42
+
+    @property
+    def returns_routed_experts(self) -> bool:
+        """The engines return routed expert ids: for routing replay, or to measure routing agreement."""
+        return self.routing_replay or self.routing_agreement
 
     @property
     def samples_per_rollout(self) -> int:

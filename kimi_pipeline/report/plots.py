@@ -78,7 +78,8 @@ def write_plots(run_dir: str | Path) -> dict[str, str]:
         plt, fig, ax = _figure("Training stability")
         for key, color in (("kl", "tab:red"), ("clip_fraction", "tab:orange"), ("entropy", "tab:gray"),
                            ("grad_norm", "tab:brown"), ("mismatch_k3", "tab:cyan"),
-                           ("mismatch_abs_logp_max", "tab:olive")):  # train/inference mismatch (rl/grpo.py)
+                           ("mismatch_abs_logp_max", "tab:olive"),  # train/inference mismatch (rl/grpo.py)
+                           ("routing_agreement", "tab:pink")):  # routing shared with the engine (rl/policy.py)
             xs, ys = _series(train, key)
             if xs:
                 ax.plot(xs, ys, color=color, label=key)

@@ -147,7 +147,8 @@ class PolicyWorker:
         self.layout = Layout.from_parallel(parallel, world_size)
         self.world_size = world_size
         self.rank = init_distributed(self.layout, device=self.device, seed=rollout.seed)
-        overrides = trainer_config_overrides(parallel, rollout.routing_replay, self.device)
+        # the routers' RouterReplay slots serve replay and the agreement metric's recording alike
+        overrides = trainer_config_overrides(parallel, rollout.returns_routed_experts, self.device)
         self.model, self.optimizer = build_trainable(spec, self.layout, optimizer, device=self.device, **overrides)
         total = total_steps or rollout.num_rollout * rollout.num_steps_per_rollout
         self.scheduler = lr_scheduler(self.optimizer, optimizer, total)
@@ -258,13 +259,14 @@ class PolicyWorker:
         first = moe(0, start)
         return slice(first, first + moe(start, start + layers[pp]))
 
-    def _local_tokens(self, mb: MicroBatch) -> torch.Tensor:
-        """The micro-batch's replay ids [b, s, layers, k] → the tokens this rank's routers see, in megatron's
-        order: this rank's part under CP / packing (the forward step's own `seq_layout`), s-major, and under
-        sequence parallelism this TP rank's slice of it."""
+    def _local_tokens(self, mb: MicroBatch, values: torch.Tensor | None = None) -> torch.Tensor:
+        """The micro-batch's replay ids [b, s, layers, k] (or other per-position `values` [b, s, ...]) → the tokens
+        this rank's routers see, in megatron's order: this rank's part under CP / packing (the forward step's own
+        `seq_layout`), s-major, and under sequence parallelism this TP rank's slice of it."""
         from megatron.core import parallel_state as ps
 
-        ids = seq_layout(self.model[0], {"tokens": mb.tokens, "lengths": mb.lengths}).local(mb.routed_experts)
+        values = mb.routed_experts if values is None else values
+        ids = seq_layout(self.model[0], {"tokens": mb.tokens, "lengths": mb.lengths}).local(values)
         ids = ids.transpose(0, 1).reshape(-1, *ids.shape[2:])
         tp = ps.get_tensor_model_parallel_world_size()
         if self.layout.sequence_parallel and tp > 1:
@@ -299,6 +301,44 @@ class PolicyWorker:
             handle.remove()
             RouterReplay.clear_global_indices()
             RouterReplay.clear_global_router_replay_action()
+
+    def _routing_agreement(self, mbs: list[MicroBatch], fn) -> tuple[Any, dict[str, DeviceMetric]]:
+        """Run `fn` (the policy's forward over `mbs`) recording the trainer's own routing and compare it with the
+        engine's: (fn's result, {"routing_agreement": the fraction of (response token, MoE layer) pairs where the
+        trainer's top-k expert set equals the engine's}). Only with routing replay off (replayed routing agrees by
+        construction) and the engines' ids at hand (`rollout.routing_agreement`). Recording is megatron's own
+        RouterReplay RECORD action (moe/router_replay.py `get_replay_topk`: the live top-k, kept per layer until the
+        next forward), read after each micro-batch's forward. Device values, read back with the step's metrics."""
+        if self.rollout.routing_replay or not self.rollout.routing_agreement or any(
+                mb.routed_experts is None for mb in mbs):
+            return fn(), {}
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        routers = [m.router_replay for m in unwrap(self.model).modules() if getattr(m, "router_replay", None)]
+        queue, layers = list(mbs), self._moe_layer_slice()
+        same = torch.zeros((), device=self.device)
+        pairs = torch.zeros((), device=self.device)
+
+        def compare(_module, _args, _output) -> None:
+            nonlocal same, pairs
+            mb = queue.pop(0)
+            mine = torch.stack([r.get_recorded_indices() for r in routers], dim=1).sort(-1).values  # [t, L, k]
+            theirs = self._local_tokens(mb)[:, layers].to(mine.device).sort(-1).values
+            response = self._local_tokens(mb, mb.mask[:, :, None]).reshape(-1).bool()  # positions scored
+            agree = (mine == theirs).all(-1)[response]  # [response tokens, L]
+            same, pairs = same + agree.sum(), pairs + agree.numel()
+
+        for r in routers:
+            r.set_router_replay_action(RouterReplayAction.RECORD)
+        handle = self.model[0].register_forward_hook(compare)
+        try:
+            result = fn()
+        finally:
+            handle.remove()
+            for r in routers:
+                r.clear_indices()
+                r.clear_router_replay_action()
+        return result, {"routing_agreement": DeviceMetric(same / pairs.clamp_min(1))}
 
     def _logprobs(self, model_chunks, mbs: list[MicroBatch]) -> list[torch.Tensor]:
         """Per-token logprobs [b, s] of every micro-batch (no grad, on every rank, 0 outside the response
@@ -335,7 +375,7 @@ class PolicyWorker:
         samples = share.samples
         steps = [[self._collate(samples, mb) for mb in st] for st in share.steps]
         flat = [mb for st in steps for mb in st]
-        old = self._logprobs(self.model, flat)
+        old, agreement = self._routing_agreement(flat, lambda: self._logprobs(self.model, flat))
         ref = self._logprobs([self.ref_model], flat) if self.ref_model is not None else None
         reports: list[dict[str, DeviceMetric]] = []  # read back once, after the last optimizer step (settle)
         grad_norms, updated, tokens, j = [], 0, 0, 0
@@ -359,6 +399,8 @@ class PolicyWorker:
             grad_norms.append(float(grad_norm or 0.0))
             reports.extend(outs)
             tokens += sum(samples[i].num_tokens for mb in mbs for i in mb.index)
+        if agreement:  # every rank: its own MoE layers and tokens (the trainer group means over ranks)
+            reports.append(agreement)
         metrics: dict[str, float] = reduce_metrics(settle(reports))  # loss metrics: last pipeline stage only
         seconds = time.perf_counter() - t0
         metrics.update(grad_norm=sum(grad_norms) / max(len(grad_norms), 1), optimizer_steps=float(updated),

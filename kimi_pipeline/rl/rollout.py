@@ -29,7 +29,7 @@ def generate_groups(client, tokenizer, reward, prompts: list[Prompt], rollout: R
                             max_new_tokens=rollout.max_response_len, seed=seed)
     n = rollout.n_samples_per_prompt
     completions = client.generate([p.ids for p in prompts], n=n, params=params,
-                                  return_routed_experts=rollout.routing_replay)
+                                  return_routed_experts=rollout.returns_routed_experts)
     texts = decode_responses(tokenizer, [c.output_ids for c in completions])
     rewards = reward.score(texts, [p.label for p in prompts for _ in range(n)])
     groups: list[list[Sample]] = []

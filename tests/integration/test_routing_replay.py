@@ -34,3 +34,34 @@ def test_replayed_routing_reproduces_engine_logprobs_and_drives_the_routers(work
     assert d["replayed"] < 1e-3, d  # the engine's own ids: the engine's logprobs
     assert d["moved"] > 1e-2, d  # other ids: replay drives the routers
     assert d["live"] < 1e-3, d  # no ids: the live router decides again
+
+def test_routing_agreement_is_the_share_of_response_routing_the_trainer_shares_with_the_engine(worker, recipe):
+    """Issue 43 item 1: with replay off (`rollout.routing_agreement`), the trainer records its own top-k in the
+    old-logprob forward (megatron's RouterReplay RECORD action) and counts the (response token, MoE layer) pairs
+    whose expert set is the engine's: all of them for the engine's own ids (same fp32 weights), none for ids
+    shifted by 5 (no 4-of-16 set is its own shift). Off, or with replay on, nothing is measured."""
+    import numpy as np
+
+    from kimi_pipeline.rl.batching import split_micro_batches
+    from kimi_pipeline.rl.samples import collate
+
+    samples = engine_samples(recipe)
+
+    def measured() -> dict:
+        split = split_micro_batches([s.num_tokens for s in samples], worker.parallel.max_tokens_per_gpu, 1)
+        mbs = [collate([samples[i] for i in mb], mb, pad_id=0).to(worker.device) for mb in split.ranks[0] if mb]
+        _, metrics = worker._routing_agreement(mbs, lambda: worker._logprobs(worker.model, mbs))
+        return {k: float(v.value) for k, v in metrics.items()}
+
+    assert measured() == {}  # replay on: replayed routing agrees by construction
+    worker.rollout.routing_replay, worker.rollout.routing_agreement = False, True
+    try:
+        own = measured()["routing_agreement"]
+        for s in samples:
+            s.routed_experts = ((s.routed_experts.astype(np.int64) + 5) % worker.spec.num_experts).astype(np.int16)
+        shifted = measured()["routing_agreement"]
+        worker.rollout.routing_agreement = False
+        assert measured() == {}
+    finally:
+        worker.rollout.routing_replay, worker.rollout.routing_agreement = True, False
+    assert own == 1.0 and shifted == 0.0, (own, shifted)

@@ -177,6 +177,8 @@ def test_train_records_metrics_checkpoints_and_evals(trained):
         assert abs(r["tis_min"] - 1) < 1e-3 and abs(r["tis_max"] - 1) < 1e-3, r
         # the same agreement as the train/inference mismatch every row records (rl/grpo.py: mismatch_metrics)
         assert r["mismatch_abs_logp_mean"] <= r["mismatch_abs_logp_max"] < 1e-3 and 0 <= r["mismatch_k3"] < 1e-6, r
+        # and the trainer's routers pick the engine's experts (the tiny recipe measures it: rollout.routing_agreement)
+        assert r["routing_agreement"] >= 0.99, r
         assert r["handoff_seconds"] > 0, r
     summary = RunSummary(run).read()
     assert summary["stages"]["train"]["status"] == "completed"
