@@ -21,6 +21,15 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
+def _bullets(key: str, value: Any, depth: int = 0) -> list[str]:
+    """A section's entry as a bullet; a mapping (an export's served eval, the health rules) as nested bullets
+    rather than one line of JSON cut at 120 characters, two levels deep at most."""
+    pad = "  " * depth
+    if isinstance(value, dict) and value and depth < 2:
+        return [f"{pad}- **{key}**:"] + [line for k, v in value.items() for line in _bullets(k, v, depth + 1)]
+    return [f"{pad}- **{key}**: {_fmt(value)}"]
+
+
 def _headline(summary: dict[str, Any]) -> list[str]:
     """The three lines a person wants first: did it learn, how does it evaluate, where is the model."""
     out = []
@@ -37,6 +46,14 @@ def _headline(summary: dict[str, Any]) -> list[str]:
     if export.get("path"):
         out.append(f"- **export**: `{export['path']}` ({_fmt(export.get('int4_bytes'))} B INT4 vs "
                    f"{_fmt(export.get('bf16_bytes'))} B bf16, dequant exact: {export.get('dequant_exact')})")
+    served = export.get("eval") or {}
+    if "avg_at_n" in served:
+        out.append(f"- **export served**: avg@n {served['avg_at_n']:.3f} vs {_fmt(served.get('training_avg_at_n'))} "
+                   f"in training (drop {_fmt(served.get('drop'))}); published: {export.get('published')}")
+    stop = (train.get("health") or {}).get("stop")
+    if stop:
+        out.append(f"- **health**: rule `{stop['rule']}` stopped training at step {stop['step']}; resume from "
+                   f"`{stop['resume'] or 'the initial checkpoint'}`")
     return out
 
 
@@ -68,7 +85,7 @@ def render_summary(summary: dict[str, Any], plots: dict[str, str] | None = None,
         for k, v in payload.items():
             if k == "examples":
                 continue
-            lines.append(f"- **{k}**: {_fmt(v)}")
+            lines += _bullets(k, v)
     return "\n".join(lines) + "\n"
 
 
