@@ -4,6 +4,7 @@ tests/support/ (`pythonpath = ["tests"]` in pyproject.toml); unit/ and integrati
 from __future__ import annotations
 
 import os
+import random
 import secrets
 import shutil
 import sys
@@ -103,9 +104,33 @@ HEAVIEST_FIRST = (
 )
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--test-order", default="default", metavar="ORDER",
+                     help="default | reversed (files in reverse, each file's tests in reverse) | shuffle:SEED (files "
+                          "and the tests in each shuffled): proves no test depends on another having run first")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Under pytest-xdist (`make test`: two workers), heaviest files first (HEAVIEST_FIRST); a stable sort, so each
-    file's tests stay together and in order. One process (`TEST_WORKERS=0`) keeps pytest's order."""
+    file's tests stay together and in order. One process (`TEST_WORKERS=0`) keeps pytest's order. `--test-order`
+    reverses or shuffles files and the tests within each (a file's tests stay together: xdist hands out files)."""
+    order = config.getoption("--test-order")
+    if order != "default":
+        files: dict[Path, list[pytest.Item]] = {}
+        for item in items:
+            files.setdefault(item.path, []).append(item)
+        groups = list(files.values())
+        if order == "reversed":
+            groups = [g[::-1] for g in groups[::-1]]
+        elif order.startswith("shuffle:"):
+            rng = random.Random(order.split(":", 1)[1])
+            rng.shuffle(groups)
+            for g in groups:
+                rng.shuffle(g)
+        else:
+            raise pytest.UsageError(f"--test-order {order!r}: use default, reversed or shuffle:SEED")
+        items[:] = [item for g in groups for item in g]
+        return
     if not hasattr(config, "workerinput"):  # not an xdist worker
         return
     rank = {name: i for i, name in enumerate(HEAVIEST_FIRST)}

@@ -345,11 +345,11 @@ def scenario_grpo_dp(out_dir: Path, args: dict) -> dict:
                                   recipe.data_parallel_size)
     real_step, steps = policy.optimizer_step, []  # patched where the trainer looks it up
 
-    def step_after_export(optimizer, scheduler=None):  # the real step, after recording the gradients it applies
+    def step_after_export(optimizer, scheduler=None, **kw):  # the real step, after recording the gradients it applies
         _gather_dp_grads(worker.model)
         _export_grads(worker.model, recipe.model, worker.layout, out_dir / f"grads{len(steps)}.safetensors")
         steps.append(len(steps))
-        return real_step(optimizer, scheduler)
+        return real_step(optimizer, scheduler, **kw)
 
     policy.optimizer_step = step_after_export
     try:
