@@ -3,8 +3,8 @@
 `train` is not cached: its state lives in its checkpoints, and a retry (or a re-run of the flow on
 the same run dir) resumes from the latest one — a killed trainer costs the steps since the last save.
 Each periodic evaluation is its own `eval` task run (visible in the UI, with a table artifact),
-retried on its own without restarting training. Progress is a Prefect progress artifact; the health rules' verdicts (`rl.health`) a
-markdown artifact, published when a rule stops the run too.
+retried on its own without restarting training. Progress is a Prefect progress artifact; the health rules'
+verdicts (`rl.health`) a markdown artifact, published when a rule stops the run too.
 """
 
 from __future__ import annotations

@@ -168,7 +168,9 @@ def health_markdown(section: dict[str, Any]) -> str:
     for rule, r in section.items():
         if rule == "stop":
             continue
-        setting = r["setting"] if isinstance(r["setting"], str) else ", ".join(f"{k}={v}" for k, v in r["setting"].items())
+        setting = r["setting"]
+        if not isinstance(setting, str):
+            setting = ", ".join(f"{k}={v}" for k, v in setting.items())
         warns = r["warn_steps"]
         shown = ", ".join(map(str, warns[:20])) + (f" … ({len(warns)})" if len(warns) > 20 else "") or "—"
         lines.append(f"| {rule} | {setting} | {shown} | {r['stop_step'] if r['stop_step'] is not None else '—'} |")

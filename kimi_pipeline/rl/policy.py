@@ -124,13 +124,14 @@ def policy_sections(recipe: Recipe) -> dict[str, Any]:
 class PolicyWorker:
     def __init__(self, *, spec: ModelSpec, parallel: ParallelSpec, optimizer: OptimizerSpec, grpo: GRPOSpec,
                  quant: QuantSpec, rollout: RolloutSpec, cluster: ClusterSpec, health: HealthSpec,
-                 target: SyncTarget, text_config_key: str | None, rank: int = 0, world_size: int = 1, master_addr: str = "127.0.0.1",
-                 master_port: int | None = None, total_steps: int | None = None, threads: int | None = None,
-                 local_gpu: int = 0):
+                 target: SyncTarget, text_config_key: str | None, rank: int = 0, world_size: int = 1,
+                 master_addr: str = "127.0.0.1", master_port: int | None = None, total_steps: int | None = None,
+                 threads: int | None = None, local_gpu: int = 0):
         """The sections it reads (`policy_sections`): `spec` the model it builds, `parallel` its process groups,
         `optimizer` / `grpo` / `quant` the update (QAT included), `rollout` the seed, schedule length, sampling
         temperature and routing replay, `cluster` its device and ranks per node, `health` whether a non-finite
-        gradient norm or weight stops it (`health.nonfinite`), `target` the engines its weights go to, `text_config_key` where an HF starting checkpoint keeps its text config.
+        gradient norm or weight stops it (`health.nonfinite`), `target` the engines its weights go to,
+        `text_config_key` where an HF starting checkpoint keeps its text config.
         `local_gpu`: the node-local GPU the actor layout gave this rank (used as such when the actor picks
         its own GPU, colocated; otherwise Ray made exactly that GPU visible, as index 0)."""
         self.spec, self.parallel, self.grpo, self.quant, self.rollout = spec, parallel, grpo, quant, rollout
@@ -315,6 +316,8 @@ class PolicyWorker:
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
         routers = [m.router_replay for m in unwrap(self.model).modules() if getattr(m, "router_replay", None)]
+        if not routers:  # a pipeline stage of dense layers only
+            return fn(), {}
         queue, layers = list(mbs), self._moe_layer_slice()
         same = torch.zeros((), device=self.device)
         pairs = torch.zeros((), device=self.device)
