@@ -348,9 +348,11 @@ class BatchScheduler:
             out = self.engine.generate(prompts, 1, reqs[0].params, reqs[0].experts, step_hook=self._step_hook,
                                        seeds=seeds)
         except Exception as exc:  # surfaced to every waiting HTTP request
+            self._finish(reqs)
             for r in reqs:
                 r.future.set_exception(exc)
             return
+        self._finish(reqs)
         start = 0
         for r in reqs:
             count = len(r.prompts) * r.n
@@ -361,6 +363,13 @@ class BatchScheduler:
                     c.finish_reason = FINISH_ABORT
             r.future.set_result(mine)
 
+
+    def _finish(self, reqs: list[_Request]) -> None:
+        """The requests leave the running batch before their answers go out, as in SGLang (the scheduler drops a
+        finished request from its batch in the step that sends its output): a client that got every answer and
+        then releases memory finds the engine idle, never "should be called only when server is idle"."""
+        with self._cond:
+            self._running = [r for r in self._running if all(r is not done for done in reqs)]
 
     def _row_seeds(self, r: _Request) -> list[int]:
         """Request r's row seeds: as sent, the params' seed spread over its rows, or drawn for unseeded rows."""

@@ -286,22 +286,33 @@ class PolicyWorker:
                 "rollout.routing_replay is on but the rollout's samples carry no routed expert ids: the engine must "
                 "return them (SGLang: --enable-return-routed-experts; requests ask with return_routed_experts); "
                 "fix the engine launch or set rollout.routing_replay=false")
-        from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
-        queue, layers = list(mbs), self._moe_layer_slice()
+        routers, queue, layers = self._routers(), list(mbs), self._moe_layer_slice()
 
         def install(_module, _args):
             ids = self._local_tokens(queue.pop(0))[:, layers]
-            RouterReplay.set_replay_data([ids[:, i].contiguous() for i in range(ids.shape[1])])
-            RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+            if ids.shape[1] != len(routers):
+                raise PermanentError(f"routing replay: {ids.shape[1]} MoE layers of expert ids for this pipeline "
+                                     f"stage's {len(routers)} routers (the rollout's model is not this model)")
+            for i, router in enumerate(routers):  # megatron's set_replay_data, on this model's routers only
+                router.set_target_indices(ids[:, i].contiguous())
+                router.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
 
         handle = self.model[0].register_forward_pre_hook(install)
         try:
             return fn()
         finally:
             handle.remove()
-            RouterReplay.clear_global_indices()
-            RouterReplay.clear_global_router_replay_action()
+            for router in routers:
+                router.clear_indices()
+                router.clear_router_replay_action()
+
+    def _routers(self) -> list:
+        """This model's RouterReplay slots, in layer order. Megatron keeps every slot of the process in one global
+        list (`RouterReplay.global_router_replay_instances`) whose setters require one tensor per slot of every
+        model built here, so replay and recording address this model's slots themselves."""
+        return [m.router_replay for m in unwrap(self.model).modules() if getattr(m, "router_replay", None) is not None]
 
     def _routing_agreement(self, mbs: list[MicroBatch], fn) -> tuple[Any, dict[str, DeviceMetric]]:
         """Run `fn` (the policy's forward over `mbs`) recording the trainer's own routing and compare it with the
@@ -315,7 +326,7 @@ class PolicyWorker:
             return fn(), {}
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
-        routers = [m.router_replay for m in unwrap(self.model).modules() if getattr(m, "router_replay", None)]
+        routers = self._routers()
         if not routers:  # a pipeline stage of dense layers only
             return fn(), {}
         queue, layers = list(mbs), self._moe_layer_slice()
@@ -462,4 +473,16 @@ class PolicyWorker:
 
     def close(self) -> None:
         self.release()
+        self._drop_router_slots()
         destroy()
+
+    def _drop_router_slots(self) -> None:
+        """Take this worker's RouterReplay slots (policy and reference model) out of megatron's process-wide list:
+        a process that builds workers one after another (tests, `kimi eval`) would otherwise keep every one."""
+        from megatron.core.transformer.moe.router_replay import RouterReplay
+
+        models = [unwrap(self.model)] + ([unwrap(self.ref_model)] if self.ref_model is not None else [])
+        mine = {id(m.router_replay) for model in models for m in model.modules()
+                if getattr(m, "router_replay", None) is not None}
+        RouterReplay.global_router_replay_instances[:] = [
+            r for r in RouterReplay.global_router_replay_instances if id(r) not in mine]
