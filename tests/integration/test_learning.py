@@ -6,7 +6,7 @@ up by ≥ 0.25 (mean of the last 10 % of rollouts minus the first 10 %) and the 
 disjoint from train by problem) up by ≥ 0.12 avg@n from step 0 — bars set with margin below the gains measured
 under three CPU numerics paths (support/learning.py) — and the INT4 export, served from disk, scoring within
 `export.max_eval_drop` of the last training eval. Runs the full recipe, not a shortened one: about 6 minutes
-on 2 cores alone, about 25 beside the other test worker.
+on 2 cores alone, about 11 beside the other test worker (each on its share of the cores).
 """
 
 from __future__ import annotations

@@ -25,8 +25,8 @@ def run_tiny(tmp_path: Path, overrides: list[str] | None = None) -> tuple[str, P
     run_dir = tmp_path / "run"
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "COLUMNS": "200"}
     cmd = [*kimi_command(), "run", "--run-dir", str(run_dir)] + [a for o in overrides or [] for a in ("--set", o)]
-    # 6.5 min alone on 2 cores; 24.5 min beside the other xdist worker's heaviest files (2026-11-27, Intel Xeon):
-    # the limit bounds a hung run, not a slow one
+    # 6.5 min alone on 2 cores; 10.5-11 min beside the other xdist worker's heaviest files, one core's threads each
+    # (24.5 min at two threads each) (2026-11-27, Intel Xeon): the limit bounds a hung run, not a slow one
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=2400)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
