@@ -1,7 +1,7 @@
 """Health rules a run checks at every step (the recipe's `health` section), so a long run stops itself on the
 failures that otherwise burn a week: train/rollout mismatch that stays high, reward collapse, non-finite values.
 
-The driver feeds each step's row to `HealthRules.check` after the trainer has stepped and before the step's
+The driver feeds each step's row to `HealthRules.judge` after the trainer has stepped and before the step's
 checkpoint is written, so a stop keeps the checkpoint directory free of the step that broke a rule. Non-finite
 gradients are caught earlier, in the trainer between the gradient norm and the optimizer step
 (`model.megatron_train.optimizer_step`), and reach the driver as `NonFiniteError`; non-finite weights are refused
@@ -38,18 +38,28 @@ class HealthStop(SectionError):
     driver attaches the train section (`section`), so summary.json records the stop beside the steps done."""
 
     def __init__(self, rule: str, step: int, values: dict[str, float], resume: Path | None, why: str):
-        self.rule, self.step, self.values, self.resume = rule, step, values, resume
+        self.rule, self.step, self.values, self.resume, self.why = rule, step, values, resume, why
         shown = ", ".join(f"{k}={_fmt(v)}" for k, v in values.items())
+        shown = f" ({shown})" if shown else ""
         where = (f"resume from {resume} (the newest checkpoint before it: set {resume.parent / TRACKER} to "
                  f"{int(resume.name[5:])} and move later iter_* directories aside)" if resume is not None
                  else "no checkpoint precedes it: the run restarts from its initial checkpoint")
-        super().__init__(f"health rule `{rule}` stopped training at step {step}: {why} ({shown}); {where}. "
+        super().__init__(f"health rule `{rule}` stopped training at step {step}: {why}{shown}; {where}. "
                          f"Turn the rule off with `--set health.{rule}=off`")
+
+    def __reduce__(self):  # pickles (Prefect, Ray) with its own arguments and the section the driver attached
+        return _rebuild_stop, ((self.rule, self.step, self.values, self.resume, self.why), self.section)
 
     def summary(self) -> dict[str, Any]:
         """summary.json's `train.health.stop`."""
         return {"rule": self.rule, "step": self.step, "values": self.values,
                 "resume": None if self.resume is None else str(self.resume)}
+
+
+def _rebuild_stop(args: tuple, section: dict[str, Any]) -> HealthStop:
+    stop = HealthStop(*args)
+    stop.section = section
+    return stop
 
 
 def _fmt(v: float) -> str:

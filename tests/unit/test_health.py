@@ -4,6 +4,7 @@ checkpoint from before the trouble, stays quiet when `off`, and judges a resumed
 from __future__ import annotations
 
 import math
+import pickle
 from pathlib import Path
 
 import pytest
@@ -36,6 +37,9 @@ def test_mismatch_stops_after_k_consecutive_steps_above_the_bound_and_a_dip_rese
     assert isinstance(stop, HealthStop) and stop.rule == "mismatch" and stop.step == 6
     assert stop.values["mismatch_k3"] == 0.02 and stop.resume == Path("/ck/iter_0000004")
     assert "step 6" in str(stop) and "iter_0000004" in str(stop) and "health.mismatch=off" in str(stop)
+    stop.section = {"steps": 6}
+    again = pickle.loads(pickle.dumps(stop))  # Prefect and Ray pickle exceptions
+    assert str(again) == str(stop) and again.summary() == stop.summary() and again.section == {"steps": 6}
 
 
 def test_collapse_stops_and_names_the_checkpoint_from_before_the_collapse_began():
