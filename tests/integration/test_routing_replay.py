@@ -65,3 +65,24 @@ def test_routing_agreement_is_the_share_of_response_routing_the_trainer_shares_w
     finally:
         worker.rollout.routing_replay, worker.rollout.routing_agreement = True, False
     assert own == 1.0 and shifted == 0.0, (own, shifted)
+
+
+def test_a_worker_never_saves_non_finite_weights(worker, tmp_path):
+    """Issue 43 item 2: with `health.nonfinite` on (the default) a checkpoint save refuses NaN/inf weights on every
+    rank (one flag all-reduced) and writes nothing; the weight is put back after."""
+    import torch
+
+    from kimi_pipeline.model.megatron_model import unwrap
+    from kimi_pipeline.model.megatron_train import NonFiniteError
+
+    param = next(unwrap(worker.model).parameters())
+    kept = param.detach().clone()
+    with torch.no_grad():
+        param.view(-1)[0] = float("nan")
+    try:
+        with pytest.raises(NonFiniteError, match="NaN or inf"):
+            worker.save(str(tmp_path / "checkpoints"), 1, {"step": 1})
+    finally:
+        with torch.no_grad():
+            param.copy_(kept)
+    assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())
