@@ -15,12 +15,12 @@ from __future__ import annotations
 import logging
 import math
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 from kimi_pipeline.errors import SectionError
-from kimi_pipeline.model.checkpoint_dirs import TRACKER, iteration_dir
+from kimi_pipeline.model.checkpoint_dirs import TRACKER, iteration_dir, saved_steps
 from kimi_pipeline.recipes.models import HealthSpec
 
 log = logging.getLogger(__name__)
@@ -67,11 +67,13 @@ def _fmt(v: float) -> str:
 
 
 class HealthRules:
-    """The rules of one run. `judge(row, saved)` gives the row's verdict columns and the stop, if a rule stops;
-    `saved` is the list of checkpoint steps written so far (to name the one to resume from)."""
+    """The rules of one run. `judge(row)` gives the row's verdict columns and the stop, if a rule stops. `saved`
+    lists the checkpoint steps written so far, read only when a stop names the one to resume from (not on every
+    step: a directory listing of shared storage)."""
 
-    def __init__(self, spec: HealthSpec, checkpoints: Path):
+    def __init__(self, spec: HealthSpec, checkpoints: Path, saved: Callable[[], list[int]] | None = None):
         self.spec, self.checkpoints = spec, checkpoints
+        self.saved = saved or (lambda: saved_steps(checkpoints))
         self.mismatch_streak = 0
         window = spec.collapse.window if spec.collapse != "off" else 1
         self.rewards: deque[float] = deque(maxlen=window)
@@ -84,14 +86,14 @@ class HealthRules:
         for row in rows:
             self._observe(row)
 
-    def judge(self, row: dict[str, Any], saved: list[int]) -> tuple[dict[str, float], HealthStop | None]:
+    def judge(self, row: dict[str, Any]) -> tuple[dict[str, float], HealthStop | None]:
         verdicts = self._observe(row)
-        return verdicts, self._stop(int(row["step"]), row, verdicts, saved)
+        return verdicts, self._stop(int(row["step"]), row, verdicts)
 
-    def _stop(self, step: int, row: dict[str, Any], verdicts: dict[str, float], saved: list[int]) -> HealthStop | None:
+    def _stop(self, step: int, row: dict[str, Any], verdicts: dict[str, float]) -> HealthStop | None:
         if verdicts["health_nonfinite"] == STOP:
             bad = {k: float(row[k]) for k in TRAINER_VALUES if k in row and not math.isfinite(float(row[k]))}
-            return HealthStop("nonfinite", step, bad, self._before(step, saved),
+            return HealthStop("nonfinite", step, bad, self._before(step),
                               "the trainer reported non-finite values")
         if verdicts["health_truncation"] == WARN:
             log.warning("step %d: %.0f %% of responses hit rollout.max_response_len (health.truncation warns above "
@@ -100,7 +102,7 @@ class HealthRules:
             rule = self.spec.mismatch
             return HealthStop("mismatch", step, {rule.metric: float(row[rule.metric]), "max": rule.max,
                                                 "steps": float(rule.steps)},
-                             self._before(step, saved),
+                             self._before(step),
                              f"the engines' log-probs of their own samples differ from the trainer's by more than "
                              f"the bound for {rule.steps} consecutive steps (stale or broken weight sync, or an "
                              f"engine whose kernels disagree with the trainer's)")
@@ -109,14 +111,14 @@ class HealthRules:
             assert self.collapse_start is not None
             return HealthStop("collapse", step, {"reward_moving_mean": self._moving_mean(), "best": self.best,
                                                 "fraction": rule.fraction, "since_step": float(self.collapse_start)},
-                             self._before(self.collapse_start, saved),
+                             self._before(self.collapse_start),
                              f"the reward's {rule.window}-step moving mean stayed below {rule.fraction:g} of its "
                              f"best for {rule.steps} steps")
         return None
 
-    def nonfinite_stop(self, step: int, error: BaseException, saved: list[int]) -> HealthStop:
+    def nonfinite_stop(self, step: int, error: BaseException) -> HealthStop:
         """The stop for a `NonFiniteError` the trainer raised at `step` (before its optimizer step)."""
-        return HealthStop("nonfinite", step, {}, self._before(step, saved), str(error))
+        return HealthStop("nonfinite", step, {}, self._before(step), str(error))
 
     # ------------------------------------------------------------------ the rules' memory
 
@@ -154,9 +156,9 @@ class HealthRules:
     def _moving_mean(self) -> float:
         return sum(self.rewards) / len(self.rewards)
 
-    def _before(self, step: int, saved: list[int]) -> Path | None:
+    def _before(self, step: int) -> Path | None:
         """The newest checkpoint written before `step` (its weights never saw the step's update)."""
-        earlier = [s for s in saved if s < step]
+        earlier = [s for s in self.saved() if s < step]
         return iteration_dir(self.checkpoints, max(earlier)) if earlier else None
 
 

@@ -28,7 +28,7 @@ from kimi_pipeline.engine.client import EngineRequestError, EnginesDown, EngineU
 from kimi_pipeline.engine.key import use_run_key
 from kimi_pipeline.engine.kinds import engine_kind
 from kimi_pipeline.errors import PermanentError
-from kimi_pipeline.model.checkpoint_dirs import iteration_dir, latest_step, prune_checkpoints, saved_steps
+from kimi_pipeline.model.checkpoint_dirs import iteration_dir, latest_step, prune_checkpoints
 from kimi_pipeline.model.megatron_train import NonFiniteError
 from kimi_pipeline.recipes import Recipe
 from kimi_pipeline.recipes.models import ClusterSpec
@@ -304,10 +304,10 @@ def _loop(
         except ray.exceptions.RayTaskError as e:
             if not isinstance(_root_cause(e), NonFiniteError):
                 raise
-            stop = health.nonfinite_stop(done, _root_cause(e), saved_steps(paths.checkpoints))
+            stop = health.nonfinite_stop(done, _root_cause(e))
             metrics_log.log({**row, "health_nonfinite": STOP})
             raise stop from e
-        verdicts, stop = health.judge(row, saved_steps(paths.checkpoints))
+        verdicts, stop = health.judge(row)
         row.update(verdicts)
         if stop is not None:
             metrics_log.log(row)

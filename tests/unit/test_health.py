@@ -20,9 +20,9 @@ def _rows(rewards, **extra):
 
 def _run(spec: HealthSpec, rows, saved=(), ckpt=Path("/ck")):
     """Judge `rows` in order; (verdict rows, the stop or None)."""
-    rules, out = HealthRules(spec, ckpt), []
+    rules, out = HealthRules(spec, ckpt, saved=lambda: list(saved)), []
     for row in rows:
-        verdicts, stop = rules.judge(row, list(saved))
+        verdicts, stop = rules.judge(row)
         out.append(verdicts)
         if stop is not None:
             return out, stop
@@ -78,9 +78,9 @@ def test_a_resumed_run_judges_as_the_uninterrupted_one():
     spec = HealthSpec(collapse={"window": 2, "fraction": 0.5, "steps": 3})
     rows = _rows([0.4, 0.6, 0.8, 0.8, 0.1, 0.1, 0.1, 0.1])
     whole, stop = _run(spec, rows)
-    resumed = HealthRules(spec, Path("/ck"))
+    resumed = HealthRules(spec, Path("/ck"), saved=list)
     resumed.replay(rows[:6])  # the rows kept up to the checkpoint at step 6
-    tail = [resumed.judge(r, [])[0] for r in rows[6:]]
+    tail = [resumed.judge(r)[0] for r in rows[6:]]
     assert tail == whole[6:] and stop is not None
 
 
