@@ -334,9 +334,7 @@ class BatchScheduler:
             for r in batch:  # seeds are per row: seeded requests batch together and still repeat exactly
                 groups.setdefault((r.params.batch_key(), r.experts), []).append(r)
             for reqs in groups.values():
-                self._run_group(reqs)
-            with self._cond:
-                self._running = []
+                self._run_group(reqs)  # each group leaves the running batch before its answers go out (_finish)
 
     def _run_group(self, reqs: list[_Request]) -> None:
         prompts = [p for r in reqs for p in r.prompts for _ in range(r.n)]
