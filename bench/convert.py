@@ -32,11 +32,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kimi_pipeline.convert.torch_dist import ConvertSections, run_convert  # noqa: E402
-from kimi_pipeline.model.hf_config import hf_config_dict  # noqa: E402
+from kimi_pipeline.hf.config import hf_config_dict  # noqa: E402
 from kimi_pipeline.recipes import load_recipe  # noqa: E402
 from kimi_pipeline.recipes.models import ModelSpec  # noqa: E402
 from kimi_pipeline.util.files import atomic_write_json  # noqa: E402
+from kimi_pipeline.weightjobs.convert import ConvertSections, run_convert  # noqa: E402
 
 SHARD_BYTES = 256 * 2**20
 
@@ -55,7 +55,7 @@ def hf_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     """On-disk tensor names and shapes, from transformers' own DeepSeek-V3 module tree (built on meta)."""
     from transformers import DeepseekV3ForCausalLM
 
-    from kimi_pipeline.convert.names import unfuse_hf_experts
+    from kimi_pipeline.hf.names import unfuse_hf_experts
     from kimi_pipeline.model.hf_model import deepseek_config
 
     with torch.device("meta"):

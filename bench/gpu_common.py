@@ -71,7 +71,7 @@ def hf_model(spec, device, *, seed: int = 0, attn: str = "sdpa", experts: str = 
     import torch
     from transformers import DeepseekV3ForCausalLM
 
-    from kimi_pipeline.model.hf_config import hf_config_dict
+    from kimi_pipeline.hf.config import hf_config_dict
     from kimi_pipeline.model.hf_model import deepseek_config
 
     cfg = deepseek_config({**hf_config_dict(spec), "attn_implementation": attn, "experts_implementation": experts})

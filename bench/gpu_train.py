@@ -4,7 +4,7 @@
                                         [--profile DIR]
 
 For each size (bench/gpu_common.py: Kimi-K2's shape at ~0.5 B and ~2.5 B parameters) both sides train the same
-weights (a seeded random transformers model; megatron loads its tensors through convert/names.py, then its
+weights (a seeded random transformers model; megatron loads its tensors through hf/names.py, then its
 optimizer reloads them as its fp32 main params) on the same batch: `--batch` rows of `--seq` random tokens,
 next-token NLL (token mean), in micro-batches of `--micro` rows accumulated into one optimizer step with
 gradient clipping at the recipe's 1.0, Adam with the kimi-k2-thinking preset's betas / eps / weight decay.
@@ -115,7 +115,7 @@ def transformers_seconds(hf, tokens, targets, micro: int, steps: int, opt_spec, 
 def megatron_seconds(spec, layout, device, hf_state, tokens, targets, micro: int, steps: int, opt_spec,
                      profile: Path | None = None):
     """(seconds, whether TE layers were used)."""
-    from kimi_pipeline.convert.names import load_hf_tensors_into_model
+    from kimi_pipeline.model.hf_bridge import load_hf_tensors_into_model
     from kimi_pipeline.model.megatron_model import unwrap
     from kimi_pipeline.model.megatron_train import build_trainable, forward_backward, optimizer_step
     from kimi_pipeline.model.vocab_parallel import logprobs_from_logits
@@ -166,7 +166,7 @@ def _profile(step, out: Path) -> None:
 def bench_size(size: str, device, layout, args) -> float:
     import torch
 
-    from kimi_pipeline.convert.names import unfuse_hf_experts
+    from kimi_pipeline.hf.names import unfuse_hf_experts
 
     spec = gpu_common.kimi_spec(size)
     counts = gpu_common.param_counts(spec)
@@ -234,7 +234,8 @@ def main(argv: list[str] | None = None) -> float | None:
         return None
     import torch
 
-    from kimi_pipeline.model.parallel import Layout, destroy, init_distributed
+    from kimi_pipeline.model.parallel import destroy, init_distributed
+    from kimi_pipeline.recipes.layout import Layout
 
     dynamo = "off (TORCHDYNAMO_DISABLE)" if os.environ.get("TORCHDYNAMO_DISABLE") == "1" else "on"
     print(f"{NAME}: {torch.cuda.get_device_name(device)}, torch {torch.__version__}, torch.compile {dynamo}")

@@ -23,7 +23,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kimi_pipeline.quant.int4 import pack_int4, quantize_int4, unpack_int4  # noqa: E402
+from kimi_pipeline.hf.int4 import pack_int4, quantize_int4, unpack_int4  # noqa: E402
 
 
 def best_seconds(fn: Callable[[], object], repeats: int, device: str) -> float:

@@ -41,12 +41,13 @@ def _batch(vocab: int, batch: int, prompt: int, response: int, seed: int = 0):
 
 
 def megatron_steps(recipe, tokens, targets, mask, steps: int) -> float:
-    from kimi_pipeline.convert.hf_reader import iter_stored_tensors
-    from kimi_pipeline.convert.names import load_hf_tensors_into_model
+    from kimi_pipeline.hf.reader import iter_stored_tensors
+    from kimi_pipeline.model.hf_bridge import load_hf_tensors_into_model
     from kimi_pipeline.model.megatron_model import unwrap
     from kimi_pipeline.model.megatron_train import build_trainable, forward_backward, optimizer_step
-    from kimi_pipeline.model.parallel import Layout, destroy, init_distributed
+    from kimi_pipeline.model.parallel import destroy, init_distributed
     from kimi_pipeline.model.vocab_parallel import logprobs_from_logits
+    from kimi_pipeline.recipes.layout import Layout
 
     layout = Layout()
     init_distributed(layout, device=CPU)

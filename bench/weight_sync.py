@@ -42,7 +42,7 @@ from kimi_pipeline.engine.client import Router
 from kimi_pipeline.engine.model import EngineConfig, EngineModel, iter_safetensors
 from kimi_pipeline.engine.sampler import RolloutEngine
 from kimi_pipeline.engine.server import EngineServer
-from kimi_pipeline.model.hf_config import hf_config_dict
+from kimi_pipeline.hf.config import hf_config_dict
 from kimi_pipeline.model.hf_model import deepseek_config
 from kimi_pipeline.recipes import load_recipe
 from kimi_pipeline.recipes.models import ModelSpec
@@ -82,9 +82,10 @@ def rank_main(spec_json: str, bucket: int, repeat: int, out: Path) -> None:
     """One trainer rank: build its slice, time the colocated sync's bucket assembly and the memcpy baseline."""
     import torch.distributed as dist
 
-    from kimi_pipeline.convert.names import model_tensors
+    from kimi_pipeline.model.hf_bridge import model_tensors
     from kimi_pipeline.model.megatron_model import build_model
-    from kimi_pipeline.model.parallel import Layout, destroy, init_distributed
+    from kimi_pipeline.model.parallel import destroy, init_distributed
+    from kimi_pipeline.recipes.layout import Layout
     from kimi_pipeline.weight_sync.buckets import (
         BucketSchedule,
         Groups,

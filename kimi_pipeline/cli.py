@@ -14,8 +14,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from kimi_pipeline.cli_cluster import cluster_app
 from kimi_pipeline.cli_recipes import RECIPE_HELP, SET_HELP, recipe_or_exit, recipe_or_problems
-from kimi_pipeline.cluster.cli import cluster_app
 from kimi_pipeline.cluster.errors import ClusterConfigError
 from kimi_pipeline.cluster.lifecycle import attach_driver
 from kimi_pipeline.cluster.preflight import report_markdown, run_preflight

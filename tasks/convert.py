@@ -9,9 +9,9 @@ from typing import Any
 
 from prefect import task
 
-from kimi_pipeline.convert.torch_dist import ConvertSections
 from kimi_pipeline.recipes import Recipe
 from kimi_pipeline.stages import CONVERT
+from kimi_pipeline.weightjobs.convert import ConvertSections
 from tasks.common import RETRIES, RETRY_DELAYS, cache_key, read_json, retry_unless_permanent, run_stage_task
 
 

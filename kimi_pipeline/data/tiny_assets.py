@@ -14,9 +14,9 @@ from pathlib import Path
 from kimi_pipeline.data.synthetic import MathGenConfig, generate, write_tiny_datasets
 from kimi_pipeline.data.tokenizer import train_tiny_tokenizer
 from kimi_pipeline.data.warm_start import write_warm_start
-from kimi_pipeline.model.hf_config import hf_config_dict
-from kimi_pipeline.recipes.models import ModelSpec
+from kimi_pipeline.hf.config import hf_config_dict
 from kimi_pipeline.hub.manifest import build_manifest, list_files, write_sha256sums
+from kimi_pipeline.recipes.models import ModelSpec
 from kimi_pipeline.util.files import atomic_write_json, atomic_write_text
 
 

@@ -7,7 +7,7 @@ the language model under `text_config` and the MoonViT tower under `vision_confi
 files ship beside the tokenizer. The recipe trains from two copies (seed: run-kimi-k25.sh): the INT4 actor (routed
 experts compressed-tensors pack-quantized, the quantization_config in text_config with K2.5's ignore list) and a
 BF16 reference. Here the reference is the unquantized copy (in the base's dtype), the actor its INT4 copy
-(`convert.quantized_copy.write_quantized_checkpoint`), and the vision weights are seeded random bf16 tensors under the
+(`hf.quantized_copy.write_quantized_checkpoint`), and the vision weights are seeded random bf16 tensors under the
 real names and shapes (`recipes.models.VisionSpec.shapes`): nothing here runs them, every stage must carry them.
 """
 
@@ -21,11 +21,11 @@ from typing import Any
 
 import torch
 
-from kimi_pipeline.convert.hf_reader import iter_stored_tensors
-from kimi_pipeline.convert.names import LM_PREFIX_BY_MODEL_TYPE
-from kimi_pipeline.convert.quantized_copy import write_quantized_checkpoint
+from kimi_pipeline.hf.files import copy_model_files
+from kimi_pipeline.hf.names import LM_PREFIX_BY_MODEL_TYPE
+from kimi_pipeline.hf.quantized_copy import write_quantized_checkpoint
+from kimi_pipeline.hf.reader import iter_stored_tensors
 from kimi_pipeline.hub.manifest import build_manifest, list_files, write_sha256sums
-from kimi_pipeline.model.hf_model import copy_model_files
 from kimi_pipeline.recipes.models import VisionSpec
 from kimi_pipeline.util.files import atomic_write_json, atomic_write_text
 from kimi_pipeline.util.shards import ShardWriter, finish_shards

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from kimi_pipeline.data.rows import as_messages
-from kimi_pipeline.model.hf_config import hf_config_dict
+from kimi_pipeline.hf.config import hf_config_dict
 from kimi_pipeline.model.hf_model import build_hf_model, save_hf_model
 from kimi_pipeline.model.tokenizer import load_tokenizer
 from kimi_pipeline.recipes.models import ModelSpec

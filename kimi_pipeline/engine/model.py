@@ -32,10 +32,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kimi_pipeline.convert.dequant import QuantFormatError, QuantizedParts
-from kimi_pipeline.convert.hf_reader import HFCheckpointError, iter_stored_tensors
-from kimi_pipeline.convert.names import HFLayout
 from kimi_pipeline.errors import PermanentError
+from kimi_pipeline.hf.names import HFLayout
+from kimi_pipeline.hf.reader import HFCheckpointError, iter_stored_tensors
+from kimi_pipeline.hf.source_formats import QuantFormatError, QuantizedParts
 from kimi_pipeline.model.grouped_experts import grouped_mm_supported
 from kimi_pipeline.model.hf_model import deepseek_config, read_config
 
@@ -373,7 +373,7 @@ class EngineModel:
             if self.layout.misplaced(name):
                 raise EngineWeightError(
                     f"weight {name!r}: this engine serves a checkpoint that stores its language model under "
-                    f"{self.layout.prefix!r}; send {self.layout.stored(name)!r} (convert.names.HFLayout)")
+                    f"{self.layout.prefix!r}; send {self.layout.stored(name)!r} (hf.names.HFLayout)")
             logical = self.layout.logical(name)
             if logical is not None:
                 yield logical, t

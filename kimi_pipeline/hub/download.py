@@ -21,8 +21,15 @@ from typing import Any
 from huggingface_hub import HfApi, hf_hub_download, snapshot_download
 from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
 
-from kimi_pipeline.convert.names import HFLayout
 from kimi_pipeline.errors import PermanentError
+from kimi_pipeline.hf.config import (
+    KIMI_MODEL_TYPES,
+    quantization_config,
+    shape_mismatches,
+    text_config,
+    vision_mismatches,
+)
+from kimi_pipeline.hf.names import HFLayout
 from kimi_pipeline.hub.manifest import (
     MANIFEST_NAMES,
     FileIssue,
@@ -30,13 +37,6 @@ from kimi_pipeline.hub.manifest import (
     list_files,
     read_sha256sums,
     verify_files,
-)
-from kimi_pipeline.model.hf_config import (
-    KIMI_MODEL_TYPES,
-    quantization_config,
-    shape_mismatches,
-    text_config,
-    vision_mismatches,
 )
 from kimi_pipeline.recipes.models import DataSpec, HubSpec, ModelSpec, Source
 from kimi_pipeline.util.files import atomic_write_json

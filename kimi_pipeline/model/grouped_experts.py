@@ -23,7 +23,7 @@ import torch
 
 _ALIGN_BYTES = 16  # torch._grouped_mm on CPU needs row strides that are multiples of 16 bytes
 # An expert Linear carrying this attribute computes with `transform(weight)` instead of its weight (QAT's
-# fake-quant, set by quant/qat.py). The transform is hashable: experts of one layer must share one.
+# fake-quant, set by model/qat.py). The transform is hashable: experts of one layer must share one.
 WEIGHT_TRANSFORM_ATTR = "kimi_weight_transform"
 
 

@@ -18,16 +18,13 @@ from typing import Any
 
 import torch
 
-from kimi_pipeline.convert.names import HFLayout
 from kimi_pipeline.errors import PermanentError
-from kimi_pipeline.model.hf_config import hf_config_dict, text_config
+from kimi_pipeline.hf.config import hf_config_dict, text_config
+from kimi_pipeline.hf.files import copy_tokenizer_files
+from kimi_pipeline.hf.names import HFLayout
 from kimi_pipeline.recipes.models import ModelSpec
 from kimi_pipeline.util.files import atomic_write_json
-from kimi_pipeline.util.shards import INDEX_NAME
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
-# Files of a checkpoint directory that `copy_model_files` leaves to the writer of the new one.
-_NOT_CARRIED = {"config.json", INDEX_NAME, "MANIFEST.sha256"}
 # Keys of config.json that describe the checkpoint's storage, not the architecture.
 _STORAGE_KEYS = {"model_type", "quantization_config", "architectures", "auto_map", "transformers_version"}
 
@@ -115,30 +112,6 @@ def load_strict(model_dir: str | Path, cfg, dtype: torch.dtype, attn_implementat
             "from another model, or quantized — convert or re-download it"
         )
     return model.eval()
-
-
-def copy_tokenizer_files(src_dir: str | Path, dst_dir: str | Path) -> list[str]:
-    """The tokenizer files a checkpoint directory ships (those present in `src_dir`)."""
-    copied = []
-    for name in TOKENIZER_FILES:
-        src = Path(src_dir) / name
-        if src.is_file():
-            shutil.copy2(src, Path(dst_dir) / name)
-            copied.append(name)
-    return copied
-
-
-def copy_model_files(src_dir: str | Path, dst_dir: str | Path) -> list[str]:
-    """Every file a checkpoint ships beside its weights (tokenizer, chat template, processor and preprocessor
-    configs, generation config, remote code), copied as is: not config.json and the index, which a writer of a new
-    checkpoint writes itself, nor the sha256 manifest of the source's files or hidden bookkeeping."""
-    copied = []
-    for src in sorted(Path(src_dir).iterdir()):
-        if src.is_file() and not src.name.startswith(".") and src.suffix != ".safetensors" \
-                and src.name not in _NOT_CARRIED:
-            shutil.copy2(src, Path(dst_dir) / src.name)
-            copied.append(src.name)
-    return copied
 
 
 def save_hf_model(model, out_dir: str | Path, *, config: dict[str, Any], tokenizer_dir: str | Path | None = None,

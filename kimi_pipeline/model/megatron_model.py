@@ -6,7 +6,7 @@ then multiplied by the routed scaling factor, shared expert, first-k dense layer
 mscale_all_dim softmax scale, interleaved rope dims (megatron's MLA de-interleaves them like HF's
 `rope_interleave`), RMSNorm, untied lm_head. Local (pure-PyTorch) layer specs on CPU or without
 Transformer Engine; TE specs when TE is installed and the device is a GPU (parameter names differ: see
-convert/names.py).
+hf/names.py).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from torch.nn.attention import SDPBackend
 
 from kimi_pipeline.model.grouped_experts import grouped_sequential_mlp
 from kimi_pipeline.model.megatron_compat import apply_compat, megatron_kernels
-from kimi_pipeline.model.parallel import Layout, LayoutError
+from kimi_pipeline.recipes.layout import Layout, LayoutError
 from kimi_pipeline.recipes.models import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -309,7 +309,7 @@ def decoder_block_spec(config, use_te: bool, pp_rank: int | None = None):
 
 
 # torch_dist checkpoint keys always use TE names, so a checkpoint written by a CPU (local spec) job loads
-# into a TE model on GPU and back (same mapping as convert/names.py).
+# into a TE model on GPU and back (same mapping as hf/names.py).
 LOCAL_TO_TE_CHECKPOINT_KEYS = {
     "self_attention.q_layernorm.": "self_attention.linear_q_up_proj.layer_norm_",
     "self_attention.kv_layernorm.": "self_attention.linear_kv_up_proj.layer_norm_",

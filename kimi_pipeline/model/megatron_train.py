@@ -29,13 +29,22 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 
 from kimi_pipeline.errors import PermanentError
 from kimi_pipeline.model.checkpoint_dirs import TRACKER, CheckpointError, iteration_dir, latest_step
-from kimi_pipeline.model.checkpoint_manifest import (CheckpointSpaceError, entries, failure_line, is_enospc,
-                                                     rank_files, resume_candidates, shared_files, space_problem,
-                                                     verify_share, write_manifest)
+from kimi_pipeline.model.checkpoint_manifest import (
+    CheckpointSpaceError,
+    entries,
+    failure_line,
+    is_enospc,
+    rank_files,
+    resume_candidates,
+    shared_files,
+    space_problem,
+    verify_share,
+    write_manifest,
+)
 from kimi_pipeline.model.context_parallel import Packing, SeqLayout, batch_logprobs, cp_group, seq_multiple
 from kimi_pipeline.model.megatron_compat import megatron_kernels
 from kimi_pipeline.model.megatron_model import build_model, causal_mask, check_positions, model_device, unwrap
-from kimi_pipeline.model.parallel import Layout
+from kimi_pipeline.recipes.layout import Layout
 from kimi_pipeline.recipes.models import ModelSpec, OptimizerSpec
 from kimi_pipeline.util.files import atomic_write_json, atomic_write_text
 from kimi_pipeline.util.threads import one_intraop_thread_for_helpers

@@ -32,11 +32,11 @@ from kimi_pipeline.plan.memory import (
     pp_stage_layers_or_guess,
     train_pp_stages,
 )
+from kimi_pipeline.plan.residency import RESIDENT
 from kimi_pipeline.plan.timing import TimeAssumptions, step_time, workload
 from kimi_pipeline.recipes.checks import PipelineSplitError, check_recipe, pipeline_layers
 from kimi_pipeline.recipes.load import RecipeError
 from kimi_pipeline.recipes.recipe import Recipe
-from kimi_pipeline.rl.handoff import RESIDENT
 
 # Recipe problems that decide whether the layout can run at all (the rest are reported as warnings).
 BLOCKING_PREFIXES = ("parallel.", "cluster.", "sglang.", "model.", "rollout.engine")
@@ -140,7 +140,7 @@ def _gb(x: float) -> float:
 
 def _phases(r: Recipe, st: PPStageMemory, eng: EngineMemory, ma: MemoryAssumptions) -> dict[str, dict[str, float]]:
     """Bytes per component in each phase of an RL step, on one GPU of the given stage. Colocated, each phase holds
-    what `rl.handoff.RESIDENT` says the train loop keeps on the GPU then (engine memory tags, trainer parts)."""
+    what `plan.residency.RESIDENT` says the train loop keeps on the GPU then (engine memory tags, trainer parts)."""
     residual = {"residual": ma.residual_gb * GIB}
     trainer = {"weights": {"weights": st.weights}, "grads": {"grads": st.grads},
                "optimizer": {"optimizer": st.optimizer_gpu}}

@@ -27,11 +27,11 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from kimi_pipeline.convert.names import NameMappingError
-from kimi_pipeline.model.parallel import Layout, LayoutError
+from kimi_pipeline.hf.names import NameMappingError
 from kimi_pipeline.model.params import ParamCounts
 from kimi_pipeline.plan.hardware import GPU
 from kimi_pipeline.plan.memory import PlanLayout, format_bytes, rollout_formats
+from kimi_pipeline.recipes.layout import Layout, LayoutError
 from kimi_pipeline.recipes.models import ModelSpec
 from kimi_pipeline.recipes.recipe import Recipe
 from kimi_pipeline.weight_sync.buckets import BucketSchedule, received_by_group

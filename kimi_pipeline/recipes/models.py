@@ -67,8 +67,8 @@ class VisionSpec(Section):
 class ModelSpec(Section):
     """DeepSeek-V3-shaped model (MLA attention, sigmoid-routed MoE with expert bias).
 
-    Read by: `model.megatron_model` (builds it), `convert.names` (HF ↔ megatron names), the engines
-    (`engine.model`, via `rl.rollout_manager`), `rl.policy`, `quant.export_rank`, `kimi plan`."""
+    Read by: `model.megatron_model` (builds it), `hf.names` (HF ↔ megatron names), the engines
+    (`engine.model`, via `rl.rollout_manager`), `rl.policy`, `weightjobs.export_rank`, `kimi plan`."""
 
     model_type: str = Field("kimi_k2", description="config.json model_type as the checkpoint ships it")
     num_layers: int = Field(gt=0)
@@ -138,7 +138,7 @@ class HubSpec(Section):
     """Model sources: the policy checkpoint, an optional separate reference checkpoint, and access.
 
     Read by: the download stage (`hub.download`); `text_config_key` / `trust_remote_code` by every reader of the
-    checkpoint (`convert.torch_dist.ConvertSections`, `rl.policy`, `stages.validate`, `eval.record.EvalSections`,
+    checkpoint (`weightjobs.convert.ConvertSections`, `rl.policy`, `stages.validate`, `eval.record.EvalSections`,
     the engines' `engine.kinds.EngineSettings`)."""
 
     model: Source
@@ -169,8 +169,8 @@ class DataSpec(Section):
 class ConvertSpec(Section):
     """HF -> Megatron torch_dist conversion job layout (a torch.distributed job over N nodes).
 
-    Read by: the weight jobs (`weightjobs.run`: where and how wide they run), `convert.torch_dist`, and the INT4
-    export (`quant.checkpoint_export`, in the same layout)."""
+    Read by: the weight jobs (`weightjobs.run`: where and how wide they run), `weightjobs.convert`, and the INT4
+    export (`weightjobs.export`, in the same layout)."""
 
     mode: Literal["torch_dist", "bridge"] = "torch_dist"
     nodes: int = Field(4, gt=0)
@@ -217,7 +217,7 @@ class ClusterSpec(Section):
     """The Ray cluster a run needs. Read by: the cluster stage (`cluster.lifecycle`, `cluster.health`,
     `cluster.preflight`), `cluster.placement` and `rl.actor_layout` (where actors go), `weightjobs.run`, and the
     records that resolve it for a component: `weight_sync.updaters.SyncTarget`, `engine.kinds.EngineSettings`,
-    `convert.torch_dist.ConvertSections`, `quant.checkpoint_export.ExportSections`, `eval.record.EvalSections`."""
+    `weightjobs.convert.ConvertSections`, `weightjobs.export.ExportSections`, `eval.record.EvalSections`."""
 
     nodes: int = Field(1, gt=0, description="actor nodes (--actor-num-nodes)")
     gpus_per_node: int = Field(8, gt=0, description="GPUs per node; on device=cpu, trainer ranks per node")
@@ -374,7 +374,7 @@ class OptimizerSpec(Section):
 
 class QuantSpec(Section):
     """INT4 QAT in training and the export format. Read by: `rl.policy` (QAT), `weight_sync.updaters.SyncTarget` and
-    `weight_sync.formats` (what the engines are sent), the export stage (`quant.checkpoint_export.ExportSections`)."""
+    `weight_sync.formats` (what the engines are sent), the export stage (`weightjobs.export.ExportSections`)."""
 
     int4_qat: bool = Field(False, description="fake-INT4 routed experts in the forward (env OPEN_TRAINING_INT4_FAKE_QAT_FLAG)")
     group_size: int = Field(32, gt=0, description="env OPEN_TRAINING_INT4_GROUP_SIZE")

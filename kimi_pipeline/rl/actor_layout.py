@@ -31,8 +31,8 @@ from kimi_pipeline.engine.kinds import EngineSettings, engine_kind
 from kimi_pipeline.engine.sglang import sglang_command
 from kimi_pipeline.model.device import NOSET_VISIBLE_DEVICES
 from kimi_pipeline.model.megatron_compat import CPU_ENV
-from kimi_pipeline.model.parallel import Layout, LayoutError
 from kimi_pipeline.recipes import Problem, Recipe
+from kimi_pipeline.recipes.layout import Layout, LayoutError
 
 # The seeds' launcher environment for GPU jobs (seed 001): a long NCCL timeout for 1 T-parameter weight syncs
 # and checkpoint barriers, and one CUDA work queue so megatron's TP/SP communication overlaps in order.

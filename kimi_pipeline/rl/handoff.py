@@ -11,8 +11,8 @@ Moving to a phase frees first, then takes: rollout -> train releases the engines
 trainer; train -> weight_sync puts the trainer's grads and optimizer to sleep, then resumes the engines' weights;
 weight_sync -> rollout puts the trainer's weights to sleep, then resumes the KV cache and graphs. Engines need
 SGLang's `--enable-memory-saver` (`sglang_command(memory_saver=...)`); the embedded engine implements the same
-calls. `RESIDENT` is also what `kimi plan` counts per phase (plan/command.py), so the plan's peak is the sequence
-this module runs.
+calls. The table it runs, `plan.residency.RESIDENT`, is also what `kimi plan` counts per phase, so the plan's peak
+is the sequence this module runs.
 """
 
 from __future__ import annotations
@@ -23,16 +23,9 @@ from collections.abc import Callable
 
 from kimi_pipeline.engine.sampler import MEMORY_TAGS
 from kimi_pipeline.model.offload import PARTS
+from kimi_pipeline.plan.residency import PHASES, RESIDENT
 
 log = logging.getLogger(__name__)
-
-PHASES = ("rollout", "train", "weight_sync")
-# (engine memory tags, trainer parts) on the GPU in each phase
-RESIDENT: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "rollout": (MEMORY_TAGS, ()),
-    "train": ((), PARTS),
-    "weight_sync": (("weights",), ("weights",)),
-}
 
 
 class Handoff:

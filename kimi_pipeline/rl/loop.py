@@ -23,11 +23,11 @@ import ray
 from kimi_pipeline.cluster.env import gcs_reachable, is_loopback_address, use_loopback_ray
 from kimi_pipeline.cluster.health import Requirements, wait_until_healthy
 from kimi_pipeline.cluster.placement import create_placement_groups, remove_placement_groups
-from kimi_pipeline.convert.names import HFLayout
 from kimi_pipeline.engine.client import EngineRequestError, EnginesDown, EngineUnreachable
 from kimi_pipeline.engine.key import use_run_key
 from kimi_pipeline.engine.kinds import engine_kind
 from kimi_pipeline.errors import PermanentError
+from kimi_pipeline.hf.names import HFLayout
 from kimi_pipeline.model.checkpoint_dirs import iteration_dir, latest_step, prune_checkpoints
 from kimi_pipeline.model.megatron_train import NonFiniteError
 from kimi_pipeline.recipes import Recipe

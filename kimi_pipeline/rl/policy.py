@@ -18,12 +18,13 @@ from typing import Any
 
 import torch
 
-from kimi_pipeline.convert.hf_reader import HFCheckpoint
-from kimi_pipeline.convert.names import HFLayout, load_hf_tensors_into_model
 from kimi_pipeline.engine.client import Router
 from kimi_pipeline.errors import PermanentError
+from kimi_pipeline.hf.names import HFLayout
+from kimi_pipeline.hf.reader import HFCheckpoint
 from kimi_pipeline.model.context_parallel import batch_logprobs, seq_multiple
 from kimi_pipeline.model.device import actor_gpu_index, resolve_device
+from kimi_pipeline.model.hf_bridge import load_hf_tensors_into_model
 from kimi_pipeline.model.megatron_model import build_model, unwrap
 from kimi_pipeline.model.megatron_train import (
     build_trainable,
@@ -40,9 +41,10 @@ from kimi_pipeline.model.megatron_train import (
     state_tensors,
 )
 from kimi_pipeline.model.offload import PARTS, Offloaded
-from kimi_pipeline.model.parallel import Layout, destroy, init_distributed
-from kimi_pipeline.quant.qat import enable_int4_qat
+from kimi_pipeline.model.parallel import destroy, init_distributed
+from kimi_pipeline.model.qat import enable_int4_qat
 from kimi_pipeline.recipes import Recipe
+from kimi_pipeline.recipes.layout import Layout
 from kimi_pipeline.recipes.models import (
     ClusterSpec,
     GRPOSpec,
@@ -192,7 +194,7 @@ class PolicyWorker:
 
         `ref_ckpt_dir`: the KL reference's weights (the K2.5 recipe's BF16 copy, `hub.ref_model`; default: the
         starting weights). `hf_prefix`: where the base checkpoint, which the engines serve, keeps its language model
-        (`convert.names.HFLayout`): weight sync sends the engines its names.
+        (`hf.names.HFLayout`): weight sync sends the engines its names.
         Returns the checkpoint's extra state (data position, rollout step) or None for a fresh start.
         """
 

@@ -10,7 +10,7 @@ from typing import Any
 import ray
 
 from kimi_pipeline.cluster.placement import free_port_on
-from kimi_pipeline.convert.names import HFLayout
+from kimi_pipeline.hf.names import HFLayout
 from kimi_pipeline.recipes import Recipe
 from kimi_pipeline.rl.actor_layout import trainer_options
 from kimi_pipeline.rl.metrics import reduce_metrics

@@ -18,7 +18,7 @@ every GPU), with one flattened buffer per dtype per collective instead of one co
      pp outermost in both the dense and the expert decomposition);
    - TP-split dense shards are all-gathered over the TP group (TP > 1);
    - expert shards are all-gathered over the EP group (EP > 1), then over the expert-TP group (ETP > 1).
-3. Every rank rebuilds the HF tensors of the bucket on its own device (`convert.names.hf_from_gathered`:
+3. Every rank rebuilds the HF tensors of the bucket on its own device (`hf.names.hf_from_gathered`:
    the GLU de-interleave, the TP concatenation) and hands them to the engine rank on its GPU.
 
 So a sync issues at most buckets x dtypes x (PP + TP + EP + ETP) collectives whatever the tensor count, and
@@ -36,14 +36,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from kimi_pipeline.convert.names import (
-    NameMappingError,
-    Shard,
-    hf_from_gathered,
-    hf_shapes,
-    hf_to_megatron_names,
-)
-from kimi_pipeline.model.parallel import Layout
+from kimi_pipeline.hf.names import NameMappingError, Shard, hf_from_gathered, hf_shapes, hf_to_megatron_names
+from kimi_pipeline.recipes.layout import Layout
 from kimi_pipeline.recipes.models import ModelSpec
 
 GROUPS = ("pp", "tp", "ep", "etp")
@@ -163,7 +157,7 @@ def pp_stage_dtypes(tensors: Mapping[str, torch.Tensor], groups: Groups) -> list
 
 
 def _local_shape(shard: Shard, shapes: Mapping[str, tuple[int, ...]]) -> tuple[int, ...]:
-    """The megatron tensor's shape on one rank, from the HF shapes: `convert.names.shard_from_hf`'s cut (a slice
+    """The megatron tensor's shape on one rank, from the HF shapes: `hf.names.shard_from_hf`'s cut (a slice
     along `dim` per TP rank; a GLU's gate and up slices concatenated along dim 0), without tensors."""
     parts = []
     for name in shard.hf:
@@ -336,7 +330,7 @@ def gather_bucket(bucket: Bucket, tensors: Mapping[str, torch.Tensor], groups: G
                   across_pp_stages: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """The bucket's full HF tensors on this rank (collective over the pipeline, TP, EP and expert-TP groups:
     every rank of the world calls it for every bucket of the schedule, in order). `tensors`: this rank's live
-    megatron tensors by name (`convert.names.model_tensors`). `across_pp_stages=False`: only the holding stage's
+    megatron tensors by name (`model.hf_bridge.model_tensors`). `across_pp_stages=False`: only the holding stage's
     ranks take part (no pipeline broadcast; every rank of that stage calls it for each of the stage's buckets)."""
     sizes = dict(groups.sizes)
     counters = counters or SyncCounters()

@@ -5,8 +5,8 @@ compressed-tensors checkpoint (routed experts pack-quantized, group 32; everythi
 router's expert bias fp32), Kimi-K2-Instruct serves FP8 with one fp32 `weight_scale_inv` per 128 x 128
 block. A sync that sent bf16 `.weight` tensors would match neither the names nor the dtypes, and FP8
 scales would go stale, so each bucket is converted on the trainer side into exactly what such a
-checkpoint stores (the INT4 tensors are the export's own, `quant.export.int4_storage`). The embedded
-engine dequantizes them on load (`convert.dequant.QuantizedParts`); SGLang loads them natively.
+checkpoint stores (the INT4 tensors are the export's own, `hf.int4_checkpoint.int4_storage`). The embedded
+engine dequantizes them on load (`hf.source_formats.QuantizedParts`); SGLang loads them natively.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import Any, Literal
 
 import torch
 
-from kimi_pipeline.convert.dequant import FP8_SCALE_SUFFIX, FP8_TARGET, fp8_quant_config, quantize_fp8_block
-from kimi_pipeline.quant.export import int4_storage, kimi_quantization_config, storage_dtype
+from kimi_pipeline.hf.int4_checkpoint import int4_storage, kimi_quantization_config, storage_dtype
+from kimi_pipeline.hf.source_formats import FP8_SCALE_SUFFIX, FP8_TARGET, fp8_quant_config, quantize_fp8_block
 from kimi_pipeline.recipes.models import RolloutSpec
 
 EngineFormat = Literal["model", "bf16", "fp8", "int4"]
@@ -52,7 +52,7 @@ def to_engine_format(named: Iterable[tuple[str, torch.Tensor]], fmt: EngineForma
     """HF-named trainer tensors -> the tensors an engine checkpoint in `fmt` stores (streamed, per tensor).
 
     For int4 pass the *stored* weights, not fake-quantized ones: the engine's dequantization of the
-    packed experts is bit for bit the trainer's fake-quant forward (`quant.verify.check_tensors`).
+    packed experts is bit for bit the trainer's fake-quant forward (`weightjobs.export_verify.check_tensors`).
     """
     if fmt == "model":
         yield from named

@@ -18,11 +18,12 @@ from pathlib import Path
 
 import torch
 
-from kimi_pipeline.convert.names import export_hf_tensors
+from kimi_pipeline.model.hf_bridge import export_hf_tensors
 from kimi_pipeline.model.megatron_model import build_model
 from kimi_pipeline.model.megatron_train import load_model_only
-from kimi_pipeline.model.parallel import Layout, destroy, init_distributed
-from kimi_pipeline.quant.qat import fake_quant_hf_tensors
+from kimi_pipeline.model.parallel import destroy, init_distributed
+from kimi_pipeline.model.qat import fake_quant_hf_tensors
+from kimi_pipeline.recipes.layout import Layout
 from kimi_pipeline.recipes.models import ModelSpec
 
 

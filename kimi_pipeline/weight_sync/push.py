@@ -20,9 +20,16 @@ from safetensors.torch import save
 
 from kimi_pipeline.weight_sync import shm
 
-if TYPE_CHECKING:  # the client imports this module: its types only, for the signatures
-    from kimi_pipeline.engine.client import EngineClient
+if TYPE_CHECKING:
     from kimi_pipeline.weight_sync.dist_group import WeightGroup
+
+
+class BucketReceiver(Protocol):
+    """One engine's client as a bucket push sees it (`engine.client.EngineClient`; named here, not imported: the
+    engine package stands above weight sync)."""
+
+    def shares_memory(self) -> bool: ...
+    def post_weight_chunk(self, serialized: str, weight_version: str | None, load_format: str = "safetensors") -> None: ...
 
 
 class Engines(Protocol):
@@ -57,7 +64,7 @@ def serialize_chunk(chunk: Mapping[str, torch.Tensor]) -> str:
     return base64.b64encode(save(owned)).decode("ascii")
 
 
-def push_weights(clients: list[EngineClient], named_tensors, buffer_bytes: int, weight_version: str | None,
+def push_weights(clients: list[BucketReceiver], named_tensors, buffer_bytes: int, weight_version: str | None,
                  pool: ThreadPoolExecutor | None = None, segment: shm.SharedBucket | None = None,
                  group: WeightGroup | None = None) -> int:
     """HF-named tensors to embedded engines in `buffer_bytes` buckets; returns the bucket count. Engines on

@@ -31,9 +31,10 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from kimi_pipeline.convert.names import HFLayout, model_tensors, model_uses_te
-from kimi_pipeline.model.hf_config import hf_config_dict
-from kimi_pipeline.quant.qat import fake_quant_hf_tensors
+from kimi_pipeline.hf.config import hf_config_dict
+from kimi_pipeline.hf.names import HFLayout
+from kimi_pipeline.model.hf_bridge import model_tensors, model_uses_te
+from kimi_pipeline.model.qat import fake_quant_hf_tensors
 from kimi_pipeline.recipes import Recipe
 from kimi_pipeline.recipes.models import ModelSpec
 from kimi_pipeline.util.files import atomic_write_json

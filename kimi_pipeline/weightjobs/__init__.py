@@ -4,4 +4,4 @@ host, by hand, or by a Ray agent per node (`launch`, `ray_agents`), per-rank rep
 error naming the rank and its node (`launch`), and the one entry both stages call (`run.run_weight_job`).
 
 Every rank starts at one thin entry, `rank` (`python -m kimi_pipeline.weightjobs.rank KIND --job JOB.json`); what a
-rank does lives with its job: `convert.convert_rank`, `convert.verify`, `quant.export_rank`."""
+rank does lives with its job: `weightjobs.convert_rank`, `weightjobs.convert_verify`, `weightjobs.export_rank`."""

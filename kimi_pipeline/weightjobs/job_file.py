@@ -14,7 +14,7 @@ import torch
 from kimi_pipeline.util.files import atomic_write_json
 
 if TYPE_CHECKING:  # types only: every rank imports this module, and megatron's layout module is heavy
-    from kimi_pipeline.model.parallel import Layout
+    from kimi_pipeline.recipes.layout import Layout
     from kimi_pipeline.recipes.models import ModelSpec
 
 

@@ -4,7 +4,7 @@ Why one thin entry: a helper process a library `spawn`s re-imports the rank's `_
 torch_dist writer started one per saving process, the Manager of its write-results queue, until
 `model.megatron_train._write_results_in_process` handed it an in-process queue). With this module as `__main__`,
 such a helper loads the standard library and the job plumbing only, not the model code, and it goes when its rank
-goes. The rank bodies (`convert.convert_rank`, `convert.verify`, `quant.export_rank`) import everything at
+goes. The rank bodies (`weightjobs.convert_rank`, `weightjobs.convert_verify`, `weightjobs.export_rank`) import everything at
 their own module top; `rank_body` is the one place they are imported inside a function.
 """
 
@@ -33,15 +33,15 @@ def rank_args(kind: str, job: str | Path) -> list[str]:
 def rank_body(kind: str) -> Callable[[dict[str, Any]], Any]:
     """The rank function of a job kind, imported here: the worker boundary (see the module docstring)."""
     if kind == "convert":
-        from kimi_pipeline.convert.convert_rank import convert_rank
+        from kimi_pipeline.weightjobs.convert_rank import convert_rank
 
         return convert_rank
     if kind == "verify":
-        from kimi_pipeline.convert.verify import verify_rank
+        from kimi_pipeline.weightjobs.convert_verify import verify_rank
 
         return verify_rank
     if kind == "export":
-        from kimi_pipeline.quant.export_rank import export_rank
+        from kimi_pipeline.weightjobs.export_rank import export_rank
 
         return export_rank
     raise ValueError(f"unknown weight-job kind {kind!r}; one of {', '.join(KINDS)}")

@@ -55,7 +55,8 @@ def cuda():
 @pytest.fixture(scope="module")
 def one_gpu_rank(cuda):
     """A one-rank megatron world (NCCL) on the GPU, for the tests of one module; torn down after them."""
-    from kimi_pipeline.model.parallel import Layout, destroy, init_distributed
+    from kimi_pipeline.model.parallel import destroy, init_distributed
+    from kimi_pipeline.recipes.layout import Layout
 
     layout = Layout()
     init_distributed(layout, device=cuda, seed=11)

@@ -170,7 +170,8 @@ def test_the_colocated_sync_hands_every_bucket_to_the_engine_rank_on_its_gpu(cud
 
     import torch
 
-    from kimi_pipeline.convert.names import HFLayout, export_hf_tensors
+    from kimi_pipeline.hf.names import HFLayout
+    from kimi_pipeline.model.hf_bridge import export_hf_tensors
     from kimi_pipeline.model.megatron_model import build_model
     from kimi_pipeline.recipes import load_recipe
     from kimi_pipeline.weight_sync.updaters import CudaIpcHandoff, GroupBuckets, SyncTarget, choose_weight_sync

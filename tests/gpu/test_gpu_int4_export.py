@@ -11,7 +11,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from support.gpu import TINY_MODEL, off_device, tiny_hf_tensors
 
 pytestmark = pytest.mark.gpu
@@ -20,14 +19,14 @@ pytestmark = pytest.mark.gpu
 def test_int4_export_of_a_cuda_written_checkpoint(cuda, one_gpu_rank, tmp_path):
     import torch
 
-    from kimi_pipeline.convert.hf_reader import iter_stored_tensors
-    from kimi_pipeline.convert.names import load_hf_tensors_into_model
+    from kimi_pipeline.hf.int4_checkpoint import export_int4
+    from kimi_pipeline.hf.reader import iter_stored_tensors
+    from kimi_pipeline.model.hf_bridge import load_hf_tensors_into_model
     from kimi_pipeline.model.megatron_model import build_model
     from kimi_pipeline.model.megatron_train import save_model_only
-    from kimi_pipeline.quant.checkpoint_export import shard_bytes
-    from kimi_pipeline.quant.export import export_int4
     from kimi_pipeline.recipes import load_recipe
     from kimi_pipeline.stages import EXPORT, run_stage
+    from kimi_pipeline.weightjobs.export import shard_bytes
 
     # the QAT export path (fake-quant trainer forward as the logits reference), on one GPU rank
     recipe = load_recipe("tiny", ["quant.int4_qat=true", "cluster.device=cuda", "convert.nodes=1",

@@ -9,7 +9,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from support.gpu import TINY_MODEL, deterministic_kernels, off_device
 
 pytestmark = pytest.mark.gpu
@@ -28,17 +27,18 @@ def k25(tmp_path_factory):
 def test_k25_bridge_load_export_and_int4_sync_on_a_gpu(cuda, one_gpu_rank, k25, tmp_path):
     import torch
 
-    from kimi_pipeline.convert.hf_reader import HFCheckpoint, iter_stored_tensors
-    from kimi_pipeline.convert.names import HFLayout, load_hf_tensors_into_model
     from kimi_pipeline.engine.model import EngineModel
+    from kimi_pipeline.hf.int4_checkpoint import export_int4
+    from kimi_pipeline.hf.names import HFLayout
+    from kimi_pipeline.hf.reader import HFCheckpoint, iter_stored_tensors
+    from kimi_pipeline.model.hf_bridge import load_hf_tensors_into_model
     from kimi_pipeline.model.megatron_model import build_model
     from kimi_pipeline.model.megatron_train import save_model_only
-    from kimi_pipeline.quant.checkpoint_export import shard_bytes
-    from kimi_pipeline.weight_sync.formats import to_engine_format
-    from kimi_pipeline.quant.export import export_int4
-    from kimi_pipeline.weight_sync.policy_tensors import policy_tensors
     from kimi_pipeline.recipes import load_recipe
     from kimi_pipeline.stages import EXPORT, run_stage
+    from kimi_pipeline.weight_sync.formats import to_engine_format
+    from kimi_pipeline.weight_sync.policy_tensors import policy_tensors
+    from kimi_pipeline.weightjobs.export import shard_bytes
 
     recipe = load_recipe("tiny", ["quant.int4_qat=true", "cluster.device=cuda", "convert.nodes=1",
                                   "convert.gpus_per_node=1", "convert.pp=1", "convert.ep=1"])

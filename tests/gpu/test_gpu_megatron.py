@@ -5,7 +5,6 @@ next step. The GPU twins of tests/integration/test_megatron_model.py's one-proce
 from __future__ import annotations
 
 import pytest
-
 from support.common import fixed_batch, nll
 from support.gpu import deterministic_kernels, off_device
 
@@ -85,7 +84,7 @@ def test_torch_dist_resume_takes_the_identical_next_step(cuda, one_gpu_rank, tmp
     same second step: every weight bit-identical (fp32 Adam state and main params restored, not re-derived)."""
     import torch
 
-    from kimi_pipeline.convert import names
+    from kimi_pipeline.model import hf_bridge
     from kimi_pipeline.model import megatron_train as mt
 
     r, spec = _bf16()
@@ -98,7 +97,7 @@ def test_torch_dist_resume_takes_the_identical_next_step(cuda, one_gpu_rank, tmp
         return out[0]["loss"].item()
 
     def weights(chunks):
-        return {k: v.detach().clone() for k, v in names.model_tensors(chunks).items()}
+        return {k: v.detach().clone() for k, v in hf_bridge.model_tensors(chunks).items()}
 
     with deterministic_kernels():
         chunks, opt = mt.build_trainable(spec, one_gpu_rank, r.optimizer, device=cuda)
@@ -129,7 +128,7 @@ def test_offloaded_optimizer_keeps_its_state_on_the_host_and_resumes(cuda, one_g
     `dummy_step` first, megatron_train._ensure_optimizer_state) and takes the same next step."""
     import torch
 
-    from kimi_pipeline.convert import names
+    from kimi_pipeline.model import hf_bridge
     from kimi_pipeline.model import megatron_train as mt
     from kimi_pipeline.recipes import load_recipe
 
@@ -152,10 +151,10 @@ def test_offloaded_optimizer_keeps_its_state_on_the_host_and_resumes(cuda, one_g
         assert state and {t.device.type for t in state} == {"cpu"}
         mt.save_checkpoint(tmp_path / "ckpt", 1, chunks, opt)
         step(chunks, opt)
-        continued = names.model_tensors(chunks)
+        continued = hf_bridge.model_tensors(chunks)
 
         fresh, fresh_opt = mt.build_trainable(spec, one_gpu_rank, r.optimizer, device=cuda)
         mt.load_checkpoint(tmp_path / "ckpt", fresh, fresh_opt)
         step(fresh, fresh_opt)
-        after = names.model_tensors(fresh)
+        after = hf_bridge.model_tensors(fresh)
     assert [k for k in continued if not torch.equal(continued[k], after[k])] == []

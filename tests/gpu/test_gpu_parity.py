@@ -1,12 +1,11 @@
 """megatron vs transformers logits on the GPU in bf16: the trainer's model (build_trainable, bf16) filled from the
-shipped tiny checkpoint through convert/names.py, against transformers' DeepseekV3 loaded from the same files.
+shipped tiny checkpoint through hf/names.py, against transformers' DeepseekV3 loaded from the same files.
 The CPU suite shows fp32 parity to 1e-5 (convert's verification, tests/integration/test_convert.py); here both
 sides run in bf16 on CUDA, where agreement is bounded by bf16 rounding, not by the implementation."""
 
 from __future__ import annotations
 
 import pytest
-
 from support.gpu import TINY_MODEL, tiny_hf_tensors
 
 pytestmark = pytest.mark.gpu
@@ -29,8 +28,8 @@ VS_FP32_MEAN_TOL = 0.05
 def test_megatron_and_transformers_agree_in_bf16_on_the_gpu(cuda, one_gpu_rank):
     import torch
 
-    from kimi_pipeline.convert.names import load_hf_tensors_into_model
     from kimi_pipeline.model import megatron_train as mt
+    from kimi_pipeline.model.hf_bridge import load_hf_tensors_into_model
     from kimi_pipeline.model.hf_model import load_hf_model
     from kimi_pipeline.model.megatron_model import causal_forward, unwrap
     from kimi_pipeline.recipes import load_recipe

@@ -1,4 +1,4 @@
-"""INT4 QAT (quant/qat.py enable_int4_qat) on one GPU: only the routed experts compute with fake-INT4 weights;
+"""INT4 QAT (model/qat.py enable_int4_qat) on one GPU: only the routed experts compute with fake-INT4 weights;
 forward and straight-through gradients through megatron DDP equal a model whose expert weights ARE the
 fake-quant values; the bf16 trainer with QAT on trains. The GPU twin of tests/integration/test_int4.py's
 megatron QAT tests, for whichever expert module the device gets (local grouped experts, or TE's grouped
@@ -7,7 +7,6 @@ linear `weight{e}` when Transformer Engine is installed)."""
 from __future__ import annotations
 
 import pytest
-
 from support.common import fixed_batch, nll, qat_vs_quantized_weights
 from support.gpu import deterministic_kernels, off_device
 
@@ -43,7 +42,7 @@ def _qat_wraps_only_routed_experts(model, params, tokens, cuda) -> None:
     import torch
 
     from kimi_pipeline.model.megatron_model import causal_forward
-    from kimi_pipeline.quant.qat import disable_int4_qat, enable_int4_qat
+    from kimi_pipeline.model.qat import disable_int4_qat, enable_int4_qat
 
     with torch.no_grad():
         plain = causal_forward(model, tokens)
@@ -85,7 +84,7 @@ def test_bf16_trainer_with_qat_trains_on_the_gpu(cuda, one_gpu_rank):
 
     from kimi_pipeline.model import megatron_train as mt
     from kimi_pipeline.model.megatron_model import unwrap
-    from kimi_pipeline.quant.qat import enable_int4_qat, routed_expert_linears
+    from kimi_pipeline.model.qat import enable_int4_qat, routed_expert_linears
     from kimi_pipeline.recipes import load_recipe
 
     r = load_recipe("tiny", ["cluster.device=cuda", "quant.int4_qat=true"])

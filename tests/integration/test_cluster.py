@@ -185,7 +185,7 @@ def test_kuberay_manifests_are_generated_from_the_recipes():
 def test_cli_manifest_check_and_job_command(tmp_path):
     from typer.testing import CliRunner
 
-    from kimi_pipeline.cluster.cli import cluster_app
+    from kimi_pipeline.cli_cluster import cluster_app
 
     cli = CliRunner()
     ok = cli.invoke(cluster_app, ["manifest", "--check"])
@@ -385,10 +385,10 @@ def test_the_one_host_cluster_listens_on_loopback_only(embedded):
     exporters, the Ray Client server) and the driver's listen on 127.0.0.1 alone: nobody on another host reaches
     them. Such a cluster takes no second node (Ray's single-host mode), and says so."""
     import ray
+    from support.sockets import listeners, session_members, with_descendants
 
     from kimi_pipeline.cluster.health import connected
     from kimi_pipeline.cluster.local import NodeSpec
-    from support.sockets import listeners, session_members, with_descendants
 
     cluster = embedded["cluster"]
     assert cluster.loopback and embedded["section"]["address"].startswith("127.0.0.1:")
@@ -646,7 +646,7 @@ def test_infra_scripts_start_a_head_and_a_worker():
 def test_cli_up_keeps_the_cluster_and_down_stops_it():
     from typer.testing import CliRunner
 
-    from kimi_pipeline.cluster.cli import cluster_app
+    from kimi_pipeline.cli_cluster import cluster_app
 
     run_dir = short_run_dir("cli")
     cli = CliRunner()

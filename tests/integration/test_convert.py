@@ -24,7 +24,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from kimi_pipeline.convert.dequant import (
+from kimi_pipeline.errors import is_permanent
+from kimi_pipeline.hf.config import hf_config_dict
+from kimi_pipeline.hf.quantized_copy import write_quantized_checkpoint
+from kimi_pipeline.hf.reader import HFCheckpoint, HFCheckpointError
+from kimi_pipeline.hf.source_formats import (
     Int4Dequantizer,
     QuantFormatError,
     dequant_fp8_block,
@@ -33,9 +37,8 @@ from kimi_pipeline.convert.dequant import (
     quantize_fp8_block,
     quantize_int4_packed,
 )
-from kimi_pipeline.convert.hf_reader import HFCheckpoint, HFCheckpointError
-from kimi_pipeline.convert.quantized_copy import write_quantized_checkpoint
-from kimi_pipeline.convert.torch_dist import (
+from kimi_pipeline.recipes import load_recipe
+from kimi_pipeline.weightjobs.convert import (
     MARKER,
     TRACKER,
     ConvertSections,
@@ -47,10 +50,7 @@ from kimi_pipeline.convert.torch_dist import (
     source_manifest,
     verify_conversion,
 )
-from kimi_pipeline.convert.verify import ConversionVerifyError
-from kimi_pipeline.errors import is_permanent
-from kimi_pipeline.model.hf_config import hf_config_dict
-from kimi_pipeline.recipes import load_recipe
+from kimi_pipeline.weightjobs.convert_verify import ConversionVerifyError
 from kimi_pipeline.weightjobs.launch import WeightJobPermanentError, launch_local, scale_out_command
 from kimi_pipeline.weightjobs.rank import RANK_ENTRY, rank_args
 
@@ -149,7 +149,7 @@ def test_detect_format_and_unsupported():
 
 # ---------------------------------------------------------------- the reader (no job)
 def test_reader_reads_only_what_is_asked(tiny_ckpt):
-    from kimi_pipeline.convert.names import all_hf_names
+    from kimi_pipeline.hf.names import all_hf_names
 
     spec = load_recipe("tiny").model
     r = HFCheckpoint(tiny_ckpt)
@@ -215,8 +215,8 @@ def test_quantized_copy_keeps_the_source_shards_and_names_a_corrupt_one(tiny_ckp
 
 # ---------------------------------------------------------------- layouts and commands
 def test_verify_layout_differs_from_the_written_one():
-    from kimi_pipeline.convert.verify import SMALL_MODEL_BYTES, model_bytes, verify_layout
-    from kimi_pipeline.model.parallel import Layout
+    from kimi_pipeline.recipes.layout import Layout
+    from kimi_pipeline.weightjobs.convert_verify import SMALL_MODEL_BYTES, model_bytes, verify_layout
 
     tiny = load_recipe("tiny")
     assert model_bytes(tiny.model) < SMALL_MODEL_BYTES
@@ -229,10 +229,10 @@ def test_verify_layout_differs_from_the_written_one():
 
 
 def test_scale_out_command_is_one_torchrun_per_node():
-    cmd = scale_out_command("kimi_pipeline.convert.convert_rank", ["--job", "/shared/run/convert/work/job.json"], nnodes=4, nproc_per_node=8)
+    cmd = scale_out_command("kimi_pipeline.weightjobs.convert_rank", ["--job", "/shared/run/convert/work/job.json"], nnodes=4, nproc_per_node=8)
     assert "--nnodes=4" in cmd and "--nproc-per-node=8" in cmd
     assert "--master-addr=$MASTER_ADDR" in cmd and "--node-rank=$NODE_RANK" in cmd
-    assert cmd.endswith("-m kimi_pipeline.convert.convert_rank --job /shared/run/convert/work/job.json")
+    assert cmd.endswith("-m kimi_pipeline.weightjobs.convert_rank --job /shared/run/convert/work/job.json")
 
 
 # ---------------------------------------------------------------- the 4-node job
@@ -294,8 +294,8 @@ def test_task_cache_key_follows_content_not_paths(tmp_path):
 @pytest.mark.slow
 def test_reload_under_tp2_matches_the_source(converted, tiny_ckpt, tmp_path):
     """The pp2 x ep2 checkpoint, resharded into TP2 x expert-TP2 (2 ranks): every tensor and the round trip exact."""
-    from kimi_pipeline.convert.verify import summarize
-    from kimi_pipeline.model.parallel import Layout
+    from kimi_pipeline.recipes.layout import Layout
+    from kimi_pipeline.weightjobs.convert_verify import summarize
     from kimi_pipeline.weightjobs.job_file import write_job_file
 
     run_dir, _ = converted
@@ -391,10 +391,10 @@ def _load_converted(ckpt: Path, spec) -> dict[str, torch.Tensor]:
     code = (
         "import sys, torch; from safetensors.torch import save_file\n"
         "from kimi_pipeline.recipes.models import ModelSpec\n"
-        "from kimi_pipeline.model.parallel import Layout, init_distributed, destroy\n"
+        "from kimi_pipeline.model.parallel import init_distributed, destroy\nfrom kimi_pipeline.recipes.layout import Layout\n"
         "from kimi_pipeline.model.megatron_model import build_model\n"
         "from kimi_pipeline.model.megatron_train import load_model_only\n"
-        "from kimi_pipeline.convert.names import export_hf_tensors\n"
+        "from kimi_pipeline.hf.names import export_hf_tensors\n"
         "if __name__ == '__main__':\n"
         "    spec = ModelSpec.model_validate_json(open(sys.argv[1]).read()); lay = Layout()\n"
         "    init_distributed(lay, device=torch.device('cpu')); m = build_model(spec, lay, device=torch.device('cpu')); load_model_only(sys.argv[2], m)\n"
@@ -485,7 +485,7 @@ def test_interrupted_conversion_is_never_taken_as_complete(tiny_ckpt, tmp_path):
     run_dir = tmp_path / "run"
     code = (
         "import sys\nfrom pathlib import Path\nfrom kimi_pipeline.recipes import load_recipe\n"
-        "from kimi_pipeline.convert.torch_dist import ConvertSections, run_convert\n"
+        "from kimi_pipeline.weightjobs.convert import ConvertSections, run_convert\n"
         "if __name__ == '__main__':\n"
         "    r = load_recipe('tiny')\n"
         "    r = r.model_copy(update={'convert': r.convert.model_copy(update=dict(nodes=2, pp=2, ep=1, verify=False))})\n"

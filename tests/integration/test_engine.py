@@ -12,6 +12,8 @@ import httpx
 import numpy as np
 import pytest
 import torch
+from support import engine_http
+from support.common import assert_bf16_engine_tracks_fp32, random_tiny_hf
 
 from kimi_pipeline.engine import model as engine_model
 from kimi_pipeline.engine.client import EngineBadRequest, EngineClient, Router
@@ -27,12 +29,10 @@ from kimi_pipeline.engine.static_decode import (
     graphs_supported,
 )
 from kimi_pipeline.errors import PermanentError
-from kimi_pipeline.model.hf_config import hf_config_dict
+from kimi_pipeline.hf.config import hf_config_dict
 from kimi_pipeline.model.hf_model import save_hf_model
 from kimi_pipeline.recipes import load_recipe
 from kimi_pipeline.weight_sync.push import chunk_named_tensors
-from support import engine_http
-from support.common import assert_bf16_engine_tracks_fp32, random_tiny_hf
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_MODEL = ROOT / "data" / "tiny" / "model"

@@ -16,6 +16,8 @@ import time
 import httpx
 import pytest
 import torch
+from support import engine_http
+from support.common import TINY, random_tiny_hf
 
 from kimi_pipeline.engine.client import (
     EngineBadRequest,
@@ -30,10 +32,9 @@ from kimi_pipeline.engine.key import KEY_FILE_VAR, EngineKeyError, engine_api_ke
 from kimi_pipeline.engine.model import EngineModel
 from kimi_pipeline.engine.sampler import MEMORY_TAGS, RolloutEngine, SamplingParams
 from kimi_pipeline.engine.server import EngineServer
+from kimi_pipeline.plan.residency import RESIDENT
+from kimi_pipeline.rl.handoff import Handoff
 from kimi_pipeline.weight_sync.push import weight_update_session
-from kimi_pipeline.rl.handoff import RESIDENT, Handoff
-from support import engine_http
-from support.common import TINY, random_tiny_hf
 
 PROMPTS = [[3, 5, 7, 9], [4, 6, 8]]
 PARAMS = SamplingParams(max_new_tokens=6, temperature=1.0, seed=123)

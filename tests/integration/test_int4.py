@@ -11,16 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
+from support.common import TINY, qat_vs_quantized_weights
 
-from kimi_pipeline.convert.hf_reader import INDEX_NAME, iter_stored_tensors
-from kimi_pipeline.quant.export import (
-    KIMI_IGNORE,
-    ExportError,
-    export_int4,
-    is_quantized,
-    kimi_quantization_config,
-)
-from kimi_pipeline.quant.int4 import (
+from kimi_pipeline.hf.int4 import (
     Int4ShapeError,
     dequantize_int4,
     fake_quant_int4,
@@ -28,7 +21,14 @@ from kimi_pipeline.quant.int4 import (
     quantize_int4,
     unpack_int4,
 )
-from support.common import TINY, qat_vs_quantized_weights
+from kimi_pipeline.hf.int4_checkpoint import (
+    KIMI_IGNORE,
+    ExportError,
+    export_int4,
+    is_quantized,
+    kimi_quantization_config,
+)
+from kimi_pipeline.hf.reader import INDEX_NAME, iter_stored_tensors
 
 CPU = torch.device("cpu")
 
@@ -241,7 +241,7 @@ def test_export_is_atomic(tmp_path):
 
 
 def test_dequant_exact_and_reload_parity(tiny_export):
-    from kimi_pipeline.quant.verify import check_model, check_tensors, model_check_problems
+    from kimi_pipeline.weightjobs.export_verify import check_model, check_tensors, model_check_problems
 
     out, _ = tiny_export
     t = check_tensors(out, iter_stored_tensors(TINY_MODEL), 32)
@@ -260,7 +260,7 @@ def test_verification_catches_a_wrong_scale(tiny_export, tmp_path):
 
     from safetensors.torch import load_file, save_file
 
-    from kimi_pipeline.quant.verify import check_model, check_tensors, model_check_problems
+    from kimi_pipeline.weightjobs.export_verify import check_model, check_tensors, model_check_problems
 
     src, _ = tiny_export
     out = tmp_path / "corrupt"
@@ -284,8 +284,9 @@ def test_verification_catches_a_wrong_scale(tiny_export, tmp_path):
 def megatron_pair():
     """Two identical single-rank tiny megatron models (CPU, gloo): `qat` and `ref`."""
     from kimi_pipeline.model.megatron_model import build_model
-    from kimi_pipeline.model.parallel import Layout, destroy, init_distributed
+    from kimi_pipeline.model.parallel import destroy, init_distributed
     from kimi_pipeline.recipes import load_recipe
+    from kimi_pipeline.recipes.layout import Layout
 
     spec = load_recipe("tiny").model
     init_distributed(Layout(), device=CPU)
@@ -299,7 +300,7 @@ def megatron_pair():
 
 def test_qat_wraps_only_routed_experts_and_keeps_parameters(megatron_pair):
     from kimi_pipeline.model.megatron_model import causal_forward
-    from kimi_pipeline.quant.qat import QATError, disable_int4_qat, enable_int4_qat
+    from kimi_pipeline.model.qat import QATError, disable_int4_qat, enable_int4_qat
 
     model, _ = megatron_pair
     params = {n: p for n, p in model.named_parameters()}
@@ -350,8 +351,8 @@ def test_qat_forward_and_ste_grads_under_megatron_ddp(megatron_pair):
 
 
 def test_run_export_section(tmp_path):
-    from kimi_pipeline.quant.checkpoint_export import SECTION_FILE, run_export
     from kimi_pipeline.recipes import load_recipe
+    from kimi_pipeline.weightjobs.export import SECTION_FILE, run_export
 
     recipe = load_recipe("tiny")
     section = run_export(recipe.model, recipe.quant, tmp_path, lambda: iter_stored_tensors(TINY_MODEL),
@@ -394,13 +395,13 @@ def test_a_checkpoint_save_starts_no_helper_process(megatron_pair, tmp_path):
 def test_stage_export_from_a_megatron_checkpoint(megatron_pair, tmp_path):
     """Trainer checkpoint (torch_dist) -> child process -> INT4 export whose logits match the megatron
     fake-quant forward; summary.json gains the export section; the cache key is the content hash."""
-    from kimi_pipeline.convert.names import load_hf_tensors_into_model
+    from kimi_pipeline.model.hf_bridge import load_hf_tensors_into_model
     from kimi_pipeline.model.megatron_model import build_model
     from kimi_pipeline.model.megatron_train import save_model_only
-    from kimi_pipeline.model.parallel import Layout
-    from kimi_pipeline.quant.checkpoint_export import checkpoint_content_hash
     from kimi_pipeline.recipes import load_recipe
+    from kimi_pipeline.recipes.layout import Layout
     from kimi_pipeline.stages import EXPORT, run_stage
+    from kimi_pipeline.weightjobs.export import checkpoint_content_hash
 
     recipe = load_recipe("tiny", ["quant.int4_qat=true"])  # the QAT export path (the preset trains without QAT)
     src = dict(iter_stored_tensors(TINY_MODEL))
@@ -422,8 +423,8 @@ def test_stage_export_from_a_megatron_checkpoint(megatron_pair, tmp_path):
     written = sorted(p.name for p in Path(section["path"]).glob("*.safetensors"))
     assert section["shards"] == len(written) >= 4 and all(n.startswith("model-") for n in written)
     # ... and the result is, tensor for tensor, bit-identical to the single-process export of the same weights
-    from kimi_pipeline.convert.names import export_hf_tensors
-    from kimi_pipeline.quant.checkpoint_export import shard_bytes
+    from kimi_pipeline.model.hf_bridge import export_hf_tensors
+    from kimi_pipeline.weightjobs.export import shard_bytes
 
     config = json.loads((TINY_MODEL / "config.json").read_text())
     single = export_int4(export_hf_tensors(model, recipe.model, Layout()), config, TINY_MODEL, tmp_path / "single",

@@ -19,11 +19,11 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
-
-from kimi_pipeline.convert.hf_reader import HFCheckpoint, HFCheckpointError, iter_stored_tensors
-from kimi_pipeline.data.tiny_k25 import build_tiny_k25
-from kimi_pipeline.recipes.models import VisionSpec
 from support.common import TINY, TRAIN_SET, tiny_overrides
+
+from kimi_pipeline.data.tiny_k25 import build_tiny_k25
+from kimi_pipeline.hf.reader import HFCheckpoint, HFCheckpointError, iter_stored_tensors
+from kimi_pipeline.recipes.models import VisionSpec
 
 pytestmark = pytest.mark.slow
 
@@ -245,8 +245,8 @@ def test_the_export_is_the_source_checkpoint_with_its_language_model_trained(pip
 def test_the_exports_ignore_list_covers_what_is_stored_unquantized_and_never_contradicts_the_files():
     """A base whose ignore list misses its vision parts or names `lm_head` bare (in front of K2.5's prefix) gets the
     missing modules added; a Linear stored packed that the list ignores is refused (an engine would misread it)."""
-    from kimi_pipeline.convert.names import HFLayout
-    from kimi_pipeline.quant.export import ExportError, check_config_agrees, ignore_covering, is_quantized
+    from kimi_pipeline.hf.int4_checkpoint import ExportError, check_config_agrees, ignore_covering, is_quantized
+    from kimi_pipeline.hf.names import HFLayout
 
     layout = HFLayout("language_model.")
     stored = ["language_model.lm_head.weight", "language_model.model.layers.1.mlp.experts.0.up_proj.weight_packed",

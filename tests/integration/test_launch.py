@@ -104,7 +104,7 @@ def test_rehearse_refuses_an_oversubscribed_recipe_naming_the_field(tmp_path):
 def test_recompute_and_dispatcher_fields_reach_the_megatron_config():
     """Issue 14 item 6/8: the recompute fields (which `kimi plan` credits) and the dispatcher field are read."""
     from kimi_pipeline.model.megatron_model import transformer_config
-    from kimi_pipeline.model.parallel import Layout
+    from kimi_pipeline.recipes.layout import Layout
     from kimi_pipeline.rl.policy import trainer_config_overrides
 
     r = load_recipe("tiny", ["parallel.recompute_granularity=full", "parallel.recompute_method=uniform",

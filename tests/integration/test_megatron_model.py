@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.common import fixed_batch, nll
 
 from kimi_pipeline.model import megatron_compat
-from kimi_pipeline.model.parallel import Layout, LayoutError
 from kimi_pipeline.recipes import load_recipe
-from support.common import fixed_batch, nll
+from kimi_pipeline.recipes.layout import Layout, LayoutError
 
 CPU = torch.device("cpu")
 
@@ -159,21 +159,21 @@ def single_process():
 
 
 def test_one_process_trains_with_megatron_optimizer(single_process):
-    from kimi_pipeline.convert import names
+    from kimi_pipeline.model import hf_bridge
     from kimi_pipeline.model import megatron_train as mt
 
     r = load_recipe("tiny")
     chunks, opt = mt.build_trainable(r.model, single_process, r.optimizer, device=CPU)
     tokens, targets = fixed_batch(r.model)
     micro = [{"tokens": tokens[:4], "targets": targets[:4]}, {"tokens": tokens[4:], "targets": targets[4:]}]
-    before = {k: v.detach().clone() for k, v in names.model_tensors(chunks).items()}
+    before = {k: v.detach().clone() for k, v in hf_bridge.model_tensors(chunks).items()}
     losses = []
     for _ in range(5):
         out = mt.forward_backward(chunks, micro, nll, optimizer=opt)
         losses.append(sum(o["loss"].item() for o in out) / len(out))
         ok, grad_norm = mt.optimizer_step(opt)
         assert ok and grad_norm > 0
-    after = names.model_tensors(chunks)
+    after = hf_bridge.model_tensors(chunks)
     frozen = sorted(k for k in before if torch.equal(before[k], after[k]))
     assert frozen == [f"decoder.layers.{i}.mlp.router.expert_bias" for i in (1, 2, 3)]  # bias is fixed in RL
     assert losses[-1] < losses[0] - 0.5 and all(b < a for a, b in zip(losses, losses[1:])), losses
@@ -212,7 +212,7 @@ def test_grouped_experts_equal_megatrons_expert_loop(single_process, qat):
 
     from kimi_pipeline.model import megatron_train as mt
     from kimi_pipeline.model.grouped_experts import grouped_sequential_mlp
-    from kimi_pipeline.quant.qat import enable_int4_qat
+    from kimi_pipeline.model.qat import enable_int4_qat
 
     r = load_recipe("tiny")
     chunks, _ = mt.build_trainable(r.model, single_process, r.optimizer, device=CPU)
@@ -353,7 +353,7 @@ def test_cpu_speed_patches_compute_what_megatron_computes():
 def test_checkpoint_is_atomic_and_round_trips(single_process, tmp_path, monkeypatch):
     from megatron.core import dist_checkpointing
 
-    from kimi_pipeline.convert import names
+    from kimi_pipeline.model import hf_bridge
     from kimi_pipeline.model import megatron_train as mt
 
     r = load_recipe("tiny")
@@ -365,7 +365,7 @@ def test_checkpoint_is_atomic_and_round_trips(single_process, tmp_path, monkeypa
         assert mt.optimizer_step(opt)[0]
 
     def weights(chunks):
-        return {k: v.detach().clone() for k, v in names.model_tensors(chunks).items()}
+        return {k: v.detach().clone() for k, v in hf_bridge.model_tensors(chunks).items()}
 
     chunks, opt = mt.build_trainable(r.model, single_process, r.optimizer, device=CPU)
     step(chunks, opt)
@@ -418,7 +418,7 @@ def test_checkpoint_is_atomic_and_round_trips(single_process, tmp_path, monkeypa
     mt.save_model_only(plain, fresh)
     other = build_model(r.model, single_process, device=CPU)
     assert mt.load_model_only(plain, other) == 0
-    mine, theirs = names.model_tensors(fresh), names.model_tensors(other)
+    mine, theirs = hf_bridge.model_tensors(fresh), hf_bridge.model_tensors(other)
     assert all(torch.equal(mine[k], theirs[k]) for k in mine)
     with pytest.raises(mt.CheckpointError, match="no latest_checkpointed_iteration"):
         mt.load_model_only(tmp_path / "nothing", other)

@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+from support.sockets import listeners
 
 from kimi_pipeline.util.net import free_port
 from kimi_pipeline.util.rendezvous import tcp_store
 from kimi_pipeline.weight_sync.dist_group import make_group
 from kimi_pipeline.weightjobs.agent import BACKEND, torchrun_args
 from kimi_pipeline.weightjobs.launch import launch_local
-from support.sockets import listeners
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = datetime.timedelta(seconds=60)
@@ -67,7 +67,7 @@ def test_a_loopback_weight_update_group_listens_on_loopback_only():
 def test_the_trainers_rendezvous_listens_on_loopback_only():
     """A lone trainer process (`init_distributed`, megatron's groups included) listens on loopback alone."""
     code = ("import json, os, torch\n"
-            "from kimi_pipeline.model.parallel import Layout, init_distributed\n"
+            "from kimi_pipeline.model.parallel import init_distributed\nfrom kimi_pipeline.recipes.layout import Layout\n"
             "from support.sockets import listeners\n"
             "init_distributed(Layout(), device=torch.device('cpu'))\n"
             "print(json.dumps([x.address for x in listeners([os.getpid()])]))\n")

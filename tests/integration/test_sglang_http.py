@@ -47,7 +47,7 @@ from kimi_pipeline.engine.model import EngineModel
 from kimi_pipeline.engine.sampler import RolloutEngine
 from kimi_pipeline.engine.server import EngineServer
 from kimi_pipeline.engine.sglang import PARSER_PATH_VAR
-from kimi_pipeline.model.hf_config import hf_config_dict
+from kimi_pipeline.hf.config import hf_config_dict
 from kimi_pipeline.model.hf_model import save_hf_model
 from kimi_pipeline.recipes import load_recipe
 

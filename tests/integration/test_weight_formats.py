@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from kimi_pipeline.convert.dequant import dequant_fp8_block, quantize_fp8_block
-from kimi_pipeline.weight_sync.push import chunk_named_tensors
 from kimi_pipeline.engine.model import EngineModel, EngineWeightError, iter_safetensors
-from kimi_pipeline.weight_sync.formats import to_engine_format
-from kimi_pipeline.quant.export import KEEP_FP32, is_quantized
-from kimi_pipeline.quant.int4 import fake_quant_int4
+from kimi_pipeline.hf.int4 import fake_quant_int4
+from kimi_pipeline.hf.int4_checkpoint import KEEP_FP32, is_quantized
+from kimi_pipeline.hf.source_formats import dequant_fp8_block, quantize_fp8_block
 from kimi_pipeline.recipes import load_recipe
+from kimi_pipeline.weight_sync.formats import to_engine_format
+from kimi_pipeline.weight_sync.push import chunk_named_tensors
 from kimi_pipeline.weight_sync.updaters import SyncTarget
 
 TINY_MODEL = Path(__file__).resolve().parents[2] / "data" / "tiny" / "model"

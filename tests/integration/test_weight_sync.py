@@ -12,15 +12,15 @@ from __future__ import annotations
 import pytest
 import torch
 from safetensors.torch import load_file
+from support.common import random_tiny_hf
+from support.megatron_worker import launch
 
 from kimi_pipeline.engine.model import EngineModel
 from kimi_pipeline.engine.sampler import RolloutEngine
 from kimi_pipeline.engine.server import EngineServer
-from kimi_pipeline.model.parallel import Layout
 from kimi_pipeline.recipes import load_recipe
+from kimi_pipeline.recipes.layout import Layout
 from kimi_pipeline.weight_sync.buckets import BucketSchedule
-from support.common import random_tiny_hf
-from support.megatron_worker import launch
 
 pytestmark = pytest.mark.slow  # `make test-fast` leaves it out: 8 gloo ranks per layout (~30 s each)
 

@@ -217,11 +217,11 @@ def qat_vs_quantized_weights(model, ref, device) -> tuple:
     import torch
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
+    from kimi_pipeline.hf.int4 import fake_quant_int4
     from kimi_pipeline.model.megatron_model import causal_forward
-    from kimi_pipeline.quant.int4 import fake_quant_int4
-    from kimi_pipeline.quant.qat import disable_int4_qat, enable_int4_qat, routed_expert_linears
+    from kimi_pipeline.model.qat import disable_int4_qat, enable_int4_qat, routed_expert_linears
 
-    weight = re.compile(r"weight\d*")  # as quant/qat.py: `weight` (local Linear) or `weight{e}` (TE grouped linear)
+    weight = re.compile(r"weight\d*")  # as model/qat.py: `weight` (local Linear) or `weight{e}` (TE grouped linear)
     with torch.no_grad():
         for _, lin in routed_expert_linears(ref):
             for name, p in lin._parameters.items():

@@ -52,6 +52,6 @@ def deterministic_kernels():
 
 def tiny_hf_tensors() -> dict:
     """The shipped tiny checkpoint's HF-named tensors (CPU), for load_hf_tensors_into_model."""
-    from kimi_pipeline.convert.hf_reader import iter_stored_tensors
+    from kimi_pipeline.hf.reader import iter_stored_tensors
 
     return dict(iter_stored_tensors(TINY_MODEL))

@@ -79,8 +79,9 @@ def launch(scenario: str, world: int, out_dir: Path, args: dict, timeout: float 
 def _setup(args: dict):
     import torch
 
-    from kimi_pipeline.model.parallel import Layout, init_distributed
+    from kimi_pipeline.model.parallel import init_distributed
     from kimi_pipeline.recipes import load_recipe
+    from kimi_pipeline.recipes.layout import Layout
 
     recipe = load_recipe("tiny")
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -148,9 +149,9 @@ def _export(chunks, spec, layout, out: Path) -> None:
     """Full HF-named tensors (collective); rank 0 writes them as safetensors."""
     from safetensors.torch import save_file
 
-    from kimi_pipeline.convert import names
+    from kimi_pipeline.model import hf_bridge
 
-    tensors = {n: t.contiguous() for n, t in names.export_hf_tensors(chunks, spec, layout)}
+    tensors = {n: t.contiguous() for n, t in hf_bridge.export_hf_tensors(chunks, spec, layout)}
     if int(os.environ.get("RANK", "0")) == 0:
         save_file(tensors, str(out))
 
@@ -181,7 +182,7 @@ def scenario_ops(out_dir: Path, args: dict) -> dict:
     """
     import torch
 
-    from kimi_pipeline.convert import names
+    from kimi_pipeline.model import hf_bridge
     from kimi_pipeline.model import megatron_train as mt
 
     recipe, layout = _setup(args)
@@ -192,7 +193,7 @@ def scenario_ops(out_dir: Path, args: dict) -> dict:
     rec: dict = {"losses": [], "grad_norms": [], "eval": [], "logprobs": [], "extra": []}
     for op, *a in args["ops"]:
         if op == "load_hf":
-            names.load_hf_tensors_into_model(chunks, _hf_reader(args["weights"]), spec, layout)
+            hf_bridge.load_hf_tensors_into_model(chunks, _hf_reader(args["weights"]), spec, layout)
         elif op == "train":
             for _ in range(a[0]):
                 out = mt.forward_backward(chunks, micro, _nll_loss, optimizer=opt)
@@ -225,7 +226,7 @@ def scenario_grpo_padded(out_dir: Path, args: dict) -> dict:
 
     import torch
 
-    from kimi_pipeline.convert import names
+    from kimi_pipeline.model import hf_bridge
     from kimi_pipeline.model import megatron_train as mt
     from kimi_pipeline.model.host_syncs import HostSyncRecorder
     from kimi_pipeline.model.megatron_model import unwrap
@@ -236,7 +237,7 @@ def scenario_grpo_padded(out_dir: Path, args: dict) -> dict:
     recipe, layout = _setup(args)
     spec = recipe.model
     chunks, opt = mt.build_trainable(spec, layout, recipe.optimizer, device=torch.device("cpu"))
-    names.load_hf_tensors_into_model(chunks, _hf_reader(args["weights"]), spec, layout)
+    hf_bridge.load_hf_tensors_into_model(chunks, _hf_reader(args["weights"]), spec, layout)
     g = torch.Generator().manual_seed(5)
     samples = []
     for i in range(5):
@@ -465,19 +466,20 @@ def scenario_weight_sync(out_dir: Path, args: dict) -> dict:
     """The colocated sync (`weight_sync.updaters.GroupBuckets` with the embedded engine's shared-memory handoff,
     `args["colocate"]`) or the non-colocated one (`PPStageSources`) of a randomly initialised tiny model at this
     layout to the engines at `args["urls"]`, under a recorder of every collective of the trainers' groups; rank 0 also writes the trainer's HF tensors, exported by the conversion's own path
-    (`convert.names.export_hf_tensors`), as the reference."""
+    (`model.hf_bridge.export_hf_tensors`), as the reference."""
     from types import SimpleNamespace
 
     import torch
 
-    from kimi_pipeline.convert.names import HFLayout, export_hf_tensors
     from kimi_pipeline.engine.client import Router
+    from kimi_pipeline.hf.names import HFLayout
+    from kimi_pipeline.model.hf_bridge import export_hf_tensors
     from kimi_pipeline.model.megatron_model import build_model
     from kimi_pipeline.weight_sync.updaters import (
         DiskCheckpoint,
         GroupBuckets,
-        SharedMemoryHandoff,
         PPStageSources,
+        SharedMemoryHandoff,
         SyncTarget,
         choose_weight_sync,
     )

@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from kimi_pipeline.convert import names
-from kimi_pipeline.model.hf_config import hf_config_dict
-from kimi_pipeline.model.parallel import Layout
+from kimi_pipeline.hf import names
+from kimi_pipeline.hf.config import hf_config_dict
+from kimi_pipeline.model import hf_bridge
 from kimi_pipeline.recipes import load_recipe
+from kimi_pipeline.recipes.layout import Layout
 
 CPU = torch.device("cpu")
 
@@ -48,7 +49,7 @@ def hf_model(spec, seed: int = 0):
 @pytest.fixture(scope="module")
 def hf_saved(spec, tmp_path_factory):
     """(model, {name: tensor} as written on disk by save_pretrained)."""
-    from kimi_pipeline.convert.hf_reader import iter_stored_tensors
+    from kimi_pipeline.hf.reader import iter_stored_tensors
 
     model = hf_model(spec)
     out: Path = tmp_path_factory.mktemp("hf")
@@ -87,7 +88,7 @@ def test_logits_parity_and_bit_exact_round_trip(spec, hf_saved, single_process):
     model, disk = hf_saved
     torch.manual_seed(1)
     mg = mm.build_model(spec, single_process, device=CPU).eval()
-    read = names.load_hf_tensors_into_model(mg, disk.__getitem__, spec, single_process)
+    read = hf_bridge.load_hf_tensors_into_model(mg, disk.__getitem__, spec, single_process)
     assert sorted(read) == sorted(disk)
     tokens = torch.randint(0, spec.vocab_size, (3, 40), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
@@ -97,7 +98,7 @@ def test_logits_parity_and_bit_exact_round_trip(spec, hf_saved, single_process):
     assert diff < LOGITS_ATOL, f"HF vs megatron logits differ by {diff}"
     assert torch.equal(ref.argmax(-1), got.argmax(-1))
 
-    back = dict(names.export_hf_tensors(mg, spec, single_process))
+    back = dict(hf_bridge.export_hf_tensors(mg, spec, single_process))
     assert sorted(back) == sorted(disk)
     mismatched = [k for k in disk if not (back[k].dtype == disk[k].dtype and torch.equal(back[k], disk[k]))]
     assert mismatched == [], f"HF -> megatron -> HF not bit-exact: {mismatched[:5]}"
@@ -111,10 +112,10 @@ def test_expert_bias_changes_routing(spec, hf_saved, single_process):
     zeroed = {k: (torch.zeros_like(v) if k.endswith("e_score_correction_bias") else v) for k, v in disk.items()}
     mg = mm.build_model(spec, single_process, device=CPU).eval()
     tokens = torch.randint(0, spec.vocab_size, (2, 32), generator=torch.Generator().manual_seed(4))
-    names.load_hf_tensors_into_model(mg, disk.__getitem__, spec, single_process)
+    hf_bridge.load_hf_tensors_into_model(mg, disk.__getitem__, spec, single_process)
     with torch.no_grad():
         a = mm.causal_forward(mg, tokens)
-    names.load_hf_tensors_into_model(mg, zeroed.__getitem__, spec, single_process)
+    hf_bridge.load_hf_tensors_into_model(mg, zeroed.__getitem__, spec, single_process)
     with torch.no_grad():
         b = mm.causal_forward(mg, tokens)
     assert (a - b).abs().max().item() > 1e-4
@@ -127,10 +128,10 @@ def test_loader_fails_on_missing_or_misshaped_tensor(spec, hf_saved, single_proc
     mg = mm.build_model(spec, single_process, device=CPU)
     gone = "model.layers.2.mlp.experts.5.up_proj.weight"
     with pytest.raises(names.NameMappingError, match="experts.5.up_proj"):
-        names.load_hf_tensors_into_model(mg, lambda n: None if n == gone else disk[n], spec, single_process)
+        hf_bridge.load_hf_tensors_into_model(mg, lambda n: None if n == gone else disk[n], spec, single_process)
     bad = "model.layers.1.self_attn.kv_b_proj.weight"
     with pytest.raises(names.NameMappingError, match="kv_b_proj"):
-        names.load_hf_tensors_into_model(mg, lambda n: disk[n][:-1] if n == bad else disk[n], spec, single_process)
+        hf_bridge.load_hf_tensors_into_model(mg, lambda n: disk[n][:-1] if n == bad else disk[n], spec, single_process)
 
 
 def test_positions_must_be_left_aligned(spec, single_process):

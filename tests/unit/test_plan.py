@@ -10,9 +10,9 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from kimi_pipeline.plan import count_params, get_gpu, make_plan, megatron_bytes_per_param, plan_command
-from kimi_pipeline.plan.memory import PlanLayout, MemoryAssumptions, train_pp_stages
 from kimi_pipeline.model.params import pp_stage_params
+from kimi_pipeline.plan import count_params, get_gpu, make_plan, megatron_bytes_per_param, plan_command
+from kimi_pipeline.plan.memory import MemoryAssumptions, PlanLayout, train_pp_stages
 from kimi_pipeline.plan.timing import TimeAssumptions, forward_flops_per_token
 from kimi_pipeline.recipes import load_recipe, pipeline_layers
 
@@ -312,10 +312,10 @@ _ENGINE_PARTS = {"weights": ("sglang_weights",), "kv_cache": ("sglang_kv_cache",
 
 @pytest.mark.parametrize("name", ["kimi-k2-thinking", "kimi-k2-instruct", "kimi-k2.5"])
 def test_the_colocated_peak_counts_what_the_handoff_keeps_on_the_gpu(name):
-    """Colocated, each phase's total is exactly what `rl.handoff.RESIDENT` (the table the train loop's handoff
+    """Colocated, each phase's total is exactly what `plan.residency.RESIDENT` (the table the train loop's handoff
     runs, tests/integration/test_engine_protocol.py) keeps on the GPU then, plus activations while training, the
     sync buffer while syncing and the residual: the plan's peak is the sequence the code runs."""
-    from kimi_pipeline.rl.handoff import RESIDENT
+    from kimi_pipeline.plan.residency import RESIDENT
 
     r = load_recipe(name)
     assert r.cluster.colocate and r.rollout.engine == "sglang"

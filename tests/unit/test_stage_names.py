@@ -93,7 +93,7 @@ WORDS = {
         (
             "kimi_pipeline/weightjobs/",
             "kimi_pipeline/cluster/ray_submit.py",
-            "kimi_pipeline/cluster/cli.py",
+            "kimi_pipeline/cli_cluster.py",
             "kimi_pipeline/model/device.py",
         ),
         ("kimi_pipeline.weightjobs",),

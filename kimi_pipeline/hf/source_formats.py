@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from kimi_pipeline.errors import PermanentError
-from kimi_pipeline.model.hf_config import quantization_config, text_config
+from kimi_pipeline.hf.config import quantization_config, text_config
 
 FP8_SCALE_SUFFIX = "_scale_inv"  # X.weight -> X.weight_scale_inv
 INT4_SUFFIXES = ("_packed", "_scale", "_shape", "_zero_point", "_g_idx")  # X.weight -> X.weight_packed, ...

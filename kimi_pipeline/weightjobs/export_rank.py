@@ -6,7 +6,7 @@ tensors it is the designated source of (its experts; the lowest rank of a stage 
 writes them as its own temp-named shards into the shared output directory, reads them back and checks
 them bit for bit against its tensors, and records shards, sizes, the check and its peak RSS in
 `export_rank_<r>.json`. The launcher names the shards and writes the one index last
-(`quant.checkpoint_export.export_distributed`, run by the export stage). Peak memory per rank: its model slice
+(`weightjobs.export.export_distributed`, run by the export stage). Peak memory per rank: its model slice
 plus one shard buffer. The rank runs under the thin entry `weightjobs.rank`, so megatron's helper process, which
 re-imports the rank's `__main__`, does not load this module's model code.
 """
@@ -20,11 +20,11 @@ from typing import Any
 
 import torch.distributed as dist
 
-from kimi_pipeline.convert.names import HFLayout
+from kimi_pipeline.hf.names import HFLayout
 from kimi_pipeline.model.device import job_device
-from kimi_pipeline.model.parallel import Layout
-from kimi_pipeline.quant.export import write_int4_shards
-from kimi_pipeline.quant.verify import check_tensors
+from kimi_pipeline.recipes.layout import Layout
+from kimi_pipeline.hf.int4_checkpoint import write_int4_shards
+from kimi_pipeline.weightjobs.export_verify import check_tensors
 from kimi_pipeline.recipes.models import ModelSpec
 from kimi_pipeline.util.files import atomic_write_json
 from kimi_pipeline.weight_sync.policy_tensors import checkpoint_model, policy_tensors

@@ -7,7 +7,7 @@ section, written last: its presence marks a finished export).
 `export_checkpoint` exports a megatron torch_dist training checkpoint (the tracker's
 latest, or a chosen step). It is distributed like the conversion, in the convert section's layout (one
 rank per GPU over its nodes): every rank loads its slice, quantizes and writes the tensors it owns and
-checks them bit for bit (`quant/export_rank.py`); then this process names the shards and writes the index
+checks them bit for bit (`weightjobs/export_rank.py`); then this process names the shards and writes the index
 last. When the model fits in this host's memory, a one-rank child process then reloads the export with
 transformers + compressed-tensors and compares its logits with the checkpoint's own megatron forward
 (fake-quant experts when the recipe trains with INT4 QAT). `run_export` is the same export in one
@@ -31,18 +31,18 @@ from typing import Any
 import psutil
 import torch
 
-from kimi_pipeline.convert.names import HFLayout
+from kimi_pipeline.hf.names import HFLayout
 from kimi_pipeline.errors import PermanentError, is_permanent
 from kimi_pipeline.model.checkpoint_dirs import CheckpointError
 from kimi_pipeline.model.device import resolve_device
 from kimi_pipeline.model.megatron_model import causal_forward, model_device
 from kimi_pipeline.model.megatron_train import EXTRA, resolve_iteration
-from kimi_pipeline.model.parallel import Layout
+from kimi_pipeline.recipes.layout import Layout
 from kimi_pipeline.model.params import count_params
-from kimi_pipeline.quant.export import ExportInfo, Int4Part, export_int4, export_temp_dir, finish_int4_dir
-from kimi_pipeline.quant.export_rank import REPORT_PREFIX
-from kimi_pipeline.quant.qat import enable_int4_qat
-from kimi_pipeline.quant.verify import (
+from kimi_pipeline.hf.int4_checkpoint import ExportInfo, Int4Part, export_int4, export_temp_dir, finish_int4_dir
+from kimi_pipeline.weightjobs.export_rank import REPORT_PREFIX
+from kimi_pipeline.model.qat import enable_int4_qat
+from kimi_pipeline.weightjobs.export_verify import (
     PARITY_TOL,
     PARITY_TOL_BY_DTYPE,
     ExportVerificationError,
@@ -386,7 +386,7 @@ def _model_check_child(
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT"):
         env.pop(var, None)  # the child is its own one-rank world
     proc = subprocess.run(
-        [sys.executable, "-m", "kimi_pipeline.quant.checkpoint_export", str(out / "job.json")],
+        [sys.executable, "-m", "kimi_pipeline.weightjobs.export", str(out / "job.json")],
         env=env,
         timeout=timeout_s,
         capture_output=True,
@@ -403,7 +403,7 @@ def _model_check_child(
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Child entry point: `python -m kimi_pipeline.quant.checkpoint_export JOB.json` (the model check)."""
+    """Child entry point: `python -m kimi_pipeline.weightjobs.export JOB.json` (the model check)."""
 
     job_path = Path((argv or sys.argv[1:])[0])
     job = json.loads(job_path.read_text())

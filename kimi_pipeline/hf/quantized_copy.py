@@ -1,5 +1,5 @@
 """FP8 / INT4 copies of an HF checkpoint, stored as Kimi ships them: what the tests and the tiny K2.5 pair use to
-prove the loaders read the real formats (the inverse of `convert.dequant`)."""
+prove the loaders read the real formats (the inverse of `hf.source_formats`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from kimi_pipeline.convert.dequant import (
+from kimi_pipeline.hf.source_formats import (
     FP8_SCALE_SUFFIX,
     FP8_TARGET,
     INT4_TARGET,
@@ -18,10 +18,10 @@ from kimi_pipeline.convert.dequant import (
     quantize_fp8_block,
     quantize_int4_packed,
 )
-from kimi_pipeline.convert.hf_reader import iter_stored_files
-from kimi_pipeline.convert.names import HFLayout
-from kimi_pipeline.model.hf_config import with_quantization_config
-from kimi_pipeline.model.hf_model import copy_model_files
+from kimi_pipeline.hf.reader import iter_stored_files
+from kimi_pipeline.hf.names import HFLayout
+from kimi_pipeline.hf.config import with_quantization_config
+from kimi_pipeline.hf.files import copy_model_files
 from kimi_pipeline.util.files import atomic_write_json
 from kimi_pipeline.util.shards import ShardWriter, finish_shards
 

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from kimi_pipeline.convert.dequant import (
+from kimi_pipeline.hf.source_formats import (
     FP8_SCALE_SUFFIX,
     INT4_SUFFIXES,
     Int4Dequantizer,
@@ -32,7 +32,7 @@ from kimi_pipeline.convert.dequant import (
     dequant_fp8_block,
     detect_format,
 )
-from kimi_pipeline.convert.names import HFLayout
+from kimi_pipeline.hf.names import HFLayout
 from kimi_pipeline.errors import PermanentError
 from kimi_pipeline.util.shards import INDEX_NAME
 
@@ -225,7 +225,7 @@ class HFCheckpoint:
 
     # ------------------------------------------------------------ index
     def _check_prefix(self) -> None:
-        """The language model must be where the config's model_type says (`convert.names.HFLayout`): a checkpoint
+        """The language model must be where the config's model_type says (`hf.names.HFLayout`): a checkpoint
         whose index disagrees (a text-only copy under a multimodal config, or the reverse) is refused, naming
         where its embeddings really are."""
         want = self.prefix + "model.embed_tokens.weight"

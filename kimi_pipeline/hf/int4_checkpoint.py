@@ -7,7 +7,7 @@ experts remain. Everything else is stored bf16, except the router's `e_score_cor
 fp32 as in DeepSeek-V3/Kimi checkpoints (it only shifts the top-k choice, and rounding it can flip near-ties).
 
 The export is the base checkpoint with its language model replaced: tensors are stored under the base's own
-names (`convert.names.HFLayout`: K2.5's `language_model.` prefix), and what RL does not train (K2.5's MoonViT
+names (`hf.names.HFLayout`: K2.5's `language_model.` prefix), and what RL does not train (K2.5's MoonViT
 vision tower and projector) is copied from the base as stored, bit for bit, with every file the base ships
 beside its weights (processor and preprocessor configs, chat template, tokenizer, remote code). The config
 is the base's, with its own `ignore` list kept where it ships one (K2.5's also names the vision parts);
@@ -28,13 +28,13 @@ from typing import Any
 
 import torch
 
-from kimi_pipeline.convert.dequant import KIMI_IGNORE
-from kimi_pipeline.convert.hf_reader import StoredTensors
-from kimi_pipeline.convert.names import HFLayout
+from kimi_pipeline.hf.source_formats import KIMI_IGNORE
+from kimi_pipeline.hf.reader import StoredTensors
+from kimi_pipeline.hf.names import HFLayout
 from kimi_pipeline.errors import PermanentError
-from kimi_pipeline.model.hf_config import quantization_config, with_quantization_config
-from kimi_pipeline.model.hf_model import copy_model_files
-from kimi_pipeline.quant.int4 import SCALE_DTYPE, Int4ShapeError, pack_int4, quantize_int4
+from kimi_pipeline.hf.config import quantization_config, with_quantization_config
+from kimi_pipeline.hf.files import copy_model_files
+from kimi_pipeline.hf.int4 import SCALE_DTYPE, Int4ShapeError, pack_int4, quantize_int4
 from kimi_pipeline.util.files import atomic_write_json
 from kimi_pipeline.util.shards import Shard, ShardWriter, finish_shards
 

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kimi_pipeline.convert.hf_reader import HFCheckpoint
-from kimi_pipeline.convert.verify import (
+from kimi_pipeline.hf.reader import HFCheckpoint
+from kimi_pipeline.weightjobs.convert_verify import (
     SMALL_MODEL_BYTES,
     ConversionVerifyError,
     model_bytes,
@@ -31,7 +31,7 @@ from kimi_pipeline.convert.verify import (
 from kimi_pipeline.errors import PermanentError
 from kimi_pipeline.hub.manifest import build_manifest, list_files
 from kimi_pipeline.model.checkpoint_dirs import TRACKER
-from kimi_pipeline.model.parallel import Layout
+from kimi_pipeline.recipes.layout import Layout
 from kimi_pipeline.recipes import Recipe
 from kimi_pipeline.recipes.models import ClusterSpec, ConvertSpec, ModelSpec
 from kimi_pipeline.util.files import atomic_write_json, sha256_json
@@ -203,7 +203,7 @@ def verify_conversion(
     sections: ConvertSections, model_dir: str | Path, ckpt: str | Path, work: str | Path, timeout: float | None = None
 ) -> dict[str, Any]:
     """Verify the torch_dist checkpoint `ckpt`, written in the convert section's layout, against the HF checkpoint
-    `model_dir` (`convert.verify`'s ranks, reloaded under another layout); returns the verdict's fields
+    `model_dir` (`weightjobs.convert_verify`'s ranks, reloaded under another layout); returns the verdict's fields
     for the convert section. Raises ConversionVerifyError listing every tensor that differs (the whole
     verdict is then in WORK/verify_failed.json)."""
     convert, spec, cluster = sections.convert, sections.spec, sections.cluster
