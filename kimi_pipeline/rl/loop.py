@@ -11,7 +11,6 @@ checkpoint and ends with the same metrics as an uninterrupted run.
 from __future__ import annotations
 
 import logging
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,7 +19,7 @@ from typing import Any
 
 import ray
 
-from kimi_pipeline.cluster.env import gcs_reachable, is_loopback_address, use_loopback_ray
+from kimi_pipeline.cluster.env import is_loopback_address, use_loopback_ray
 from kimi_pipeline.cluster.health import Requirements, wait_until_healthy
 from kimi_pipeline.cluster.placement import create_placement_groups, remove_placement_groups
 from kimi_pipeline.convert.names import HFLayout
@@ -39,6 +38,7 @@ from kimi_pipeline.rl.evaluator import EvalFn, PeriodicEval
 from kimi_pipeline.rl.handoff import Handoff
 from kimi_pipeline.rl.health import STOP, HealthRules, HealthStop, health_section
 from kimi_pipeline.rl.metrics import plain
+from kimi_pipeline.rl.ray_errors import first_line, head_lost, root_cause, stage_error
 from kimi_pipeline.rl.rollout_data import SavedRollouts
 from kimi_pipeline.rl.rollout_manager import start_rollout_manager, stop_rollout_manager
 from kimi_pipeline.rl.trainer_group import TrainerGroup
@@ -46,16 +46,6 @@ from kimi_pipeline.util.redact import ray_worker_setup
 from kimi_pipeline.util.threads import cpu_threads
 
 log = logging.getLogger(__name__)
-
-
-class TrainingError(RuntimeError):
-    """A transient training failure (lost actor, engine down): the stage retry resumes from the checkpoint."""
-
-
-class RayHeadLost(PermanentError):
-    """The Ray head stopped answering mid-train: the cluster's actors, placement groups and object store went with
-    it, and a task retry would only dial the dead address again. The flow's re-run brings a cluster up (its cluster
-    stage) and resumes from the latest checkpoint."""
 
 
 @dataclass
@@ -83,53 +73,6 @@ class TrainPaths:
 def _cpu_threads(cluster: ClusterSpec, ranks_per_node: int) -> int:
     """Intra-op threads of each actor: on CUDA one (the GPU computes); on CPU the node's cores shared out."""
     return 1 if cluster.device == "cuda" else cpu_threads(ranks_per_node, cluster.cpus_per_node)
-
-
-def stage_error(e: Exception, engines: dict[str, str] | None = None) -> Exception:
-    """What the stage raises for a failure inside the actors or engines: a PermanentError (bad model, bad
-    recipe, a 400 from an engine) stays permanent even when Ray wraps it, so the task does not retry what a
-    retry cannot fix; anything else (a lost actor, node or engine) is a retryable TrainingError naming the
-    actor that failed. `engines`: engine URL → the engine actor's name, for errors that only carry a URL."""
-
-    cause = _root_cause(e)  # Ray's RayTaskError carries the actor's own exception
-    if isinstance(e, PermanentError) and cause is e:
-        return e
-    if isinstance(cause, PermanentError):  # its own message, not the Ray traceback around it
-        return PermanentError(f"{type(cause).__name__} in a training actor: {cause}")
-    what = "rollout engine" if isinstance(e, EngineRequestError) or isinstance(cause, EngineRequestError) \
-        else "training actors"
-    first = _first_line(e)  # for an actor's exception: Ray's "ray::Actor.method() (pid=…)" line …
-    if cause is not e:  # … and the actor's own message
-        first = f"{first}: {_first_line(cause)}"
-    first += _failed_actor(e, first, engines or {})
-    return TrainingError(f"{what} failed ({type(e).__name__}): {first}; a retry resumes from the latest checkpoint")
-
-
-def _failed_actor(e: BaseException, first: str, engines: dict[str, str]) -> str:
-    """The failed actor where the first line does not name it: a dead actor's class (Ray writes it on a later
-    line: "class_name: PolicyWorker"), or the engine behind a URL an HTTP error names."""
-    text = str(e)
-    m = re.search(r"^\s*class_name: (\S+)", text, re.M)
-    if m and m.group(1) not in first:
-        where = ", ".join(f"{k} {v}" for k, v in re.findall(r"^\s*(pid|ip): (\S+)", text, re.M))
-        return f" [actor {m.group(1)}{f' ({where})' if where else ''}]"
-    # the URL itself, not a prefix of another (":3000" is not ":30001")
-    named = [name for url, name in engines.items() if re.search(re.escape(url) + r"(?![\w.])", text)]
-    return f" [{', '.join(named)}]" if named else ""
-
-
-def _root_cause(e: BaseException) -> BaseException:
-    """The exception an actor raised, through Ray's wrappers: the rollout manager's call into an engine actor
-    nests one RayTaskError in another."""
-    seen = 0
-    while getattr(e, "cause", None) is not None and seen < 8:
-        e, seen = e.cause, seen + 1  # type: ignore[attr-defined]
-    return e
-
-
-def _first_line(e: BaseException) -> str:
-    text = re.sub(r"\x1b\[[0-9;]*m", "", str(e)).strip()  # Ray colours its lines
-    return text.splitlines()[0][:300] if text else ""
 
 
 def _require_healthy_cluster(cluster: ClusterSpec, address: str | None, timeout_s: float = 60.0) -> None:
@@ -183,7 +126,7 @@ def run_training(recipe: Recipe, run_dir: Path, *, init_checkpoint: Path, model_
     trainers: TrainerGroup | None = None
     pgs: dict = {}
     urls: list[str] = []  # the engines'
-    head_lost = False
+    head_gone = False
 
     def engines_memory(action: str, tags: tuple[str, ...]) -> None:
         method = rollouts.release_memory if action == "release" else rollouts.resume_memory
@@ -243,21 +186,17 @@ def run_training(recipe: Recipe, run_dir: Path, *, init_checkpoint: Path, model_
         stop.section = section
         raise
     except (ray.exceptions.RayError, EngineRequestError) as e:
-        head = ray_address or ray.get_runtime_context().gcs_address
-        if not gcs_reachable(head):
-            head_lost = True
-            raise RayHeadLost(f"the Ray head at {head} stopped answering during training ({type(e).__name__}: "
-                              f"{_first_line(e)}): the cluster and every actor on it are gone. Bring the cluster back "
-                              "(a re-run of the flow starts one in its cluster stage; an external cluster: restart "
-                              f"its head), then re-run: training resumes from the latest checkpoint in "
-                              f"{paths.checkpoints}") from e
+        lost = head_lost(e, ray_address or ray.get_runtime_context().gcs_address, paths.checkpoints)
+        if lost is not None:
+            head_gone = True
+            raise lost from e
         actor = engine_kind(recipe.rollout.engine).actor_class().__name__ if urls else ""
         err = stage_error(e, {url: f"rollout engine {i} ({actor} actor)" for i, url in enumerate(urls)})
         if err is e:
             raise
         raise err from e
     finally:
-        if not head_lost:  # with the head gone every call below would wait on a dead GCS, and there is nothing to free
+        if not head_gone:  # with the head gone every call below would wait on a dead GCS, and there is nothing to free
             if trainers is not None:
                 trainers.close()
             if rollouts is not None:
@@ -302,9 +241,9 @@ def _loop(
         try:
             row.update(plain(trainers.train(shares, step)))
         except ray.exceptions.RayTaskError as e:
-            if not isinstance(_root_cause(e), NonFiniteError):
+            if not isinstance(root_cause(e), NonFiniteError):
                 raise
-            stop = health.nonfinite_stop(done, _root_cause(e))
+            stop = health.nonfinite_stop(done, root_cause(e))
             metrics_log.log({**row, "health_nonfinite": STOP})
             raise stop from e
         verdicts, stop = health.judge(row)
@@ -390,9 +329,9 @@ class LiveRollouts:
             try:
                 metrics = plain(self.trainers.sync_weights(self.urls, version))
             except ray.exceptions.RayTaskError as e:
-                if not isinstance(_root_cause(e), EngineUnreachable):
+                if not isinstance(root_cause(e), EngineUnreachable):
                     raise
-                log.warning("weight sync %s: %s; it runs again after the engines restart", version, _first_line(e))
+                log.warning("weight sync %s: %s; it runs again after the engines restart", version, first_line(e))
                 self.trainers.release()
                 restarted = self._heal()
                 if not restarted:
