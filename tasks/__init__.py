@@ -1,2 +1,3 @@
-"""Prefect task adapters: one module per stage. They add retries, content-hash cache keys and
-artifacts around the `kimi_pipeline` stage functions, and nothing else."""
+"""Prefect task adapters: one module per stage (`download` … `export`; `train` also holds the eval task). Each runs
+its `kimi_pipeline` stage through `common.run_stage_task` and adds retries, content-hash cache keys and artifacts
+around it, and nothing else; `secrets` reads Prefect Secret blocks. Flow `kimi` (flows/kimi.py) calls them."""

@@ -1,0 +1,6 @@
+"""The model and its training machinery, below `rl`: the megatron-core GPTModel built from a `ModelSpec`
+(`megatron_model`, with `grouped_experts` and the `megatron_compat` patches), its training step, optimizer and
+torch_dist checkpoints (`megatron_train`, `checkpoint_dirs`, `checkpoint_manifest`), the parallel bring-up
+(`parallel`, `context_parallel`, `vocab_parallel`), colocated offload (`offload`) and the HF side (`hf_model`,
+`hf_config`, `tokenizer`); `params` counts parameters for `kimi plan`. No entry of its own: `rl.policy.PolicyWorker`
+trains with it, `convert` and `weight_sync` load through it."""

@@ -6,21 +6,26 @@ go from it to the trainers through the object store, not through this process), 
 `PolicyWorker` ranks, one torch.distributed job) and the `PeriodicEval`. Every random choice is seeded by
 (recipe seed, step), and a checkpoint carries the data position, so a retried stage resumes from its latest
 checkpoint and ends with the same metrics as an uninterrupted run.
+
+Read it top down: `run_training` (the wiring), the step loop `_loop`, then the pieces they call, each after its
+caller. Which failure the stage raises as what lives in `rl.ray_errors`.
 """
 
 from __future__ import annotations
 
 import logging
-import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import closing, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 import ray
+from ray.actor import ActorHandle
 
-from kimi_pipeline.cluster.env import gcs_reachable, is_loopback_address, use_loopback_ray
+from kimi_pipeline.cluster.env import is_loopback_address, use_loopback_ray
 from kimi_pipeline.cluster.health import Requirements, wait_until_healthy
 from kimi_pipeline.cluster.placement import create_placement_groups, remove_placement_groups
 from kimi_pipeline.engine.client import EngineRequestError, EnginesDown, EngineUnreachable
@@ -39,6 +44,7 @@ from kimi_pipeline.rl.evaluator import EvalFn, PeriodicEval
 from kimi_pipeline.rl.handoff import Handoff
 from kimi_pipeline.rl.health import STOP, HealthRules, HealthStop, health_section
 from kimi_pipeline.rl.metrics import plain
+from kimi_pipeline.rl.ray_errors import RayHeadLost, first_line, head_lost, root_cause, stage_error
 from kimi_pipeline.rl.rollout_data import SavedRollouts
 from kimi_pipeline.rl.rollout_manager import start_rollout_manager, stop_rollout_manager
 from kimi_pipeline.rl.trainer_group import TrainerGroup
@@ -46,98 +52,6 @@ from kimi_pipeline.util.redact import ray_worker_setup
 from kimi_pipeline.util.threads import cpu_threads
 
 log = logging.getLogger(__name__)
-
-
-class TrainingError(RuntimeError):
-    """A transient training failure (lost actor, engine down): the stage retry resumes from the checkpoint."""
-
-
-class RayHeadLost(PermanentError):
-    """The Ray head stopped answering mid-train: the cluster's actors, placement groups and object store went with
-    it, and a task retry would only dial the dead address again. The flow's re-run brings a cluster up (its cluster
-    stage) and resumes from the latest checkpoint."""
-
-
-@dataclass
-class TrainPaths:
-    root: Path
-
-    @property
-    def checkpoints(self) -> Path:
-        return self.root / "checkpoints"
-
-    @property
-    def metrics(self) -> Path:
-        return self.root / "metrics.jsonl"
-
-    @property
-    def tensorboard(self) -> Path:
-        return self.root / "tensorboard"
-
-    @property
-    def rollouts(self) -> Path:
-        """Saved rollouts (`rollout.save_data`), one safetensors/JSON pair per step (`rl/rollout_data.py`)."""
-        return self.root / "rollouts"
-
-
-def _cpu_threads(cluster: ClusterSpec, ranks_per_node: int) -> int:
-    """Intra-op threads of each actor: on CUDA one (the GPU computes); on CPU the node's cores shared out."""
-    return 1 if cluster.device == "cuda" else cpu_threads(ranks_per_node, cluster.cpus_per_node)
-
-
-def stage_error(e: Exception, engines: dict[str, str] | None = None) -> Exception:
-    """What the stage raises for a failure inside the actors or engines: a PermanentError (bad model, bad
-    recipe, a 400 from an engine) stays permanent even when Ray wraps it, so the task does not retry what a
-    retry cannot fix; anything else (a lost actor, node or engine) is a retryable TrainingError naming the
-    actor that failed. `engines`: engine URL → the engine actor's name, for errors that only carry a URL."""
-
-    cause = _root_cause(e)  # Ray's RayTaskError carries the actor's own exception
-    if isinstance(e, PermanentError) and cause is e:
-        return e
-    if isinstance(cause, PermanentError):  # its own message, not the Ray traceback around it
-        return PermanentError(f"{type(cause).__name__} in a training actor: {cause}")
-    what = "rollout engine" if isinstance(e, EngineRequestError) or isinstance(cause, EngineRequestError) \
-        else "training actors"
-    first = _first_line(e)  # for an actor's exception: Ray's "ray::Actor.method() (pid=…)" line …
-    if cause is not e:  # … and the actor's own message
-        first = f"{first}: {_first_line(cause)}"
-    first += _failed_actor(e, first, engines or {})
-    return TrainingError(f"{what} failed ({type(e).__name__}): {first}; a retry resumes from the latest checkpoint")
-
-
-def _failed_actor(e: BaseException, first: str, engines: dict[str, str]) -> str:
-    """The failed actor where the first line does not name it: a dead actor's class (Ray writes it on a later
-    line: "class_name: PolicyWorker"), or the engine behind a URL an HTTP error names."""
-    text = str(e)
-    m = re.search(r"^\s*class_name: (\S+)", text, re.M)
-    if m and m.group(1) not in first:
-        where = ", ".join(f"{k} {v}" for k, v in re.findall(r"^\s*(pid|ip): (\S+)", text, re.M))
-        return f" [actor {m.group(1)}{f' ({where})' if where else ''}]"
-    # the URL itself, not a prefix of another (":3000" is not ":30001")
-    named = [name for url, name in engines.items() if re.search(re.escape(url) + r"(?![\w.])", text)]
-    return f" [{', '.join(named)}]" if named else ""
-
-
-def _root_cause(e: BaseException) -> BaseException:
-    """The exception an actor raised, through Ray's wrappers: the rollout manager's call into an engine actor
-    nests one RayTaskError in another."""
-    seen = 0
-    while getattr(e, "cause", None) is not None and seen < 8:
-        e, seen = e.cause, seen + 1  # type: ignore[attr-defined]
-    return e
-
-
-def _first_line(e: BaseException) -> str:
-    text = re.sub(r"\x1b\[[0-9;]*m", "", str(e)).strip()  # Ray colours its lines
-    return text.splitlines()[0][:300] if text else ""
-
-
-def _require_healthy_cluster(cluster: ClusterSpec, address: str | None, timeout_s: float = 60.0) -> None:
-    """Actors on a cluster that lost a node would wait forever for resources: check first, fail clearly
-    (a transient error: the task retry waits again, e.g. for the node to come back)."""
-
-    wait_until_healthy(address or ray.get_runtime_context().gcs_address, Requirements.of(cluster),
-                       timeout_s=timeout_s, progress=log.info)
 
 
 def run_training(recipe: Recipe, run_dir: Path, *, init_checkpoint: Path, model_dir: Path,
@@ -156,114 +70,34 @@ def run_training(recipe: Recipe, run_dir: Path, *, init_checkpoint: Path, model_
     sync, no eval. `rollout_only`: generate and score with the starting policy, no trainer (rows of rollout
     metrics; with `rollout.save_data` a recording to replay).
     """
-    if replay is not None and rollout_only:
-        raise PermanentError("--replay-rollouts trains on saved rollouts and --rollout-only only generates them: "
-                             "pick one")
-
-    # replay and rollout-only runs keep their own metrics and checkpoints beside the run's training, never over it
-    paths = TrainPaths(Path(run_dir) / ("replay" if replay is not None else "rollout-only" if rollout_only else "train"))
-    paths.root.mkdir(parents=True, exist_ok=True)
+    paths = _train_paths(Path(run_dir), replay, rollout_only)
     use_run_key(run_dir)  # before the layout: every actor's environment names the run's engine key file
-    actor_layout = lay_out_actors(recipe, str(model_dir))  # pure: no Ray yet
+    layout = lay_out_actors(recipe, str(model_dir))  # pure: no Ray yet
     if on_layout:
-        on_layout(actor_layout)
-    if not ray.is_initialized():
-        if ray_address is None:
-            raise PermanentError("no Ray cluster: run the cluster stage first (or pass --ray-address)")
-        use_loopback_ray(is_loopback_address(ray_address))
-        ray.init(address=ray_address, log_to_driver=False, runtime_env=ray_worker_setup())
+        on_layout(layout)
+    _connect_ray(ray_address)
     _require_healthy_cluster(recipe.cluster, ray_address)
     total = recipe.rollout.num_rollout
     engines = replay is None  # replaying saved rollouts starts no engine, so nothing evaluates or takes weights
     evaluator = PeriodicEval(evaluate, recipe.eval.interval, total) if evaluate and engines and not rollout_only \
         else None
-    wandb_run = open_wandb(None, f"{recipe.name}-{Path(run_dir).name}", recipe.worker_dump())
-    metrics_log = MetricsLog(paths.metrics, tensorboard_dir=paths.tensorboard, wandb_run=wandb_run)
-    rollouts = None  # the RolloutManager actor
-    trainers: TrainerGroup | None = None
-    pgs: dict = {}
-    urls: list[str] = []  # the engines'
-    head_lost = False
-
-    def engines_memory(action: str, tags: tuple[str, ...]) -> None:
-        method = rollouts.release_memory if action == "release" else rollouts.resume_memory
-        ray.get(method.remote(tags))
-
-    def trainer_memory(action: str, parts: tuple[str, ...]) -> None:
-        (trainers.sleep if action == "sleep" else trainers.wake)(parts)
-
+    metrics_log = _open_metrics_log(recipe, Path(run_dir), paths)
+    actors = TrainingActors()
     # colocated engines and trainer take turns on the GPUs; with one side missing there is nothing to hand over
-    handoff = Handoff(recipe.cluster.colocate and engines and not rollout_only, engines_memory, trainer_memory)
+    handoff = Handoff(recipe.cluster.colocate and engines and not rollout_only, actors.engines_memory,
+                      actors.trainer_memory)
     end = total if stop_after is None else min(total, stop_after)
-    try:
-        check_layout(actor_layout)
-        pgs = create_placement_groups(actor_layout.placement)
-        if engines:
-            rollouts, urls = start_rollout_manager(
-                recipe,
-                Path(run_dir),
-                model_dir,
-                actor_layout,
-                pgs,
-                _cpu_threads(recipe.cluster, 1),
-                paths.rollouts if recipe.rollout.save_data else None,
-            )
+    with closing(metrics_log), actors, _train_errors(recipe, ray_address, paths, actors):
+        check_layout(layout)
+        actors.start(recipe, Path(run_dir), model_dir, layout, paths, engines=engines)
         if rollout_only:
-            version = ray.get(rollouts.connect.remote())
-            _rollout_only(recipe, LiveRollouts(rollouts, urls, None, handoff, version), metrics_log, end, on_step)
+            _rollout_only(recipe, actors.live_rollouts(handoff), metrics_log, end, on_step)
             return _train_section(paths, recipe)
         handoff.to("train")  # colocated: the engines give their GPUs to the trainer while it builds and loads
-        trainers = TrainerGroup(
-            recipe, actor_layout, pgs["trainer"], _cpu_threads(recipe.cluster, recipe.cluster.gpus_per_node)
-        )
-        extra = trainers.load(paths.checkpoints, init_checkpoint, ref_checkpoint or init_checkpoint,
-                              HFLayout.of_dir(model_dir))
-        start = int(extra.get("step", 0))
-        metrics_log.truncate_after(start)  # a fresh start too: an earlier attempt's rows are not this run's
-        health = HealthRules(recipe.health, paths.checkpoints)
-        health.replay(read_jsonl(paths.metrics))  # the rules' streaks and best reward, as an uninterrupted run has them
-        if extra:
-            if engines:
-                ray.get(rollouts.restore.remote(extra["data"]))
-            log.info("resumed from %s at step %d", paths.checkpoints, start)
-        handoff.to("weight_sync")
-        sync = plain(trainers.sync_weights(urls, str(start))) if urls else {}
-        handoff.to("rollout")
-        if extra.get("row") and _last_logged_step(paths) < start:  # saved, then stopped before its row was written
-            metrics_log.log({**extra["row"], **sync})
-        if engines:
-            source = LiveRollouts(rollouts, urls, trainers, handoff, ray.get(rollouts.connect.remote()))
-        else:
-            source = SavedRollouts(replay, recipe.model, recipe.rollout, recipe.parallel, recipe.data_parallel_size)
-            log.info("training on the rollouts saved in %s (no engines)", replay)
-        _loop(recipe, source, trainers, handoff, evaluator, health, metrics_log, paths, start, end, on_step)
-    except HealthStop as stop:
-        section = _train_section(paths, recipe)
-        section["health"]["stop"] = stop.summary()
-        stop.section = section
-        raise
-    except (ray.exceptions.RayError, EngineRequestError) as e:
-        head = ray_address or ray.get_runtime_context().gcs_address
-        if not gcs_reachable(head):
-            head_lost = True
-            raise RayHeadLost(f"the Ray head at {head} stopped answering during training ({type(e).__name__}: "
-                              f"{_first_line(e)}): the cluster and every actor on it are gone. Bring the cluster back "
-                              "(a re-run of the flow starts one in its cluster stage; an external cluster: restart "
-                              f"its head), then re-run: training resumes from the latest checkpoint in "
-                              f"{paths.checkpoints}") from e
-        actor = engine_kind(recipe.rollout.engine).actor_class().__name__ if urls else ""
-        err = stage_error(e, {url: f"rollout engine {i} ({actor} actor)" for i, url in enumerate(urls)})
-        if err is e:
-            raise
-        raise err from e
-    finally:
-        if not head_lost:  # with the head gone every call below would wait on a dead GCS, and there is nothing to free
-            if trainers is not None:
-                trainers.close()
-            if rollouts is not None:
-                stop_rollout_manager(rollouts)
-            remove_placement_groups(pgs)  # a retry in this driver must find the bundles free again
-        metrics_log.close()
+        extra = actors.start_trainers(recipe, layout, paths.checkpoints, init_checkpoint, ref_checkpoint, model_dir)
+        start, health = _resume(recipe, extra, actors, handoff, metrics_log, paths)
+        source = actors.live_rollouts(handoff) if engines else _saved_rollouts(recipe, replay)
+        _loop(recipe, source, actors.trainers, handoff, evaluator, health, metrics_log, paths, start, end, on_step)
     return _train_section(paths, recipe)
 
 
@@ -302,9 +136,9 @@ def _loop(
         try:
             row.update(plain(trainers.train(shares, step)))
         except ray.exceptions.RayTaskError as e:
-            if not isinstance(_root_cause(e), NonFiniteError):
+            if not isinstance(root_cause(e), NonFiniteError):
                 raise
-            stop = health.nonfinite_stop(done, _root_cause(e))
+            stop = health.nonfinite_stop(done, root_cause(e))
             metrics_log.log({**row, "health_nonfinite": STOP})
             raise stop from e
         verdicts, stop = health.judge(row)
@@ -390,9 +224,9 @@ class LiveRollouts:
             try:
                 metrics = plain(self.trainers.sync_weights(self.urls, version))
             except ray.exceptions.RayTaskError as e:
-                if not isinstance(_root_cause(e), EngineUnreachable):
+                if not isinstance(root_cause(e), EngineUnreachable):
                     raise
-                log.warning("weight sync %s: %s; it runs again after the engines restart", version, _first_line(e))
+                log.warning("weight sync %s: %s; it runs again after the engines restart", version, first_line(e))
                 self.trainers.release()
                 restarted = self._heal()
                 if not restarted:
@@ -442,12 +276,210 @@ class LiveRollouts:
         ray.get(self.manager.rejoin.remote(version))
 
 
+def _train_paths(run_dir: Path, replay: Path | None, rollout_only: bool) -> TrainPaths:
+    """The directory of this kind of run, made: replay and rollout-only runs keep their own metrics and checkpoints
+    beside the run's training (`replay/`, `rollout-only/`, `train/`), never over it. The two modes exclude each
+    other."""
+    if replay is not None and rollout_only:
+        raise PermanentError("--replay-rollouts trains on saved rollouts and --rollout-only only generates them: "
+                             "pick one")
+    paths = TrainPaths(run_dir / ("replay" if replay is not None else "rollout-only" if rollout_only else "train"))
+    paths.root.mkdir(parents=True, exist_ok=True)
+    return paths
+
+
+@dataclass
+class TrainPaths:
+    root: Path
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / "metrics.jsonl"
+
+    @property
+    def tensorboard(self) -> Path:
+        return self.root / "tensorboard"
+
+    @property
+    def rollouts(self) -> Path:
+        """Saved rollouts (`rollout.save_data`), one safetensors/JSON pair per step (`rl/rollout_data.py`)."""
+        return self.root / "rollouts"
+
+
+def _connect_ray(address: str | None) -> None:
+    """Join the cluster at `address` unless this process is already connected (a test's cluster, an earlier
+    attempt): on a loopback address as a loopback driver, every actor's worker redacting its log records."""
+    if ray.is_initialized():
+        return
+    if address is None:
+        raise PermanentError("no Ray cluster: run the cluster stage first (or pass --ray-address)")
+    use_loopback_ray(is_loopback_address(address))
+    ray.init(address=address, log_to_driver=False, runtime_env=ray_worker_setup())
+
+
+def _require_healthy_cluster(cluster: ClusterSpec, address: str | None, timeout_s: float = 60.0) -> None:
+    """Actors on a cluster that lost a node would wait forever for resources: check first, fail clearly
+    (a transient error: the task retry waits again, e.g. for the node to come back)."""
+
+    wait_until_healthy(address or ray.get_runtime_context().gcs_address, Requirements.of(cluster),
+                       timeout_s=timeout_s, progress=log.info)
+
+
+def _open_metrics_log(recipe: Recipe, run_dir: Path, paths: TrainPaths) -> MetricsLog:
+    """Where each step's row goes: metrics.jsonl and TensorBoard under `paths`, and a W&B run (named
+    RECIPE-RUNDIR) when W&B is configured."""
+    wandb_run = open_wandb(None, f"{recipe.name}-{run_dir.name}", recipe.worker_dump())
+    return MetricsLog(paths.metrics, tensorboard_dir=paths.tensorboard, wandb_run=wandb_run)
+
+
+class TrainingActors:
+    """What a run starts on the cluster, and stops when its `with` block ends: the placement groups, the
+    `RolloutManager` actor (None without engines) with its engines' URLs (one list, which `LiveRollouts` keeps
+    current) and the `TrainerGroup` (None until `start_trainers`). `engines_memory` and `trainer_memory` are the
+    calls a colocated `Handoff` moves the GPUs with."""
+
+    def __init__(self) -> None:
+        self.pgs: dict = {}
+        self.rollouts: ActorHandle | None = None  # the RolloutManager actor
+        self.urls: list[str] = []  # the engines'
+        self.trainers: TrainerGroup | None = None
+
+    def start(self, recipe: Recipe, run_dir: Path, model_dir: Path, layout: ActorLayout, paths: TrainPaths, *,
+              engines: bool) -> None:
+        """The placement groups, then (`engines`) the rollout manager with its engines serving `model_dir`."""
+        self.pgs = create_placement_groups(layout.placement)
+        if engines:
+            self.rollouts, self.urls = start_rollout_manager(
+                recipe,
+                run_dir,
+                model_dir,
+                layout,
+                self.pgs,
+                _cpu_threads(recipe.cluster, 1),
+                paths.rollouts if recipe.rollout.save_data else None,
+            )
+
+    def start_trainers(self, recipe: Recipe, layout: ActorLayout, checkpoints: Path, init_checkpoint: Path,
+                       ref_checkpoint: Path | None, model_dir: Path) -> dict[str, Any]:
+        """The trainer ranks, loaded from the latest checkpoint in `checkpoints`, else from `init_checkpoint` (the KL
+        reference from `ref_checkpoint`, default `init_checkpoint`); returns the checkpoint's own state (empty on
+        a fresh start)."""
+        self.trainers = TrainerGroup(
+            recipe, layout, self.pgs["trainer"], _cpu_threads(recipe.cluster, recipe.cluster.gpus_per_node)
+        )
+        return self.trainers.load(checkpoints, init_checkpoint, ref_checkpoint or init_checkpoint,
+                                  HFLayout.of_dir(model_dir))
+
+    def live_rollouts(self, handoff: Handoff) -> LiveRollouts:
+        """Each step's rollout through the engines, from the weight version they serve now."""
+        return LiveRollouts(self.rollouts, self.urls, self.trainers, handoff, ray.get(self.rollouts.connect.remote()))
+
+    def engines_memory(self, action: str, tags: tuple[str, ...]) -> None:
+        """Colocated: the engines release or resume these kinds of GPU memory."""
+        method = self.rollouts.release_memory if action == "release" else self.rollouts.resume_memory
+        ray.get(method.remote(tags))
+
+    def trainer_memory(self, action: str, parts: tuple[str, ...]) -> None:
+        """Colocated: every trainer rank puts these parts of its state to sleep or wakes them."""
+        (self.trainers.sleep if action == "sleep" else self.trainers.wake)(parts)
+
+    def __enter__(self) -> TrainingActors:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        """Stop them all: a retry in this driver must find the bundles free again. Not when the Ray head was lost:
+        every call would wait on a dead GCS, and there is nothing left to free."""
+        if isinstance(exc, RayHeadLost):
+            return
+        if self.trainers is not None:
+            self.trainers.close()
+        if self.rollouts is not None:
+            stop_rollout_manager(self.rollouts)
+        remove_placement_groups(self.pgs)
+
+
+def _cpu_threads(cluster: ClusterSpec, ranks_per_node: int) -> int:
+    """Intra-op threads of each actor: on CUDA one (the GPU computes); on CPU the node's cores shared out."""
+    return 1 if cluster.device == "cuda" else cpu_threads(ranks_per_node, cluster.cpus_per_node)
+
+
+@contextmanager
+def _train_errors(recipe: Recipe, ray_address: str | None, paths: TrainPaths, actors: TrainingActors) -> Iterator[None]:
+    """How a failure leaves training: a health stop carries the train section so far, its stop included; a Ray or
+    engine error becomes the stage's own (`rl.ray_errors`): the head lost, else a permanent error inside an actor
+    or a retryable one naming the actor that failed."""
+    try:
+        yield
+    except HealthStop as stop:
+        section = _train_section(paths, recipe)
+        section["health"]["stop"] = stop.summary()
+        stop.section = section
+        raise
+    except (ray.exceptions.RayError, EngineRequestError) as e:
+        lost = head_lost(e, ray_address or ray.get_runtime_context().gcs_address, paths.checkpoints)
+        if lost is not None:
+            raise lost from e
+        err = stage_error(e, _engine_names(recipe, actors.urls))
+        if err is e:
+            raise
+        raise err from e
+
+
+def _engine_names(recipe: Recipe, urls: list[str]) -> dict[str, str]:
+    """Engine URL → how an error names the engine behind it ("rollout engine 0 (SGLangEngine actor)")."""
+    actor = engine_kind(recipe.rollout.engine).actor_class().__name__ if urls else ""
+    return {url: f"rollout engine {i} ({actor} actor)" for i, url in enumerate(urls)}
+
+
+def _resume(recipe: Recipe, extra: dict[str, Any], actors: TrainingActors, handoff: Handoff, metrics_log: MetricsLog,
+            paths: TrainPaths) -> tuple[int, HealthRules]:
+    """Bring every part to the step the trainers loaded (`extra`: its checkpoint's state, empty on a fresh start):
+    the metrics rows after it dropped, the health rules as an uninterrupted run has them, the prompt stream at its
+    position, the engines serving its weights, and its row logged if the run stopped between the save and the row.
+    Returns (that step, the health rules)."""
+    start = int(extra.get("step", 0))
+    metrics_log.truncate_after(start)  # a fresh start too: an earlier attempt's rows are not this run's
+    health = HealthRules(recipe.health, paths.checkpoints)
+    health.replay(read_jsonl(paths.metrics))  # the rules' streaks and best reward, as an uninterrupted run has them
+    if extra:
+        if actors.rollouts is not None:
+            ray.get(actors.rollouts.restore.remote(extra["data"]))
+        log.info("resumed from %s at step %d", paths.checkpoints, start)
+    sync = _first_weight_sync(actors, handoff, start)
+    if extra.get("row") and _last_logged_step(paths) < start:  # saved, then stopped before its row was written
+        metrics_log.log({**extra["row"], **sync})
+    return start, health
+
+
+def _first_weight_sync(actors: TrainingActors, handoff: Handoff, start: int) -> dict[str, float]:
+    """The engines (if any) take the loaded weights, as version `start`, before the first rollout; the sync's
+    metrics."""
+    handoff.to("weight_sync")
+    sync = plain(actors.trainers.sync_weights(actors.urls, str(start))) if actors.urls else {}
+    handoff.to("rollout")
+    return sync
+
+
 def _last_logged_step(paths: TrainPaths) -> int:
+    """The step of the last metrics row written (0: none)."""
     rows = read_jsonl(paths.metrics)
     return int(rows[-1]["step"]) if rows else 0
 
 
+def _saved_rollouts(recipe: Recipe, replay: Path) -> SavedRollouts:
+    """The rollouts saved in `replay` (`rollout.save_data`), split over the trainer's data-parallel ranks."""
+    source = SavedRollouts(replay, recipe.model, recipe.rollout, recipe.parallel, recipe.data_parallel_size)
+    log.info("training on the rollouts saved in %s (no engines)", replay)
+    return source
+
+
 def _train_section(paths: TrainPaths, recipe: Recipe) -> dict[str, Any]:
+    """The stage's summary section, read back from what the run wrote: its metrics rows and checkpoints."""
     rows = read_jsonl(paths.metrics)
     first, last = first_last_mean(rows, "reward_mean")
     ckpt_step = latest_step(paths.checkpoints)

@@ -190,7 +190,7 @@ def test_ray_node_lost_during_train_fails_clearly_and_the_retry_resumes(tmp_path
     from kimi_pipeline.cluster.lifecycle import embedded_layout, stop_cluster
     from kimi_pipeline.cluster.local import LocalCluster
     from kimi_pipeline.report.metrics import read_jsonl
-    from kimi_pipeline.rl.loop import TrainingError
+    from kimi_pipeline.rl.ray_errors import TrainingError
     from kimi_pipeline.stages import CLUSTER, CONVERT, DOWNLOAD, TRAIN, VALIDATE, prepare_run, run_stage
 
     root = Path(tempfile_dir())

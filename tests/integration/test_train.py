@@ -286,7 +286,7 @@ def _retry_resumes(r, crashed: Path, uninterrupted, caplog, resumed_after: int =
 
 
 def test_kill_9_then_retry_resumes_with_identical_metrics(prepared, ray_local, uninterrupted, tmp_path, caplog):
-    from kimi_pipeline.rl.loop import TrainingError
+    from kimi_pipeline.rl.ray_errors import TrainingError
     from kimi_pipeline.stages import TRAIN, run_stage
 
     tiny, base = prepared
@@ -312,7 +312,7 @@ def test_kill_9_during_a_checkpoint_save_resumes_from_the_previous_checkpoint(pr
     from step 2, replaces the leftover and ends as the uninterrupted run did."""
     import threading
 
-    from kimi_pipeline.rl.loop import TrainingError
+    from kimi_pipeline.rl.ray_errors import TrainingError
     from kimi_pipeline.stages import TRAIN, run_stage
 
     tiny, base = prepared
@@ -491,7 +491,7 @@ def test_an_engine_killed_in_every_phase_is_restarted_and_the_run_ends_as_uninte
 
 def test_an_engine_past_max_engine_restarts_fails_the_stage_retryably_naming_it(prepared, ray_local,
                                                                                engine_gate_dir, tmp_path):
-    from kimi_pipeline.rl.loop import TrainingError
+    from kimi_pipeline.rl.ray_errors import TrainingError
     from kimi_pipeline.stages import TRAIN, run_stage
 
     tiny, base = prepared
@@ -627,7 +627,7 @@ def test_a_permanent_error_inside_an_actor_is_not_retried(ray_local):
 
     from kimi_pipeline.engine.client import EngineBadRequest, EngineRequestError
     from kimi_pipeline.errors import PermanentError
-    from kimi_pipeline.rl.loop import TrainingError, stage_error
+    from kimi_pipeline.rl.ray_errors import TrainingError, stage_error
 
     @ray.remote
     def launch_engine(err):

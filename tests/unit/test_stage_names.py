@@ -25,7 +25,7 @@ DAG_NAMES = {
     "run_stage",  # stages.runner: the one runner of every DAG stage
     "run_stage_task",  # tasks.common: a DAG stage run as a Prefect task
     "set_stage",  # RunSummary: one DAG stage's status
-    "stage_error",  # rl.loop: the train stage's error for an actor failure
+    "stage_error",  # rl.ray_errors: the train stage's error for an actor failure
     "stage_text", "_failed_stages",  # flows.notify: the DAG stages of a failed run
     "ConvertStageError",  # the convert stage failed
     "StageOrderError",  # a stage ran before the one it needs (download before validate …)
