@@ -167,10 +167,11 @@ class DataSpec(Section):
 
 
 class ConvertSpec(Section):
-    """HF -> Megatron torch_dist conversion job layout (a torch.distributed job over N nodes).
+    """The weight jobs' layout (a torch.distributed job over N nodes) and the conversion's own switches.
 
-    Read by: the weight jobs (`weightjobs.run`: where and how wide they run), `weightjobs.convert`, and the INT4
-    export (`weightjobs.export`, in the same layout)."""
+    Both distributed weight jobs run in this layout: the HF -> Megatron torch_dist conversion and the INT4 export
+    (`weightjobs.run.JobLayout.of`: nodes, ranks per node, split, launcher); `mode` and `verify` are the
+    conversion's (`weightjobs.convert`)."""
 
     mode: Literal["torch_dist", "bridge"] = "torch_dist"
     nodes: int = Field(4, gt=0)

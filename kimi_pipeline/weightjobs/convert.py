@@ -20,7 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kimi_pipeline.errors import PermanentError
 from kimi_pipeline.hf.reader import HFCheckpoint
+from kimi_pipeline.hub.manifest import build_manifest, list_files
+from kimi_pipeline.model.checkpoint_dirs import TRACKER
+from kimi_pipeline.recipes import Recipe
+from kimi_pipeline.recipes.models import ModelSpec
+from kimi_pipeline.util.files import atomic_write_json, sha256_json
 from kimi_pipeline.weightjobs.convert_verify import (
     SMALL_MODEL_BYTES,
     ConversionVerifyError,
@@ -28,17 +34,8 @@ from kimi_pipeline.weightjobs.convert_verify import (
     summarize,
     verify_layout,
 )
-from kimi_pipeline.errors import PermanentError
-from kimi_pipeline.hub.manifest import build_manifest, list_files
-from kimi_pipeline.model.checkpoint_dirs import TRACKER
-from kimi_pipeline.recipes.layout import Layout
-from kimi_pipeline.recipes import Recipe
-from kimi_pipeline.recipes.models import ClusterSpec, ConvertSpec, ModelSpec
-from kimi_pipeline.util.files import atomic_write_json, sha256_json
 from kimi_pipeline.weightjobs.job_file import write_job_file
-from kimi_pipeline.weightjobs.launch import read_rank_reports
-from kimi_pipeline.weightjobs.rank import RANK_ENTRY, rank_args
-from kimi_pipeline.weightjobs.run import launch, launch_target, run_weight_job
+from kimi_pipeline.weightjobs.run import JobLayout, run_weight_job
 
 log = logging.getLogger(__name__)
 
@@ -62,20 +59,22 @@ def checkpoint_dir(run_dir: str | Path) -> Path:
 
 @dataclass(frozen=True)
 class ConvertSections:
-    """What a conversion reads of the recipe (`ConvertSections.of`): `convert` its layout, nodes and launcher,
-    `spec` the model, `cluster` the device and where its agents run, `text_config_key` where the checkpoint keeps
-    its text config; `key` the model / parallel / convert sections as the fingerprint records them."""
+    """What a conversion reads of the recipe (`ConvertSections.of`): `job` the weight-job layout it runs in (nodes,
+    ranks, split, launcher, device), `mode` and `verify` the convert section's own switches, `spec` the model,
+    `text_config_key` where the checkpoint keeps its text config; `key` the model / parallel / convert sections as
+    the fingerprint records them."""
 
-    convert: ConvertSpec
+    job: JobLayout
+    mode: str
+    verify: bool
     spec: ModelSpec
-    cluster: ClusterSpec
     text_config_key: str | None
     key: dict[str, Any]
 
     @classmethod
     def of(cls, recipe: Recipe) -> ConvertSections:
-        return cls(recipe.convert, recipe.model, recipe.cluster, recipe.hub.text_config_key,
-                   recipe.section_dump("model", "parallel", "convert"))
+        return cls(JobLayout.of(recipe.convert, recipe.cluster), recipe.convert.mode, recipe.convert.verify,
+                   recipe.model, recipe.hub.text_config_key, recipe.section_dump("model", "parallel", "convert"))
 
 
 def fingerprint(sections: ConvertSections, source_files: dict[str, Any]) -> str:
@@ -128,10 +127,10 @@ def run_convert(sections: ConvertSections, run_dir: str | Path, model_dir: str |
     """Convert `model_dir` per the convert section into DIR/convert/torch_dist, verify, return the summary
     section."""
 
-    convert, spec, cluster = sections.convert, sections.spec, sections.cluster
-    if convert.mode != "torch_dist":
+    job, spec = sections.job, sections.spec
+    if sections.mode != "torch_dist":
         raise ConvertStageError(
-            f"convert.mode={convert.mode!r}: only torch_dist is converted here (bridge mode loads HF weights directly)"
+            f"convert.mode={sections.mode!r}: only torch_dist is converted here (bridge mode loads HF weights directly)"
         )
     run_dir, model_dir = Path(run_dir), Path(model_dir)
     out = convert_dir(run_dir)
@@ -144,29 +143,26 @@ def run_convert(sections: ConvertSections, run_dir: str | Path, model_dir: str |
     if removed:
         log.warning("convert: removed the leftovers of an interrupted conversion: %s", ", ".join(removed))
 
-    layout = Layout.from_convert(convert)
-    layout.check_model(spec)
+    job.layout.check_model(spec)
     reader = HFCheckpoint(model_dir, text_config_key=sections.text_config_key)  # fails early on a bad index
     source_bytes = reader.total_bytes()
     work = out / "work"
     shutil.rmtree(work, ignore_errors=True)
     reports = work / "reports"
     tmp = out / f"{CKPT_NAME}.tmp-{uuid.uuid4().hex[:8]}"
-    job = write_job_file(work / "job.json", model=spec, layout=layout, device=cluster.device,
-                         model_dir=model_dir.resolve(),
-                         out_dir=tmp.resolve(), report_dir=reports.resolve(), text_config_key=sections.text_config_key)
+    job_file = write_job_file(work / "job.json", model=spec, layout=job.layout, device=job.device,
+                              model_dir=model_dir.resolve(), out_dir=tmp.resolve(), report_dir=reports.resolve(),
+                              text_config_key=sections.text_config_key)
     t0 = time.monotonic()
-    job_result, ranks, command = run_weight_job(
-        convert, cluster, "convert", job, reports, "convert", "rank", timeout
-    )
+    job_result, ranks, command = run_weight_job(job, "convert", job_file, reports, "convert", "rank", timeout)
     seconds = time.monotonic() - t0
     if not (tmp / TRACKER).is_file():
         raise ConvertStageError(f"{tmp}: the conversion job exited cleanly but wrote no {TRACKER}; not marking it complete")
 
     section: dict[str, Any] = {
-        "nodes": convert.nodes,
-        "ranks_per_node": convert.gpus_per_node,
-        "layout": {"tp": convert.tp, "pp": convert.pp, "ep": convert.ep, "etp": convert.etp},
+        "nodes": job.nodes,
+        "ranks_per_node": job.ranks_per_node,
+        "layout": {"tp": job.layout.tp, "pp": job.layout.pp, "ep": job.layout.ep, "etp": job.layout.etp},
         "source_format": ranks[0]["source_format"]["format"],
         "source": ranks[0]["source_format"],
         "path": str(checkpoint_dir(run_dir)),
@@ -184,7 +180,7 @@ def run_convert(sections: ConvertSections, run_dir: str | Path, model_dir: str |
         "placement": job_result.placement,
     }
 
-    do_verify = convert.verify if verify is None else verify
+    do_verify = sections.verify if verify is None else verify
     if do_verify:
         section.update(verify_conversion(sections, model_dir, tmp, work, timeout))
     else:
@@ -206,31 +202,19 @@ def verify_conversion(
     `model_dir` (`weightjobs.convert_verify`'s ranks, reloaded under another layout); returns the verdict's fields
     for the convert section. Raises ConversionVerifyError listing every tensor that differs (the whole
     verdict is then in WORK/verify_failed.json)."""
-    convert, spec, cluster = sections.convert, sections.spec, sections.cluster
+    job, spec = sections.job, sections.spec
     model_dir, ckpt, work = Path(model_dir), Path(ckpt), Path(work)
     reports = work / "reports"
-    layout = Layout.from_convert(convert)
     small = model_bytes(spec) <= SMALL_MODEL_BYTES
-    vlayout = verify_layout(spec, layout, small)
-    same_world = vlayout.world_size == layout.world_size
-    vjob = write_job_file(work / "verify.json", model=spec, layout=vlayout, device=cluster.device,
+    vlayout = verify_layout(spec, job.layout, small)
+    vjob = write_job_file(work / "verify.json", model=spec, layout=vlayout, device=job.device,
                           model_dir=model_dir.resolve(),
                           out_dir=ckpt.resolve(), ckpt_dir=ckpt.resolve(), report_dir=reports.resolve(),
                           text_config_key=sections.text_config_key, logits=small)
     t1 = time.monotonic()
-    launch(
-        RANK_ENTRY,
-        rank_args("verify", vjob.resolve()),
-        nodes=convert.nodes if same_world else 1,
-        procs_per_node=convert.gpus_per_node if same_world else vlayout.world_size,
-        work_dir=work,
-        report_dir=reports,
-        name="verify",
-        timeout=timeout,
-        report_prefix="verify_rank",
-        **launch_target(convert, cluster),
-    )
-    verdict = summarize(read_rank_reports(reports, "verify_rank", vlayout.world_size), logits_expected=small)
+    _, reports_by_rank, _ = run_weight_job(job, "verify", vjob, reports, "verify", "verify_rank", timeout,
+                                           world_size=vlayout.world_size)
+    verdict = summarize(reports_by_rank, logits_expected=small)
     section = {k: v for k, v in verdict.items() if k != "problems"}
     section["verify_layout"] = {"world_size": vlayout.world_size, "tp": vlayout.tp, "pp": vlayout.pp, "ep": vlayout.ep}
     section["verify_seconds"] = round(time.monotonic() - t1, 3)

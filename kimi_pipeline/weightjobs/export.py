@@ -5,7 +5,7 @@ sharded safetensors + index, tokenizer files) and `<run_dir>/export/export.json`
 section, written last: its presence marks a finished export).
 
 `export_checkpoint` exports a megatron torch_dist training checkpoint (the tracker's
-latest, or a chosen step). It is distributed like the conversion, in the convert section's layout (one
+latest, or a chosen step). It is distributed like the conversion, in the weight-job layout (`run.JobLayout`, one
 rank per GPU over its nodes): every rank loads its slice, quantizes and writes the tensors it owns and
 checks them bit for bit (`weightjobs/export_rank.py`); then this process names the shards and writes the index
 last. When the model fits in this host's memory, a one-rank child process then reloads the export with
@@ -37,7 +37,6 @@ from kimi_pipeline.model.checkpoint_dirs import CheckpointError
 from kimi_pipeline.model.device import resolve_device
 from kimi_pipeline.model.megatron_model import causal_forward, model_device
 from kimi_pipeline.model.megatron_train import EXTRA, resolve_iteration
-from kimi_pipeline.recipes.layout import Layout
 from kimi_pipeline.model.params import count_params
 from kimi_pipeline.hf.int4_checkpoint import ExportInfo, Int4Part, export_int4, export_temp_dir, finish_int4_dir
 from kimi_pipeline.weightjobs.export_rank import REPORT_PREFIX
@@ -53,13 +52,13 @@ from kimi_pipeline.weightjobs.export_verify import (
     model_check_problems,
 )
 from kimi_pipeline.recipes import Recipe
-from kimi_pipeline.recipes.models import ClusterSpec, ConvertSpec, ModelSpec, QuantSpec
+from kimi_pipeline.recipes.models import ModelSpec, QuantSpec
 from kimi_pipeline.util.files import atomic_write_json, sha256_files, sha256_json
 from kimi_pipeline.util.lifetime import die_with_parent
 from kimi_pipeline.util.secret_env import without_secrets
 from kimi_pipeline.weight_sync.policy_tensors import checkpoint_model, policy_tensors
 from kimi_pipeline.weightjobs.job_file import write_job_file
-from kimi_pipeline.weightjobs.run import run_weight_job
+from kimi_pipeline.weightjobs.run import JobLayout, run_weight_job
 
 log = logging.getLogger(__name__)
 
@@ -76,17 +75,16 @@ class ExportInputError(PermanentError):
 @dataclass(frozen=True)
 class ExportSections:
     """What the export reads of the recipe (`ExportSections.of`): `spec` the model, `quant` the format, group
-    size and whether the policy trained with QAT, `convert` the layout and nodes of the distributed job,
-    `cluster` its device and where its agents run."""
+    size and whether the policy trained with QAT, `job` the weight-job layout the distributed export runs in (nodes,
+    ranks, split, launcher, device)."""
 
     spec: ModelSpec
     quant: QuantSpec
-    convert: ConvertSpec
-    cluster: ClusterSpec
+    job: JobLayout
 
     @classmethod
     def of(cls, recipe: Recipe) -> ExportSections:
-        return cls(recipe.model, recipe.quant, recipe.convert, recipe.cluster)
+        return cls(recipe.model, recipe.quant, JobLayout.of(recipe.convert, recipe.cluster))
 
 
 def export_dir(run_dir: str | Path) -> Path:
@@ -240,11 +238,10 @@ def export_distributed(
     name: str = "int4",
     timeout_s: float | None = None,
 ) -> tuple[ExportInfo, dict[str, Any]]:
-    """Every rank of the convert section's layout writes the experts it owns; the index is merged here, last."""
+    """Every rank of the weight-job layout writes the experts it owns; the index is merged here, last."""
 
-    convert, quant, spec = sections.convert, sections.quant, sections.spec
-    layout = Layout.from_convert(convert)
-    layout.check_model(spec)
+    job, quant, spec = sections.job, sections.quant, sections.spec
+    job.layout.check_model(spec)
     config = base_config(model_dir)
     out = export_dir(run_dir)
     final = out / name
@@ -255,11 +252,11 @@ def export_distributed(
     work = out / "work"
     shutil.rmtree(work, ignore_errors=True)
     reports = work / "reports"
-    job = write_job_file(
+    job_file = write_job_file(
         work / "job.json",
         model=spec,
-        layout=layout,
-        device=sections.cluster.device,
+        layout=job.layout,
+        device=job.device,
         model_dir=model_dir.resolve(),
         out_dir=tmp.resolve(),
         report_dir=reports.resolve(),
@@ -271,16 +268,7 @@ def export_distributed(
     )
     t0 = time.monotonic()
     try:
-        job_result, ranks, command = run_weight_job(
-            convert,
-            sections.cluster,
-            "export",
-            job,
-            reports,
-            "export",
-            REPORT_PREFIX,
-            timeout_s,
-        )
+        job_result, ranks, command = run_weight_job(job, "export", job_file, reports, "export", REPORT_PREFIX, timeout_s)
         info = finish_int4_dir(
             tmp,
             final,
@@ -299,14 +287,8 @@ def export_distributed(
                           num_quantized=sum(c["num_quantized"] for c in checks), num_other=sum(c["num_other"] for c in checks),
                           mismatches=[m for c in checks for m in c["mismatches"]])
     extra = {
-        "ranks": layout.world_size,
-        "layout": {
-            "nodes": convert.nodes,
-            "ranks_per_node": convert.gpus_per_node,
-            "tp": convert.tp,
-            "pp": convert.pp,
-            "ep": convert.ep,
-        },
+        "ranks": job.layout.world_size,
+        "layout": {k: v for k, v in job.as_dict().items() if k != "etp"},
         "peak_rss_mb_per_rank": [r["peak_rss_mb"] for r in ranks],
         "write_seconds": round(time.monotonic() - t0, 3),
         "command": command,
@@ -380,7 +362,7 @@ def _model_check_child(
     out = export_dir(run_dir)
     job = {"checkpoint_dir": str(checkpoint_dir), "step": step, "export": str(export),
            "model": sections.spec.model_dump(mode="json"), "quant": sections.quant.model_dump(mode="json"),
-           "device": sections.cluster.device, "result": str(out / "work" / "model_check.json")}
+           "device": sections.job.device, "result": str(out / "work" / "model_check.json")}
     atomic_write_json(out / "job.json", job)
     env = {**without_secrets(), "TORCHDYNAMO_DISABLE": "1"}
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT"):

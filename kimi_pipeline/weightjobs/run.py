@@ -1,12 +1,15 @@
-"""The one entry of the distributed weight jobs (conversion, its verification, the INT4 export): where a job's
-per-node agents start (`convert.launcher`), and running it to every rank's report."""
+"""The one entry of the distributed weight jobs (conversion, its verification, the INT4 export): the layout they run
+in (`JobLayout`, the recipe's weight-job layout), where a job's per-node agents start (`convert.launcher`), and
+running it to every rank's report (`run_weight_job`)."""
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kimi_pipeline.recipes.layout import Layout
 from kimi_pipeline.recipes.models import ClusterSpec, ConvertSpec
 from kimi_pipeline.weightjobs.launch import (
     JobResult,
@@ -48,28 +51,49 @@ def launch(module: str, args: list[str], *, nodes: int, procs_per_node: int, wor
                         report_dir=report_dir, name=name, timeout=timeout)
 
 
-def launch_target(convert: ConvertSpec, cluster: ClusterSpec) -> dict[str, Any]:
-    """Where the offline weight jobs (conversion, INT4 export) start their per-node agents (`convert.launcher`):
-    on `cluster.address`'s Ray nodes, one torchrun agent per node; on this host; or by hand (manual)."""
-    return {"launcher": convert.launcher, "address": cluster.address, "master_port": convert.master_port,
-            "gpus_per_node": convert.gpus_per_node if cluster.device == "cuda" else 0,
-            "allow_insecure": cluster.allow_insecure}
+@dataclass(frozen=True)
+class JobLayout:
+    """Where and how wide a distributed weight job runs: `nodes` x `ranks_per_node` ranks splitting the model as
+    `layout` says, its per-node agents started by `launcher` (on `address`'s Ray nodes, on this host, or by hand),
+    on `device`. Both weight jobs, the conversion and the INT4 export, run in the recipe's one weight-job layout:
+    its `convert` section (nodes, ranks, split, launcher, rendezvous port) on its cluster (device, address)."""
+
+    nodes: int
+    ranks_per_node: int
+    layout: Layout
+    launcher: str
+    master_port: int
+    device: str
+    address: str | None
+    allow_insecure: bool
+
+    @classmethod
+    def of(cls, convert: ConvertSpec, cluster: ClusterSpec) -> JobLayout:
+        return cls(convert.nodes, convert.gpus_per_node, Layout.from_convert(convert), convert.launcher,
+                   convert.master_port, cluster.device, cluster.address, cluster.allow_insecure)
+
+    def as_dict(self) -> dict[str, int]:
+        """The layout as the stages' sections record it."""
+        return {"nodes": self.nodes, "ranks_per_node": self.ranks_per_node, "tp": self.layout.tp,
+                "pp": self.layout.pp, "ep": self.layout.ep, "etp": self.layout.etp}
 
 
-def run_weight_job(convert: ConvertSpec, cluster: ClusterSpec, kind: str, job: Path, reports: Path, name: str,
-                   report_prefix: str, timeout: float | None) -> tuple[JobResult, list[dict[str, Any]], str]:
-    """One offline weight job (`kind`: a `weightjobs.rank` kind, conversion or INT4 export) over `convert`'s nodes x
-    ranks: log the per-node command, launch it where `launch_target` says, return (job result, every rank's
-    report, the command)."""
-    job = job.resolve()
-    args = rank_args(kind, job)
-    command = scale_out_command(RANK_ENTRY, args, nnodes=convert.nodes, nproc_per_node=convert.gpus_per_node,
-                                master_port=convert.master_port)
+def run_weight_job(job: JobLayout, kind: str, job_file: Path, reports: Path, name: str, report_prefix: str,
+                   timeout: float | None, *, world_size: int | None = None) -> tuple[JobResult, list[dict[str, Any]], str]:
+    """One offline weight job (`kind`: a `weightjobs.rank` kind: conversion, its verification or the INT4 export)
+    over `job`'s nodes x ranks: log the per-node command, launch it where `job.launcher` says, return (job result,
+    every rank's report, the command). `world_size`: a job of another size than `job`'s (the verification, under
+    another layout): on `job`'s nodes when it has their rank count, else on one node."""
+    job_file = job_file.resolve()
+    args = rank_args(kind, job_file)
+    world = world_size or job.nodes * job.ranks_per_node
+    nodes, per_node = (job.nodes, job.ranks_per_node) if world == job.nodes * job.ranks_per_node else (1, world)
+    command = scale_out_command(RANK_ENTRY, args, nnodes=nodes, nproc_per_node=per_node, master_port=job.master_port)
     log.info("%s: %d node(s) x %d rank(s), tp=%d pp=%d ep=%d; on a cluster without Ray run on every node:\n  %s",
-             name, convert.nodes, convert.gpus_per_node, convert.tp, convert.pp, convert.ep, command)
-    result = launch(RANK_ENTRY, args, nodes=convert.nodes, procs_per_node=convert.gpus_per_node,
-                    work_dir=job.parent, report_dir=reports, name=name, timeout=timeout,
-                    report_prefix=report_prefix, **launch_target(convert, cluster))
-    return result, read_rank_reports(reports, report_prefix, convert.nodes * convert.gpus_per_node), command
-
-
+             name, nodes, per_node, job.layout.tp, job.layout.pp, job.layout.ep, command)
+    result = launch(RANK_ENTRY, args, nodes=nodes, procs_per_node=per_node, work_dir=job_file.parent,
+                    report_dir=reports, name=name, timeout=timeout, report_prefix=report_prefix,
+                    launcher=job.launcher, address=job.address, master_port=job.master_port,
+                    gpus_per_node=job.ranks_per_node if job.device == "cuda" else 0,
+                    allow_insecure=job.allow_insecure)
+    return result, read_rank_reports(reports, report_prefix, world), command
