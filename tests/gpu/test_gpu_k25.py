@@ -38,7 +38,9 @@ def test_k25_bridge_load_export_and_int4_sync_on_a_gpu(cuda, one_gpu_rank, k25, 
     from kimi_pipeline.quant.export import export_int4
     from kimi_pipeline.weight_sync.policy_tensors import policy_tensors
     from kimi_pipeline.recipes import load_recipe
-    from kimi_pipeline.stages import EXPORT, run_stage
+    from kimi_pipeline import stages
+    from kimi_pipeline.stages import EXPORT
+    from support.stages import run_stage
 
     recipe = load_recipe("tiny", ["quant.int4_qat=true", "cluster.device=cuda", "convert.nodes=1",
                                   "convert.gpus_per_node=1", "convert.pp=1", "convert.ep=1"])
@@ -51,7 +53,8 @@ def test_k25_bridge_load_export_and_int4_sync_on_a_gpu(cuda, one_gpu_rank, k25, 
     # model bit for bit what exporting the actor's own (dequantized) tensors gives, with no GPU or megatron between
     ckpt = tmp_path / "ckpt"
     save_model_only(ckpt, model, step=2)
-    section = run_stage(EXPORT, recipe, tmp_path / "run", checkpoint_dir=ckpt, model_dir=k25.actor, timeout_s=600)
+    section = run_stage(EXPORT, stages.export.run, recipe, tmp_path / "run", checkpoint_dir=ckpt, model_dir=k25.actor,
+                        timeout_s=600)
     assert section["dequant_exact"] and section["others_exact"] and section["experts_equal"], section
     got, src = dict(iter_stored_tensors(section["path"])), dict(iter_stored_tensors(k25.actor))
     assert got.keys() == src.keys()

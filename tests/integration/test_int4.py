@@ -400,7 +400,9 @@ def test_stage_export_from_a_megatron_checkpoint(megatron_pair, tmp_path):
     from kimi_pipeline.model.parallel import Layout
     from kimi_pipeline.quant.checkpoint_export import checkpoint_content_hash
     from kimi_pipeline.recipes import load_recipe
-    from kimi_pipeline.stages import EXPORT, run_stage
+    from kimi_pipeline import stages
+    from kimi_pipeline.stages import EXPORT
+    from support.stages import run_stage
 
     recipe = load_recipe("tiny", ["quant.int4_qat=true"])  # the QAT export path (the preset trains without QAT)
     src = dict(iter_stored_tensors(TINY_MODEL))
@@ -414,7 +416,8 @@ def test_stage_export_from_a_megatron_checkpoint(megatron_pair, tmp_path):
     run_dir = tmp_path / "run"
     (run_dir / "validate").mkdir(parents=True)  # the eval set the served export is scored on (the run's validated one)
     shutil.copy(TINY / "aime-tiny.jsonl", run_dir / "validate" / "eval.jsonl")
-    section = run_stage(EXPORT, recipe, run_dir, checkpoint_dir=ckpt, model_dir=TINY_MODEL, timeout_s=450)  # < the test limit
+    section = run_stage(EXPORT, stages.export.run, recipe, run_dir, checkpoint_dir=ckpt, model_dir=TINY_MODEL,
+                        timeout_s=450)  # < the test limit
     assert section["checkpoint"] == str(ckpt / "iter_0000020")
     # distributed: recipe.convert's 4 ranks (pp 2 x ep 2) each wrote the tensors they own ...
     assert section["ranks"] == 4 and len(section["peak_rss_mb_per_rank"]) == 4
