@@ -1,7 +1,8 @@
 """One stage contract: every DAG stage is a `Stage` declared in its own module of `kimi_pipeline.stages` beside its
-work, that module's `run`; and the one runner (`stage_run`) around a call of it records what every stage records:
-status and seconds, its section, the partial section a failing stage carries, a skip, the debugging modes' own
-records, and the report handed to whoever publishes it."""
+work, that module's `run`, which each Prefect task and CLI command calls by name (a call a reader can follow from
+the task into the stage's code, no lookup in between); and the one runner (`stage_run`) around that call records
+what every stage records: status and seconds, its section, the partial section a failing stage carries, a skip,
+the debugging modes' own records, and the report handed to whoever publishes it."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from kimi_pipeline.errors import SectionError
 from kimi_pipeline.recipes import load_recipe
 from kimi_pipeline.recipes.recipe import Recipe
 from kimi_pipeline.stages import DAG, STAGES, Skipped, Stage, StageReport, convert, stage_run, train
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _work(stage: Stage):
@@ -85,6 +88,75 @@ def test_the_section_scan_sees_records_dumps_and_a_handed_recipe():
     assert _sections_read(reads_through_a_record) == {"paths", "hub", "eval"}
     with pytest.raises(AssertionError, match="hands the whole recipe to print"):
         _sections_read(hands_the_recipe)
+
+
+# The command that runs each stage alone (`kimi <stage>`, `kimi cluster up`): its file, function and runner
+COMMANDS = {
+    "download": ("kimi_pipeline/cli.py", "download", "_stage_command"),
+    "validate": ("kimi_pipeline/cli.py", "validate", "_stage_command"),
+    "convert": ("kimi_pipeline/cli.py", "convert", "_stage_command"),
+    "cluster": ("kimi_pipeline/cluster/cli.py", "up", "stage_run"),
+    "train": ("kimi_pipeline/cli.py", "train", "_stage_command"),
+    "export": ("kimi_pipeline/cli.py", "export", "_stage_command"),
+}
+
+
+def _calls_by_name(fn: ast.FunctionDef, runner: str, stage: Stage, work: str) -> bool:
+    """Whether `fn` calls `<work>(recipe, ...)` itself inside `with <runner>(<STAGE>, recipe, ...)`, with the recipe
+    the runner records: the stage's code is a call a reader follows from `fn`, not a lookup."""
+    for block in (n for n in ast.walk(fn) if isinstance(n, ast.With)):
+        for item in block.items:
+            run = item.context_expr
+            if not (isinstance(run, ast.Call) and ast.unparse(run.func) == runner and len(run.args) >= 2
+                    and ast.unparse(run.args[0]) == stage.name.upper()):
+                continue
+            recipe = ast.unparse(run.args[1])
+            calls = [n for statement in block.body for n in ast.walk(statement) if isinstance(n, ast.Call)]
+            if any(ast.unparse(c.func) == work and c.args and ast.unparse(c.args[0]) == recipe for c in calls):
+                return True
+    return False
+
+
+def _function(tree: ast.Module, name: str) -> ast.FunctionDef:
+    return next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name)
+
+
+def _imports(tree: ast.Module) -> set[tuple[str | None, str, str | None]]:
+    return {(n.module, a.name, a.asname) for n in tree.body if isinstance(n, ast.ImportFrom) for a in n.names}
+
+
+@pytest.mark.parametrize("stage", DAG, ids=lambda s: s.name)
+def test_each_task_and_command_calls_its_stage_by_name(stage):
+    """`tasks/<name>.py:<name>_task` calls `<name>.run(recipe, ...)` (the module `kimi_pipeline.stages.<name>`) inside
+    `with stage_task(<NAME>, recipe, ...)`, and its command calls `stages.<name>.run(r, ...)` inside its runner's
+    `with` (`kimi train`: `with _stage_command(TRAIN, r, ...)`)."""
+    tasks = ast.parse((ROOT / "tasks" / f"{stage.name}.py").read_text())
+    assert ("kimi_pipeline.stages", stage.name, None) in _imports(tasks)
+    assert _calls_by_name(_function(tasks, f"{stage.name}_task"), "stage_task", stage, f"{stage.name}.run")
+    path, command, runner = COMMANDS[stage.name]
+    cli = ast.parse((ROOT / path).read_text())
+    assert ("kimi_pipeline", "stages", None) in _imports(cli)
+    assert _calls_by_name(_function(cli, command), runner, stage, f"stages.{stage.name}.run")
+
+
+def test_the_call_scan_refuses_a_lookup_another_stage_and_another_recipe():
+    stage = convert.CONVERT
+    sources = {
+        "by name": "def f(recipe, d):\n    with stage_task(CONVERT, recipe, d) as record:\n"
+                   "        return record(convert.run(recipe, d))\n",
+        "a lookup": "def f(recipe, d):\n    with stage_task(CONVERT, recipe, d) as record:\n"
+                    "        return record(WORK['convert'](recipe, d))\n",
+        "another stage": "def f(recipe, d):\n    with stage_task(TRAIN, recipe, d) as record:\n"
+                         "        return record(convert.run(recipe, d))\n",
+        "another recipe": "def f(recipe, d):\n    with stage_task(CONVERT, recipe, d) as record:\n"
+                          "        return record(convert.run(other, d))\n",
+        "outside the runner": "def f(recipe, d):\n    with stage_task(CONVERT, recipe, d) as record:\n"
+                              "        pass\n    return convert.run(recipe, d)\n",
+    }
+    found = {k: _calls_by_name(_function(ast.parse(v), "f"), "stage_task", stage, "convert.run")
+             for k, v in sources.items()}
+    assert found == {"by name": True, "a lookup": False, "another stage": False, "another recipe": False,
+                     "outside the runner": False}
 
 
 class _Record:
