@@ -14,6 +14,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from kimi_pipeline import stages  # `stages.<name>.run`: the stage commands have the stages' names
 from kimi_pipeline.cli_cluster import cluster_app
 from kimi_pipeline.cli_recipes import RECIPE_HELP, SET_HELP, recipe_or_exit, recipe_or_problems
 from kimi_pipeline.cluster.errors import ClusterConfigError
@@ -25,10 +26,30 @@ from kimi_pipeline.errors import PermanentError
 from kimi_pipeline.eval.record import EvalSections, base_policy_scores, evaluate_checkpoint
 from kimi_pipeline.hub.download import DownloadError
 from kimi_pipeline.plan import plan_command
-from kimi_pipeline.recipes import RecipeError, check_recipe, load_recipe, pipeline_layers, preset_names, recipe_to_yaml
+from kimi_pipeline.recipes import (
+    Recipe,
+    RecipeError,
+    check_recipe,
+    load_recipe,
+    pipeline_layers,
+    preset_names,
+    recipe_to_yaml,
+)
 from kimi_pipeline.report.progress import echo_to_stderr, set_quiet
 from kimi_pipeline.rl.rehearse import refused_layout, run_rehearsal
-from kimi_pipeline.stages import CONVERT, DOWNLOAD, EXPORT, STAGES, TRAIN, VALIDATE, prepare_run, release_run, run_stage
+from kimi_pipeline.stages import (
+    CONVERT,
+    DOWNLOAD,
+    EXPORT,
+    STAGES,
+    TRAIN,
+    VALIDATE,
+    Record,
+    Stage,
+    prepare_run,
+    release_run,
+    stage_run,
+)
 from kimi_pipeline.util.files import atomic_write_json, atomic_write_text
 from kimi_pipeline.util.paths import new_run_dir, resolve_path
 from kimi_pipeline.util.prefect_env import configure_prefect_env
@@ -48,14 +69,20 @@ T = TypeVar("T")
 QUIET_HELP = "No per-rollout / per-eval progress lines (and only warnings from Prefect)."
 
 
-def _run_or_exit(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-    """Call a stage (or a command's work); expected failures (bad input, unreachable source) print their message,
-    not a traceback."""
+@contextmanager
+def _exit_on_expected_errors() -> Iterator[None]:
+    """Expected failures (bad input, unreachable source) print their message, not a traceback."""
     try:
-        return fn(*args, **kwargs)
+        yield
     except (PermanentError, DownloadError) as e:
         err.print(f"error: {redact(str(e))}", highlight=False, markup=False)
         raise typer.Exit(1) from None
+
+
+def _run_or_exit(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """Call a command's work; an expected failure prints its message, not a traceback."""
+    with _exit_on_expected_errors():
+        return fn(*args, **kwargs)
 
 
 @contextmanager
@@ -66,6 +93,16 @@ def _run_dir(recipe, run_dir: Path) -> Iterator[Path]:
         yield path
     finally:
         release_run(path)
+
+
+@contextmanager
+def _stage_command(stage: Stage, recipe: Recipe, run_dir: Path,
+                   record_as: str | None = None) -> Iterator[tuple[Path, Record]]:
+    """The block of a command that runs one stage alone: its run directory (`_run_dir`), the one runner around the
+    command's call of the stage's `run` (summary.json, timing, errors), and an expected failure as one line."""
+    with _run_dir(recipe, run_dir) as path, _exit_on_expected_errors():
+        with stage_run(stage, recipe, path, record_as=record_as) as record:
+            yield path, record
 
 
 @app.command()
@@ -136,8 +173,8 @@ def download(
     """Stage `download` alone (HF token from HF_TOKEN)."""
 
     r = recipe_or_exit(recipe, set_)
-    with _run_dir(r, run_dir) as path:
-        section = _run_or_exit(run_stage, DOWNLOAD, r, path)
+    with _stage_command(DOWNLOAD, r, run_dir) as (path, record):
+        section = record(stages.download.run(r, path))
     console.print_json(json.dumps(section))
 
 
@@ -150,8 +187,8 @@ def validate(
     """Stage `validate` alone (after `download` in the same run dir)."""
 
     r = recipe_or_exit(recipe, set_)
-    with _run_dir(r, run_dir) as path:
-        section = _run_or_exit(run_stage, VALIDATE, r, path)
+    with _stage_command(VALIDATE, r, run_dir) as (path, record):
+        section = record(stages.validate.run(r, path))
     console.print_json(json.dumps({k: v for k, v in section.items() if k not in ("train", "eval")}))
 
 
@@ -164,8 +201,8 @@ def convert(
     """Stage `convert` alone: HF → torch_dist over the recipe's conversion nodes, verified."""
 
     r = recipe_or_exit(recipe, set_)
-    with _run_dir(r, run_dir) as path:
-        section = _run_or_exit(run_stage, CONVERT, r, path)
+    with _stage_command(CONVERT, r, run_dir) as (path, record):
+        section = record(stages.convert.run(r, path))
     console.print_json(json.dumps(section, default=str))
 
 
@@ -189,9 +226,10 @@ def train(
     r = recipe_or_exit(recipe, set_)
     set_quiet(quiet)
     echo_to_stderr()
-    with _run_dir(r, run_dir) as path:
-        section = _run_or_exit(run_stage, TRAIN, r, path, ray_address=ray_address, replay=replay_rollouts,
-                               rollout_only=rollout_only)
+    record_as = stages.train.record_name(replay_rollouts, rollout_only)  # the debugging modes keep their own records
+    with _stage_command(TRAIN, r, run_dir, record_as) as (path, record):
+        section = record(stages.train.run(r, path, ray_address=ray_address, replay=replay_rollouts,
+                                          rollout_only=rollout_only))
     console.print_json(json.dumps(section, default=str))
 
 
@@ -208,9 +246,8 @@ def export(
     """Stage `export` alone: a training checkpoint → INT4 compressed-tensors HF directory, verified."""
 
     r = recipe_or_exit(recipe, set_)
-    with _run_dir(r, run_dir) as path:
-        ckpt = checkpoint or path / "train" / "checkpoints"
-        section = _run_or_exit(run_stage, EXPORT, r, path, checkpoint_dir=ckpt, step=step)
+    with _stage_command(EXPORT, r, run_dir) as (path, record):
+        section = record(stages.export.run(r, path, checkpoint or path / "train" / "checkpoints", step=step))
     console.print_json(json.dumps(section, default=str))
 
 

@@ -9,6 +9,7 @@ from typing import Optional
 
 import typer
 
+from kimi_pipeline import stages  # `stages.cluster.run`: a bare `cluster` would read as this package
 from kimi_pipeline.cli_recipes import RECIPE_HELP, SET_HELP, recipe_or_exit
 from kimi_pipeline.cluster.errors import ClusterError
 from kimi_pipeline.cluster.health import connected, read_facts
@@ -24,7 +25,7 @@ from kimi_pipeline.cluster.lifecycle import resolve_address, stop_cluster
 from kimi_pipeline.cluster.local import LocalCluster
 from kimi_pipeline.cluster.ray_submit import ray_submit_text
 from kimi_pipeline.errors import PermanentError
-from kimi_pipeline.stages import CLUSTER, run_stage
+from kimi_pipeline.stages import CLUSTER, stage_run
 
 cluster_app = typer.Typer(no_args_is_help=True, help="Ray cluster: up/down/status, KubeRay manifests, job command.")
 
@@ -45,7 +46,8 @@ def up(
     r = recipe_or_exit(recipe, set_)
     r.cluster.keep = True  # this process exits right away; the cluster must not go with it
     try:
-        section = run_stage(CLUSTER, r, run_dir, timeout_s=timeout)
+        with stage_run(CLUSTER, r, run_dir) as record:
+            section = record(stages.cluster.run(r, run_dir, timeout_s=timeout))
     except (ClusterError, PermanentError) as e:
         raise _fail(e) from None
     typer.echo(json.dumps({k: v for k, v in section.items() if k != "node_list"}, indent=2))

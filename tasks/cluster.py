@@ -17,8 +17,8 @@ from prefect.cache_policies import NO_CACHE
 
 from kimi_pipeline.cluster.lifecycle import PREFLIGHT_MD
 from kimi_pipeline.recipes import Recipe
-from kimi_pipeline.stages import CLUSTER
-from tasks.common import RETRY_DELAYS, markdown_artifact, retry_unless_permanent, run_stage_task
+from kimi_pipeline.stages import CLUSTER, cluster
+from tasks.common import RETRY_DELAYS, markdown_artifact, retry_unless_permanent, stage_task
 
 
 @task(
@@ -33,7 +33,8 @@ from tasks.common import RETRY_DELAYS, markdown_artifact, retry_unless_permanent
 def cluster_task(recipe: Recipe, run_dir: str, timeout_s: float | None = None) -> dict[str, Any]:
     # The owner is the flow process (tasks run in its threads): if it dies, the watchdog cleans up.
     try:
-        return run_stage_task(CLUSTER, recipe, run_dir, timeout_s=timeout_s, owner_pid=os.getpid())
+        with stage_task(CLUSTER, recipe, run_dir) as record:
+            return record(cluster.run(recipe, Path(run_dir), timeout_s=timeout_s, owner_pid=os.getpid()))
     finally:
         report = Path(run_dir) / "cluster" / PREFLIGHT_MD
         if report.is_file():

@@ -4,6 +4,7 @@ one redacted: the Prefect API stores them and the UI shows them to whoever can r
 from __future__ import annotations
 
 import json
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
 
@@ -13,7 +14,7 @@ from prefect.tasks import exponential_backoff
 
 from kimi_pipeline.errors import is_permanent
 from kimi_pipeline.recipes import Recipe
-from kimi_pipeline.stages import Stage, StageReport, run_stage
+from kimi_pipeline.stages import Record, Stage, StageReport, stage_run
 from kimi_pipeline.stages.runner import Publish
 from kimi_pipeline.util.files import sha256_json
 from kimi_pipeline.util.redact import redact, redact_data
@@ -73,6 +74,8 @@ def markdown_artifact(markdown: str, key: str, description: str) -> None:
     create_markdown_artifact(redact(markdown), key=key, description=redact(description))
 
 
-def run_stage_task(stage: Stage, recipe: Recipe, run_dir: str | Path, **inputs: Any) -> dict[str, Any]:
-    """What every stage task does: run the stage through the one runner, its report published as an artifact."""
-    return run_stage(stage, recipe, Path(run_dir), publish=publish_artifact(recipe), **inputs)
+def stage_task(stage: Stage, recipe: Recipe, run_dir: str | Path) -> AbstractContextManager[Record]:
+    """What every stage task wraps the call of its stage's `run` in: the one runner (summary.json, timing, errors),
+    the stage's report published as an artifact. The task calls the stage by name inside the block, so the way
+    from the task to the stage's code is a call a reader can follow."""
+    return stage_run(stage, recipe, run_dir, publish=publish_artifact(recipe))

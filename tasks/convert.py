@@ -10,9 +10,9 @@ from typing import Any
 from prefect import task
 
 from kimi_pipeline.recipes import Recipe
-from kimi_pipeline.stages import CONVERT
+from kimi_pipeline.stages import CONVERT, convert
 from kimi_pipeline.weightjobs.convert import ConvertSections
-from tasks.common import RETRIES, RETRY_DELAYS, cache_key, read_json, retry_unless_permanent, run_stage_task
+from tasks.common import RETRIES, RETRY_DELAYS, cache_key, read_json, retry_unless_permanent, stage_task
 
 
 def convert_key(context, params) -> str:
@@ -32,4 +32,5 @@ def convert_key(context, params) -> str:
     result_serializer="json",
 )
 def convert_task(recipe: Recipe, run_dir: str) -> dict[str, Any]:
-    return run_stage_task(CONVERT, recipe, run_dir)
+    with stage_task(CONVERT, recipe, run_dir) as record:
+        return record(convert.run(recipe, Path(run_dir)))

@@ -9,9 +9,9 @@ from prefect import task
 
 from kimi_pipeline.hub.manifest import build_manifest, list_files
 from kimi_pipeline.recipes import Recipe
-from kimi_pipeline.stages import DOWNLOAD
+from kimi_pipeline.stages import DOWNLOAD, download
 from kimi_pipeline.util.paths import resolve_path
-from tasks.common import RETRIES, RETRY_DELAYS, cache_key, retry_unless_permanent, run_stage_task
+from tasks.common import RETRIES, RETRY_DELAYS, cache_key, retry_unless_permanent, stage_task
 from tasks.secrets import hf_token
 
 
@@ -50,4 +50,5 @@ def download_key(context, params) -> str:
     result_serializer="json",
 )
 def download_task(recipe: Recipe, run_dir: str) -> dict[str, Any]:
-    return run_stage_task(DOWNLOAD, recipe, run_dir, token=hf_token())
+    with stage_task(DOWNLOAD, recipe, run_dir) as record:
+        return record(download.run(recipe, Path(run_dir), token=hf_token()))

@@ -13,10 +13,10 @@ from typing import Any
 from prefect import task
 
 from kimi_pipeline.recipes import Recipe
-from kimi_pipeline.stages import EXPORT
+from kimi_pipeline.stages import EXPORT, export
 from kimi_pipeline.util.files import sha256_file
 from kimi_pipeline.weightjobs.export import checkpoint_content_hash
-from tasks.common import RETRIES, RETRY_DELAYS, cache_key, read_json, retry_unless_permanent, run_stage_task
+from tasks.common import RETRIES, RETRY_DELAYS, cache_key, read_json, retry_unless_permanent, stage_task
 
 
 def export_key(context, params) -> str:
@@ -41,4 +41,5 @@ def export_key(context, params) -> str:
     result_serializer="json",
 )
 def export_task(recipe: Recipe, run_dir: str, checkpoint_dir: str, step: int | None = None) -> dict[str, Any]:
-    return run_stage_task(EXPORT, recipe, run_dir, checkpoint_dir=checkpoint_dir, step=step)
+    with stage_task(EXPORT, recipe, run_dir) as record:
+        return record(export.run(recipe, Path(run_dir), checkpoint_dir, step=step))

@@ -22,8 +22,8 @@ from kimi_pipeline.hub.download import model_root
 from kimi_pipeline.recipes import Recipe
 from kimi_pipeline.rl.actor_layout import ActorLayout, layout_markdown
 from kimi_pipeline.rl.health import HealthStop, health_markdown
-from kimi_pipeline.stages import TRAIN
-from tasks.common import RETRY_DELAYS, markdown_artifact, retry_unless_permanent, run_stage_task
+from kimi_pipeline.stages import TRAIN, train
+from tasks.common import RETRY_DELAYS, markdown_artifact, retry_unless_permanent, stage_task
 
 
 def _retry_eval(task, task_run, state) -> bool:
@@ -77,8 +77,9 @@ def train_task(recipe: Recipe, run_dir: str, cluster: dict[str, Any] | None = No
         markdown_artifact(layout_markdown(layout), "launch-plan", "trainer ranks and engines → nodes/GPUs")
 
     try:
-        section = run_stage_task(TRAIN, recipe, run_dir, ray_address=(cluster or {}).get("address"),
-                                 evaluate=evaluate, on_step=on_step, on_layout=show_layout)
+        with stage_task(TRAIN, recipe, run_dir) as record:
+            section = record(train.run(recipe, Path(run_dir), ray_address=(cluster or {}).get("address"),
+                                       evaluate=evaluate, on_step=on_step, on_layout=show_layout))
     except HealthStop as stop:
         markdown_artifact(health_markdown(stop.section["health"]), "health",
                           f"stopped by health rule {stop.rule} at step {stop.step}")

@@ -9,8 +9,8 @@ from typing import Any
 from prefect import task
 
 from kimi_pipeline.recipes import Recipe
-from kimi_pipeline.stages import VALIDATE
-from tasks.common import RETRIES, RETRY_DELAYS, cache_key, read_json, retry_unless_permanent, run_stage_task
+from kimi_pipeline.stages import VALIDATE, validate
+from tasks.common import RETRIES, RETRY_DELAYS, cache_key, read_json, retry_unless_permanent, stage_task
 
 
 def validate_key(context, params) -> str:
@@ -32,4 +32,5 @@ def validate_key(context, params) -> str:
     result_serializer="json",
 )
 def validate_task(recipe: Recipe, run_dir: str) -> dict[str, Any]:
-    return run_stage_task(VALIDATE, recipe, run_dir)
+    with stage_task(VALIDATE, recipe, run_dir) as record:
+        return record(validate.run(recipe, Path(run_dir)))

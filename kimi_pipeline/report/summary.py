@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,12 @@ from kimi_pipeline.util.files import atomic_write_text
 from kimi_pipeline.util.redact import redact
 
 STATUSES = ("running", "completed", "failed", "skipped")
+
+
+def error_line(e: BaseException) -> str:
+    """A failed stage's `error` in summary.json: the first six lines of its message joined on one line, at most 1000
+    characters (a traceback-long message would bury the status); its type when the message is empty."""
+    return " | ".join(line.strip() for line in str(e).strip().splitlines()[:6])[:1000] or type(e).__name__
 
 
 class RunSummary:
@@ -75,16 +80,3 @@ class RunSummary:
         entry: dict[str, Any] = {"status": status, "seconds": round(seconds, 3) if seconds is not None else None}
         entry.update(extra)
         self._mutate(lambda d: d["stages"].__setitem__(stage, entry))
-
-    @contextlib.contextmanager
-    def stage(self, name: str) -> Iterator[None]:
-        """Mark a stage running, then completed (or failed with the first lines of the error)."""
-        t0 = time.monotonic()
-        self.set_stage(name, "running")
-        try:
-            yield
-        except BaseException as e:
-            msg = " | ".join(line.strip() for line in str(e).strip().splitlines()[:6])[:1000] or type(e).__name__
-            self.set_stage(name, "failed", time.monotonic() - t0, error=msg)
-            raise
-        self.set_stage(name, "completed", time.monotonic() - t0)

@@ -1,7 +1,8 @@
-"""The pipeline's DAG: one module per stage, each declaring a `Stage` (name, the recipe sections it reads, the
-earlier stages it needs, its outputs, its report and one `run` function), all run by `runner.run_stage`, which
-owns the run summary, timing, errors and reports. Prefect tasks (tasks/), the flow and the CLI call exactly
-these; nothing here imports Prefect."""
+"""The pipeline's DAG: one module per stage, each with one `run(recipe, run_dir, ...)` function (the stage's work)
+and its `Stage` declaration (name, the recipe sections it reads, the earlier stages it needs, its outputs, its
+report). Every stage runs inside `runner.stage_run`, which owns the run summary, timing, errors and reports, while
+its caller calls `<stage module>.run` by name: Prefect tasks (tasks/) and the CLI call exactly these; nothing here
+imports Prefect."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from kimi_pipeline.stages.cluster import CLUSTER
 from kimi_pipeline.stages.convert import CONVERT
 from kimi_pipeline.stages.download import DOWNLOAD
 from kimi_pipeline.stages.export import EXPORT
-from kimi_pipeline.stages.runner import Stage, StageReport, run_stage
+from kimi_pipeline.stages.runner import Record, Skipped, Stage, StageReport, stage_run
 from kimi_pipeline.stages.train import TRAIN
 from kimi_pipeline.stages.validate import VALIDATE
 from kimi_pipeline.util.files import atomic_write_text
@@ -58,5 +59,5 @@ def mark_skipped(run_dir: Path, names: list[str]) -> None:
         summary.set_stage(name, "skipped", 0.0)
 
 
-__all__ = ["CLUSTER", "CONVERT", "DAG", "DOWNLOAD", "EXPORT", "STAGES", "Stage", "StageReport", "TRAIN", "VALIDATE",
-           "mark_skipped", "prepare_run", "prepared_run", "release_run", "run_stage"]
+__all__ = ["CLUSTER", "CONVERT", "DAG", "DOWNLOAD", "EXPORT", "STAGES", "Record", "Skipped", "Stage", "StageReport",
+           "TRAIN", "VALIDATE", "mark_skipped", "prepare_run", "prepared_run", "release_run", "stage_run"]

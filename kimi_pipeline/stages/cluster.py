@@ -21,7 +21,6 @@ def run(recipe: Recipe, run_dir: Path, timeout_s: float | None = None, owner_pid
 
 CLUSTER = Stage(
     name="cluster",
-    run=run,
     reads=("cluster", "parallel", "rollout", "model"),
     needs=(),
     outputs=(),

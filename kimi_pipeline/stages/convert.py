@@ -11,25 +11,19 @@ from kimi_pipeline.hub.download import read_manifest
 from kimi_pipeline.model.checkpoint_dirs import TRACKER
 from kimi_pipeline.recipes import Recipe
 from kimi_pipeline.report.stage_reports import convert_report
-from kimi_pipeline.stages.runner import Stage, StageReport
+from kimi_pipeline.stages.runner import Skipped, Stage, StageReport
 from kimi_pipeline.weightjobs.convert import CKPT_NAME, MARKER, ConvertSections, run_convert
 
 
 def run(recipe: Recipe, run_dir: Path) -> dict[str, Any]:
+    if recipe.convert.mode == "bridge":  # K2.5: the trainer loads HF weights itself; nothing to convert
+        return Skipped(mode="bridge", verified=False, skipped="convert.mode=bridge loads HF weights directly")
     model = read_manifest(run_dir)["model"]
     return run_convert(ConvertSections.of(recipe), run_dir, model["root"], source_files=model["files"])
 
 
-def skip(recipe: Recipe) -> dict[str, Any] | None:
-    if recipe.convert.mode == "bridge":  # K2.5: the trainer loads HF weights itself; nothing to convert
-        return {"mode": "bridge", "verified": False, "skipped": "convert.mode=bridge loads HF weights directly"}
-    return None
-
-
 CONVERT = Stage(
     name="convert",
-    run=run,
-    skip=skip,
     reads=("model", "parallel", "convert", "cluster", "hub"),
     needs=("download",),
     outputs=(f"convert/{CKPT_NAME}/{TRACKER}", f"convert/{MARKER}"),

@@ -19,7 +19,6 @@ def run(recipe: Recipe, run_dir: Path, token: str | None = None) -> dict[str, An
 
 DOWNLOAD = Stage(
     name="download",
-    run=run,
     reads=("hub", "data", "model", "paths"),
     needs=(),
     outputs=("download/manifest.json",),

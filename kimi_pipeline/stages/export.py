@@ -57,7 +57,6 @@ def scored_section(served: ServedSections, section: dict[str, Any], run_dir: Pat
 
 EXPORT = Stage(
     name="export",
-    run=run,
     reads=("model", "quant", "convert", "cluster", "eval", "data", "rollout", "hub", "sglang", "export"),
     needs=("download", "train"),
     outputs=(f"export/{SECTION_FILE}", "export/int4/config.json"),

@@ -1,24 +1,41 @@
-"""The one runner of the DAG's stages: every stage is a `Stage` (declared in its own module of this package)
-and runs through `run_stage`, which owns what all of them share: the status and duration in summary.json, the
-stage's section (also the partial one a failing stage carries), the stage's report for a caller that
-publishes it (the Prefect tasks make it an artifact; the CLI prints the section), and a failing stage's error
-with the secrets in its message redacted."""
+"""The one runner of the DAG's stages: every stage is a `Stage` (declared in its own module of this package, beside
+its `run` function) and runs inside `stage_run`, which owns what all of them share: the status and duration in
+summary.json, the stage's section (also the partial one a failing stage carries), the stage's report for a caller
+that publishes it (the Prefect tasks make it an artifact; the CLI prints the section), and a failing stage's error
+with the secrets in its message redacted.
+
+The runner does not call the stage: its caller does, by name, inside the block, so that a reader (or a type
+checker) follows a task or a CLI command straight into the stage's code:
+
+    with stage_run(CONVERT, recipe, run_dir) as record:
+        return record(convert.run(recipe, run_dir))
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kimi_pipeline.errors import SectionError
 from kimi_pipeline.recipes import Recipe
-from kimi_pipeline.report.summary import RunSummary
+from kimi_pipeline.report.summary import RunSummary, error_line
 from kimi_pipeline.util.redact import redact_exception
 
 Section = dict[str, Any]
 # publish(report, section, failed): hands a stage's report and section to whoever shows it (a Prefect artifact)
 Publish = Callable[["StageReport", Section, bool], None]
+# record(section) -> section: what a `stage_run` block hands its stage's result to
+Record = Callable[[Section], Section]
+
+
+class Skipped(dict[str, Any]):
+    """The section of a stage the recipe does not need (its `skipped` key says why), returned by the stage's own
+    `run` so that a reader sees the decision where the work is: the runner records the stage as skipped, in no
+    time, and publishes no report."""
 
 
 @dataclass(frozen=True)
@@ -36,55 +53,62 @@ class StageReport:
 
 @dataclass(frozen=True)
 class Stage:
-    """One step of the DAG, declared once; the runner, the Prefect task, the flow and the CLI read this.
+    """One step of the DAG, declared once beside its work, `run(recipe, run_dir, ...) -> section` in the same
+    module (`kimi_pipeline.stages.<name>.run`, called by name wherever the stage runs); the runner, the Prefect
+    task, the flow and the CLI read this.
 
     - `reads`: the recipe sections the stage and what it calls read (what a reader needs to know; the Prefect
       task's cache key hashes those of them that decide its outputs). A stage that hands its components sections
       declares exactly what its code and the section records it builds read (`tests/unit/test_stage_contract.py`);
     - `needs`: the earlier stages whose outputs it reads;
     - `outputs`: files under the run dir a cached result needs (empty: the stage is never cached);
-    - `run(recipe, run_dir, **inputs) -> section`: the work;
-    - `skip(recipe) -> section | None`: the section of a recipe that does not need the stage (recorded as
-      skipped, `run` not called);
-    - `record_name(inputs)`: where summary.json records a run with these inputs (default: `name`; the train
-      stage's debugging modes keep their own records)."""
+    - `report`: how its section reads for a person."""
 
     name: str
-    run: Callable[..., Section]
     reads: tuple[str, ...]
     needs: tuple[str, ...]
     outputs: tuple[str, ...]
     report: StageReport
-    skip: Callable[[Recipe], Section | None] = field(default=lambda recipe: None)
-    record_name: Callable[[dict[str, Any]], str] | None = None  # summary.json's name for a run given these inputs
 
 
-def run_stage(stage: Stage, recipe: Recipe, run_dir: str | Path, *, publish: Publish | None = None,
-              **inputs: Any) -> Section:
-    """Run `stage` for `recipe` in `run_dir`: record it running, then completed (or failed with its error) with
-    its duration, and its section; a failure that carries a partial section (`SectionError`) records that too.
-    `publish` gets the stage's report (the Prefect tasks make it an artifact)."""
-    run_dir = Path(run_dir)
-    name = stage.record_name(inputs) if stage.record_name else stage.name
-    summary = RunSummary(run_dir, recipe.name)
-    skipped = stage.skip(recipe)
-    if skipped is not None:
-        summary.set_stage(name, "skipped", 0.0, reason=skipped.get("skipped"))
-        summary.set_section(name, skipped)
-        return skipped
+@contextmanager
+def stage_run(stage: Stage, recipe: Recipe, run_dir: str | Path, *, record_as: str | None = None,
+              publish: Publish | None = None) -> Iterator[Record]:
+    """Run the block as `stage` for `recipe` in `run_dir`: record it running, then completed (or failed with its
+    error) with its duration, and the section the block hands to `record` (exactly once: a block that records
+    nothing failed to say what it did); a failure that carries a partial section (`SectionError`) records that
+    too, a `Skipped` section records the stage as skipped. `record_as`: where summary.json records this run
+    (default: the stage's name; the train stage's debugging modes keep their own records). `publish` gets the
+    stage's report (the Prefect tasks make it an artifact)."""
+    name = record_as or stage.name
+    summary = RunSummary(Path(run_dir), recipe.name)
+    recorded: list[Section] = []
+
+    def record(section: Section) -> Section:
+        recorded.append(section)
+        return section
+
+    started = time.monotonic()
+    summary.set_stage(name, "running")
     try:
-        with summary.stage(name):
-            try:
-                section = stage.run(recipe, run_dir, **inputs)
-            except SectionError as e:
-                summary.set_section(name, e.section)
-                if publish and e.section and stage.report.failed_title:
-                    publish(stage.report, e.section, True)
-                raise
-            summary.set_section(name, section)
+        try:
+            yield record
+        except SectionError as e:
+            summary.set_section(name, e.section)
+            if publish and e.section and stage.report.failed_title:
+                publish(stage.report, e.section, True)
+            raise
+        if len(recorded) != 1:
+            raise RuntimeError(f"stage {name}: its block recorded {len(recorded)} sections, not one")
+        section = recorded[0]
+        summary.set_section(name, section)
     except BaseException as e:
+        summary.set_stage(name, "failed", time.monotonic() - started, error=error_line(e))
         redact_exception(e)  # whoever shows it next (Prefect's state message, the CLI) reads the clean text
         raise
+    if isinstance(section, Skipped):
+        summary.set_stage(name, "skipped", 0.0, reason=section.get("skipped"))
+        return
+    summary.set_stage(name, "completed", time.monotonic() - started)
     if publish:
         publish(stage.report, section, False)
-    return section

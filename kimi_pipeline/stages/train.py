@@ -85,15 +85,14 @@ def run(recipe: Recipe, run_dir: Path, *, ray_address: str | None = None,
     )
 
 
-def record_name(inputs: dict[str, Any]) -> str:
-    """Where a run is recorded in summary.json: training, or one of its debugging modes."""
-    return "replay" if inputs.get("replay") is not None else "rollout_only" if inputs.get("rollout_only") else "train"
+def record_name(replay: Path | None = None, rollout_only: bool = False) -> str:
+    """Where a run with these arguments of `run` is recorded in summary.json (`stage_run(..., record_as=...)`):
+    training, or one of its debugging modes, whose records must not overwrite training's."""
+    return "replay" if replay is not None else "rollout_only" if rollout_only else "train"
 
 
 TRAIN = Stage(
     name="train",
-    run=run,
-    record_name=record_name,
     reads=("model", "hub", "data", "convert", "parallel", "cluster", "rollout", "sglang", "grpo", "eval", "optimizer",
            "quant", "checkpoint", "health", "paths"),
     needs=("convert", "cluster"),

@@ -23,7 +23,6 @@ def run(recipe: Recipe, run_dir: Path) -> dict[str, Any]:
 
 VALIDATE = Stage(
     name="validate",
-    run=run,
     reads=("data", "rollout", "hub"),
     needs=("download",),
     outputs=("validate/train.jsonl", "validate/eval.jsonl"),

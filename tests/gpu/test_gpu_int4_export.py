@@ -1,5 +1,6 @@
 """INT4 export from a checkpoint a GPU wrote: a megatron model on CUDA (the tiny checkpoint's weights) saved as
-torch_dist, then the export stage (run_stage(EXPORT, …), one rank in the convert layout, `cluster.device=cuda`)
+torch_dist, then the export stage (`stages.export.run` in `stage_run(EXPORT, …)`, one rank in the convert layout,
+`cluster.device=cuda`)
 writes Kimi's compressed-tensors INT4 directory from it. The GPU twin of tests/integration/test_int4.py's
 `test_stage_export_from_a_megatron_checkpoint`, with a stronger reference: the export must equal, tensor for
 tensor and bit for bit, the single-process export of the HF source files themselves (the weights went
@@ -18,14 +19,16 @@ pytestmark = pytest.mark.gpu
 
 def test_int4_export_of_a_cuda_written_checkpoint(cuda, one_gpu_rank, tmp_path):
     import torch
+    from support.stages import run_stage
 
+    from kimi_pipeline import stages
     from kimi_pipeline.hf.int4_checkpoint import export_int4
     from kimi_pipeline.hf.reader import iter_stored_tensors
     from kimi_pipeline.model.hf_bridge import load_hf_tensors_into_model
     from kimi_pipeline.model.megatron_model import build_model
     from kimi_pipeline.model.megatron_train import save_model_only
     from kimi_pipeline.recipes import load_recipe
-    from kimi_pipeline.stages import EXPORT, run_stage
+    from kimi_pipeline.stages import EXPORT
     from kimi_pipeline.weightjobs.export import shard_bytes
 
     # the QAT export path (fake-quant trainer forward as the logits reference), on one GPU rank
@@ -38,7 +41,8 @@ def test_int4_export_of_a_cuda_written_checkpoint(cuda, one_gpu_rank, tmp_path):
     save_model_only(ckpt, model, step=20)  # written from CUDA tensors
 
     run_dir = tmp_path / "run"
-    section = run_stage(EXPORT, recipe, run_dir, checkpoint_dir=ckpt, model_dir=TINY_MODEL, timeout_s=600)
+    section = run_stage(EXPORT, stages.export.run, recipe, run_dir, checkpoint_dir=ckpt, model_dir=TINY_MODEL,
+                        timeout_s=600)
     assert section["checkpoint"] == str(ckpt / "iter_0000020") and section["ranks"] == 1
     assert section["dequant_exact"] and section["experts_equal"] and section["qat"]
     assert section["num_quantized"] == 144  # 3 MoE layers x 16 experts x gate/up/down

@@ -26,7 +26,9 @@ def k25(tmp_path_factory):
 
 def test_k25_bridge_load_export_and_int4_sync_on_a_gpu(cuda, one_gpu_rank, k25, tmp_path):
     import torch
+    from support.stages import run_stage
 
+    from kimi_pipeline import stages
     from kimi_pipeline.engine.model import EngineModel
     from kimi_pipeline.hf.int4_checkpoint import export_int4
     from kimi_pipeline.hf.names import HFLayout
@@ -35,7 +37,7 @@ def test_k25_bridge_load_export_and_int4_sync_on_a_gpu(cuda, one_gpu_rank, k25, 
     from kimi_pipeline.model.megatron_model import build_model
     from kimi_pipeline.model.megatron_train import save_model_only
     from kimi_pipeline.recipes import load_recipe
-    from kimi_pipeline.stages import EXPORT, run_stage
+    from kimi_pipeline.stages import EXPORT
     from kimi_pipeline.weight_sync.formats import to_engine_format
     from kimi_pipeline.weight_sync.policy_tensors import policy_tensors
     from kimi_pipeline.weightjobs.export import shard_bytes
@@ -51,7 +53,8 @@ def test_k25_bridge_load_export_and_int4_sync_on_a_gpu(cuda, one_gpu_rank, k25, 
     # model bit for bit what exporting the actor's own (dequantized) tensors gives, with no GPU or megatron between
     ckpt = tmp_path / "ckpt"
     save_model_only(ckpt, model, step=2)
-    section = run_stage(EXPORT, recipe, tmp_path / "run", checkpoint_dir=ckpt, model_dir=k25.actor, timeout_s=600)
+    section = run_stage(EXPORT, stages.export.run, recipe, tmp_path / "run", checkpoint_dir=ckpt, model_dir=k25.actor,
+                        timeout_s=600)
     assert section["dequant_exact"] and section["others_exact"] and section["experts_equal"], section
     got, src = dict(iter_stored_tensors(section["path"])), dict(iter_stored_tensors(k25.actor))
     assert got.keys() == src.keys()

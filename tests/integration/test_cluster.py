@@ -18,6 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from kimi_pipeline import stages
 from kimi_pipeline.cluster.env import SOCKET_PATH_MAX, SOCKET_PATH_TAIL, choose_temp_dir
 from kimi_pipeline.cluster.errors import ClusterConfigError, ClusterHealthError, LocalClusterTooSmall, PlacementError
 from kimi_pipeline.cluster.health import ClusterFacts, NodeFacts, Requirements, wait_until_healthy
@@ -36,8 +37,9 @@ from kimi_pipeline.cluster.procs import MARKER_VAR, cluster_processes, ray_proce
 from kimi_pipeline.cluster.ray_submit import ray_submit_command
 from kimi_pipeline.errors import is_permanent
 from kimi_pipeline.recipes import load_recipe
-from kimi_pipeline.stages import CLUSTER, run_stage
+from kimi_pipeline.stages import CLUSTER
 from kimi_pipeline.util.redact import ray_worker_setup
+from support.stages import run_stage
 
 # `make test-fast` leaves it out: local Ray clusters started and stopped (~4-12 s per test)
 pytestmark = pytest.mark.slow
@@ -314,7 +316,7 @@ def embedded(tmp_path_factory):
     saved = {k: os.environ.get(k) for k in started_with}
     os.environ.update(started_with)
     try:
-        section = run_stage(CLUSTER, load_recipe("tiny"), run_dir)
+        section = run_stage(CLUSTER, stages.cluster.run, load_recipe("tiny"), run_dir)
     finally:
         for k, v in saved.items():
             if v is None:
@@ -445,7 +447,8 @@ def test_existing_cluster_by_address_is_used_not_owned(embedded):
     """cluster.address: attach, check, report; the run never stops a cluster it did not start."""
     run_dir = short_run_dir("existing")
     address = embedded["section"]["address"]
-    s = run_stage(CLUSTER, load_recipe("tiny", [f"cluster.address={address}"]), run_dir, timeout_s=30)
+    s = run_stage(CLUSTER, stages.cluster.run, load_recipe("tiny", [f"cluster.address={address}"]), run_dir,
+                  timeout_s=30)
     assert s["mode"] == "existing" and s["address"] == address and s["nodes"] == 1
     assert stop_cluster(run_dir) is None
     from kimi_pipeline.cluster.env import gcs_reachable
@@ -453,7 +456,7 @@ def test_existing_cluster_by_address_is_used_not_owned(embedded):
     assert gcs_reachable(address) and embedded["cluster"].alive()
     too_big = load_recipe("tiny", [f"cluster.address={address}", "cluster.nodes=2", "parallel.dp=1"], check=False)
     with pytest.raises(ClusterHealthError, match="nodes: 1 alive < 2 required"):
-        run_stage(CLUSTER, too_big, run_dir, timeout_s=2)
+        run_stage(CLUSTER, stages.cluster.run, too_big, run_dir, timeout_s=2)
     assert gcs_reachable(address)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["stages"]["cluster"]["status"] == "failed" and "2 required" in summary["stages"]["cluster"]["error"]
@@ -502,7 +505,7 @@ def test_failing_stage_stops_what_it_started():
     r = load_recipe("tiny", [f"cluster.memory_gb_per_node={total_gb - 0.01:.2f}"])
     seen: dict[int, str] = {}
     with pytest.raises(LocalClusterTooSmall) as e:
-        run_stage(CLUSTER, r, run_dir, timeout_s=3)
+        run_stage(CLUSTER, stages.cluster.run, r, run_dir, timeout_s=3)
     assert is_permanent(e.value) and any("memory" in m for m in e.value.missing)
     c = LocalCluster.load(run_dir)
     assert c is not None and c.state["sids"], "the head was started"
@@ -518,9 +521,11 @@ def test_watchdog_stops_the_cluster_when_the_owner_is_killed():
     """`kimi run` killed with SIGKILL has no `finally`: the watchdog tears the cluster down."""
     run_dir = short_run_dir("owner")
     code = (
-        "import sys, time; from kimi_pipeline.recipes import load_recipe; "
-        "from kimi_pipeline.stages import CLUSTER, run_stage; "
-        f"run_stage(CLUSTER, load_recipe('tiny'), {str(run_dir)!r}); print('UP', flush=True); time.sleep(600)"
+        "import sys, time\nfrom pathlib import Path\nfrom kimi_pipeline.recipes import load_recipe\n"
+        "from kimi_pipeline.stages import CLUSTER, cluster, stage_run\n"
+        f"r, run_dir = load_recipe('tiny'), Path({str(run_dir)!r})\n"
+        "with stage_run(CLUSTER, r, run_dir) as record:\n    record(cluster.run(r, run_dir))\n"
+        "print('UP', flush=True)\ntime.sleep(600)\n"
     )
     owner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=ROOT)
     try:
@@ -548,7 +553,7 @@ def test_simulated_four_node_cluster_strict_spread_and_impossible_groups():
 
     run_dir = short_run_dir("four")
     r = load_recipe("tiny", ["cluster.nodes=4"])
-    section = run_stage(CLUSTER, r, run_dir)
+    section = run_stage(CLUSTER, stages.cluster.run, r, run_dir)
     pids, _ = _snapshot(run_dir)
     try:
         assert section["nodes"] == 4 and section["cpus"] == 4

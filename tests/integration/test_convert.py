@@ -94,12 +94,14 @@ def tiny_ckpt(tmp_path_factory) -> Path:
 def converted(tiny_ckpt, tmp_path_factory) -> tuple[Path, dict]:
     """The tiny recipe's own conversion as the pipeline runs it: download (local source, manifest) ->
     the convert stage (4 nodes x 1 rank, pp2 x ep2, verified) -> summary.json."""
-    from kimi_pipeline.stages import CONVERT, DOWNLOAD, prepare_run, run_stage
+    from kimi_pipeline import stages
+    from kimi_pipeline.stages import CONVERT, DOWNLOAD, prepare_run
+    from support.stages import run_stage
 
     recipe = load_recipe("tiny", [f"hub.model.path={tiny_ckpt}"])
     run_dir = prepare_run(recipe, tmp_path_factory.mktemp("runs") / "run")
-    run_stage(DOWNLOAD, recipe, run_dir)
-    section = run_stage(CONVERT, recipe, run_dir)
+    run_stage(DOWNLOAD, stages.download.run, recipe, run_dir)
+    section = run_stage(CONVERT, stages.convert.run, recipe, run_dir)
     return run_dir, section
 
 
@@ -526,11 +528,13 @@ def test_interrupted_conversion_is_never_taken_as_complete(tiny_ckpt, tmp_path):
 
 
 def test_bridge_mode_skips_the_stage(tmp_path):
-    from kimi_pipeline.stages import CONVERT, run_stage
+    from kimi_pipeline import stages
+    from kimi_pipeline.stages import CONVERT
+    from support.stages import run_stage
 
     r = load_recipe("kimi-k2.5")
     assert r.convert.mode == "bridge"
-    section = run_stage(CONVERT, r, tmp_path)
+    section = run_stage(CONVERT, stages.convert.run, r, tmp_path)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["stages"]["convert"]["status"] == "skipped" and section["mode"] == "bridge"
     assert not (tmp_path / "convert").exists()

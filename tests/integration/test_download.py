@@ -10,9 +10,10 @@ import pytest
 from kimi_pipeline.hub.download import DownloadError, LocalSourceError
 from kimi_pipeline.hub.manifest import build_manifest, list_files, safetensors_issue, verify_files
 from kimi_pipeline.recipes import load_recipe
-from kimi_pipeline.stages import DOWNLOAD, run_stage
+from kimi_pipeline.stages import DOWNLOAD
 from kimi_pipeline.stages.download import run as download  # the stage's body: the recipe's sections
 from support.common import tiny_overrides
+from support.stages import run_stage
 
 
 def flip_byte(path, offset=10):
@@ -23,7 +24,7 @@ def flip_byte(path, offset=10):
 
 def test_tiny_download_records_manifest(tmp_path, tiny_copy):
     r = load_recipe("tiny", tiny_overrides(tiny_copy))
-    section = run_stage(DOWNLOAD, r, tmp_path / "run")
+    section = run_stage(DOWNLOAD, download, r, tmp_path / "run")
     manifest = json.loads((tmp_path / "run" / "download" / "manifest.json").read_text())
     assert set(manifest) == {"model", "train", "eval"}
     assert section["model"]["model_type"] == "kimi_k2" and section["model"]["treated_as"] == "deepseek_v3"
@@ -56,7 +57,7 @@ def test_truncated_file_and_summary_marks_failure(tmp_path, tiny_copy):
     p.write_bytes(p.read_bytes()[:-50])
     r = load_recipe("tiny", tiny_overrides(tiny_copy))
     with pytest.raises(LocalSourceError, match="tokenizer.json"):
-        run_stage(DOWNLOAD, r, tmp_path / "run")
+        run_stage(DOWNLOAD, download, r, tmp_path / "run")
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["stages"]["download"]["status"] == "failed"
     assert "tokenizer.json" in summary["stages"]["download"]["error"]

@@ -395,12 +395,15 @@ def test_a_checkpoint_save_starts_no_helper_process(megatron_pair, tmp_path):
 def test_stage_export_from_a_megatron_checkpoint(megatron_pair, tmp_path):
     """Trainer checkpoint (torch_dist) -> child process -> INT4 export whose logits match the megatron
     fake-quant forward; summary.json gains the export section; the cache key is the content hash."""
+    from support.stages import run_stage
+
+    from kimi_pipeline import stages
     from kimi_pipeline.model.hf_bridge import load_hf_tensors_into_model
     from kimi_pipeline.model.megatron_model import build_model
     from kimi_pipeline.model.megatron_train import save_model_only
     from kimi_pipeline.recipes import load_recipe
     from kimi_pipeline.recipes.layout import Layout
-    from kimi_pipeline.stages import EXPORT, run_stage
+    from kimi_pipeline.stages import EXPORT
     from kimi_pipeline.weightjobs.export import checkpoint_content_hash
 
     recipe = load_recipe("tiny", ["quant.int4_qat=true"])  # the QAT export path (the preset trains without QAT)
@@ -415,7 +418,8 @@ def test_stage_export_from_a_megatron_checkpoint(megatron_pair, tmp_path):
     run_dir = tmp_path / "run"
     (run_dir / "validate").mkdir(parents=True)  # the eval set the served export is scored on (the run's validated one)
     shutil.copy(TINY / "aime-tiny.jsonl", run_dir / "validate" / "eval.jsonl")
-    section = run_stage(EXPORT, recipe, run_dir, checkpoint_dir=ckpt, model_dir=TINY_MODEL, timeout_s=450)  # < the test limit
+    section = run_stage(EXPORT, stages.export.run, recipe, run_dir, checkpoint_dir=ckpt, model_dir=TINY_MODEL,
+                        timeout_s=450)  # < the test limit
     assert section["checkpoint"] == str(ckpt / "iter_0000020")
     # distributed: recipe.convert's 4 ranks (pp 2 x ep 2) each wrote the tensors they own ...
     assert section["ranks"] == 4 and len(section["peak_rss_mb_per_rank"]) == 4

@@ -101,7 +101,9 @@ def test_a_config_that_disagrees_with_its_index_is_refused(k25, tmp_path):
 
 def test_download_checks_the_vision_tower_against_the_recipe(k25, tmp_path):
     from kimi_pipeline.hub.download import LocalSourceError
-    from kimi_pipeline.stages import DOWNLOAD, prepare_run, run_stage
+    from kimi_pipeline import stages
+    from kimi_pipeline.stages import DOWNLOAD, prepare_run
+    from support.stages import run_stage
 
     tiny, pair = k25
     for extra, problem in (
@@ -111,7 +113,8 @@ def test_download_checks_the_vision_tower_against_the_recipe(k25, tmp_path):
     ):
         recipe = _recipe(tiny, pair, extra)
         with pytest.raises(LocalSourceError, match=problem):
-            run_stage(DOWNLOAD, recipe, prepare_run(recipe, tmp_path / extra[0].replace("=", "-")))
+            run_stage(DOWNLOAD, stages.download.run, recipe,
+                      prepare_run(recipe, tmp_path / extra[0].replace("=", "-")))
 
 
 def test_engines_load_k25_and_refuse_language_weights_without_its_prefix(k25):
@@ -130,15 +133,17 @@ def test_engines_load_k25_and_refuse_language_weights_without_its_prefix(k25):
 
 
 def test_k25_converts_to_torch_dist_exactly_as_k2(k25, tmp_path):
-    from kimi_pipeline.stages import CONVERT, DOWNLOAD, prepare_run, run_stage
+    from kimi_pipeline import stages
+    from kimi_pipeline.stages import CONVERT, DOWNLOAD, prepare_run
+    from support.stages import run_stage
 
     tiny, pair = k25
     recipe = _recipe(tiny, pair, ["convert.mode=torch_dist", "hub.source_format=bf16",
                                   f"hub.model.path={pair.reference}", "grpo.use_kl_loss=false",
                                   "grpo.kl_loss_coef=0"])
     run = prepare_run(recipe, tmp_path / "run")
-    run_stage(DOWNLOAD, recipe, run)
-    s = run_stage(CONVERT, recipe, run)
+    run_stage(DOWNLOAD, stages.download.run, recipe, run)
+    s = run_stage(CONVERT, stages.convert.run, recipe, run)
     assert s["verified"] is True and s["max_abs_diff"] == 0.0
     assert s["roundtrip_exact"] is True and s["roundtrip_tensors"] == len(HFCheckpoint(tiny / "model").names())
 
@@ -146,7 +151,9 @@ def test_k25_converts_to_torch_dist_exactly_as_k2(k25, tmp_path):
 def test_a_reference_that_is_not_the_actors_is_refused_naming_the_first_tensor(k25, tmp_path):
     from safetensors.torch import save_file
 
-    from kimi_pipeline.stages import DOWNLOAD, prepare_run, run_stage
+    from kimi_pipeline import stages
+    from kimi_pipeline.stages import DOWNLOAD, prepare_run
+    from support.stages import run_stage
     from kimi_pipeline.stages.train import ReferenceMismatchError, reference_weights
 
     tiny, pair = k25
@@ -162,7 +169,7 @@ def test_a_reference_that_is_not_the_actors_is_refused_naming_the_first_tensor(k
     save_file(tensors, str(shard))
     recipe = _recipe(tiny, pair, [f"hub.ref_model.path={ref}"])
     run = prepare_run(recipe, tmp_path / "run")
-    run_stage(DOWNLOAD, recipe, run)
+    run_stage(DOWNLOAD, stages.download.run, recipe, run)
     with pytest.raises(ReferenceMismatchError, match=rf"{victim}: shape \[64, 96\] in the reference, \[64, 128\]"):
         reference_weights(recipe, run)
 
@@ -183,16 +190,19 @@ def ray_local():
 @pytest.fixture(scope="module")
 def pipeline(k25, ray_local, tmp_path_factory):
     """download -> validate -> convert (bridge) -> train 2 steps (KL on) -> export, as the flow runs them."""
-    from kimi_pipeline.stages import CONVERT, DOWNLOAD, EXPORT, TRAIN, VALIDATE, prepare_run, run_stage
+    from kimi_pipeline import stages
+    from kimi_pipeline.stages import CONVERT, DOWNLOAD, EXPORT, TRAIN, VALIDATE, prepare_run
+    from support.stages import run_stage
 
     tiny, pair = k25
     recipe = _recipe(tiny, pair, ["rollout.num_rollout=2"])
     run = prepare_run(recipe, tmp_path_factory.mktemp("k25run") / "run")
-    download = run_stage(DOWNLOAD, recipe, run)
-    run_stage(VALIDATE, recipe, run)
-    convert = run_stage(CONVERT, recipe, run)
-    train = run_stage(TRAIN, recipe, run)
-    export = run_stage(EXPORT, recipe, run, checkpoint_dir=Path(train["checkpoint_dir"]), timeout_s=600)
+    download = run_stage(DOWNLOAD, stages.download.run, recipe, run)
+    run_stage(VALIDATE, stages.validate.run, recipe, run)
+    convert = run_stage(CONVERT, stages.convert.run, recipe, run)
+    train = run_stage(TRAIN, stages.train.run, recipe, run)
+    export = run_stage(EXPORT, stages.export.run, recipe, run, checkpoint_dir=Path(train["checkpoint_dir"]),
+                       timeout_s=600)
     return pair, run, {"download": download, "convert": convert, "train": train, "export": export}
 
 

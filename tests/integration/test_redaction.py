@@ -35,7 +35,7 @@ from kimi_pipeline.stages import Stage, StageReport
 from kimi_pipeline.util import redact as redaction
 from kimi_pipeline.util.redact import install_log_redaction
 from support.webhook_server import webhook_receiver
-from tasks.common import markdown_artifact, run_stage_task
+from tasks.common import markdown_artifact, stage_task
 from tasks.secrets import hf_token, wandb_key
 
 HF = "SentinelHubToken-7d3b9e1f40"  # not `hf_`-shaped: only its value can find it
@@ -47,14 +47,15 @@ def _refused(recipe: Recipe, run_dir: Path, token: str | None, key: str | None) 
                        {"detail": f"Authorization: Bearer {token}; W&B key {key}"})
 
 
-REFUSED = Stage(name="download", run=_refused, reads=(), needs=(), outputs=(),
+REFUSED = Stage(name="download", reads=(), needs=(), outputs=(),
                 report=StageReport(key="hub-refusal", render=lambda s: f"hub said: {s['detail']}", title="hub",
                                    failed_title="hub refused: {detail}"))
 
 
 @task(name="download", retries=0, cache_policy=NO_CACHE, persist_result=False)
 def refused_task(recipe: Recipe, run_dir: str) -> dict[str, Any]:
-    return run_stage_task(REFUSED, recipe, run_dir, token=hf_token(), key=wandb_key())  # as tasks/download.py
+    with stage_task(REFUSED, recipe, run_dir) as record:  # as tasks/download.py
+        return record(_refused(recipe, Path(run_dir), token=hf_token(), key=wandb_key()))
 
 
 @flow(name="kimi-redaction", on_failure=[notify_failure])

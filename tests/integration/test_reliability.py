@@ -32,7 +32,6 @@ from pathlib import Path
 
 import psutil
 import pytest
-
 from support.common import ROOT, tiny_overrides, train_recipe
 from support.webhook_server import webhook_receiver
 
@@ -186,22 +185,24 @@ def test_ray_node_lost_during_train_fails_clearly_and_the_retry_resumes(tmp_path
     infrastructure brings a node back; the retry resumes at step 2."""
 
     import ray
+    from support.stages import run_stage
 
+    from kimi_pipeline import stages
     from kimi_pipeline.cluster.lifecycle import embedded_layout, stop_cluster
     from kimi_pipeline.cluster.local import LocalCluster
     from kimi_pipeline.report.metrics import read_jsonl
     from kimi_pipeline.rl.ray_errors import TrainingError
-    from kimi_pipeline.stages import CLUSTER, CONVERT, DOWNLOAD, TRAIN, VALIDATE, prepare_run, run_stage
+    from kimi_pipeline.stages import CLUSTER, CONVERT, DOWNLOAD, TRAIN, VALIDATE, prepare_run
 
     root = Path(tempfile_dir())
     tiny = root / "tiny"
     shutil.copytree(ROOT / "data" / "tiny", tiny)
     r = train_recipe(tiny, ["cluster.nodes=2", "cluster.cpus_per_node=2"])
     run = prepare_run(r, root / "run")
-    run_stage(DOWNLOAD, r, run)
-    run_stage(VALIDATE, r, run)
-    run_stage(CONVERT, r, run)
-    section = run_stage(CLUSTER, r, run)
+    run_stage(DOWNLOAD, stages.download.run, r, run)
+    run_stage(VALIDATE, stages.validate.run, r, run)
+    run_stage(CONVERT, stages.convert.run, r, run)
+    section = run_stage(CLUSTER, stages.cluster.run, r, run)
     lost: dict = {}
     try:
         assert section["nodes"] == 2 and section["cpus"] == 4
@@ -221,7 +222,7 @@ def test_ray_node_lost_during_train_fails_clearly_and_the_retry_resumes(tmp_path
             lost["processes"], lost["t"] = len(victims), time.monotonic()
 
         with pytest.raises(TrainingError) as failure:
-            run_stage(TRAIN, r, run, evaluate=lambda step, urls: {}, on_step=lose_node)
+            run_stage(TRAIN, stages.train.run, r, run, evaluate=lambda step, urls: {}, on_step=lose_node)
         detect_s = time.monotonic() - lost["t"]
         assert lost["actors"], "no actor ran on the lost node"
         msg = str(failure.value)
@@ -238,7 +239,7 @@ def test_ray_node_lost_during_train_fails_clearly_and_the_retry_resumes(tmp_path
         _, workers = embedded_layout(r.cluster)
         cluster._start_worker(workers[0], 2, 120)
         t0 = time.monotonic()
-        run_stage(TRAIN, r, run, evaluate=lambda step, urls: {})
+        run_stage(TRAIN, stages.train.run, r, run, evaluate=lambda step, urls: {})
         retry_s = time.monotonic() - t0
         rows = read_jsonl(run / "train" / "metrics.jsonl")
         assert [x["step"] for x in rows] == [1, 2, 3, 4]
@@ -337,13 +338,15 @@ def test_planted_pickles_in_the_model_dir_are_never_loaded(tmp_path, tiny_copy, 
     Unpickling any of them creates a marker file, in this process or in the conversion's torchrun ranks;
     in this process every unpickler entry point is also trapped."""
     import torch
+    from support.stages import run_stage
 
+    from kimi_pipeline import stages
     from kimi_pipeline.data.tiny_assets import write_manifests
     from kimi_pipeline.engine.model import EngineModel
     from kimi_pipeline.model.hf_model import load_hf_model
     from kimi_pipeline.model.tokenizer import load_tokenizer
     from kimi_pipeline.recipes import load_recipe
-    from kimi_pipeline.stages import CONVERT, DOWNLOAD, VALIDATE, prepare_run, run_stage
+    from kimi_pipeline.stages import CONVERT, DOWNLOAD, VALIDATE, prepare_run
 
     marker = tmp_path / "UNPICKLED"
     planted = ["pytorch_model.bin", "training_args.bin", "optimizer.pt", "rng_state.pth", "tokenizer.pkl"]
@@ -370,15 +373,16 @@ def test_planted_pickles_in_the_model_dir_are_never_loaded(tmp_path, tiny_copy, 
 
     r = load_recipe("tiny", tiny_overrides(tiny_copy) + ["convert.nodes=1", "convert.pp=1", "convert.ep=1"])
     run = prepare_run(r, tmp_path / "run")
-    section = run_stage(DOWNLOAD, r, run)
+    section = run_stage(DOWNLOAD, stages.download.run, r, run)
     manifest = json.loads((run / "download" / "manifest.json").read_text())
     assert set(planted) <= set(manifest["model"]["files"]), "the planted files are part of the download"
-    run_stage(VALIDATE, r, run)
+    run_stage(VALIDATE, stages.validate.run, r, run)
     model_dir = Path(manifest["model"]["root"])
     load_tokenizer(model_dir)
     EngineModel.from_pretrained(model_dir)  # the rollout engine's and eval's loader
     load_hf_model(model_dir)  # transformers' loader (conversion verify, export verify)
-    converted = run_stage(CONVERT, r, run)  # a torchrun rank + logits verification against transformers
+    # a torchrun rank + logits verification against transformers
+    converted = run_stage(CONVERT, stages.convert.run, r, run)
     assert converted["verified"] is True and section["model"]["safetensors_files"] >= 1
     assert calls == [] and not marker.exists()
     # the trap and the payload work: loading one planted file the way a careless loader would
@@ -515,9 +519,10 @@ def test_ray_head_lost_during_train_fails_naming_it_and_a_re_run_resumes(tmp_pat
     """Issue 40 item 7: `kimi run` whose Ray head (GCS server and head raylet, SIGKILL) dies after the step-2
     checkpoint fails without retrying what a retry cannot fix: the error, summary.json and FAILED.md name the head;
     nothing of the cluster is left; a re-run of the directory brings a cluster up and resumes from step 2."""
+    from support.common import REPRODUCIBLE, TRAIN_SET
+
     from kimi_pipeline.cluster.local import LocalCluster
     from kimi_pipeline.report.metrics import read_jsonl
-    from support.common import REPRODUCIBLE, TRAIN_SET
 
     run_dir = tmp_path / "run"
     cmd, env = _kimi_run(run_dir, "train", tiny_overrides(tiny_copy) + TRAIN_SET + REPRODUCIBLE, prefect_home)

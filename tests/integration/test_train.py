@@ -23,11 +23,18 @@ from pathlib import Path
 
 import psutil
 import pytest
-
-from support.common import (REPRODUCIBLE, TIMING, TRAIN_SET, assert_eval_agrees_with_its_problems, assert_same_rows,
-                            stable_row, tiny_overrides, train_recipe)
-from support.learning import read_summary
 from support import engine_gate
+from support.common import (
+    REPRODUCIBLE,
+    TIMING,
+    TRAIN_SET,
+    assert_eval_agrees_with_its_problems,
+    assert_same_rows,
+    stable_row,
+    tiny_overrides,
+    train_recipe,
+)
+from support.learning import read_summary
 from support.save_gate import GATE_ENV
 
 pytestmark = pytest.mark.slow
@@ -104,16 +111,19 @@ def ray_local(save_gate, engine_gate_dir, listening):
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory, listening) -> tuple[Path, Path]:
     """A run dir after download → validate → convert (1 rank: the conversion has its own tests)."""
-    from kimi_pipeline.stages import CONVERT, DOWNLOAD, VALIDATE, prepared_run, run_stage
+    from support.stages import run_stage
+
+    from kimi_pipeline import stages
+    from kimi_pipeline.stages import CONVERT, DOWNLOAD, VALIDATE, prepared_run
 
     root = tmp_path_factory.mktemp("train")
     tiny = root / "tiny"
     shutil.copytree(Path(__file__).resolve().parents[2] / "data" / "tiny", tiny)
     r = train_recipe(tiny)
     with prepared_run(r, root / "base") as run:  # let go before the tests copy it and run `kimi train` in the copies
-        run_stage(DOWNLOAD, r, run)
-        run_stage(VALIDATE, r, run)
-        run_stage(CONVERT, r, run)
+        run_stage(DOWNLOAD, stages.download.run, r, run)
+        run_stage(VALIDATE, stages.validate.run, r, run)
+        run_stage(CONVERT, stages.convert.run, r, run)
     return tiny, run
 
 
@@ -274,11 +284,14 @@ def uninterrupted(uninterrupted_run) -> tuple[list[dict], list[dict]]:
 def _retry_resumes(r, crashed: Path, uninterrupted, caplog, resumed_after: int = 2) -> None:
     """The stage retry resumes from the step-`resumed_after` checkpoint and ends with the metrics and eval rows
     of the uninterrupted run (each eval row once, the resumed ones included)."""
-    from kimi_pipeline.stages import TRAIN, run_stage
+    from support.stages import run_stage
+
+    from kimi_pipeline import stages
+    from kimi_pipeline.stages import TRAIN
 
     assert json.loads((crashed / "summary.json").read_text())["stages"]["train"]["status"] == "failed"
     with caplog.at_level("INFO", logger="kimi_pipeline.rl.loop"):
-        run_stage(TRAIN, r, crashed)  # the retry
+        run_stage(TRAIN, stages.train.run, r, crashed)  # the retry
     assert f"at step {resumed_after}" in " ".join(m for m in caplog.messages if m.startswith("resumed from")), caplog.text
     expected_rows, expected_evals = uninterrupted
     assert_same_rows([stable_row(x) for x in _rows(crashed)], expected_rows, resumed_after=resumed_after)
@@ -286,8 +299,11 @@ def _retry_resumes(r, crashed: Path, uninterrupted, caplog, resumed_after: int =
 
 
 def test_kill_9_then_retry_resumes_with_identical_metrics(prepared, ray_local, uninterrupted, tmp_path, caplog):
+    from support.stages import run_stage
+
+    from kimi_pipeline import stages
     from kimi_pipeline.rl.ray_errors import TrainingError
-    from kimi_pipeline.stages import TRAIN, run_stage
+    from kimi_pipeline.stages import TRAIN
 
     tiny, base = prepared
     r = train_recipe(tiny, RESUME_SET)
@@ -301,7 +317,7 @@ def test_kill_9_then_retry_resumes_with_identical_metrics(prepared, ray_local, u
                 os.kill(pid, signal.SIGKILL)
 
     with pytest.raises(TrainingError, match="resumes from the latest checkpoint"):
-        run_stage(TRAIN, r, crashed, on_step=kill_trainer)
+        run_stage(TRAIN, stages.train.run, r, crashed, on_step=kill_trainer)
     _retry_resumes(r, crashed, uninterrupted, caplog)
 
 
@@ -312,8 +328,11 @@ def test_kill_9_during_a_checkpoint_save_resumes_from_the_previous_checkpoint(pr
     from step 2, replaces the leftover and ends as the uninterrupted run did."""
     import threading
 
+    from support.stages import run_stage
+
+    from kimi_pipeline import stages
     from kimi_pipeline.rl.ray_errors import TrainingError
-    from kimi_pipeline.stages import TRAIN, run_stage
+    from kimi_pipeline.stages import TRAIN
 
     tiny, base = prepared
     r = train_recipe(tiny, RESUME_SET)
@@ -335,7 +354,7 @@ def test_kill_9_during_a_checkpoint_save_resumes_from_the_previous_checkpoint(pr
     killer.start()
     try:
         with pytest.raises(TrainingError, match="resumes from the latest checkpoint"):
-            run_stage(TRAIN, r, crashed)
+            run_stage(TRAIN, stages.train.run, r, crashed)
     finally:
         (save_gate / "arm").unlink()
         stop.set()
@@ -358,8 +377,11 @@ def test_a_full_disk_during_a_save_fails_permanently_and_leaves_no_partial_check
     `support.save_gate`). The stage fails at once with a permanent error naming the checkpoint and the full disk,
     not three retries that redo the rollouts to fail again; the partial iter_0000002.tmp is gone and no tracker
     claims a checkpoint."""
+    from support.stages import run_stage
+
+    from kimi_pipeline import stages
     from kimi_pipeline.errors import PermanentError
-    from kimi_pipeline.stages import TRAIN, run_stage
+    from kimi_pipeline.stages import TRAIN
 
     tiny, base = prepared
     run = _copy_run(base, tmp_path / "run")
@@ -367,7 +389,7 @@ def test_a_full_disk_during_a_save_fails_permanently_and_leaves_no_partial_check
     try:
         with pytest.raises(PermanentError, match=r"CheckpointSpaceError .*iter_0000002: the disk filled up during the "
                                                  r"save .*No space left on device.*iter_0000002\.tmp was removed"):
-            run_stage(TRAIN, train_recipe(tiny, RESUME_SET + ["rollout.num_rollout=2"]), run,
+            run_stage(TRAIN, stages.train.run, train_recipe(tiny, RESUME_SET + ["rollout.num_rollout=2"]), run,
                       evaluate=lambda step, urls: {})
     finally:
         (save_gate / "enospc").unlink()
@@ -381,8 +403,11 @@ def test_a_corrupt_latest_checkpoint_is_skipped_for_the_previous_one(trained, ra
     """Issue 40 item 6: one flipped byte in a shard of the step-4 checkpoint (same size). The resume checks it against
     the manifest the save wrote (sizes, CRC-32), warns naming both checkpoints, resumes from step 2 and ends with the
     uninterrupted run's metrics and evals. Without the check megatron loads the damaged tensor as it is."""
+    from support.stages import run_stage
+
+    from kimi_pipeline import stages
     from kimi_pipeline.model.checkpoint_manifest import MANIFEST
-    from kimi_pipeline.stages import TRAIN, run_stage
+    from kimi_pipeline.stages import TRAIN
 
     tiny, done, _, _ = trained
     run = _copy_run(done, tmp_path / "run")
@@ -394,7 +419,7 @@ def test_a_corrupt_latest_checkpoint_is_skipped_for_the_previous_one(trained, ra
     shard.write_bytes(bytes(data))
     with caplog.at_level("WARNING", logger="kimi_pipeline.rl.trainer_group"), \
             caplog.at_level("INFO", logger="kimi_pipeline.rl.loop"):
-        run_stage(TRAIN, train_recipe(tiny, RESUME_SET + SAVE_ROLLOUTS), run)
+        run_stage(TRAIN, stages.train.run, train_recipe(tiny, RESUME_SET + SAVE_ROLLOUTS), run)
     assert (f"{ckpts / 'iter_0000004'} does not verify (__0_0.distcp: CRC-32 differs from the save's (corrupt)); "
             f"resuming from {ckpts / 'iter_0000002'} instead") in caplog.text, caplog.text
     assert "at step 2" in " ".join(m for m in caplog.messages if m.startswith("resumed from"))
@@ -439,9 +464,12 @@ def test_an_engine_killed_in_every_phase_is_restarted_and_the_run_ends_as_uninte
     and evals, and each row counts the restarts of its step (the eval's in the next row) and the requests sent
     again. Issue 40 item 2 on the way: the run dir holds the metrics of an earlier attempt that died before its first
     checkpoint, its last line torn mid-write; a fresh start begins metrics.jsonl afresh (it used to append to them)."""
+    from support.stages import run_stage
+
+    from kimi_pipeline import stages
     from kimi_pipeline.eval.record import EvalSections, run_eval_step
     from kimi_pipeline.hub.download import model_root
-    from kimi_pipeline.stages import TRAIN, run_stage
+    from kimi_pipeline.stages import TRAIN
 
     tiny, base = prepared
     run = _copy_run(base, tmp_path / "run")
@@ -473,7 +501,7 @@ def test_an_engine_killed_in_every_phase_is_restarted_and_the_run_ends_as_uninte
 
     killer.start()
     try:
-        run_stage(TRAIN, recipe, run, on_step=after, evaluate=evaluate)
+        run_stage(TRAIN, stages.train.run, recipe, run, on_step=after, evaluate=evaluate)
     finally:
         stop.set()
         killer.join(60)
@@ -491,8 +519,11 @@ def test_an_engine_killed_in_every_phase_is_restarted_and_the_run_ends_as_uninte
 
 def test_an_engine_past_max_engine_restarts_fails_the_stage_retryably_naming_it(prepared, ray_local,
                                                                                engine_gate_dir, tmp_path):
+    from support.stages import run_stage
+
+    from kimi_pipeline import stages
     from kimi_pipeline.rl.ray_errors import TrainingError
-    from kimi_pipeline.stages import TRAIN, run_stage
+    from kimi_pipeline.stages import TRAIN
 
     tiny, base = prepared
     run = _copy_run(base, tmp_path / "run")
@@ -502,8 +533,8 @@ def test_an_engine_past_max_engine_restarts_fails_the_stage_retryably_naming_it(
     killer.start()
     try:
         with pytest.raises(TrainingError, match=r"rollout engine 0 .*rollout.max_engine_restarts=0"):
-            run_stage(TRAIN, train_recipe(tiny, RESUME_SET + ["rollout.max_engine_restarts=0"]), run,
-                        evaluate=lambda step, urls: {})
+            run_stage(TRAIN, stages.train.run, train_recipe(tiny, RESUME_SET + ["rollout.max_engine_restarts=0"]),
+                      run, evaluate=lambda step, urls: {})
     finally:
         stop.set()
         killer.join(60)
@@ -515,14 +546,18 @@ def test_saved_rollouts_replayed_without_engines_give_the_recorded_metrics(prepa
     """`rollout.save_data` wrote one safetensors/JSON pair per step; `--replay-rollouts` trains on them with no engine
     and gives the recording run's metrics (loss, grad norm, KL, TIS ... every key both rows have, timings aside),
     recorded in the run dir's replay/ and as summary.json's `replay` stage, beside training's."""
+    from support.stages import run_stage
+
+    from kimi_pipeline import stages
     from kimi_pipeline.report.metrics import read_jsonl
-    from kimi_pipeline.stages import TRAIN, run_stage
+    from kimi_pipeline.stages import TRAIN
 
     tiny, _ = prepared
     saved = uninterrupted_run / "train" / "rollouts"
     assert sorted(p.name for p in saved.iterdir()) == sorted(f"step_{i:07d}.{ext}" for i in range(1, 5)
                                                              for ext in ("json", "safetensors"))
-    section = run_stage(TRAIN, train_recipe(tiny, RESUME_SET), uninterrupted_run, replay=saved)
+    section = run_stage(TRAIN, stages.train.run, train_recipe(tiny, RESUME_SET), uninterrupted_run, replay=saved,
+                        record_as="replay")
     recorded, replayed = _rows(uninterrupted_run), read_jsonl(uninterrupted_run / "replay" / "metrics.jsonl")
     assert [r["step"] for r in replayed] == [1, 2, 3, 4]
     for got, want in zip(replayed, recorded):
@@ -540,13 +575,17 @@ def test_rollout_only_generates_and_scores_without_training(prepared, ray_local,
     training run's first prompts (same stream, same seed). The samples are not the training run's: its engines
     serve the weights the trainer synced to them (fake-INT4 experts under QAT, as here), these the checkpoint as
     loaded (measured: log-probs of equal responses up to 0.027 apart)."""
+    from support.stages import run_stage
+
+    from kimi_pipeline import stages
     from kimi_pipeline.report.metrics import read_jsonl
     from kimi_pipeline.rl.rollout_data import load_rollout
-    from kimi_pipeline.stages import TRAIN, run_stage
+    from kimi_pipeline.stages import TRAIN
 
     tiny, base = prepared
     run = _copy_run(base, tmp_path / "run")
-    run_stage(TRAIN, train_recipe(tiny, RESUME_SET + SAVE_ROLLOUTS + ["rollout.num_rollout=2"]), run, rollout_only=True)
+    run_stage(TRAIN, stages.train.run, train_recipe(tiny, RESUME_SET + SAVE_ROLLOUTS + ["rollout.num_rollout=2"]), run,
+              rollout_only=True, record_as="rollout_only")
     rows = read_jsonl(run / "rollout-only" / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2] and all("reward_mean" in r and "loss" not in r for r in rows)
     assert not (run / "rollout-only" / "checkpoints").exists() and not (run / "train" / "metrics.jsonl").exists()
@@ -574,7 +613,10 @@ def test_ep2_across_two_trainer_actors(prepared, ray_local, engine_gate_dir, tmp
     """Also: the engine killed while step 2's sync hands it the bucket. Rank 0's post fails mid-sync; it drains the
     sync's collectives with rank 1 before raising (raised at once, rank 1 would wait in the last barrier forever),
     both ranks drop their updater, the engine restarts and the sync runs again whole."""
-    from kimi_pipeline.stages import TRAIN, run_stage
+    from support.stages import run_stage
+
+    from kimi_pipeline import stages
+    from kimi_pipeline.stages import TRAIN
 
     tiny, base = prepared
     run = _copy_run(base, tmp_path / "ep2")
@@ -594,7 +636,7 @@ def test_ep2_across_two_trainer_actors(prepared, ray_local, engine_gate_dir, tmp
 
     killer.start()
     try:
-        section = run_stage(TRAIN, r, run, evaluate=lambda step, urls: {}, on_step=note_trainers)
+        section = run_stage(TRAIN, stages.train.run, r, run, evaluate=lambda step, urls: {}, on_step=note_trainers)
     finally:
         stop.set()
         killer.join(60)
@@ -687,9 +729,12 @@ def test_health_rules_stop_the_real_loop_at_their_step_and_keep_bad_weights_out_
     step 1's. Re-run with that rule off, as the stop says, the run resumes from step 1's checkpoint and the collapse
     rule (window 1, any drop below the best) stops at the first step whose reward falls, naming the checkpoint
     before it; truncation (warn above 0) only warns. Each stop lands in summary.json's train section."""
+    from support.stages import run_stage
+
+    from kimi_pipeline import stages
     from kimi_pipeline.model.checkpoint_dirs import saved_steps
     from kimi_pipeline.rl.health import OK, STOP, WARN, HealthStop
-    from kimi_pipeline.stages import TRAIN, run_stage
+    from kimi_pipeline.stages import TRAIN
 
     tiny, base = prepared
     # an eval at step 0 only (the runs stop first); a checkpoint every step
@@ -697,7 +742,7 @@ def test_health_rules_stop_the_real_loop_at_their_step_and_keep_bad_weights_out_
 
     run = _copy_run(base, tmp_path / "overflow")
     with pytest.raises(HealthStop) as stop:
-        run_stage(TRAIN, train_recipe(tiny, quick + ["grpo.entropy_coef=1e38"]), run)
+        run_stage(TRAIN, stages.train.run, train_recipe(tiny, quick + ["grpo.entropy_coef=1e38"]), run)
     assert stop.value.rule == "nonfinite" and stop.value.step == 1
     assert re.search(r"gradient norm is (inf|nan)", str(stop.value)), stop.value
     assert stop.value.resume is None and saved_steps(run / "train" / "checkpoints") == []
@@ -709,7 +754,7 @@ def test_health_rules_stop_the_real_loop_at_their_step_and_keep_bad_weights_out_
     mismatch = "health.mismatch={metric: mismatch_abs_logp_max, max: 1.0e-9, steps: 2}"
     rules = quick + ["health.truncation={max_fraction: 0.0}", "health.collapse=off"]
     with pytest.raises(HealthStop) as stop:
-        run_stage(TRAIN, train_recipe(tiny, rules + [mismatch]), run)
+        run_stage(TRAIN, stages.train.run, train_recipe(tiny, rules + [mismatch]), run)
     rows = _rows(run)
     assert all(r["mismatch_abs_logp_max"] > 1e-9 for r in rows)
     assert [r["health_mismatch"] for r in rows] == [WARN, STOP] and stop.value.step == 2
@@ -719,7 +764,7 @@ def test_health_rules_stop_the_real_loop_at_their_step_and_keep_bad_weights_out_
 
     collapse = ["health.mismatch=off", "health.collapse={window: 1, fraction: 1.0, steps: 1}"]
     with pytest.raises(HealthStop) as stop:
-        run_stage(TRAIN, train_recipe(tiny, rules[:-1] + collapse), run)
+        run_stage(TRAIN, stages.train.run, train_recipe(tiny, rules[:-1] + collapse), run)
     rows = _rows(run)
     rewards = [r["reward_mean"] for r in rows]
     fell = next(i for i in range(1, len(rewards)) if rewards[i] < max(rewards[:i])) + 1  # the first step that fell

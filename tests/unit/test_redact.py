@@ -15,7 +15,7 @@ from kimi_pipeline.cluster.local import LocalCluster
 from kimi_pipeline.engine.sglang import sglang_env
 from kimi_pipeline.errors import SectionError
 from kimi_pipeline.recipes import load_recipe
-from kimi_pipeline.stages import Stage, StageReport, run_stage
+from kimi_pipeline.stages import Stage, StageReport, stage_run
 from kimi_pipeline.util import redact as redaction
 from kimi_pipeline.util.redact import install_log_redaction, redact, redact_exception, register_secret
 from kimi_pipeline.util.secret_env import without_secrets
@@ -71,22 +71,21 @@ def test_log_records_and_their_tracebacks_are_redacted_for_handlers_added_later(
     assert HF not in text and BLOCK not in text
 
 
-def _failing(message: str, section: dict) -> Stage:
-    """A stage that fails quoting secrets, in its message and in the partial section it carries."""
+PROBE = Stage(name="download", reads=(), needs=(), outputs=(),
+              report=StageReport(key="probe", render=lambda s: str(s), title="probe", failed_title="probe failed"))
 
-    def run(recipe, run_dir):
-        raise SectionError(message, section)
 
-    return Stage(name="download", run=run, reads=(), needs=(), outputs=(),
-                 report=StageReport(key="probe", render=lambda s: str(s), title="probe", failed_title="probe failed"))
+def _refused(recipe, run_dir):
+    """A stage's work that fails quoting secrets, in its message and in the partial section it carries."""
+    raise SectionError(f"hub said 401 to token {HF}", {"detail": f"key {BLOCK}"})
 
 
 def test_a_failing_stage_records_and_raises_its_error_redacted(tmp_path, secrets):
     recipe = load_recipe("tiny")
     published = []
     with pytest.raises(SectionError) as raised:
-        run_stage(_failing(f"hub said 401 to token {HF}", {"detail": f"key {BLOCK}"}), recipe, tmp_path,
-                  publish=lambda report, section, failed: published.append(section))
+        with stage_run(PROBE, recipe, tmp_path, publish=lambda r, section, failed: published.append(section)) as record:
+            record(_refused(recipe, tmp_path))
     summary = (tmp_path / "summary.json").read_text()
     data = json.loads(summary)
     assert data["stages"]["download"]["error"] == "hub said 401 to token <HF_TOKEN>"

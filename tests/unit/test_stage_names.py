@@ -22,8 +22,9 @@ PP = re.compile(r"pp_stage|PPStage|pipeline_(first_|last_)?stage", re.IGNORECASE
 DAG_NAMES = {
     "stage", "stages", "STAGES",
     "Stage", "StageReport",  # stages.runner: a DAG stage's declaration and its report
-    "run_stage",  # stages.runner: the one runner of every DAG stage
-    "run_stage_task",  # tasks.common: a DAG stage run as a Prefect task
+    "stage_run",  # stages.runner: the one runner of every DAG stage, around its caller's call of the stage's `run`
+    "stage_task",  # tasks.common: that runner for a DAG stage run as a Prefect task
+    "_stage_command",  # cli: a DAG stage run alone by its command (`kimi train` …)
     "set_stage",  # RunSummary: one DAG stage's status
     "stage_error",  # rl.ray_errors: the train stage's error for an actor failure
     "stage_text", "_failed_stages",  # flows.notify: the DAG stages of a failed run
@@ -72,7 +73,7 @@ def test_every_stage_name_says_which_stage():
 
 
 def test_the_scan_catches_an_unqualified_pipeline_stage():
-    src = "def stage_layers(layout):\n    last_stage = layout.pp - 1\n    return pp_stage_layers(layout), run_stage\n"
+    src = "def stage_layers(layout):\n    last_stage = layout.pp - 1\n    return pp_stage_layers(layout), stage_run\n"
     assert ambiguous_stage_names({"x.py": src}) == ["x.py:1 stage_layers", "x.py:2 last_stage"]
 
 
