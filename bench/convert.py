@@ -36,7 +36,7 @@ from kimi_pipeline.hf.config import hf_config_dict  # noqa: E402
 from kimi_pipeline.recipes import load_recipe  # noqa: E402
 from kimi_pipeline.recipes.models import ModelSpec  # noqa: E402
 from kimi_pipeline.util.files import atomic_write_json  # noqa: E402
-from kimi_pipeline.weightjobs.convert import ConvertSections, run_convert  # noqa: E402
+from kimi_pipeline.weightjobs.conversion import ConvertSections, run_convert  # noqa: E402
 
 SHARD_BYTES = 256 * 2**20
 

@@ -80,7 +80,7 @@ def hf_generate(model, prompts: list[list[int]], n: int, max_new: int, seed: int
 
 
 def engine_generate(engine, prompts: list[list[int]], n: int, max_new: int, seed: int) -> int:
-    from kimi_pipeline.engine.sampler import SamplingParams
+    from kimi_pipeline.engine.rollout_engine import SamplingParams
 
     params = SamplingParams(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=max_new, stop_token_ids=(EOS,),
                             seed=seed)
@@ -99,7 +99,7 @@ def bench_size(size: str, device, args) -> float:
     import torch
 
     from kimi_pipeline.engine.model import EngineModel
-    from kimi_pipeline.engine.sampler import RolloutEngine
+    from kimi_pipeline.engine.rollout_engine import RolloutEngine
     from kimi_pipeline.engine.static_decode import graphs_supported
 
     spec = gpu_common.kimi_spec(size)

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kimi_pipeline.engine.model import EngineModel  # noqa: E402
-from kimi_pipeline.engine.sampler import RolloutEngine, SamplingParams  # noqa: E402
+from kimi_pipeline.engine.rollout_engine import RolloutEngine, SamplingParams  # noqa: E402
 from kimi_pipeline.model.hf_model import build_hf_model, load_hf_model  # noqa: E402
 from kimi_pipeline.model.tokenizer import load_tokenizer  # noqa: E402
 from kimi_pipeline.recipes import load_recipe  # noqa: E402

@@ -40,7 +40,7 @@ from convert import bench_spec, hf_shapes
 
 from kimi_pipeline.engine.client import Router
 from kimi_pipeline.engine.model import EngineConfig, EngineModel, iter_safetensors
-from kimi_pipeline.engine.sampler import RolloutEngine
+from kimi_pipeline.engine.rollout_engine import RolloutEngine
 from kimi_pipeline.engine.server import EngineServer
 from kimi_pipeline.hf.config import hf_config_dict
 from kimi_pipeline.model.hf_model import deepseek_config

@@ -17,14 +17,14 @@ from rich.table import Table
 from kimi_pipeline import stages  # `stages.<name>.run`: the stage commands have the stages' names
 from kimi_pipeline.cli_cluster import cluster_app
 from kimi_pipeline.cli_recipes import RECIPE_HELP, SET_HELP, recipe_or_exit, recipe_or_problems
-from kimi_pipeline.cluster.errors import ClusterConfigError
+from kimi_pipeline.cluster.cluster_errors import ClusterConfigError
 from kimi_pipeline.cluster.lifecycle import attach_driver
 from kimi_pipeline.cluster.preflight import report_markdown, run_preflight
 from kimi_pipeline.cluster.run_guard import mark_interrupted, stop_children, stop_on_signals
 from kimi_pipeline.data.tiny_assets import BASE_POLICY_TOLERANCE, build_tiny_assets_reproducibly, compare_builds
 from kimi_pipeline.errors import PermanentError
 from kimi_pipeline.eval.record import EvalSections, base_policy_scores, evaluate_checkpoint
-from kimi_pipeline.hub.download import DownloadError
+from kimi_pipeline.hub.fetch import DownloadError
 from kimi_pipeline.plan import plan_command
 from kimi_pipeline.recipes import (
     Recipe,

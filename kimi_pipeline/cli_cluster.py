@@ -11,8 +11,8 @@ import typer
 
 from kimi_pipeline import stages  # `stages.cluster.run`: a bare `cluster` would read as this package
 from kimi_pipeline.cli_recipes import RECIPE_HELP, SET_HELP, recipe_or_exit
-from kimi_pipeline.cluster.errors import ClusterError
-from kimi_pipeline.cluster.health import connected, read_facts
+from kimi_pipeline.cluster.cluster_errors import ClusterError
+from kimi_pipeline.cluster.readiness import connected, read_facts
 from kimi_pipeline.cluster.kuberay import (
     MANIFEST_DIR,
     check_manifest,

@@ -11,7 +11,7 @@ from prefect import task
 
 from kimi_pipeline.recipes import Recipe
 from kimi_pipeline.stages import CONVERT, convert
-from kimi_pipeline.weightjobs.convert import ConvertSections
+from kimi_pipeline.weightjobs.conversion import ConvertSections
 from tasks.common import RETRIES, RETRY_DELAYS, cache_key, read_json, retry_unless_permanent, stage_task
 
 

@@ -15,7 +15,7 @@ from prefect import task
 from kimi_pipeline.recipes import Recipe
 from kimi_pipeline.stages import EXPORT, export
 from kimi_pipeline.util.files import sha256_file
-from kimi_pipeline.weightjobs.export import checkpoint_content_hash
+from kimi_pipeline.weightjobs.int4_export import checkpoint_content_hash
 from tasks.common import RETRIES, RETRY_DELAYS, cache_key, read_json, retry_unless_permanent, stage_task
 
 

@@ -4,7 +4,7 @@
 the same run dir) resumes from the latest one — a killed trainer costs the steps since the last save.
 Each periodic evaluation is its own `eval` task run (visible in the UI, with a table artifact),
 retried on its own without restarting training. Progress is a Prefect progress artifact; the health rules'
-verdicts (`rl.health`) a markdown artifact, published when a rule stops the run too.
+verdicts (`rl.health_rules`) a markdown artifact, published when a rule stops the run too.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from prefect.cache_policies import NO_CACHE
 
 from kimi_pipeline.engine.client import EnginesDown
 from kimi_pipeline.eval.record import EvalSections, run_eval_step
-from kimi_pipeline.hub.download import model_root
+from kimi_pipeline.hub.fetch import model_root
 from kimi_pipeline.recipes import Recipe
 from kimi_pipeline.rl.actor_layout import ActorLayout, layout_markdown
-from kimi_pipeline.rl.health import HealthStop, health_markdown
+from kimi_pipeline.rl.health_rules import HealthStop, health_markdown
 from kimi_pipeline.stages import TRAIN, train
 from tasks.common import RETRY_DELAYS, markdown_artifact, retry_unless_permanent, stage_task
 

@@ -14,7 +14,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from kimi_pipeline.cluster.errors import ClusterConfigError
+from kimi_pipeline.cluster.cluster_errors import ClusterConfigError
 from kimi_pipeline.util.net import is_loopback
 
 AUTH_MODES = ("token", "disabled")

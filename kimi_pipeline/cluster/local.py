@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 
 from kimi_pipeline.cluster.env import SINGLE_HOST_VAR, choose_temp_dir, gcs_reachable, loopback_env, ray_env
 from kimi_pipeline.util.net import LOOPBACK, free_port
-from kimi_pipeline.cluster.errors import ClusterConfigError, ClusterError, RayStartTimedOut
+from kimi_pipeline.cluster.cluster_errors import ClusterConfigError, ClusterError, RayStartTimedOut
 from kimi_pipeline.cluster.procs import MARKER_VAR, cluster_processes, stop_processes
 from kimi_pipeline.util.files import atomic_write_json
 from kimi_pipeline.util.secret_env import without_secrets

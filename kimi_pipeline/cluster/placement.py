@@ -23,7 +23,7 @@ import ray
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from kimi_pipeline.cluster.errors import ClusterConfigError, PlacementError
+from kimi_pipeline.cluster.cluster_errors import ClusterConfigError, PlacementError
 from kimi_pipeline.recipes.models import ClusterSpec
 from kimi_pipeline.util.net import free_port
 

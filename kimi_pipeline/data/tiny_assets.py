@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kimi_pipeline.data.synthetic import MathGenConfig, generate, write_tiny_datasets
-from kimi_pipeline.data.tokenizer import train_tiny_tokenizer
+from kimi_pipeline.data.tiny_tokenizer import train_tiny_tokenizer
 from kimi_pipeline.data.warm_start import write_warm_start
 from kimi_pipeline.hf.config import hf_config_dict
 from kimi_pipeline.hub.manifest import build_manifest, list_files, write_sha256sums

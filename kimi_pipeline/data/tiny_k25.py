@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from kimi_pipeline.hf.files import copy_model_files
+from kimi_pipeline.hf.shipped_files import copy_model_files
 from kimi_pipeline.hf.names import LM_PREFIX_BY_MODEL_TYPE
 from kimi_pipeline.hf.quantized_copy import write_quantized_checkpoint
 from kimi_pipeline.hf.reader import iter_stored_tensors

@@ -13,7 +13,7 @@
 """
 
 from kimi_pipeline.engine.model import EngineConfig, EngineModel, EngineWeightError
-from kimi_pipeline.engine.sampler import Completion, EngineInputError, RolloutEngine, SamplingParams
+from kimi_pipeline.engine.rollout_engine import Completion, EngineInputError, RolloutEngine, SamplingParams
 
 __all__ = ["Completion", "EngineConfig", "EngineInputError", "EngineModel", "EngineWeightError", "RolloutEngine",
            "SamplingParams"]

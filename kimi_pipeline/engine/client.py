@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from kimi_pipeline.engine.key import KEY_FILE_VAR, KEY_VAR, auth_headers
-from kimi_pipeline.engine.sampler import ENGINE_NAME, MEMORY_TAGS, Completion, SamplingParams, row_seeds
+from kimi_pipeline.engine.rollout_engine import ENGINE_NAME, MEMORY_TAGS, Completion, SamplingParams, row_seeds
 from kimi_pipeline.errors import PermanentError
 from kimi_pipeline.weight_sync import shm
 from kimi_pipeline.weight_sync.dist_group import WeightGroup

@@ -9,7 +9,7 @@ import torch
 
 from kimi_pipeline.engine.key import engine_api_key
 from kimi_pipeline.engine.model import EngineModel
-from kimi_pipeline.engine.sampler import RolloutEngine
+from kimi_pipeline.engine.rollout_engine import RolloutEngine
 from kimi_pipeline.engine.server import EngineServer
 from kimi_pipeline.model.device import actor_gpu_index, resolve_device
 from kimi_pipeline.util.net import bind_host

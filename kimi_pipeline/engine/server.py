@@ -62,7 +62,7 @@ from safetensors.torch import load as load_safetensors
 
 from kimi_pipeline.engine.key import KEY_FILE_VAR, KEY_VAR, engine_api_key
 from kimi_pipeline.engine.model import EngineModel, EngineWeightError, config_summary, iter_safetensors
-from kimi_pipeline.engine.sampler import (
+from kimi_pipeline.engine.rollout_engine import (
     ENGINE_NAME,
     FINISH_ABORT,
     Completion,

@@ -16,10 +16,10 @@ import torch
 
 from kimi_pipeline.engine.client import EngineClient, Router
 from kimi_pipeline.engine.model import EngineModel
-from kimi_pipeline.engine.sampler import RolloutEngine
+from kimi_pipeline.engine.rollout_engine import RolloutEngine
 from kimi_pipeline.engine.server import EngineServer
 from kimi_pipeline.errors import PermanentError
-from kimi_pipeline.eval.run import eval_step_path, evaluate
+from kimi_pipeline.eval.evaluate import eval_step_path, evaluate
 from kimi_pipeline.model.checkpoint_dirs import TRACKER, latest_step
 from kimi_pipeline.model.device import resolve_device
 from kimi_pipeline.model.tokenizer import load_tokenizer
@@ -61,7 +61,7 @@ def eval_prompts(data: DataSpec, run_dir: Path, tokenizer):
 
 
 def evaluate_with(client, tokenizer, prompts, sections: EvalSections, step: int, out_dir: Path) -> dict[str, Any]:
-    """`eval.run.evaluate` with the recipe's seed and grader (the in-training eval, `kimi eval`, the served
+    """`eval.evaluate.evaluate` with the recipe's seed and grader (the in-training eval, `kimi eval`, the served
     export: `eval.served`)."""
     rollout = sections.rollout
     return evaluate(client, tokenizer, prompts, sections.eval, step=step, seed=rollout.seed, rm_type=rollout.rm_type,

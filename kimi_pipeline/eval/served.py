@@ -1,7 +1,7 @@
 """The INT4 export scored as it will be served: the recipe's rollout engine loads the exported directory from disk,
 as a deployment would, and the eval set is scored on it.
 
-The export's own checks (`weightjobs.export`) compare tensors and logits with the checkpoint; this is the
+The export's own checks (`weightjobs.int4_export`) compare tensors and logits with the checkpoint; this is the
 number a user's serving stack should reproduce. The engine is the recipe's: the embedded engine in this process
 (CPU), or an SGLang server on this node's GPUs (`export_sglang_engine`: the command the train stage's engines run,
 `--model-path` the export, on one node). Eval seeds are the training eval's at the exported step, so the two
@@ -22,7 +22,7 @@ import torch
 
 from kimi_pipeline.engine.client import Router
 from kimi_pipeline.engine.model import EngineModel
-from kimi_pipeline.engine.sampler import RolloutEngine
+from kimi_pipeline.engine.rollout_engine import RolloutEngine
 from kimi_pipeline.engine.server import EngineServer
 from kimi_pipeline.engine.sglang import SGLangEngine
 from kimi_pipeline.errors import SectionError

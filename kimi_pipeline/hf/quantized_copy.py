@@ -21,7 +21,7 @@ from kimi_pipeline.hf.source_formats import (
 from kimi_pipeline.hf.reader import iter_stored_files
 from kimi_pipeline.hf.names import HFLayout
 from kimi_pipeline.hf.config import with_quantization_config
-from kimi_pipeline.hf.files import copy_model_files
+from kimi_pipeline.hf.shipped_files import copy_model_files
 from kimi_pipeline.util.files import atomic_write_json
 from kimi_pipeline.util.shards import ShardWriter, finish_shards
 

@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kimi_pipeline.cli_recipes import RECIPE_HELP, SET_HELP, recipe_or_problems
-from kimi_pipeline.engine.sampler import MEMORY_TAGS
+from kimi_pipeline.engine.rollout_engine import MEMORY_TAGS
 from kimi_pipeline.engine.sglang import releases_cuda_graphs, sglang_env
 from kimi_pipeline.model.params import count_params
 from kimi_pipeline.plan.hardware import GPU, GPUS, get_gpu

@@ -4,7 +4,7 @@ sequence the loop runs."""
 
 from __future__ import annotations
 
-from kimi_pipeline.engine.sampler import MEMORY_TAGS
+from kimi_pipeline.engine.rollout_engine import MEMORY_TAGS
 from kimi_pipeline.model.offload import PARTS
 
 PHASES = ("rollout", "train", "weight_sync")

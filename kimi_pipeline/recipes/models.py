@@ -137,8 +137,8 @@ class Source(Section):
 class HubSpec(Section):
     """Model sources: the policy checkpoint, an optional separate reference checkpoint, and access.
 
-    Read by: the download stage (`hub.download`); `text_config_key` / `trust_remote_code` by every reader of the
-    checkpoint (`weightjobs.convert.ConvertSections`, `rl.policy`, `stages.validate`, `eval.record.EvalSections`,
+    Read by: the download stage (`hub.fetch`); `text_config_key` / `trust_remote_code` by every reader of the
+    checkpoint (`weightjobs.conversion.ConvertSections`, `rl.policy`, `stages.validate`, `eval.record.EvalSections`,
     the engines' `engine.kinds.EngineSettings`)."""
 
     model: Source
@@ -154,7 +154,7 @@ class HubSpec(Section):
 
 
 class DataSpec(Section):
-    """The train and eval data sets and their columns. Read by: `hub.download`, `data.validate`, the prompt
+    """The train and eval data sets and their columns. Read by: `hub.fetch`, `data.validation`, the prompt
     stream (`rl.rollout_manager`) and the eval (`eval.record`)."""
 
     train: Source
@@ -170,8 +170,8 @@ class ConvertSpec(Section):
     """The weight jobs' layout (a torch.distributed job over N nodes) and the conversion's own switches.
 
     Both distributed weight jobs run in this layout: the HF -> Megatron torch_dist conversion and the INT4 export
-    (`weightjobs.run.JobLayout.of`: nodes, ranks per node, split, launcher); `mode` and `verify` are the
-    conversion's (`weightjobs.convert`)."""
+    (`weightjobs.job.JobLayout.of`: nodes, ranks per node, split, launcher); `mode` and `verify` are the
+    conversion's (`weightjobs.conversion`)."""
 
     mode: Literal["torch_dist", "bridge"] = "torch_dist"
     nodes: int = Field(4, gt=0)
@@ -215,10 +215,10 @@ class ParallelSpec(Section):
 
 
 class ClusterSpec(Section):
-    """The Ray cluster a run needs. Read by: the cluster stage (`cluster.lifecycle`, `cluster.health`,
-    `cluster.preflight`), `cluster.placement` and `rl.actor_layout` (where actors go), `weightjobs.run`, and the
+    """The Ray cluster a run needs. Read by: the cluster stage (`cluster.lifecycle`, `cluster.readiness`,
+    `cluster.preflight`), `cluster.placement` and `rl.actor_layout` (where actors go), `weightjobs.job`, and the
     records that resolve it for a component: `weight_sync.updaters.SyncTarget`, `engine.kinds.EngineSettings`,
-    `weightjobs.convert.ConvertSections`, `weightjobs.export.ExportSections`, `eval.record.EvalSections`."""
+    `weightjobs.conversion.ConvertSections`, `weightjobs.int4_export.ExportSections`, `eval.record.EvalSections`."""
 
     nodes: int = Field(1, gt=0, description="actor nodes (--actor-num-nodes)")
     gpus_per_node: int = Field(8, gt=0, description="GPUs per node; on device=cpu, trainer ranks per node")
@@ -241,7 +241,7 @@ class RolloutSpec(Section):
     """Generation and rewards per rollout, and the step schedule. Read by: `rl.rollout` / `rl.rollout_manager`
     (sampling, dynamic sampling, rewards), `rl.samples` (the split into steps), `rl.policy`,
     `weight_sync.updaters.SyncTarget`, `engine.kinds.EngineSettings`, `eval.record.EvalSections` (seed and grader),
-    `rl.loop`, `data.validate` (prompt length)."""
+    `rl.loop`, `data.validation` (prompt length)."""
 
     engine: Literal["sglang", "embedded"] = "sglang"
     num_rollout: int = Field(gt=0)
@@ -344,7 +344,7 @@ class GRPOSpec(Section):
 
 
 class EvalSpec(Section):
-    """The periodic evaluation. Read by: `eval.record` (`EvalSections`) / `eval.run` and `rl.loop` (when it
+    """The periodic evaluation. Read by: `eval.record` (`EvalSections`) / `eval.evaluate` and `rl.loop` (when it
     runs)."""
 
     name: str = Field("aime", description="the eval set's name: labels its reports and eval.jsonl rows (eval_set)")
@@ -375,7 +375,7 @@ class OptimizerSpec(Section):
 
 class QuantSpec(Section):
     """INT4 QAT in training and the export format. Read by: `rl.policy` (QAT), `weight_sync.updaters.SyncTarget` and
-    `weight_sync.formats` (what the engines are sent), the export stage (`weightjobs.export.ExportSections`)."""
+    `weight_sync.formats` (what the engines are sent), the export stage (`weightjobs.int4_export.ExportSections`)."""
 
     int4_qat: bool = Field(False, description="fake-INT4 routed experts in the forward (env OPEN_TRAINING_INT4_FAKE_QAT_FLAG)")
     group_size: int = Field(32, gt=0, description="env OPEN_TRAINING_INT4_GROUP_SIZE")
@@ -433,7 +433,7 @@ class TruncationRule(Section):
 class HealthSpec(Section):
     """Rules a run checks at every step, each with a default and `off` (`health.<rule>: off`). A stop is a
     permanent error naming the rule, the step, the values and the checkpoint to resume from; each step's row
-    records every rule's verdict (`health_<rule>`: 0 ok, 1 warn, 2 stop). Read by: `rl.loop` (`rl.health`) and the
+    records every rule's verdict (`health_<rule>`: 0 ok, 1 warn, 2 stop). Read by: `rl.loop` (`rl.health_rules`) and the
     trainer (`nonfinite`, checked before the optimizer step)."""
 
     nonfinite: Literal["stop", "off"] = Field(
@@ -450,6 +450,6 @@ class HealthSpec(Section):
 
 
 class PathsSpec(Section):
-    """Where runs live. Read by: `stages.prepare_run`, `hub.download`, `cluster.preflight` (shared storage)."""
+    """Where runs live. Read by: `stages.prepare_run`, `hub.fetch`, `cluster.preflight` (shared storage)."""
 
     base_dir: str = Field("runs", description="shared filesystem root reachable from every node")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kimi_pipeline.report.metrics import read_jsonl
+from kimi_pipeline.report.metrics_log import read_jsonl
 
 
 def _series(rows: list[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:

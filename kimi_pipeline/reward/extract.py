@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 from typing import Literal, get_args
 
-from kimi_pipeline.reward.errors import RewardError
+from kimi_pipeline.reward.reward_errors import RewardError
 
 RmType = Literal["math", "deepscaler"]  # the two ways of reading an answer (the built-in graders')
 RM_TYPES: tuple[str, ...] = get_args(RmType)

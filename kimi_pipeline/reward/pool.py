@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Literal, Sequence
 
 import kimi_pipeline
-from kimi_pipeline.reward.errors import RewardError
+from kimi_pipeline.reward.reward_errors import RewardError
 from kimi_pipeline.util.secret_env import without_secrets
 
 DEFAULT_TIMEOUT_S = 5.0

@@ -24,7 +24,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
-from kimi_pipeline.cluster.errors import ClusterConfigError
+from kimi_pipeline.cluster.cluster_errors import ClusterConfigError
 from kimi_pipeline.cluster.placement import Placement, compute_placement
 from kimi_pipeline.engine.key import key_env
 from kimi_pipeline.engine.kinds import EngineSettings, engine_kind

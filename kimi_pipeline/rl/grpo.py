@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kimi_pipeline.rl.metrics import DeviceMetric
+from kimi_pipeline.rl.step_metrics import DeviceMetric
 
 if TYPE_CHECKING:
     from kimi_pipeline.recipes.models import GRPOSpec

@@ -21,7 +21,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from kimi_pipeline.engine.sampler import MEMORY_TAGS
+from kimi_pipeline.engine.rollout_engine import MEMORY_TAGS
 from kimi_pipeline.model.offload import PARTS
 from kimi_pipeline.plan.residency import PHASES, RESIDENT
 

@@ -26,7 +26,7 @@ import ray
 from ray.actor import ActorHandle
 
 from kimi_pipeline.cluster.env import is_loopback_address, use_loopback_ray
-from kimi_pipeline.cluster.health import Requirements, wait_until_healthy
+from kimi_pipeline.cluster.readiness import Requirements, wait_until_healthy
 from kimi_pipeline.cluster.placement import create_placement_groups, remove_placement_groups
 from kimi_pipeline.engine.client import EngineRequestError, EnginesDown, EngineUnreachable
 from kimi_pipeline.engine.key import use_run_key
@@ -37,13 +37,13 @@ from kimi_pipeline.model.checkpoint_dirs import iteration_dir, latest_step, prun
 from kimi_pipeline.model.megatron_train import NonFiniteError
 from kimi_pipeline.recipes import Recipe
 from kimi_pipeline.recipes.models import ClusterSpec
-from kimi_pipeline.report.metrics import MetricsLog, first_last_mean, open_wandb, read_jsonl
+from kimi_pipeline.report.metrics_log import MetricsLog, first_last_mean, open_wandb, read_jsonl
 from kimi_pipeline.report.progress import TrainProgress
 from kimi_pipeline.rl.actor_layout import ActorLayout, check_layout, lay_out_actors
 from kimi_pipeline.rl.evaluator import EvalFn, PeriodicEval
 from kimi_pipeline.rl.handoff import Handoff
-from kimi_pipeline.rl.health import STOP, HealthRules, HealthStop, health_section
-from kimi_pipeline.rl.metrics import plain
+from kimi_pipeline.rl.health_rules import STOP, HealthRules, HealthStop, health_section
+from kimi_pipeline.rl.step_metrics import plain
 from kimi_pipeline.rl.ray_errors import RayHeadLost, first_line, head_lost, root_cause, stage_error
 from kimi_pipeline.rl.rollout_data import SavedRollouts
 from kimi_pipeline.rl.rollout_manager import start_rollout_manager, stop_rollout_manager

@@ -57,7 +57,7 @@ from kimi_pipeline.recipes.models import (
 )
 from kimi_pipeline.rl.batching import split_micro_batches
 from kimi_pipeline.rl.grpo import grpo_loss
-from kimi_pipeline.rl.metrics import DeviceMetric, reduce_metrics, settle
+from kimi_pipeline.rl.step_metrics import DeviceMetric, reduce_metrics, settle
 from kimi_pipeline.rl.samples import MicroBatch, RankShare, Sample, collate, padding_micro_batch, response_values
 from kimi_pipeline.weight_sync.policy_tensors import policy_tensors
 from kimi_pipeline.weight_sync.updaters import SyncTarget, choose_weight_sync

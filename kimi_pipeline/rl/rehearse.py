@@ -21,7 +21,7 @@ from typing import Any
 
 import ray
 
-from kimi_pipeline.cluster.errors import PlacementError
+from kimi_pipeline.cluster.cluster_errors import PlacementError
 from kimi_pipeline.cluster.env import is_loopback_address, use_loopback_ray
 from kimi_pipeline.cluster.lifecycle import export_driver_env
 from kimi_pipeline.cluster.local import LocalCluster, NodeSpec

@@ -8,13 +8,13 @@ import time
 
 import torch
 
-from kimi_pipeline.engine.sampler import SamplingParams
+from kimi_pipeline.engine.rollout_engine import SamplingParams
 from kimi_pipeline.model.tokenizer import decode_responses
 from kimi_pipeline.recipes.models import RolloutSpec
 from kimi_pipeline.rl.grpo import ADVANTAGE_ESTIMATORS
 from kimi_pipeline.rl.prompts import Prompt, PromptStream
 from kimi_pipeline.rl.samples import Sample
-from kimi_pipeline.rl.sampling import collect_groups
+from kimi_pipeline.rl.dynamic_sampling import collect_groups
 
 
 def rollout_seed(rollout: RolloutSpec, step: int) -> int:

@@ -13,7 +13,7 @@ from kimi_pipeline.cluster.placement import free_port_on
 from kimi_pipeline.hf.names import HFLayout
 from kimi_pipeline.recipes import Recipe
 from kimi_pipeline.rl.actor_layout import trainer_options
-from kimi_pipeline.rl.metrics import reduce_metrics
+from kimi_pipeline.rl.step_metrics import reduce_metrics
 from kimi_pipeline.rl.policy import PolicyWorker, policy_sections
 
 log = logging.getLogger(__name__)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kimi_pipeline.hub.download import run_download
+from kimi_pipeline.hub.fetch import run_download
 from kimi_pipeline.recipes import Recipe
 from kimi_pipeline.report.stage_reports import download_report
 from kimi_pipeline.stages.runner import Stage, StageReport

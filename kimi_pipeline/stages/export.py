@@ -1,6 +1,6 @@
 """Stage `export`: the trained policy's latest (or a chosen) torch_dist checkpoint → an INT4 compressed-tensors HF
 directory engines load (Kimi-K2-Thinking's format), distributed like the conversion and verified bit for bit and by
-its logits (`kimi_pipeline.weightjobs.export`), then scored as it will be served: the recipe's engine loads it
+its logits (`kimi_pipeline.weightjobs.int4_export`), then scored as it will be served: the recipe's engine loads it
 from disk and the eval set is scored on it (`kimi_pipeline.eval.served`; `export.score`, `export.max_eval_drop`)."""
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ from pathlib import Path
 from typing import Any
 
 from kimi_pipeline.eval.served import ExportEvalDropError, ServedSections, score_export
-from kimi_pipeline.hub.download import model_root
+from kimi_pipeline.hub.fetch import model_root
 from kimi_pipeline.recipes import Recipe
 from kimi_pipeline.report.stage_reports import export_report
 from kimi_pipeline.stages.runner import Stage, StageReport
 from kimi_pipeline.util.files import atomic_write_json
-from kimi_pipeline.weightjobs.export import (
+from kimi_pipeline.weightjobs.int4_export import (
     SECTION_FILE,
     ExportSections,
     export_checkpoint,

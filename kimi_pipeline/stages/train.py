@@ -14,14 +14,14 @@ from typing import Any
 from kimi_pipeline.errors import PermanentError
 from kimi_pipeline.eval.record import EvalSections, run_eval_step
 from kimi_pipeline.hf.reader import HFCheckpoint, reference_mismatch
-from kimi_pipeline.hub.download import model_root, read_manifest
+from kimi_pipeline.hub.fetch import model_root, read_manifest
 from kimi_pipeline.recipes import Recipe
 from kimi_pipeline.report.stage_reports import train_report
 from kimi_pipeline.report.summary import RunSummary
 from kimi_pipeline.rl.actor_layout import ActorLayout
 from kimi_pipeline.rl.loop import run_training
 from kimi_pipeline.stages.runner import Stage, StageReport
-from kimi_pipeline.weightjobs.convert import checkpoint_dir, completed
+from kimi_pipeline.weightjobs.conversion import checkpoint_dir, completed
 
 
 class ReferenceMismatchError(PermanentError):

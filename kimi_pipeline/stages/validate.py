@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kimi_pipeline.data.validate import run_validate
-from kimi_pipeline.hub.download import dataset_path, read_manifest
+from kimi_pipeline.data.validation import run_validate
+from kimi_pipeline.hub.fetch import dataset_path, read_manifest
 from kimi_pipeline.model.tokenizer import load_tokenizer
 from kimi_pipeline.recipes import Recipe
 from kimi_pipeline.report.stage_reports import validate_report

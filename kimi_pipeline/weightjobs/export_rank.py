@@ -6,7 +6,7 @@ tensors it is the designated source of (its experts; the lowest rank of a stage 
 writes them as its own temp-named shards into the shared output directory, reads them back and checks
 them bit for bit against its tensors, and records shards, sizes, the check and its peak RSS in
 `export_rank_<r>.json`. The launcher names the shards and writes the one index last
-(`weightjobs.export.export_distributed`, run by the export stage). Peak memory per rank: its model slice
+(`weightjobs.int4_export.export_distributed`, run by the export stage). Peak memory per rank: its model slice
 plus one shard buffer. The rank runs under the thin entry `weightjobs.rank`, so megatron's helper process, which
 re-imports the rank's `__main__`, does not load this module's model code.
 """

@@ -24,7 +24,7 @@ from pathlib import Path
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from kimi_pipeline.cluster.health import connected
+from kimi_pipeline.cluster.readiness import connected
 from kimi_pipeline.cluster.env import auth_mode, require_auth
 from kimi_pipeline.cluster.lifecycle import attach_driver
 from kimi_pipeline.cluster.placement import GroupSpec, create_group, remove_placement_groups

@@ -71,7 +71,7 @@ def test_gpu_sampling_is_seeded_and_its_logprobs_are_transformers(hf_a, cuda):
     import torch
 
     from kimi_pipeline.engine.model import EngineModel
-    from kimi_pipeline.engine.sampler import RolloutEngine, SamplingParams
+    from kimi_pipeline.engine.rollout_engine import RolloutEngine, SamplingParams
 
     engine = RolloutEngine(EngineModel.from_hf_model(hf_a, device=cuda), seed=0)
     prompts, temp = _prompts(2), 0.7
@@ -110,7 +110,7 @@ def test_http_server_on_a_gpu_engine_serves_the_engines_samples_and_takes_weight
 
     from kimi_pipeline.engine.client import EngineClient
     from kimi_pipeline.engine.model import EngineModel
-    from kimi_pipeline.engine.sampler import RolloutEngine, SamplingParams
+    from kimi_pipeline.engine.rollout_engine import RolloutEngine, SamplingParams
     from kimi_pipeline.engine.server import EngineServer
 
     server = EngineServer(RolloutEngine(EngineModel.from_hf_model(hf_a, device=cuda), seed=0))
@@ -176,7 +176,7 @@ def test_cuda_graph_decode_draws_the_static_paths_tokens(hf_a, cuda):
     """Issue 25 item 5: in bf16, decode steps replayed from CUDA graphs (one per batch bucket x cache length,
     captured lazily, kept across calls) sample exactly what the same static step run eagerly samples for a seed,
     rows stopping early so compaction moves the batch down through smaller buckets."""
-    from kimi_pipeline.engine.sampler import RolloutEngine, SamplingParams
+    from kimi_pipeline.engine.rollout_engine import RolloutEngine, SamplingParams
 
     model = _bf16_with_graphs(hf_a, cuda)
     eager, graphs = RolloutEngine(model, decode_mode="static"), RolloutEngine(model)
@@ -207,7 +207,7 @@ def test_cuda_graphs_captured_before_a_weight_update_serve_the_new_weights(hf_a,
     import torch
 
     from kimi_pipeline.engine.model import EngineModel
-    from kimi_pipeline.engine.sampler import RolloutEngine, SamplingParams
+    from kimi_pipeline.engine.rollout_engine import RolloutEngine, SamplingParams
 
     model = _bf16_with_graphs(hf_a, cuda)
     engine = RolloutEngine(model, decode_mode="graphs")

@@ -29,7 +29,7 @@ def test_int4_export_of_a_cuda_written_checkpoint(cuda, one_gpu_rank, tmp_path):
     from kimi_pipeline.model.megatron_train import save_model_only
     from kimi_pipeline.recipes import load_recipe
     from kimi_pipeline.stages import EXPORT
-    from kimi_pipeline.weightjobs.export import shard_bytes
+    from kimi_pipeline.weightjobs.int4_export import shard_bytes
 
     # the QAT export path (fake-quant trainer forward as the logits reference), on one GPU rank
     recipe = load_recipe("tiny", ["quant.int4_qat=true", "cluster.device=cuda", "convert.nodes=1",

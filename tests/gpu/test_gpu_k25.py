@@ -40,7 +40,7 @@ def test_k25_bridge_load_export_and_int4_sync_on_a_gpu(cuda, one_gpu_rank, k25, 
     from kimi_pipeline.stages import EXPORT
     from kimi_pipeline.weight_sync.formats import to_engine_format
     from kimi_pipeline.weight_sync.policy_tensors import policy_tensors
-    from kimi_pipeline.weightjobs.export import shard_bytes
+    from kimi_pipeline.weightjobs.int4_export import shard_bytes
 
     recipe = load_recipe("tiny", ["quant.int4_qat=true", "cluster.device=cuda", "convert.nodes=1",
                                   "convert.gpus_per_node=1", "convert.pp=1", "convert.ep=1"])

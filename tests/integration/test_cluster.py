@@ -20,8 +20,8 @@ import pytest
 
 from kimi_pipeline import stages
 from kimi_pipeline.cluster.env import SOCKET_PATH_MAX, SOCKET_PATH_TAIL, choose_temp_dir
-from kimi_pipeline.cluster.errors import ClusterConfigError, ClusterHealthError, LocalClusterTooSmall, PlacementError
-from kimi_pipeline.cluster.health import ClusterFacts, NodeFacts, Requirements, wait_until_healthy
+from kimi_pipeline.cluster.cluster_errors import ClusterConfigError, ClusterHealthError, LocalClusterTooSmall, PlacementError
+from kimi_pipeline.cluster.readiness import ClusterFacts, NodeFacts, Requirements, wait_until_healthy
 from kimi_pipeline.cluster.kuberay import check_manifest, manifest_presets, render_manifest
 from kimi_pipeline.cluster.lifecycle import embedded_layout, resolve_address, stop_cluster
 from kimi_pipeline.cluster.local import LocalCluster
@@ -389,7 +389,7 @@ def test_the_one_host_cluster_listens_on_loopback_only(embedded):
     import ray
     from support.sockets import listeners, session_members, with_descendants
 
-    from kimi_pipeline.cluster.health import connected
+    from kimi_pipeline.cluster.readiness import connected
     from kimi_pipeline.cluster.local import NodeSpec
 
     cluster = embedded["cluster"]
@@ -635,7 +635,7 @@ def test_infra_scripts_start_a_head_and_a_worker():
         names = {p.pid: p.name() for p in cluster_processes(marker, sids)}
         assert list(names.values()).count("raylet") == 2
         probe = (
-            "from kimi_pipeline.cluster.health import Requirements, wait_until_healthy; "
+            "from kimi_pipeline.cluster.readiness import Requirements, wait_until_healthy; "
             f"f = wait_until_healthy('{env['MASTER_ADDR']}:{port}', Requirements(nodes=2, cpus_per_node=1), timeout_s=60); "
             "print('NODES', len(f.nodes), f.ray_version)"
         )

@@ -38,7 +38,7 @@ from kimi_pipeline.hf.source_formats import (
     quantize_int4_packed,
 )
 from kimi_pipeline.recipes import load_recipe
-from kimi_pipeline.weightjobs.convert import (
+from kimi_pipeline.weightjobs.conversion import (
     MARKER,
     TRACKER,
     ConvertSections,
@@ -487,7 +487,7 @@ def test_interrupted_conversion_is_never_taken_as_complete(tiny_ckpt, tmp_path):
     run_dir = tmp_path / "run"
     code = (
         "import sys\nfrom pathlib import Path\nfrom kimi_pipeline.recipes import load_recipe\n"
-        "from kimi_pipeline.weightjobs.convert import ConvertSections, run_convert\n"
+        "from kimi_pipeline.weightjobs.conversion import ConvertSections, run_convert\n"
         "if __name__ == '__main__':\n"
         "    r = load_recipe('tiny')\n"
         "    r = r.model_copy(update={'convert': r.convert.model_copy(update=dict(nodes=2, pp=2, ep=1, verify=False))})\n"
@@ -622,7 +622,7 @@ def test_conversion_runs_one_agent_per_node_of_a_ray_cluster(tiny_ckpt, tmp_path
     processes are inspected (see `_job_processes`)."""
     import ray
 
-    from kimi_pipeline.cluster.health import connected
+    from kimi_pipeline.cluster.readiness import connected
     from kimi_pipeline.cluster.local import LocalCluster, NodeSpec
 
     specs = [NodeSpec(num_cpus=1, resources={f"node_{i}": 1.0}, object_store_bytes=80 * 2**20, log_monitor=i == 0)

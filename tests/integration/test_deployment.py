@@ -45,7 +45,7 @@ from prefect.settings import PREFECT_API_URL, temporary_settings  # noqa: E402
 
 from flows.serve import full_deployment, start_server  # noqa: E402
 from kimi_pipeline.cluster.local import LocalCluster  # noqa: E402
-from kimi_pipeline.report.metrics import read_jsonl  # noqa: E402
+from kimi_pipeline.report.metrics_log import read_jsonl  # noqa: E402
 from kimi_pipeline.util.net import free_port  # noqa: E402
 from support.webhook_server import wait_for, webhook_receiver  # noqa: E402
 

@@ -7,7 +7,7 @@ import struct
 
 import pytest
 
-from kimi_pipeline.hub.download import DownloadError, LocalSourceError
+from kimi_pipeline.hub.fetch import DownloadError, LocalSourceError
 from kimi_pipeline.hub.manifest import build_manifest, list_files, safetensors_issue, verify_files
 from kimi_pipeline.recipes import load_recipe
 from kimi_pipeline.stages import DOWNLOAD

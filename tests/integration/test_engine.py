@@ -18,7 +18,7 @@ from support.common import assert_bf16_engine_tracks_fp32, random_tiny_hf
 from kimi_pipeline.engine import model as engine_model
 from kimi_pipeline.engine.client import EngineBadRequest, EngineClient, Router
 from kimi_pipeline.engine.model import EngineModel, EngineWeightError, iter_safetensors
-from kimi_pipeline.engine.sampler import EngineInputError, RolloutEngine, SamplingParams, sample_tokens
+from kimi_pipeline.engine.rollout_engine import EngineInputError, RolloutEngine, SamplingParams, sample_tokens
 from kimi_pipeline.engine.server import EngineServer
 from kimi_pipeline.engine.sglang import sglang_command
 from kimi_pipeline.engine.static_decode import (

@@ -30,7 +30,7 @@ from kimi_pipeline.engine.client import (
 from kimi_pipeline.engine.embedded import EmbeddedEngine
 from kimi_pipeline.engine.key import KEY_FILE_VAR, EngineKeyError, engine_api_key, use_run_key
 from kimi_pipeline.engine.model import EngineModel
-from kimi_pipeline.engine.sampler import MEMORY_TAGS, RolloutEngine, SamplingParams
+from kimi_pipeline.engine.rollout_engine import MEMORY_TAGS, RolloutEngine, SamplingParams
 from kimi_pipeline.engine.server import EngineServer
 from kimi_pipeline.plan.residency import RESIDENT
 from kimi_pipeline.rl.handoff import Handoff

@@ -23,7 +23,7 @@ from prefect.testing.utilities import prefect_test_harness  # noqa: E402
 
 from kimi_pipeline.engine.client import EngineRequestError  # noqa: E402
 from kimi_pipeline.engine.model import EngineModel  # noqa: E402
-from kimi_pipeline.engine.sampler import RolloutEngine  # noqa: E402
+from kimi_pipeline.engine.rollout_engine import RolloutEngine  # noqa: E402
 from kimi_pipeline.engine.server import EngineServer  # noqa: E402
 from kimi_pipeline.recipes import load_recipe  # noqa: E402
 from kimi_pipeline.util.net import free_port  # noqa: E402

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kimi_pipeline.hub.download import DownloadError
+from kimi_pipeline.hub.fetch import DownloadError
 from kimi_pipeline.recipes import load_recipe
 from kimi_pipeline.stages.download import run as download  # the stage's body: the recipe's sections
 from support.common import TINY

@@ -352,7 +352,7 @@ def test_qat_forward_and_ste_grads_under_megatron_ddp(megatron_pair):
 
 def test_run_export_section(tmp_path):
     from kimi_pipeline.recipes import load_recipe
-    from kimi_pipeline.weightjobs.export import SECTION_FILE, run_export
+    from kimi_pipeline.weightjobs.int4_export import SECTION_FILE, run_export
 
     recipe = load_recipe("tiny")
     section = run_export(recipe.model, recipe.quant, tmp_path, lambda: iter_stored_tensors(TINY_MODEL),
@@ -404,7 +404,7 @@ def test_stage_export_from_a_megatron_checkpoint(megatron_pair, tmp_path):
     from kimi_pipeline.recipes import load_recipe
     from kimi_pipeline.recipes.layout import Layout
     from kimi_pipeline.stages import EXPORT
-    from kimi_pipeline.weightjobs.export import checkpoint_content_hash
+    from kimi_pipeline.weightjobs.int4_export import checkpoint_content_hash
 
     recipe = load_recipe("tiny", ["quant.int4_qat=true"])  # the QAT export path (the preset trains without QAT)
     src = dict(iter_stored_tensors(TINY_MODEL))
@@ -428,7 +428,7 @@ def test_stage_export_from_a_megatron_checkpoint(megatron_pair, tmp_path):
     assert section["shards"] == len(written) >= 4 and all(n.startswith("model-") for n in written)
     # ... and the result is, tensor for tensor, bit-identical to the single-process export of the same weights
     from kimi_pipeline.model.hf_bridge import export_hf_tensors
-    from kimi_pipeline.weightjobs.export import shard_bytes
+    from kimi_pipeline.weightjobs.int4_export import shard_bytes
 
     config = json.loads((TINY_MODEL / "config.json").read_text())
     single = export_int4(export_hf_tensors(model, recipe.model, Layout()), config, TINY_MODEL, tmp_path / "single",

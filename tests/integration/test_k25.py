@@ -100,7 +100,7 @@ def test_a_config_that_disagrees_with_its_index_is_refused(k25, tmp_path):
 
 
 def test_download_checks_the_vision_tower_against_the_recipe(k25, tmp_path):
-    from kimi_pipeline.hub.download import LocalSourceError
+    from kimi_pipeline.hub.fetch import LocalSourceError
     from kimi_pipeline import stages
     from kimi_pipeline.stages import DOWNLOAD, prepare_run
     from support.stages import run_stage
@@ -216,7 +216,7 @@ def test_download_records_the_prefix_and_the_vision_tower(pipeline):
 
 
 def test_training_takes_the_reference_from_its_own_copy(pipeline):
-    from kimi_pipeline.report.metrics import read_jsonl
+    from kimi_pipeline.report.metrics_log import read_jsonl
 
     pair, run, s = pipeline
     rows = read_jsonl(run / "train" / "metrics.jsonl")

@@ -544,7 +544,7 @@ def test_grpo_at_dp2_has_the_dp1_losses_and_gradients(tmp_path):
     weights after, the same loss metrics as the trainer group reports them."""
     from support.megatron_worker import launch
 
-    from kimi_pipeline.rl.metrics import Metric, reduce_metrics
+    from kimi_pipeline.rl.step_metrics import Metric, reduce_metrics
 
     args = {"model": str(TINY_WEIGHTS)}
     one = launch("grpo_dp", 1, tmp_path / "dp1", args)

@@ -133,7 +133,7 @@ def test_failure_report_redacts_secrets(monkeypatch):
 WANDB_OWNER = """
 import sys
 from kimi_pipeline.recipes import load_recipe
-from kimi_pipeline.report.metrics import MetricsLog, open_wandb
+from kimi_pipeline.report.metrics_log import MetricsLog, open_wandb
 recipe = load_recipe("tiny")
 run = open_wandb(None, "tiny-secrets", recipe.model_dump(mode="json", exclude={"hub": {"token"}}))  # as rl/loop.py
 assert run is not None, "no W&B run"
@@ -190,7 +190,7 @@ def test_ray_node_lost_during_train_fails_clearly_and_the_retry_resumes(tmp_path
     from kimi_pipeline import stages
     from kimi_pipeline.cluster.lifecycle import embedded_layout, stop_cluster
     from kimi_pipeline.cluster.local import LocalCluster
-    from kimi_pipeline.report.metrics import read_jsonl
+    from kimi_pipeline.report.metrics_log import read_jsonl
     from kimi_pipeline.rl.ray_errors import TrainingError
     from kimi_pipeline.stages import CLUSTER, CONVERT, DOWNLOAD, TRAIN, VALIDATE, prepare_run
 
@@ -522,7 +522,7 @@ def test_ray_head_lost_during_train_fails_naming_it_and_a_re_run_resumes(tmp_pat
     from support.common import REPRODUCIBLE, TRAIN_SET
 
     from kimi_pipeline.cluster.local import LocalCluster
-    from kimi_pipeline.report.metrics import read_jsonl
+    from kimi_pipeline.report.metrics_log import read_jsonl
 
     run_dir = tmp_path / "run"
     cmd, env = _kimi_run(run_dir, "train", tiny_overrides(tiny_copy) + TRAIN_SET + REPRODUCIBLE, prefect_home)

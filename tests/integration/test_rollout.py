@@ -10,7 +10,7 @@ from support.common import TINY, tiny_correct
 @pytest.fixture(scope="module")
 def engine_url():
     from kimi_pipeline.engine.model import EngineModel
-    from kimi_pipeline.engine.sampler import RolloutEngine
+    from kimi_pipeline.engine.rollout_engine import RolloutEngine
     from kimi_pipeline.engine.server import EngineServer
 
     with EngineServer(RolloutEngine(EngineModel.from_pretrained(TINY / "model"), seed=0)) as server:

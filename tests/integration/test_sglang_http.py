@@ -44,7 +44,7 @@ from support.common import random_tiny_hf
 
 from kimi_pipeline.engine.client import EngineBadRequest, EngineClient
 from kimi_pipeline.engine.model import EngineModel
-from kimi_pipeline.engine.sampler import RolloutEngine
+from kimi_pipeline.engine.rollout_engine import RolloutEngine
 from kimi_pipeline.engine.server import EngineServer
 from kimi_pipeline.engine.sglang import PARSER_PATH_VAR
 from kimi_pipeline.hf.config import hf_config_dict

@@ -133,7 +133,7 @@ def _copy_run(base: Path, dst: Path) -> Path:
 
 
 def _rows(run: Path) -> list[dict]:
-    from kimi_pipeline.report.metrics import read_jsonl
+    from kimi_pipeline.report.metrics_log import read_jsonl
 
     return read_jsonl(run / "train" / "metrics.jsonl")
 
@@ -468,7 +468,7 @@ def test_an_engine_killed_in_every_phase_is_restarted_and_the_run_ends_as_uninte
 
     from kimi_pipeline import stages
     from kimi_pipeline.eval.record import EvalSections, run_eval_step
-    from kimi_pipeline.hub.download import model_root
+    from kimi_pipeline.hub.fetch import model_root
     from kimi_pipeline.stages import TRAIN
 
     tiny, base = prepared
@@ -549,7 +549,7 @@ def test_saved_rollouts_replayed_without_engines_give_the_recorded_metrics(prepa
     from support.stages import run_stage
 
     from kimi_pipeline import stages
-    from kimi_pipeline.report.metrics import read_jsonl
+    from kimi_pipeline.report.metrics_log import read_jsonl
     from kimi_pipeline.stages import TRAIN
 
     tiny, _ = prepared
@@ -578,7 +578,7 @@ def test_rollout_only_generates_and_scores_without_training(prepared, ray_local,
     from support.stages import run_stage
 
     from kimi_pipeline import stages
-    from kimi_pipeline.report.metrics import read_jsonl
+    from kimi_pipeline.report.metrics_log import read_jsonl
     from kimi_pipeline.rl.rollout_data import load_rollout
     from kimi_pipeline.stages import TRAIN
 
@@ -733,7 +733,7 @@ def test_health_rules_stop_the_real_loop_at_their_step_and_keep_bad_weights_out_
 
     from kimi_pipeline import stages
     from kimi_pipeline.model.checkpoint_dirs import saved_steps
-    from kimi_pipeline.rl.health import OK, STOP, WARN, HealthStop
+    from kimi_pipeline.rl.health_rules import OK, STOP, WARN, HealthStop
     from kimi_pipeline.stages import TRAIN
 
     tiny, base = prepared

@@ -178,7 +178,7 @@ def test_policy_sync_in_int4_gives_the_engine_the_trainers_fake_quant_policy(col
     """A QAT policy synced as INT4 buckets (colocated: through shared memory; not: broadcast over a gloo
     weight-update group): the engine's experts are exactly the fake-quant weights the trainer's forward
     uses; the rest is the bf16 an INT4 checkpoint stores."""
-    from kimi_pipeline.engine.sampler import RolloutEngine
+    from kimi_pipeline.engine.rollout_engine import RolloutEngine
     from kimi_pipeline.engine.server import EngineServer
     from kimi_pipeline.rl.policy import PolicyWorker, policy_sections
 

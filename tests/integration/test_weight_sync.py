@@ -16,7 +16,7 @@ from support.common import random_tiny_hf
 from support.megatron_worker import launch
 
 from kimi_pipeline.engine.model import EngineModel
-from kimi_pipeline.engine.sampler import RolloutEngine
+from kimi_pipeline.engine.rollout_engine import RolloutEngine
 from kimi_pipeline.engine.server import EngineServer
 from kimi_pipeline.recipes import load_recipe
 from kimi_pipeline.recipes.layout import Layout

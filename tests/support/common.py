@@ -128,7 +128,7 @@ def stable_row(row: dict) -> dict:
 def engine_samples(recipe, device="cpu", n_prompts: int = 4, n: int = 2):
     """Samples of the tiny prompts from the embedded engine in-process on `device`, with their routed experts."""
     from kimi_pipeline.engine.model import EngineModel
-    from kimi_pipeline.engine.sampler import RolloutEngine, SamplingParams
+    from kimi_pipeline.engine.rollout_engine import RolloutEngine, SamplingParams
     from kimi_pipeline.model.tokenizer import load_tokenizer
     from kimi_pipeline.rl.prompts import load_prompts
     from kimi_pipeline.rl.samples import Sample
@@ -275,7 +275,7 @@ def assert_bf16_engine_tracks_fp32(hf, prompts: list[list[int]], device="cpu") -
     import torch
 
     from kimi_pipeline.engine.model import EngineModel
-    from kimi_pipeline.engine.sampler import RolloutEngine, SamplingParams
+    from kimi_pipeline.engine.rollout_engine import RolloutEngine, SamplingParams
 
     fp32 = EngineModel.from_hf_model(hf, device=device)
     bf16 = EngineModel.from_hf_model(hf, device=device, dtype=torch.bfloat16)

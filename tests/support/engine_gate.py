@@ -59,7 +59,7 @@ def _patch(module, gate: Path) -> None:
 
         setattr(cls, name, wrapper)
 
-    if module.__name__ == "kimi_pipeline.engine.sampler":
+    if module.__name__ == "kimi_pipeline.engine.rollout_engine":
         gated(module.RolloutEngine, "generate", "generate")
     elif module.__name__ == "kimi_pipeline.engine.server":
         gated(module.BatchScheduler, "_step_hook", "decode")
@@ -67,7 +67,7 @@ def _patch(module, gate: Path) -> None:
         gated(module.EngineModel, "load_weights", "weights")
 
 
-TARGETS = ("kimi_pipeline.engine.sampler", "kimi_pipeline.engine.server", "kimi_pipeline.engine.model")
+TARGETS = ("kimi_pipeline.engine.rollout_engine", "kimi_pipeline.engine.server", "kimi_pipeline.engine.model")
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):

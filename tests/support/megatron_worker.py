@@ -230,7 +230,7 @@ def scenario_grpo_padded(out_dir: Path, args: dict) -> dict:
     from kimi_pipeline.model import megatron_train as mt
     from kimi_pipeline.model.host_syncs import HostSyncRecorder
     from kimi_pipeline.model.megatron_model import unwrap
-    from kimi_pipeline.rl.metrics import settle
+    from kimi_pipeline.rl.step_metrics import settle
     from kimi_pipeline.rl.policy import microbatch_loss
     from kimi_pipeline.rl.samples import Sample, collate, padding_micro_batch
 

@@ -7,7 +7,7 @@ from fractions import Fraction
 
 import pytest
 
-from kimi_pipeline.eval.metrics import length_stats, majority_vote, pass_at_k, summarize
+from kimi_pipeline.eval.scores import length_stats, majority_vote, pass_at_k, summarize
 
 
 def test_pass_at_k_by_hand():

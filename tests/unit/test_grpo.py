@@ -18,8 +18,8 @@ from kimi_pipeline.rl.grpo import (
     ppo_ratio,
     tis_weights,
 )
-from kimi_pipeline.rl.metrics import settle
-from kimi_pipeline.rl.sampling import collect_groups, filter_groups, group_has_signal
+from kimi_pipeline.rl.step_metrics import settle
+from kimi_pipeline.rl.dynamic_sampling import collect_groups, filter_groups, group_has_signal
 
 D = torch.float64
 LN = math.log

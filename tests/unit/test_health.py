@@ -1,4 +1,4 @@
-"""The health rules (`rl.health`) on synthetic rows: each rule fires at the step its definition says, names the
+"""The health rules (`rl.health_rules`) on synthetic rows: each rule fires at the step its definition says, names the
 checkpoint from before the trouble, stays quiet when `off`, and judges a resumed run as an uninterrupted one."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kimi_pipeline.recipes.models import HealthSpec
-from kimi_pipeline.rl.health import OK, STOP, WARN, HealthRules, HealthStop, health_markdown, health_section
+from kimi_pipeline.rl.health_rules import OK, STOP, WARN, HealthRules, HealthStop, health_markdown, health_section
 
 
 def _rows(rewards, **extra):

@@ -7,14 +7,14 @@ import logging
 import sys
 import types
 
-from kimi_pipeline.report.metrics import MetricsLog, open_wandb, read_jsonl
+from kimi_pipeline.report.metrics_log import MetricsLog, open_wandb, read_jsonl
 
 
 def test_a_torn_line_is_dropped_with_a_warning_and_the_rows_after_it_stay(tmp_path, caplog):
     path = tmp_path / "metrics.jsonl"
     # step 2's row torn by a kill; the retry's step-2 row appended to the fragment, then step 3's on a line of its own
     path.write_text('{"step": 1}\n{"step": 2, "lo{"step": 2, "loss": 0.5}\n{"step": 3}\n')
-    with caplog.at_level(logging.WARNING, logger="kimi_pipeline.report.metrics"):
+    with caplog.at_level(logging.WARNING, logger="kimi_pipeline.report.metrics_log"):
         rows = read_jsonl(path)
     assert rows == [{"step": 1}, {"step": 3}]
     assert f"{path}:2: not a JSON row" in caplog.text
@@ -57,7 +57,7 @@ def test_a_wandb_outage_warns_once_per_kind_and_the_rows_are_still_written(tmp_p
     monkeypatch.setenv("WANDB_API_KEY", KEY)
     run = DownWandbRun()
     log = MetricsLog(tmp_path / "metrics.jsonl", wandb_run=run)
-    with caplog.at_level(logging.WARNING, logger="kimi_pipeline.report.metrics"):
+    with caplog.at_level(logging.WARNING, logger="kimi_pipeline.report.metrics_log"):
         for step in (1, 2, 3):
             log.log({"step": step, "reward_mean": 0.1 * step})
         log.close()
@@ -79,7 +79,7 @@ def test_wandb_init_failing_leaves_training_without_the_mirror(tmp_path, caplog,
         raise RuntimeError(f"Run initialization has timed out after 90.0 sec; key {KEY}")
 
     monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init))
-    with caplog.at_level(logging.WARNING, logger="kimi_pipeline.report.metrics"):
+    with caplog.at_level(logging.WARNING, logger="kimi_pipeline.report.metrics_log"):
         run = open_wandb(None, "tiny-outage", {})
     assert run is None
     assert "W&B unavailable (RuntimeError: Run initialization has timed out" in caplog.text

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kimi_pipeline.recipes import load_recipe
-from kimi_pipeline.rl.metrics import settle
+from kimi_pipeline.rl.step_metrics import settle
 from kimi_pipeline.rl.policy import microbatch_loss
 
 CPU = torch.device("cpu")

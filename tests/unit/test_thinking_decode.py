@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kimi_pipeline.engine.sampler import Completion
+from kimi_pipeline.engine.rollout_engine import Completion
 from kimi_pipeline.model.tokenizer import decode_responses, load_tokenizer
 from kimi_pipeline.recipes import load_recipe
 from kimi_pipeline.reward import AnswerGrader

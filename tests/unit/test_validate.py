@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kimi_pipeline.data.validate import DataValidationError, run_validate, validate_split
+from kimi_pipeline.data.validation import DataValidationError, run_validate, validate_split
 from kimi_pipeline.model.tokenizer import load_tokenizer
 from kimi_pipeline.recipes import load_recipe
 from support.common import TINY

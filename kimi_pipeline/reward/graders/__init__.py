@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib
 
-from kimi_pipeline.reward.errors import RewardError
+from kimi_pipeline.reward.reward_errors import RewardError
 from kimi_pipeline.reward.graders import deepscaler, math
 from kimi_pipeline.reward.graders.base import Grader, Verdict
 

@@ -35,7 +35,7 @@ from kimi_pipeline.weightjobs.convert_verify import (
     verify_layout,
 )
 from kimi_pipeline.weightjobs.job_file import write_job_file
-from kimi_pipeline.weightjobs.run import JobLayout, run_weight_job
+from kimi_pipeline.weightjobs.job import JobLayout, run_weight_job
 
 log = logging.getLogger(__name__)
 

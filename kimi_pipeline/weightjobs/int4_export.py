@@ -58,7 +58,7 @@ from kimi_pipeline.util.lifetime import die_with_parent
 from kimi_pipeline.util.secret_env import without_secrets
 from kimi_pipeline.weight_sync.policy_tensors import checkpoint_model, policy_tensors
 from kimi_pipeline.weightjobs.job_file import write_job_file
-from kimi_pipeline.weightjobs.run import JobLayout, run_weight_job
+from kimi_pipeline.weightjobs.job import JobLayout, run_weight_job
 
 log = logging.getLogger(__name__)
 
@@ -368,7 +368,7 @@ def _model_check_child(
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT"):
         env.pop(var, None)  # the child is its own one-rank world
     proc = subprocess.run(
-        [sys.executable, "-m", "kimi_pipeline.weightjobs.export", str(out / "job.json")],
+        [sys.executable, "-m", "kimi_pipeline.weightjobs.int4_export", str(out / "job.json")],
         env=env,
         timeout=timeout_s,
         capture_output=True,
@@ -385,7 +385,7 @@ def _model_check_child(
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Child entry point: `python -m kimi_pipeline.weightjobs.export JOB.json` (the model check)."""
+    """Child entry point: `python -m kimi_pipeline.weightjobs.int4_export JOB.json` (the model check)."""
 
     job_path = Path((argv or sys.argv[1:])[0])
     job = json.loads(job_path.read_text())
