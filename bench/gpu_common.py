@@ -14,6 +14,10 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # types only: the benchmark imports the library after parsing its arguments
+    from kimi_pipeline.recipes.models import ModelSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -57,13 +61,13 @@ def kimi_spec(size: str):
     return base.model_copy(update={**SIZES[size], "params_dtype": "bfloat16"})
 
 
-def param_counts(spec):
+def param_counts(spec: ModelSpec):
     from kimi_pipeline.model.params import count_params
 
     return count_params(spec)
 
 
-def hf_model(spec, device, *, seed: int = 0, attn: str = "sdpa", experts: str = "grouped_mm"):
+def hf_model(spec: ModelSpec, device, *, seed: int = 0, attn: str = "sdpa", experts: str = "grouped_mm"):
     """transformers' DeepseekV3ForCausalLM of `spec` with random weights (seeded), bf16 on `device`, with its
     fastest settings for DeepSeek-V3 on Hopper: SDPA attention and `experts_implementation="grouped_mm"`
     (transformers 5's kwarg, configuration_utils.py:493-494; its default for this model is the per-token

@@ -37,8 +37,12 @@ import gc
 import os
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import gpu_common  # bench/ is sys.path[0] when run as a script
+
+if TYPE_CHECKING:  # types only: the benchmark imports the library after parsing its arguments
+    from kimi_pipeline.recipes.models import ModelSpec
 
 NAME = "gpu_train"
 GOAL_TE, GOAL_LOCAL = 1.5, 1.2  # issue 42: with Transformer Engine layers / megatron's local ones
@@ -112,7 +116,7 @@ def transformers_seconds(hf, tokens, targets, micro: int, steps: int, opt_spec, 
         del opt, main, grads
 
 
-def megatron_seconds(spec, layout, device, hf_state, tokens, targets, micro: int, steps: int, opt_spec,
+def megatron_seconds(spec: ModelSpec, layout, device, hf_state, tokens, targets, micro: int, steps: int, opt_spec,
                      profile: Path | None = None):
     """(seconds, whether TE layers were used)."""
     from kimi_pipeline.model.hf_bridge import load_hf_tensors_into_model

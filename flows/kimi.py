@@ -42,8 +42,8 @@ def kimi(
 ) -> dict:
     """Run the pipeline for a recipe (preset name or YAML path) up to and including stage `until`."""
     install_log_redaction()  # a served run's own process: its log records reach the Prefect API redacted
-    spec = load_recipe(recipe, overrides or [])
-    path = prepare_run(spec, run_dir, owner=str(flow_run.id))  # held across this flow run's retries: hooks let go
+    run_recipe = load_recipe(recipe, overrides or [])
+    path = prepare_run(run_recipe, run_dir, owner=str(flow_run.id))  # held across this flow run's retries: hooks let go
     remember_run_dir(path)  # for the failure hook: DIR/FAILED.md
     run = str(path)
     print(f"run directory: {path}")
@@ -51,18 +51,18 @@ def kimi(
     guard = RunGuard(path)  # if this process is killed -9, what it started is stopped and the summary says so
     slot = contextlib.ExitStack()  # one run per Ray cluster: held from the cluster stage to its teardown
     try:
-        downloaded = cached(download_task, DOWNLOAD, path)(spec, run)
+        downloaded = cached(download_task, DOWNLOAD, path)(run_recipe, run)
         if "validate" in selected:
-            cached(validate_task, VALIDATE, path)(spec, run, wait_for=[downloaded])
+            cached(validate_task, VALIDATE, path)(run_recipe, run, wait_for=[downloaded])
         converted = (
-            cached(convert_task, CONVERT, path)(spec, run, wait_for=[downloaded]) if "convert" in selected else None
+            cached(convert_task, CONVERT, path)(run_recipe, run, wait_for=[downloaded]) if "convert" in selected else None
         )
         if "cluster" in selected:
-            slot.enter_context(cluster_slot(spec))
-        cluster = cluster_task(spec, run) if "cluster" in selected else None
-        trained = train_task(spec, run, cluster, wait_for=[converted]) if "train" in selected else None
+            slot.enter_context(cluster_slot(run_recipe))
+        cluster = cluster_task(run_recipe, run) if "cluster" in selected else None
+        trained = train_task(run_recipe, run, cluster, wait_for=[converted]) if "train" in selected else None
         if "export" in selected and trained is not None:
-            cached(export_task, EXPORT, path)(spec, run, trained["checkpoint_dir"], wait_for=[trained])
+            cached(export_task, EXPORT, path)(run_recipe, run, trained["checkpoint_dir"], wait_for=[trained])
         mark_skipped(path, [name for name in STAGES if name not in selected])
     finally:
         try:
@@ -71,7 +71,7 @@ def kimi(
             slot.close()
         try:
             md = write_summary_markdown(path)
-            markdown_artifact(md.read_text(), "run-summary", f"{spec.name}: {path}")
+            markdown_artifact(md.read_text(), "run-summary", f"{run_recipe.name}: {path}")
         finally:
             guard.done()
     return {"run_dir": run, "summary": str(path / "summary.json")}

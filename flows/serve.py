@@ -42,9 +42,9 @@ class ServeError(RuntimeError):
 def deployment_spec(name: str = DEPLOYMENT, project_file: Path = PROJECT_FILE) -> dict[str, Any]:
     """The `deployments:` entry `name` of prefect.yaml."""
     data = yaml.safe_load(project_file.read_text())
-    for spec in data.get("deployments") or []:
-        if spec.get("name") == name:
-            return spec
+    for deployment in data.get("deployments") or []:
+        if deployment.get("name") == name:
+            return deployment
     raise ServeError(f"{project_file}: no deployment named {name!r} under `deployments:`")
 
 
@@ -54,15 +54,15 @@ def full_deployment(schedule: bool = True, name: str = DEPLOYMENT):
     from prefect.deployments.runner import EntrypointType
     from prefect.schedules import Cron
 
-    spec = deployment_spec(name)
+    deployment = deployment_spec(name)
     schedules = [Cron(s["cron"], timezone=s.get("timezone"), active=schedule and s.get("active", True))
-                 for s in spec.get("schedules") or [] if "cron" in s]
-    limit = spec.get("concurrency_limit")
+                 for s in deployment.get("schedules") or [] if "cron" in s]
+    limit = deployment.get("concurrency_limit")
     return kimi.to_deployment(
-        name=spec["name"],
-        description=" ".join(str(spec.get("description", "")).split()) or None,
-        tags=list(spec.get("tags") or []),
-        parameters=dict(spec.get("parameters") or {}),
+        name=deployment["name"],
+        description=" ".join(str(deployment.get("description", "")).split()) or None,
+        tags=list(deployment.get("tags") or []),
+        parameters=dict(deployment.get("parameters") or {}),
         schedules=schedules,
         concurrency_limit=ConcurrencyLimitConfig(**limit) if isinstance(limit, dict) else limit,
         entrypoint_type=EntrypointType.MODULE_PATH,  # `flows.kimi.kimi`: importable whatever the cwd

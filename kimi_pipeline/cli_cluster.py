@@ -12,7 +12,6 @@ import typer
 from kimi_pipeline import stages  # `stages.cluster.run`: a bare `cluster` would read as this package
 from kimi_pipeline.cli_recipes import RECIPE_HELP, SET_HELP, recipe_or_exit
 from kimi_pipeline.cluster.cluster_errors import ClusterError
-from kimi_pipeline.cluster.readiness import connected, read_facts
 from kimi_pipeline.cluster.kuberay import (
     MANIFEST_DIR,
     check_manifest,
@@ -24,6 +23,7 @@ from kimi_pipeline.cluster.kuberay import (
 from kimi_pipeline.cluster.lifecycle import resolve_address, stop_cluster
 from kimi_pipeline.cluster.local import LocalCluster
 from kimi_pipeline.cluster.ray_submit import ray_submit_text
+from kimi_pipeline.cluster.readiness import connected, read_facts
 from kimi_pipeline.errors import PermanentError
 from kimi_pipeline.stages import CLUSTER, stage_run
 

@@ -24,11 +24,16 @@ from typing import Any
 import psutil
 import ray
 
+from kimi_pipeline.cluster.cluster_errors import (
+    ClusterConfigError,
+    ClusterHealthError,
+    LocalClusterTooSmall,
+    PreflightError,
+)
 from kimi_pipeline.cluster.env import auth_mode, ensure_token, require_auth, token_source
-from kimi_pipeline.cluster.cluster_errors import ClusterConfigError, ClusterHealthError, LocalClusterTooSmall, PreflightError
-from kimi_pipeline.cluster.readiness import ClusterFacts, Requirements, wait_until_healthy
 from kimi_pipeline.cluster.local import LocalCluster, NodeSpec
 from kimi_pipeline.cluster.preflight import report_markdown, run_preflight
+from kimi_pipeline.cluster.readiness import ClusterFacts, Requirements, wait_until_healthy
 from kimi_pipeline.recipes.models import ClusterSpec
 from kimi_pipeline.report.stage_reports import cluster_report
 from kimi_pipeline.report.summary import RunSummary

@@ -26,11 +26,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from kimi_pipeline.cluster.env import SINGLE_HOST_VAR, choose_temp_dir, gcs_reachable, loopback_env, ray_env
-from kimi_pipeline.util.net import LOOPBACK, free_port
 from kimi_pipeline.cluster.cluster_errors import ClusterConfigError, ClusterError, RayStartTimedOut
+from kimi_pipeline.cluster.env import SINGLE_HOST_VAR, choose_temp_dir, gcs_reachable, loopback_env, ray_env
 from kimi_pipeline.cluster.procs import MARKER_VAR, cluster_processes, stop_processes
 from kimi_pipeline.util.files import atomic_write_json
+from kimi_pipeline.util.net import LOOPBACK, free_port
 from kimi_pipeline.util.secret_env import without_secrets
 
 T = TypeVar("T")
@@ -223,14 +223,14 @@ class LocalCluster:
         self.save()
         log.info("Ray head up at %s in %.1f s (temp dir %s)", address, time.monotonic() - t0, self.state["temp_dir"])
 
-    def _start_worker(self, spec: NodeSpec, index: int, timeout_s: float, env_extra: dict[str, str] | None = None,
+    def _start_worker(self, node: NodeSpec, index: int, timeout_s: float, env_extra: dict[str, str] | None = None,
                       prefix: list[str] | None = None) -> None:
         """A simulated node; `env_extra` / `prefix` make it differ from the others (a node's own environment)."""
         if self.loopback:
             raise ClusterConfigError(f"the Ray cluster at {self.address} is on loopback (one node): it takes no other node")
         t0 = time.monotonic()
         _once_more_if_it_timed_out(lambda: self._ray_start(
-            ["--address", self.address, "--dashboard-agent-listen-port", str(free_port()), *spec.args()],
+            ["--address", self.address, "--dashboard-agent-listen-port", str(free_port()), *node.args()],
             f"ray-start-node-{index}", timeout_s, env_extra, prefix))
         self.state["nodes_started"] += 1
         self.save()

@@ -34,8 +34,8 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from kimi_pipeline.cluster.readiness import connected
 from kimi_pipeline.cluster.probe import GIB, NodeProbe
+from kimi_pipeline.cluster.readiness import connected
 from kimi_pipeline.engine.sglang import sglang_python
 from kimi_pipeline.model.params import count_params
 from kimi_pipeline.plan.command import make_plan

@@ -50,10 +50,10 @@ def source_digest(root: Path = PACKAGE_ROOT) -> str:
 def _torch_cuda() -> str | None:
     """The CUDA version torch was built with, read from its installed `torch/version.py` (importing torch would cost
     every probe seconds): None for a CPU build or no torch."""
-    spec = importlib.util.find_spec("torch")
-    if spec is None or not spec.submodule_search_locations:
+    found = importlib.util.find_spec("torch")
+    if found is None or not found.submodule_search_locations:
         return None
-    text = (Path(next(iter(spec.submodule_search_locations))) / "version.py").read_text()
+    text = (Path(next(iter(found.submodule_search_locations))) / "version.py").read_text()
     m = re.search(r"^cuda(?:: \S+)? = '([^']+)'", text, re.M)
     return m.group(1) if m else None
 

@@ -16,8 +16,8 @@ from typing import Any
 
 import ray
 
-from kimi_pipeline.cluster.env import gcs_reachable, is_loopback_address, use_loopback_ray
 from kimi_pipeline.cluster.cluster_errors import ClusterError, ClusterHealthError
+from kimi_pipeline.cluster.env import gcs_reachable, is_loopback_address, use_loopback_ray
 from kimi_pipeline.recipes.models import ClusterSpec
 from kimi_pipeline.util.redact import ray_worker_setup
 

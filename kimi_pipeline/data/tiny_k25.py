@@ -21,10 +21,10 @@ from typing import Any
 
 import torch
 
-from kimi_pipeline.hf.shipped_files import copy_model_files
 from kimi_pipeline.hf.names import LM_PREFIX_BY_MODEL_TYPE
 from kimi_pipeline.hf.quantized_copy import write_quantized_checkpoint
 from kimi_pipeline.hf.reader import iter_stored_tensors
+from kimi_pipeline.hf.shipped_files import copy_model_files
 from kimi_pipeline.hub.manifest import build_manifest, list_files, write_sha256sums
 from kimi_pipeline.recipes.models import VisionSpec
 from kimi_pipeline.util.files import atomic_write_json, atomic_write_text

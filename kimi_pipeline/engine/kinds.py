@@ -21,9 +21,9 @@ from kimi_pipeline.util.net import NODE_ADDRESS
 
 
 @dataclass(frozen=True)
-class EngineSettings:
+class EngineSections:
     """What every engine process of a run starts with: resolved once on the driver from the rollout, sglang,
-    cluster and hub sections (`EngineSettings.of`), so the engine side never reads the recipe."""
+    cluster and hub sections (`EngineSections.of`), so the engine side never reads the recipe."""
 
     kind: str  # rollout.engine: the `ENGINE_KINDS` entry
     sglang: SGLangSpec  # SGLang's own server settings (its launch command)
@@ -36,7 +36,7 @@ class EngineSettings:
     host: str  # where an engine binds
 
     @classmethod
-    def of(cls, recipe: Recipe) -> EngineSettings:
+    def of(cls, recipe: Recipe) -> EngineSections:
         """`host`: the recipe's host (loopback by default) on one node; the node's own address when the layout spans
         nodes, so trainers and the router on other nodes reach it. Either way with the run's key (`engine.key`)."""
         rollout, cluster = recipe.rollout, recipe.cluster
@@ -52,7 +52,7 @@ class EngineKind:
     name: str
     actor_class: Callable[[], type]  # imported lazily: SGLang's actor module must not load on CPU-only drivers
     # constructor arguments of one engine process: (settings, model_dir, node_rank, base_gpu_id, multi-node address)
-    actor_args: Callable[[EngineSettings, Path, int, int, str | None], tuple[tuple, dict[str, Any]]]
+    actor_args: Callable[[EngineSections, Path, int, int, str | None], tuple[tuple, dict[str, Any]]]
     one_process_per_node: bool  # a node-spanning engine runs one process per node (a command line each)
 
 
@@ -60,7 +60,7 @@ def _embedded_class() -> type:
     return EmbeddedEngine
 
 
-def _embedded_args(settings: EngineSettings, model_dir: Path, node_rank: int, base_gpu_id: int, addr: str | None):
+def _embedded_args(settings: EngineSections, model_dir: Path, node_rank: int, base_gpu_id: int, addr: str | None):
     return (str(model_dir), settings.seed), {"host": settings.host, "device": settings.device,
                                              "base_gpu_id": base_gpu_id}
 
@@ -69,7 +69,7 @@ def _sglang_class() -> type:
     return SGLangEngine
 
 
-def _sglang_args(settings: EngineSettings, model_dir: Path, node_rank: int, base_gpu_id: int, addr: str | None):
+def _sglang_args(settings: EngineSections, model_dir: Path, node_rank: int, base_gpu_id: int, addr: str | None):
     return (str(model_dir), settings.sglang), {
         "gpus_per_node": settings.gpus_per_node, "node_rank": node_rank, "dist_init_addr": addr,
         "base_gpu_id": base_gpu_id, "routing_replay": settings.routing_replay, "seed": settings.seed,

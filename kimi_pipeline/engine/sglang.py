@@ -80,11 +80,11 @@ def releases_cuda_graphs(env: Mapping[str, str]) -> bool:
     return env.get(MEMORY_SAVER_CUDA_GRAPH, "").lower() in ("1", "true")
 
 
-def sglang_python(spec: SGLangSpec) -> str:
+def sglang_python(sglang: SGLangSpec) -> str:
     """The interpreter SGLang runs from: `sglang.python`, else $KIMI_SGLANG_PYTHON, else the `.venv-sglang`
     beside this environment (`make sglang-env`), else this interpreter (SGLang installed here by hand)."""
-    if spec.python:
-        return spec.python
+    if sglang.python:
+        return sglang.python
     if os.environ.get(SGLANG_ENV_VAR):
         return os.environ[SGLANG_ENV_VAR]
     beside = Path(sys.prefix).parent / ".venv-sglang" / "bin" / "python"
@@ -150,45 +150,45 @@ def require_sglang(python: str) -> None:
             "interpreter that has it")
 
 
-def sglang_command(model_path: str | Path, spec: SGLangSpec, *, port: int, host: str | None = None,
+def sglang_command(model_path: str | Path, sglang: SGLangSpec, *, port: int, host: str | None = None,
                    gpus_per_node: int = 8, node_rank: int = 0, dist_init_addr: str | None = None,
                    base_gpu_id: int = 0, routing_replay: bool = False, seed: int = 0,
                    trust_remote_code: bool = False, memory_saver: bool = False, python: str | None = None,
                    extra_args: tuple[str, ...] = ()) -> list[str]:
     """The launch_server command line for one engine (node `node_rank` of it, when it spans nodes).
     `memory_saver`: colocated with the trainer, so the engine releases and resumes its GPU memory."""
-    nnodes = max(1, -(-spec.gpus_per_engine // gpus_per_node))
+    nnodes = max(1, -(-sglang.gpus_per_engine // gpus_per_node))
     if nnodes > 1 and not dist_init_addr:
         raise PermanentError(
-            f"sglang.gpus_per_engine={spec.gpus_per_engine} spans {nnodes} nodes of {gpus_per_node} GPUs: "
+            f"sglang.gpus_per_engine={sglang.gpus_per_engine} spans {nnodes} nodes of {gpus_per_node} GPUs: "
             "pass dist_init_addr (host:port of the engine's node 0)"
         )
-    if spec.gpus_per_engine % spec.dp_size:
-        raise PermanentError(f"sglang.dp_size={spec.dp_size} must divide sglang.gpus_per_engine={spec.gpus_per_engine}")
-    cmd = [python or sglang_python(spec), "-m", "sglang.launch_server",
+    if sglang.gpus_per_engine % sglang.dp_size:
+        raise PermanentError(f"sglang.dp_size={sglang.dp_size} must divide sglang.gpus_per_engine={sglang.gpus_per_engine}")
+    cmd = [python or sglang_python(sglang), "-m", "sglang.launch_server",
            "--model-path", str(model_path),
-           "--host", host or spec.host,
+           "--host", host or sglang.host,
            "--port", str(port),
-           "--tp-size", str(spec.gpus_per_engine),
-           "--ep-size", str(spec.ep_size),
-           "--mem-fraction-static", str(spec.mem_fraction_static),
+           "--tp-size", str(sglang.gpus_per_engine),
+           "--ep-size", str(sglang.ep_size),
+           "--mem-fraction-static", str(sglang.mem_fraction_static),
            "--random-seed", str(seed),
            "--base-gpu-id", str(base_gpu_id),
            "--skip-server-warmup"]
     if nnodes > 1:
         cmd += ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--dist-init-addr", dist_init_addr]
-    if spec.enable_dp_attention:  # the recipe's dp_size is the attention-DP width (the seeds' spelling)
-        cmd += ["--attn-dp-size", str(spec.dp_size)]
-    elif spec.dp_size > 1:  # data-parallel replicas inside one server
-        cmd += ["--dp-size", str(spec.dp_size)]
-    if spec.moe_dense_tp_size is not None:
-        cmd += ["--moe-dense-tp-size", str(spec.moe_dense_tp_size)]
-    if spec.enable_dp_lm_head:
+    if sglang.enable_dp_attention:  # the recipe's dp_size is the attention-DP width (the seeds' spelling)
+        cmd += ["--attn-dp-size", str(sglang.dp_size)]
+    elif sglang.dp_size > 1:  # data-parallel replicas inside one server
+        cmd += ["--dp-size", str(sglang.dp_size)]
+    if sglang.moe_dense_tp_size is not None:
+        cmd += ["--moe-dense-tp-size", str(sglang.moe_dense_tp_size)]
+    if sglang.enable_dp_lm_head:
         cmd.append("--enable-dp-lm-head")
-    if spec.disable_radix_cache:
+    if sglang.disable_radix_cache:
         cmd.append("--disable-radix-cache")
-    if spec.cuda_graph_bs:
-        cmd += ["--cuda-graph-bs-decode", *map(str, spec.cuda_graph_bs)]
+    if sglang.cuda_graph_bs:
+        cmd += ["--cuda-graph-bs-decode", *map(str, sglang.cuda_graph_bs)]
     if memory_saver:
         cmd.append("--enable-memory-saver")
     if routing_replay:
@@ -206,17 +206,17 @@ class SGLangEngine:
     """Owns one SGLang server process (one node of an engine). The train stage runs it as a Ray actor where
     `rl/actor_layout.py` places it; the plain class also runs in-process (handy on a single GPU box)."""
 
-    def __init__(self, model_path: str | Path, spec: SGLangSpec, *, port: int | None = None,
+    def __init__(self, model_path: str | Path, sglang: SGLangSpec, *, port: int | None = None,
                  log_dir: str | Path | None = None, **command_kwargs):
-        self.host = bind_host(command_kwargs.pop("host", None) or spec.host)
+        self.host = bind_host(command_kwargs.pop("host", None) or sglang.host)
         self.port = port or free_port(self.host)
         self.node_rank = command_kwargs.get("node_rank", 0)
         self.memory_saver = bool(command_kwargs.get("memory_saver", False))
-        self.mem_fraction_static = spec.mem_fraction_static
+        self.mem_fraction_static = sglang.mem_fraction_static
         per_node = command_kwargs.get("gpus_per_node", 8)
         base = command_kwargs.get("base_gpu_id", 0)
-        self.gpus = tuple(range(base, base + min(spec.gpus_per_engine, per_node)))  # node-local GPUs it drives
-        self.command = sglang_command(model_path, spec, port=self.port, host=self.host, **command_kwargs)
+        self.gpus = tuple(range(base, base + min(sglang.gpus_per_engine, per_node)))  # node-local GPUs it drives
+        self.command = sglang_command(model_path, sglang, port=self.port, host=self.host, **command_kwargs)
         self.log_dir = Path(log_dir) if log_dir else None
         self.process: subprocess.Popen | None = None
         self._config_file: str | None = None
@@ -308,10 +308,10 @@ class ParsedCommands:
         return bool(self.version)
 
 
-def parse_with_sglang(commands: list[list[str]], spec: SGLangSpec, timeout_s: float = 300.0) -> ParsedCommands:
+def parse_with_sglang(commands: list[list[str]], sglang: SGLangSpec, timeout_s: float = 300.0) -> ParsedCommands:
     """Parse `commands` with the SGLang parser of `sglang.python`'s environment, or of the sglang found in
     $KIMI_SGLANG_PARSER_PATH (run by this interpreter: the CPU test set-up); one subprocess for all."""
-    tries = [(sglang_python(spec), without_secrets())]
+    tries = [(sglang_python(sglang), without_secrets())]
     if os.environ.get(PARSER_PATH_VAR):
         path = os.pathsep.join(p for p in (os.environ[PARSER_PATH_VAR], os.environ.get("PYTHONPATH")) if p)
         tries.append((sys.executable, {**without_secrets(), "PYTHONPATH": path}))

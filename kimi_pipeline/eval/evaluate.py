@@ -28,15 +28,15 @@ def eval_step_path(out_dir: Path, step: int) -> Path:
     return Path(out_dir) / f"step_{step:07d}.json"
 
 
-def evaluate(client, tokenizer, prompts: list[Prompt], spec: EvalSpec, *, step: int, seed: int, rm_type: str,
+def evaluate(client, tokenizer, prompts: list[Prompt], evaluation: EvalSpec, *, step: int, seed: int, rm_type: str,
              thinking: bool = False, strict: bool = False, out_dir: str | Path | None = None,
              top_k: int = -1) -> dict[str, Any]:
     """Evaluate the engines' current weights; write the per-problem table and append eval.jsonl."""
 
     t0 = time.perf_counter()
-    n = spec.n_samples_per_prompt
-    params = SamplingParams(temperature=spec.temperature, top_p=spec.top_p, top_k=top_k,
-                            max_new_tokens=spec.max_response_len, seed=seed + EVAL_SEED_OFFSET + step)
+    n = evaluation.n_samples_per_prompt
+    params = SamplingParams(temperature=evaluation.temperature, top_p=evaluation.top_p, top_k=top_k,
+                            max_new_tokens=evaluation.max_response_len, seed=seed + EVAL_SEED_OFFSET + step)
     completions = client.generate([p.ids for p in prompts], n=n, params=params)
     texts = decode_responses(tokenizer, [c.output_ids for c in completions])
     labels = [p.label for p in prompts for _ in range(n)]
@@ -51,12 +51,12 @@ def evaluate(client, tokenizer, prompts: list[Prompt], spec: EvalSpec, *, step: 
         lengths=grid([len(c.output_ids) for c in completions]),
         labels=[p.label for p in prompts],
         ks=sorted({1, n}),
-        max_response_len=spec.max_response_len,
+        max_response_len=evaluation.max_response_len,
         prompts=[p.text for p in prompts],
     )
     result = {
         "step": step,
-        "eval_set": spec.name,
+        "eval_set": evaluation.name,
         "avg_at_n": summary.avg_at_n,
         "pass_at_1": summary.pass_at[1],
         "pass_at_n": summary.pass_at[n],

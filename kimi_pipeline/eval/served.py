@@ -63,12 +63,12 @@ def export_sglang_engine(sections: ServedSections, model_dir: Path, log_dir: Pat
     export holds its routed experts (nearly all of K2's 1 T parameters) in a quarter of the bf16 bytes a rollout
     engine holds (~0.6 TB instead of 2 TB), so an engine that spans nodes for bf16 (the K2 presets' 16 GPUs) serves
     the export on one node's GPUs (8 × 141 GB on H200); EP and DP shrink with it where they were wider."""
-    spec, n = sections.sglang, sections.gpus_per_node
-    if spec.gpus_per_engine > n:
-        spec = spec.model_copy(update={"gpus_per_engine": n, "ep_size": math.gcd(spec.ep_size, n),
-                                       "dp_size": math.gcd(spec.dp_size, n)})
+    sglang, n = sections.sglang, sections.gpus_per_node
+    if sglang.gpus_per_engine > n:
+        sglang = sglang.model_copy(update={"gpus_per_engine": n, "ep_size": math.gcd(sglang.ep_size, n),
+                                       "dp_size": math.gcd(sglang.dp_size, n)})
     ev = sections.evaluation
-    return SGLangEngine(model_dir, spec, gpus_per_node=n, log_dir=log_dir, seed=ev.rollout.seed,
+    return SGLangEngine(model_dir, sglang, gpus_per_node=n, log_dir=log_dir, seed=ev.rollout.seed,
                         trust_remote_code=ev.trust_remote_code)
 
 

@@ -28,13 +28,13 @@ from typing import Any
 
 import torch
 
-from kimi_pipeline.hf.source_formats import KIMI_IGNORE
-from kimi_pipeline.hf.reader import StoredTensors
-from kimi_pipeline.hf.names import HFLayout
 from kimi_pipeline.errors import PermanentError
 from kimi_pipeline.hf.config import quantization_config, with_quantization_config
-from kimi_pipeline.hf.shipped_files import copy_model_files
 from kimi_pipeline.hf.int4 import SCALE_DTYPE, Int4ShapeError, pack_int4, quantize_int4
+from kimi_pipeline.hf.names import HFLayout
+from kimi_pipeline.hf.reader import StoredTensors
+from kimi_pipeline.hf.shipped_files import copy_model_files
+from kimi_pipeline.hf.source_formats import KIMI_IGNORE
 from kimi_pipeline.util.files import atomic_write_json
 from kimi_pipeline.util.shards import Shard, ShardWriter, finish_shards
 

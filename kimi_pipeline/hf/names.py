@@ -45,7 +45,6 @@ from kimi_pipeline.recipes.layout import Layout
 from kimi_pipeline.recipes.models import ModelSpec
 
 
-
 class NameMappingError(PermanentError):
     """A checkpoint tensor is missing, has the wrong shape, or a model tensor has no HF source."""
 

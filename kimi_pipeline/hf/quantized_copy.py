@@ -8,6 +8,10 @@ from pathlib import Path
 
 import torch
 
+from kimi_pipeline.hf.config import with_quantization_config
+from kimi_pipeline.hf.names import HFLayout
+from kimi_pipeline.hf.reader import iter_stored_files
+from kimi_pipeline.hf.shipped_files import copy_model_files
 from kimi_pipeline.hf.source_formats import (
     FP8_SCALE_SUFFIX,
     FP8_TARGET,
@@ -18,10 +22,6 @@ from kimi_pipeline.hf.source_formats import (
     quantize_fp8_block,
     quantize_int4_packed,
 )
-from kimi_pipeline.hf.reader import iter_stored_files
-from kimi_pipeline.hf.names import HFLayout
-from kimi_pipeline.hf.config import with_quantization_config
-from kimi_pipeline.hf.shipped_files import copy_model_files
 from kimi_pipeline.util.files import atomic_write_json
 from kimi_pipeline.util.shards import ShardWriter, finish_shards
 

@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
+from kimi_pipeline.errors import PermanentError
+from kimi_pipeline.hf.names import HFLayout
 from kimi_pipeline.hf.source_formats import (
     FP8_SCALE_SUFFIX,
     INT4_SUFFIXES,
@@ -32,8 +34,6 @@ from kimi_pipeline.hf.source_formats import (
     dequant_fp8_block,
     detect_format,
 )
-from kimi_pipeline.hf.names import HFLayout
-from kimi_pipeline.errors import PermanentError
 from kimi_pipeline.util.shards import INDEX_NAME
 
 SINGLE_NAME = "model.safetensors"

@@ -20,8 +20,8 @@ import torch
 
 from kimi_pipeline.errors import PermanentError
 from kimi_pipeline.hf.config import hf_config_dict, text_config
-from kimi_pipeline.hf.shipped_files import copy_tokenizer_files
 from kimi_pipeline.hf.names import HFLayout
+from kimi_pipeline.hf.shipped_files import copy_tokenizer_files
 from kimi_pipeline.recipes.models import ModelSpec
 from kimi_pipeline.util.files import atomic_write_json
 

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 import torch
 
 from kimi_pipeline.errors import PermanentError
-from kimi_pipeline.model.grouped_experts import WEIGHT_TRANSFORM_ATTR
-from kimi_pipeline.hf.int4_checkpoint import is_quantized
 from kimi_pipeline.hf.int4 import fake_quant_int4
+from kimi_pipeline.hf.int4_checkpoint import is_quantized
+from kimi_pipeline.model.grouped_experts import WEIGHT_TRANSFORM_ATTR
 
 _WEIGHT = re.compile(r"weight\d*")  # `weight` (local Linear) or `weight{e}` (TE grouped linear)
 

@@ -151,9 +151,9 @@ def step_time(
     train_s = train_flops / (lay.world * gpu.bf16_tflops * 1e12 * a.mfu)
 
     g = r.sglang.gpus_per_engine if r.rollout.engine == "sglang" else 1
-    engines = max(1, lay.world // g)
+    n_engines = max(1, lay.world // g)
     per_engine = a.decode_tok_s if a.decode_tok_s is not None else gpu.decode_tok_s_per_gpu * g
-    throughput_s = wl.rollout_tokens / (engines * per_engine)
+    throughput_s = wl.rollout_tokens / (n_engines * per_engine)
     tail_s = r.rollout.max_response_len / a.seq_tok_s
     rollout_s = max(throughput_s, tail_s)
 
@@ -172,7 +172,7 @@ def step_time(
         "forward_gflop_per_token": fwd / 1e9,
         "passes": passes,
         "train_pflop_per_step": train_flops / 1e15,
-        "engines": engines,
+        "engines": n_engines,
         "decode_tok_s_per_engine": per_engine,
         "rollout_throughput_s": throughput_s,
         "rollout_tail_s": tail_s,

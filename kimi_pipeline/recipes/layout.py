@@ -89,34 +89,34 @@ class Layout:
         self.pp_stage_layers(spec.num_layers)
 
     @classmethod
-    def from_convert(cls, spec: ConvertSpec, world_size: int | None = None) -> Layout:
+    def from_convert(cls, convert: ConvertSpec, world_size: int | None = None) -> Layout:
         """The conversion job's layout: world size = nodes x ranks per node unless given."""
         return cls(
-            world_size=world_size or spec.nodes * spec.gpus_per_node,
-            tp=spec.tp,
-            pp=spec.pp,
-            ep=spec.ep,
-            etp=spec.etp,
-            first_pp_stage_layers=spec.decoder_first_pipeline_num_layers,
-            last_pp_stage_layers=spec.decoder_last_pipeline_num_layers,
+            world_size=world_size or convert.nodes * convert.gpus_per_node,
+            tp=convert.tp,
+            pp=convert.pp,
+            ep=convert.ep,
+            etp=convert.etp,
+            first_pp_stage_layers=convert.decoder_first_pipeline_num_layers,
+            last_pp_stage_layers=convert.decoder_last_pipeline_num_layers,
         )
 
     @classmethod
-    def from_parallel(cls, spec: ParallelSpec, world_size: int | None = None) -> Layout:
+    def from_parallel(cls, parallel: ParallelSpec, world_size: int | None = None) -> Layout:
         """The trainer's layout. World size: given, else tp*pp*cp*dp if the recipe sets dp, else $WORLD_SIZE."""
         if world_size is None:
-            if spec.dp is not None:
-                world_size = spec.dp * spec.tp * spec.pp * spec.cp
+            if parallel.dp is not None:
+                world_size = parallel.dp * parallel.tp * parallel.pp * parallel.cp
             else:
                 world_size = int(os.environ.get("WORLD_SIZE", "1"))
         return cls(
             world_size=world_size,
-            tp=spec.tp,
-            pp=spec.pp,
-            ep=spec.ep,
-            etp=spec.etp,
-            cp=spec.cp,
-            first_pp_stage_layers=spec.decoder_first_pipeline_num_layers,
-            last_pp_stage_layers=spec.decoder_last_pipeline_num_layers,
-            sequence_parallel=spec.sequence_parallel,
+            tp=parallel.tp,
+            pp=parallel.pp,
+            ep=parallel.ep,
+            etp=parallel.etp,
+            cp=parallel.cp,
+            first_pp_stage_layers=parallel.decoder_first_pipeline_num_layers,
+            last_pp_stage_layers=parallel.decoder_last_pipeline_num_layers,
+            sequence_parallel=parallel.sequence_parallel,
         )

@@ -139,7 +139,7 @@ class HubSpec(Section):
 
     Read by: the download stage (`hub.fetch`); `text_config_key` / `trust_remote_code` by every reader of the
     checkpoint (`weightjobs.conversion.ConvertSections`, `rl.policy`, `stages.validate`, `eval.record.EvalSections`,
-    the engines' `engine.kinds.EngineSettings`)."""
+    the engines' `engine.kinds.EngineSections`)."""
 
     model: Source
     ref_model: Source | None = Field(None, description="separate reference checkpoint (K2.5: BF16 ref)")
@@ -217,7 +217,7 @@ class ParallelSpec(Section):
 class ClusterSpec(Section):
     """The Ray cluster a run needs. Read by: the cluster stage (`cluster.lifecycle`, `cluster.readiness`,
     `cluster.preflight`), `cluster.placement` and `rl.actor_layout` (where actors go), `weightjobs.job`, and the
-    records that resolve it for a component: `weight_sync.updaters.SyncTarget`, `engine.kinds.EngineSettings`,
+    records that resolve it for a component: `weight_sync.updaters.SyncSections`, `engine.kinds.EngineSections`,
     `weightjobs.conversion.ConvertSections`, `weightjobs.int4_export.ExportSections`, `eval.record.EvalSections`."""
 
     nodes: int = Field(1, gt=0, description="actor nodes (--actor-num-nodes)")
@@ -240,7 +240,7 @@ class ClusterSpec(Section):
 class RolloutSpec(Section):
     """Generation and rewards per rollout, and the step schedule. Read by: `rl.rollout` / `rl.rollout_manager`
     (sampling, dynamic sampling, rewards), `rl.samples` (the split into steps), `rl.policy`,
-    `weight_sync.updaters.SyncTarget`, `engine.kinds.EngineSettings`, `eval.record.EvalSections` (seed and grader),
+    `weight_sync.updaters.SyncSections`, `engine.kinds.EngineSections`, `eval.record.EvalSections` (seed and grader),
     `rl.loop`, `data.validation` (prompt length)."""
 
     engine: Literal["sglang", "embedded"] = "sglang"
@@ -308,8 +308,8 @@ class RolloutSpec(Section):
 
 class SGLangSpec(Section):
     """SGLang's own server settings. Read by: `engine.sglang` (its launch command, through
-    `engine.kinds.EngineSettings`),
-    `rl.actor_layout` (GPUs per engine), `weight_sync.updaters.SyncTarget`."""
+    `engine.kinds.EngineSections`),
+    `rl.actor_layout` (GPUs per engine), `weight_sync.updaters.SyncSections`."""
 
     gpus_per_engine: int = Field(8, gt=0)
     mem_fraction_static: float = Field(0.7, gt=0, le=1)
@@ -374,7 +374,7 @@ class OptimizerSpec(Section):
 
 
 class QuantSpec(Section):
-    """INT4 QAT in training and the export format. Read by: `rl.policy` (QAT), `weight_sync.updaters.SyncTarget` and
+    """INT4 QAT in training and the export format. Read by: `rl.policy` (QAT), `weight_sync.updaters.SyncSections` and
     `weight_sync.formats` (what the engines are sent), the export stage (`weightjobs.int4_export.ExportSections`)."""
 
     int4_qat: bool = Field(False, description="fake-INT4 routed experts in the forward (env OPEN_TRAINING_INT4_FAKE_QAT_FLAG)")

@@ -13,16 +13,16 @@ from __future__ import annotations
 from typing import Any
 
 
-def _dash(v: Any, spec: str = "") -> str:
-    """None as an em dash, else `v` (formatted with `spec` when given)."""
+def _dash(v: Any, fmt: str = "") -> str:
+    """None as an em dash, else `v` (formatted with `fmt` when given)."""
     if v is None:
         return "—"
-    return format(v, spec) if spec else str(v)
+    return format(v, fmt) if fmt else str(v)
 
 
-def _dash_float(v: Any, spec: str = ".3g") -> str:
-    """None as an em dash, floats formatted with `spec`, anything else as str."""
-    return "—" if v is None else (format(v, spec) if isinstance(v, float) else str(v))
+def _dash_float(v: Any, fmt: str = ".3g") -> str:
+    """None as an em dash, floats formatted with `fmt`, anything else as str."""
+    return "—" if v is None else (format(v, fmt) if isinstance(v, float) else str(v))
 
 
 def download_report(section: dict[str, Any]) -> list[dict[str, Any]]:

@@ -9,11 +9,11 @@
 """
 
 from kimi_pipeline.reward.answer_grader import AnswerGrader, RewardStats
-from kimi_pipeline.reward.reward_errors import RewardError
 from kimi_pipeline.reward.extract import MAX_ANSWER_CHARS, extract_answer
 from kimi_pipeline.reward.graders import Verdict, grader_for
 from kimi_pipeline.reward.normalize import answer_key, as_number, normalize_answer
 from kimi_pipeline.reward.pool import SymbolicPool
+from kimi_pipeline.reward.reward_errors import RewardError
 
 __all__ = [
     "MAX_ANSWER_CHARS",

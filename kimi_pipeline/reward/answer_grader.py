@@ -6,10 +6,10 @@ import logging
 from dataclasses import asdict, dataclass, fields
 from typing import Sequence
 
-from kimi_pipeline.reward.reward_errors import RewardError
 from kimi_pipeline.reward.extract import RmType, extract_answer
 from kimi_pipeline.reward.graders import Verdict, grader_for
 from kimi_pipeline.reward.pool import DEFAULT_MEMORY_MB, DEFAULT_TIMEOUT_S, SymbolicPool
+from kimi_pipeline.reward.reward_errors import RewardError
 
 log = logging.getLogger(__name__)
 

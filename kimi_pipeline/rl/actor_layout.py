@@ -27,7 +27,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 from kimi_pipeline.cluster.cluster_errors import ClusterConfigError
 from kimi_pipeline.cluster.placement import Placement, compute_placement
 from kimi_pipeline.engine.key import key_env
-from kimi_pipeline.engine.kinds import EngineSettings, engine_kind
+from kimi_pipeline.engine.kinds import EngineSections, engine_kind
 from kimi_pipeline.engine.sglang import sglang_command
 from kimi_pipeline.model.device import NOSET_VISIBLE_DEVICES
 from kimi_pipeline.model.megatron_compat import CPU_ENV
@@ -198,11 +198,11 @@ def lay_out_actors(recipe: Recipe, model_path: str = MODEL_PLACEHOLDER) -> Actor
             gpus = (r % cluster.gpus_per_node,) if cuda else ()
             actor_layout.ranks.append(RankPlacement(r, r // cluster.gpus_per_node, gpus, **coords[r]))
     if actor_layout.placement is not None:
-        actor_layout.engines = _engines(EngineSettings.of(recipe), actor_layout.placement, model_path, add)
+        actor_layout.engines = _engines(EngineSections.of(recipe), actor_layout.placement, model_path, add)
     return actor_layout
 
 
-def _engines(settings: EngineSettings, placement: Placement, model_path: str, add) -> list[EnginePlacement]:
+def _engines(settings: EngineSections, placement: Placement, model_path: str, add) -> list[EnginePlacement]:
     out = []
     for e, slot in enumerate(placement.engines):
         g, per = slot.devices, settings.gpus_per_node

@@ -10,7 +10,7 @@ from typing import Any
 import ray
 
 from kimi_pipeline.cluster.placement import free_port_on
-from kimi_pipeline.engine.kinds import EngineSettings, engine_kind
+from kimi_pipeline.engine.kinds import EngineSections, engine_kind
 from kimi_pipeline.rl.actor_layout import ActorLayout, engine_options
 
 
@@ -28,7 +28,7 @@ class EngineGroup:
 
 
 def _start_engine(
-    settings: EngineSettings, actor_layout: ActorLayout, pgs: dict, model_dir: Path, threads: int, e: int
+    settings: EngineSections, actor_layout: ActorLayout, pgs: dict, model_dir: Path, threads: int, e: int
 ) -> tuple[list, Any]:
     """Engine e's processes, where the actor layout puts it (started, not yet serving): (actors, its node-0 actor)."""
     kind = engine_kind(settings.kind)
@@ -51,7 +51,7 @@ def _start_engine(
 
 
 def start_engines(
-    settings: EngineSettings, actor_layout: ActorLayout, pgs: dict, model_dir: Path, threads: int
+    settings: EngineSections, actor_layout: ActorLayout, pgs: dict, model_dir: Path, threads: int
 ) -> EngineGroup:
     """One actor per engine process, where the actor layout puts it (`rl.actor_layout`); waits until each serves."""
     started = [
@@ -62,7 +62,7 @@ def start_engines(
 
 
 def restart_engine(
-    group: EngineGroup, e: int, settings: EngineSettings, actor_layout: ActorLayout, pgs: dict, model_dir: Path,
+    group: EngineGroup, e: int, settings: EngineSections, actor_layout: ActorLayout, pgs: dict, model_dir: Path,
     threads: int,
 ) -> str:
     """Engine e again, in its placement (its old processes killed first, which frees their bundle share);

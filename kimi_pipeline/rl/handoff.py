@@ -31,12 +31,13 @@ log = logging.getLogger(__name__)
 class Handoff:
     """Moves a colocated run between phases; without colocation every call is a no-op (each side keeps its GPUs).
 
-    `engines(action, tags)` releases / resumes engine memory (the rollout manager's engines); `trainer(action,
-    parts)` puts trainer state to sleep / wakes it (every trainer rank). `events` records the moves in order."""
+    `engine_memory(action, tags)` releases / resumes engine memory (the rollout manager's engines);
+    `trainer_memory(action, parts)` puts trainer state to sleep / wakes it (every trainer rank). `events` records the
+    moves in order."""
 
-    def __init__(self, colocated: bool, engines: Callable[[str, tuple[str, ...]], None],
-                 trainer: Callable[[str, tuple[str, ...]], None]) -> None:
-        self.colocated, self.engines, self.trainer = colocated, engines, trainer
+    def __init__(self, colocated: bool, engine_memory: Callable[[str, tuple[str, ...]], None],
+                 trainer_memory: Callable[[str, tuple[str, ...]], None]) -> None:
+        self.colocated, self.engine_memory, self.trainer_memory = colocated, engine_memory, trainer_memory
         # at start-up both sides hold everything they loaded: the first move frees whatever its phase does not hold
         self.engine_held: tuple[str, ...] = MEMORY_TAGS
         self.trainer_held: tuple[str, ...] = PARTS
@@ -67,6 +68,6 @@ class Handoff:
     def _move(self, side: str, action: str, what: list[str]) -> None:
         if not what:
             return
-        (self.engines if side == "engines" else self.trainer)(action, tuple(what))
+        (self.engine_memory if side == "engines" else self.trainer_memory)(action, tuple(what))
         self.events.append((side, action, tuple(what)))
         log.debug("colocated handoff: %s %s %s", side, action, ", ".join(what))

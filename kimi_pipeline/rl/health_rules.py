@@ -71,11 +71,11 @@ class HealthRules:
     lists the checkpoint steps written so far, read only when a stop names the one to resume from (not on every
     step: a directory listing of shared storage)."""
 
-    def __init__(self, spec: HealthSpec, checkpoints: Path, saved: Callable[[], list[int]] | None = None):
-        self.spec, self.checkpoints = spec, checkpoints
+    def __init__(self, rules: HealthSpec, checkpoints: Path, saved: Callable[[], list[int]] | None = None):
+        self.rules, self.checkpoints = rules, checkpoints
         self.saved = saved or (lambda: saved_steps(checkpoints))
         self.mismatch_streak = 0
-        window = spec.collapse.window if spec.collapse != "off" else 1
+        window = rules.collapse.window if rules.collapse != "off" else 1
         self.rewards: deque[float] = deque(maxlen=window)
         self.best = -math.inf
         self.collapse_streak = 0
@@ -97,9 +97,9 @@ class HealthRules:
                               "the trainer reported non-finite values")
         if verdicts["health_truncation"] == WARN:
             log.warning("step %d: %.0f %% of responses hit rollout.max_response_len (health.truncation warns above "
-                        "%.0f %%)", step, 100 * row["truncated_fraction"], 100 * self.spec.truncation.max_fraction)
+                        "%.0f %%)", step, 100 * row["truncated_fraction"], 100 * self.rules.truncation.max_fraction)
         if verdicts["health_mismatch"] == STOP:
-            rule = self.spec.mismatch
+            rule = self.rules.mismatch
             return HealthStop("mismatch", step, {rule.metric: float(row[rule.metric]), "max": rule.max,
                                                 "steps": float(rule.steps)},
                              self._before(step),
@@ -107,7 +107,7 @@ class HealthRules:
                              f"the bound for {rule.steps} consecutive steps (stale or broken weight sync, or an "
                              f"engine whose kernels disagree with the trainer's)")
         if verdicts["health_collapse"] == STOP:
-            rule = self.spec.collapse
+            rule = self.rules.collapse
             assert self.collapse_start is not None
             return HealthStop("collapse", step, {"reward_moving_mean": self._moving_mean(), "best": self.best,
                                                 "fraction": rule.fraction, "since_step": float(self.collapse_start)},
@@ -123,21 +123,21 @@ class HealthRules:
     # ------------------------------------------------------------------ the rules' memory
 
     def _observe(self, row: dict[str, Any]) -> dict[str, float]:
-        spec = self.spec
+        rules = self.rules
         broken = any(not math.isfinite(float(row[k])) for k in TRAINER_VALUES if k in row)
-        verdicts = {"health_nonfinite": STOP if broken and spec.nonfinite == "stop" else OK}
+        verdicts = {"health_nonfinite": STOP if broken and rules.nonfinite == "stop" else OK}
         mismatch = OK
-        if spec.mismatch != "off" and spec.mismatch.metric in row:
-            above = float(row[spec.mismatch.metric]) > spec.mismatch.max
+        if rules.mismatch != "off" and rules.mismatch.metric in row:
+            above = float(row[rules.mismatch.metric]) > rules.mismatch.max
             self.mismatch_streak = self.mismatch_streak + 1 if above else 0
-            mismatch = STOP if self.mismatch_streak >= spec.mismatch.steps else WARN if above else OK
+            mismatch = STOP if self.mismatch_streak >= rules.mismatch.steps else WARN if above else OK
         verdicts["health_mismatch"] = mismatch
         collapse = OK
-        if spec.collapse != "off" and "reward_mean" in row:
+        if rules.collapse != "off" and "reward_mean" in row:
             self.rewards.append(float(row["reward_mean"]))
             mean = self._moving_mean()
             if len(self.rewards) == self.rewards.maxlen:  # a full window: the mean is comparable to the best
-                down = self.best > 0 and mean < spec.collapse.fraction * self.best
+                down = self.best > 0 and mean < rules.collapse.fraction * self.best
                 self.best = max(self.best, mean)
                 if down:
                     self.collapse_streak += 1
@@ -145,11 +145,11 @@ class HealthRules:
                         self.collapse_start = int(row["step"])
                 else:
                     self.collapse_streak, self.collapse_start = 0, None
-                collapse = STOP if self.collapse_streak >= spec.collapse.steps else WARN if down else OK
+                collapse = STOP if self.collapse_streak >= rules.collapse.steps else WARN if down else OK
         verdicts["health_collapse"] = collapse
         truncation = OK
-        if spec.truncation != "off" and "truncated_fraction" in row:
-            truncation = WARN if float(row["truncated_fraction"]) > spec.truncation.max_fraction else OK
+        if rules.truncation != "off" and "truncated_fraction" in row:
+            truncation = WARN if float(row["truncated_fraction"]) > rules.truncation.max_fraction else OK
         verdicts["health_truncation"] = truncation
         return verdicts
 
@@ -162,11 +162,11 @@ class HealthRules:
         return iteration_dir(self.checkpoints, max(earlier)) if earlier else None
 
 
-def health_section(rows: list[dict[str, Any]], spec: HealthSpec) -> dict[str, Any]:
+def health_section(rows: list[dict[str, Any]], rules: HealthSpec) -> dict[str, Any]:
     """summary.json's `train.health`: each rule's setting and the steps it warned or stopped at."""
     out: dict[str, Any] = {}
     for rule in RULES:
-        setting = getattr(spec, rule)
+        setting = getattr(rules, rule)
         col = f"health_{rule}"
         out[rule] = {"setting": setting if isinstance(setting, str) else setting.model_dump(),
                      "warn_steps": [int(r["step"]) for r in rows if r.get(col) == WARN],

@@ -26,8 +26,8 @@ import ray
 from ray.actor import ActorHandle
 
 from kimi_pipeline.cluster.env import is_loopback_address, use_loopback_ray
-from kimi_pipeline.cluster.readiness import Requirements, wait_until_healthy
 from kimi_pipeline.cluster.placement import create_placement_groups, remove_placement_groups
+from kimi_pipeline.cluster.readiness import Requirements, wait_until_healthy
 from kimi_pipeline.engine.client import EngineRequestError, EnginesDown, EngineUnreachable
 from kimi_pipeline.engine.key import use_run_key
 from kimi_pipeline.engine.kinds import engine_kind
@@ -43,10 +43,10 @@ from kimi_pipeline.rl.actor_layout import ActorLayout, check_layout, lay_out_act
 from kimi_pipeline.rl.evaluator import EvalFn, PeriodicEval
 from kimi_pipeline.rl.handoff import Handoff
 from kimi_pipeline.rl.health_rules import STOP, HealthRules, HealthStop, health_section
-from kimi_pipeline.rl.step_metrics import plain
 from kimi_pipeline.rl.ray_errors import RayHeadLost, first_line, head_lost, root_cause, stage_error
 from kimi_pipeline.rl.rollout_data import SavedRollouts
 from kimi_pipeline.rl.rollout_manager import start_rollout_manager, stop_rollout_manager
+from kimi_pipeline.rl.step_metrics import plain
 from kimi_pipeline.rl.trainer_group import TrainerGroup
 from kimi_pipeline.util.redact import ray_worker_setup
 from kimi_pipeline.util.threads import cpu_threads
@@ -78,25 +78,25 @@ def run_training(recipe: Recipe, run_dir: Path, *, init_checkpoint: Path, model_
     _connect_ray(ray_address)
     _require_healthy_cluster(recipe.cluster, ray_address)
     total = recipe.rollout.num_rollout
-    engines = replay is None  # replaying saved rollouts starts no engine, so nothing evaluates or takes weights
-    evaluator = PeriodicEval(evaluate, recipe.eval.interval, total) if evaluate and engines and not rollout_only \
+    with_engines = replay is None  # replaying saved rollouts starts no engine, so nothing evaluates or takes weights
+    evaluator = PeriodicEval(evaluate, recipe.eval.interval, total) if evaluate and with_engines and not rollout_only \
         else None
     metrics_log = _open_metrics_log(recipe, Path(run_dir), paths)
     actors = TrainingActors()
     # colocated engines and trainer take turns on the GPUs; with one side missing there is nothing to hand over
-    handoff = Handoff(recipe.cluster.colocate and engines and not rollout_only, actors.engines_memory,
+    handoff = Handoff(recipe.cluster.colocate and with_engines and not rollout_only, actors.engines_memory,
                       actors.trainer_memory)
     end = total if stop_after is None else min(total, stop_after)
     with closing(metrics_log), actors, _train_errors(recipe, ray_address, paths, actors):
         check_layout(layout)
-        actors.start(recipe, Path(run_dir), model_dir, layout, paths, engines=engines)
+        actors.start(recipe, Path(run_dir), model_dir, layout, paths, with_engines=with_engines)
         if rollout_only:
             _rollout_only(recipe, actors.live_rollouts(handoff), metrics_log, end, on_step)
             return _train_section(paths, recipe)
         handoff.to("train")  # colocated: the engines give their GPUs to the trainer while it builds and loads
         extra = actors.start_trainers(recipe, layout, paths.checkpoints, init_checkpoint, ref_checkpoint, model_dir)
         start, health = _resume(recipe, extra, actors, handoff, metrics_log, paths)
-        source = actors.live_rollouts(handoff) if engines else _saved_rollouts(recipe, replay)
+        source = actors.live_rollouts(handoff) if with_engines else _saved_rollouts(recipe, replay)
         _loop(recipe, source, actors.trainers, handoff, evaluator, health, metrics_log, paths, start, end, on_step)
     return _train_section(paths, recipe)
 
@@ -349,10 +349,10 @@ class TrainingActors:
         self.trainers: TrainerGroup | None = None
 
     def start(self, recipe: Recipe, run_dir: Path, model_dir: Path, layout: ActorLayout, paths: TrainPaths, *,
-              engines: bool) -> None:
-        """The placement groups, then (`engines`) the rollout manager with its engines serving `model_dir`."""
+              with_engines: bool) -> None:
+        """The placement groups, then (`with_engines`) the rollout manager with its engines serving `model_dir`."""
         self.pgs = create_placement_groups(layout.placement)
-        if engines:
+        if with_engines:
             self.rollouts, self.urls = start_rollout_manager(
                 recipe,
                 run_dir,

@@ -13,6 +13,7 @@ import importlib.util
 import logging
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -57,10 +58,10 @@ from kimi_pipeline.recipes.models import (
 )
 from kimi_pipeline.rl.batching import split_micro_batches
 from kimi_pipeline.rl.grpo import grpo_loss
-from kimi_pipeline.rl.step_metrics import DeviceMetric, reduce_metrics, settle
 from kimi_pipeline.rl.samples import MicroBatch, RankShare, Sample, collate, padding_micro_batch, response_values
+from kimi_pipeline.rl.step_metrics import DeviceMetric, reduce_metrics, settle
 from kimi_pipeline.weight_sync.policy_tensors import policy_tensors
-from kimi_pipeline.weight_sync.updaters import SyncTarget, choose_weight_sync
+from kimi_pipeline.weight_sync.updaters import SyncSections, choose_weight_sync
 
 log = logging.getLogger(__name__)
 
@@ -114,28 +115,42 @@ def microbatch_loss(logits: torch.Tensor, batch: dict[str, Any], grpo, temperatu
     return loss * rows, rows, {k: dataclasses.replace(v, weight=rows) for k, v in m.items()}
 
 
-def policy_sections(recipe: Recipe) -> dict[str, Any]:
-    """The recipe sections a trainer rank reads, as `PolicyWorker`'s keyword arguments (the trainer group and the
-    tests build ranks from a recipe through this one helper). The hub section stays on the driver: a rank only
-    needs where the checkpoint keeps its text config, never the token."""
-    return {"spec": recipe.model, "parallel": recipe.parallel, "optimizer": recipe.optimizer, "grpo": recipe.grpo,
-            "quant": recipe.quant, "rollout": recipe.rollout, "cluster": recipe.cluster, "health": recipe.health,
-            "target": SyncTarget.of(recipe), "text_config_key": recipe.hub.text_config_key}
+@dataclass(frozen=True)
+class PolicySections:
+    """The recipe sections a trainer rank reads (`PolicySections.of`; the trainer group and the tests build ranks
+    from a recipe through it): `spec` the model it builds, `parallel` its process groups, `optimizer` / `grpo` /
+    `quant` the update (QAT included), `rollout` the seed, schedule length, sampling temperature and routing
+    replay, `cluster` its device and ranks per node, `health` whether a non-finite gradient norm or weight stops it
+    (`health.nonfinite`), `target` the engines its weights go to, `text_config_key` where an HF starting checkpoint
+    keeps its text config. The hub section stays on the driver: a rank never sees the token."""
+
+    spec: ModelSpec
+    parallel: ParallelSpec
+    optimizer: OptimizerSpec
+    grpo: GRPOSpec
+    quant: QuantSpec
+    rollout: RolloutSpec
+    cluster: ClusterSpec
+    health: HealthSpec
+    target: SyncSections
+    text_config_key: str | None
+
+    @classmethod
+    def of(cls, recipe: Recipe) -> PolicySections:
+        return cls(recipe.model, recipe.parallel, recipe.optimizer, recipe.grpo, recipe.quant, recipe.rollout,
+                   recipe.cluster, recipe.health, SyncSections.of(recipe), recipe.hub.text_config_key)
 
 
 class PolicyWorker:
-    def __init__(self, *, spec: ModelSpec, parallel: ParallelSpec, optimizer: OptimizerSpec, grpo: GRPOSpec,
-                 quant: QuantSpec, rollout: RolloutSpec, cluster: ClusterSpec, health: HealthSpec,
-                 target: SyncTarget, text_config_key: str | None, rank: int = 0, world_size: int = 1,
+    def __init__(self, sections: PolicySections, *, rank: int = 0, world_size: int = 1,
                  master_addr: str = "127.0.0.1", master_port: int | None = None, total_steps: int | None = None,
                  threads: int | None = None, local_gpu: int = 0):
-        """The sections it reads (`policy_sections`): `spec` the model it builds, `parallel` its process groups,
-        `optimizer` / `grpo` / `quant` the update (QAT included), `rollout` the seed, schedule length, sampling
-        temperature and routing replay, `cluster` its device and ranks per node, `health` whether a non-finite
-        gradient norm or weight stops it (`health.nonfinite`), `target` the engines its weights go to,
-        `text_config_key` where an HF starting checkpoint keeps its text config.
+        """One trainer rank reading `sections` (`PolicySections`).
         `local_gpu`: the node-local GPU the actor layout gave this rank (used as such when the actor picks
         its own GPU, colocated; otherwise Ray made exactly that GPU visible, as index 0)."""
+        spec, parallel, optimizer, grpo = sections.spec, sections.parallel, sections.optimizer, sections.grpo
+        quant, rollout, cluster, health = sections.quant, sections.rollout, sections.cluster, sections.health
+        target, text_config_key = sections.target, sections.text_config_key
         self.spec, self.parallel, self.grpo, self.quant, self.rollout = spec, parallel, grpo, quant, rollout
         self.require_finite = health.nonfinite == "stop"  # no optimizer step or checkpoint takes NaN/inf
         self.target, self.text_config_key = target, text_config_key

@@ -37,11 +37,11 @@ def head_lost(e: BaseException, head: str, checkpoints: Path) -> RayHeadLost | N
                        f"its head), then re-run: training resumes from the latest checkpoint in {checkpoints}")
 
 
-def stage_error(e: Exception, engines: dict[str, str] | None = None) -> Exception:
+def stage_error(e: Exception, engine_names: dict[str, str] | None = None) -> Exception:
     """What the stage raises for a failure inside the actors or engines: a PermanentError (bad model, bad
     recipe, a 400 from an engine) stays permanent even when Ray wraps it, so the task does not retry what a
     retry cannot fix; anything else (a lost actor, node or engine) is a retryable TrainingError naming the
-    actor that failed. `engines`: engine URL → the engine actor's name, for errors that only carry a URL."""
+    actor that failed. `engine_names`: engine URL → the engine actor's name, for errors that only carry a URL."""
 
     cause = root_cause(e)  # Ray's RayTaskError carries the actor's own exception
     if isinstance(e, PermanentError) and cause is e:
@@ -53,11 +53,11 @@ def stage_error(e: Exception, engines: dict[str, str] | None = None) -> Exceptio
     first = first_line(e)  # for an actor's exception: Ray's "ray::Actor.method() (pid=…)" line …
     if cause is not e:  # … and the actor's own message
         first = f"{first}: {first_line(cause)}"
-    first += _failed_actor(e, first, engines or {})
+    first += _failed_actor(e, first, engine_names or {})
     return TrainingError(f"{what} failed ({type(e).__name__}): {first}; a retry resumes from the latest checkpoint")
 
 
-def _failed_actor(e: BaseException, first: str, engines: dict[str, str]) -> str:
+def _failed_actor(e: BaseException, first: str, engine_names: dict[str, str]) -> str:
     """The failed actor where the first line does not name it: a dead actor's class (Ray writes it on a later
     line: "class_name: PolicyWorker"), or the engine behind a URL an HTTP error names."""
     text = str(e)
@@ -66,7 +66,7 @@ def _failed_actor(e: BaseException, first: str, engines: dict[str, str]) -> str:
         where = ", ".join(f"{k} {v}" for k, v in re.findall(r"^\s*(pid|ip): (\S+)", text, re.M))
         return f" [actor {m.group(1)}{f' ({where})' if where else ''}]"
     # the URL itself, not a prefix of another (":3000" is not ":30001")
-    named = [name for url, name in engines.items() if re.search(re.escape(url) + r"(?![\w.])", text)]
+    named = [name for url, name in engine_names.items() if re.search(re.escape(url) + r"(?![\w.])", text)]
     return f" [{', '.join(named)}]" if named else ""
 
 

@@ -11,10 +11,10 @@ import torch
 from kimi_pipeline.engine.rollout_engine import SamplingParams
 from kimi_pipeline.model.tokenizer import decode_responses
 from kimi_pipeline.recipes.models import RolloutSpec
+from kimi_pipeline.rl.dynamic_sampling import collect_groups
 from kimi_pipeline.rl.grpo import ADVANTAGE_ESTIMATORS
 from kimi_pipeline.rl.prompts import Prompt, PromptStream
 from kimi_pipeline.rl.samples import Sample
-from kimi_pipeline.rl.dynamic_sampling import collect_groups
 
 
 def rollout_seed(rollout: RolloutSpec, step: int) -> int:
@@ -46,7 +46,7 @@ def generate_groups(client, tokenizer, reward, prompts: list[Prompt], rollout: R
     return groups
 
 
-def rollout(client, tokenizer, reward, stream: PromptStream, rollout: RolloutSpec, advantage_estimator: str,
+def collect_rollout(client, tokenizer, reward, stream: PromptStream, rollout: RolloutSpec, advantage_estimator: str,
             step: int) -> tuple[list[Sample], dict]:
     """One rollout's samples with group-normalized advantages (`grpo.advantage_estimator`; dynamic sampling when
     the rollout section asks)."""

@@ -11,13 +11,14 @@ bundles stay for trainers and engines).
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import ray
 
 from kimi_pipeline.engine.client import EngineRequestError, EnginesDown, Router
-from kimi_pipeline.engine.kinds import EngineSettings
+from kimi_pipeline.engine.kinds import EngineSections
 from kimi_pipeline.model.tokenizer import load_tokenizer
 from kimi_pipeline.recipes import Recipe
 from kimi_pipeline.recipes.models import DataSpec, ModelSpec, ParallelSpec, RolloutSpec
@@ -25,7 +26,7 @@ from kimi_pipeline.reward import AnswerGrader
 from kimi_pipeline.rl.actor_layout import rollout_manager_options
 from kimi_pipeline.rl.engine_group import EngineGroup, restart_engine, start_engines
 from kimi_pipeline.rl.prompts import PromptStream, load_prompts
-from kimi_pipeline.rl.rollout import rollout
+from kimi_pipeline.rl.rollout import collect_rollout
 from kimi_pipeline.rl.rollout_data import save_rollout
 from kimi_pipeline.rl.samples import RankShare, Sample, share_rollout
 
@@ -37,18 +38,37 @@ class EngineRestartsExhausted(EngineRequestError):
     every engine afresh)."""
 
 
+@dataclass(frozen=True)
+class RolloutSections:
+    """The sections the rollout manager reads (`RolloutSections.of`): `data` the prompt columns, `rollout`
+    sampling, rewards and the step schedule, `advantage_estimator` (`grpo.advantage_estimator`), `parallel` and
+    `dp` (data-parallel ranks) the split over the trainer, `spec` the model shape (routed-expert ids), `engines` how
+    its engines start (the tokenizer trusts remote code as they do). The hub token stays on the driver."""
+
+    spec: ModelSpec
+    data: DataSpec
+    rollout: RolloutSpec
+    advantage_estimator: str
+    parallel: ParallelSpec
+    dp: int
+    engines: EngineSections
+
+    @classmethod
+    def of(cls, recipe: Recipe) -> RolloutSections:
+        return cls(recipe.model, recipe.data, recipe.rollout, recipe.grpo.advantage_estimator, recipe.parallel,
+                   recipe.data_parallel_size, EngineSections.of(recipe))
+
+
 class RolloutManager:
     """Constructed by `start_rollout_manager`; every method is called through Ray (`.remote`)."""
 
-    def __init__(self, *, spec: ModelSpec, data: DataSpec, rollout: RolloutSpec, advantage_estimator: str,
-                 parallel: ParallelSpec, dp: int, engine_settings: EngineSettings, train_file: str, model_dir: str,
+    def __init__(self, sections: RolloutSections, *, train_file: str, model_dir: str,
                  save_dir: str | None = None) -> None:
-        """The sections it reads: `data` the prompt columns, `rollout` sampling, rewards and the step schedule,
-        `advantage_estimator` (`grpo.advantage_estimator`), `parallel` and `dp` (data-parallel ranks) the split over
-        the trainer, `spec` the model shape (routed-expert ids), `engine_settings` how its engines start (the tokenizer
-        trusts remote code as they do). `save_dir`: where each rollout is saved (`rollout_data`), None: not saved."""
-        self.spec, self.data, self.rollout, self.advantage_estimator = spec, data, rollout, advantage_estimator
-        self.parallel, self.dp, self.settings = parallel, dp, engine_settings
+        """`sections` what it reads (`RolloutSections`); `train_file` the validated prompts; `model_dir` what its
+        engines serve. `save_dir`: where each rollout is saved (`rollout_data`), None: not saved."""
+        self.spec, self.data, self.rollout = sections.spec, sections.data, sections.rollout
+        self.advantage_estimator = sections.advantage_estimator
+        self.parallel, self.dp, self.engine_sections = sections.parallel, sections.dp, sections.engines
         self.train_file, self.model_dir = Path(train_file), Path(model_dir)
         self.save_dir = Path(save_dir) if save_dir else None
         self.engines: EngineGroup | None = None
@@ -63,11 +83,11 @@ class RolloutManager:
 
         data, rollout = self.data, self.rollout
         try:
-            self.tokenizer = load_tokenizer(self.model_dir, self.settings.trust_remote_code)
+            self.tokenizer = load_tokenizer(self.model_dir, self.engine_sections.trust_remote_code)
             self.prompts = PromptStream(load_prompts(self.train_file, self.tokenizer, data.input_key, data.label_key,
                                                      data.apply_chat_template), rollout.seed, rollout.shuffle)
             self.reward = AnswerGrader(rollout.rm_type, rollout.thinking, strict=rollout.reward_strict)
-            self.engines = start_engines(self.settings, actor_layout, pgs, self.model_dir, threads)
+            self.engines = start_engines(self.engine_sections, actor_layout, pgs, self.model_dir, threads)
             self._placed = (actor_layout, pgs, threads)  # where a restarted engine goes
         except BaseException:
             self.close()
@@ -91,7 +111,7 @@ class RolloutManager:
         first handoff comes before the first weight sync)."""
 
         if self.router is None:
-            self.router = Router(self.engines.urls, server_concurrency=self.settings.sglang.server_concurrency,
+            self.router = Router(self.engines.urls, server_concurrency=self.engine_sections.sglang.server_concurrency,
                                  **self._shape())
         return self.router
 
@@ -107,7 +127,7 @@ class RolloutManager:
 
         start = self.prompts.state()
         try:
-            samples, metrics = rollout(self.router, self.tokenizer, self.reward, self.prompts, self.rollout,
+            samples, metrics = collect_rollout(self.router, self.tokenizer, self.reward, self.prompts, self.rollout,
                                        self.advantage_estimator, step)
         except EnginesDown as e:
             log.warning("step %d: %s; the rollout runs again after the engines restart", step + 1, e)
@@ -142,7 +162,7 @@ class RolloutManager:
                     f"stage starts every engine afresh")
             log.warning("restarting rollout engine %d (%s), restart %d of at most %d", e, router.clients[e].url,
                         self.restarts[e], limit)
-            url = restart_engine(self.engines, e, self.settings, *self._placed[:2], self.model_dir, self._placed[2])
+            url = restart_engine(self.engines, e, self.engine_sections, *self._placed[:2], self.model_dir, self._placed[2])
             router.replace(e, url)
         return list(self.engines.urls), len(dead)
 
@@ -195,9 +215,7 @@ def start_rollout_manager(recipe: Recipe, run_dir: Path, model_dir: Path, actor_
     sections it reads (the hub token stays here)."""
 
     manager = ray.remote(RolloutManager).options(**rollout_manager_options(recipe.cluster.device)).remote(
-        spec=recipe.model, data=recipe.data, rollout=recipe.rollout, advantage_estimator=recipe.grpo.advantage_estimator,
-        parallel=recipe.parallel, dp=recipe.data_parallel_size, engine_settings=EngineSettings.of(recipe),
-        train_file=str(run_dir / "validate" / "train.jsonl"), model_dir=str(model_dir),
+        RolloutSections.of(recipe), train_file=str(run_dir / "validate" / "train.jsonl"), model_dir=str(model_dir),
         save_dir=str(save_dir) if save_dir else None)
     try:
         urls = ray.get(manager.start.remote(actor_layout, pgs, threads))

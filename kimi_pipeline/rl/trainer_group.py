@@ -13,8 +13,8 @@ from kimi_pipeline.cluster.placement import free_port_on
 from kimi_pipeline.hf.names import HFLayout
 from kimi_pipeline.recipes import Recipe
 from kimi_pipeline.rl.actor_layout import trainer_options
+from kimi_pipeline.rl.policy import PolicySections, PolicyWorker
 from kimi_pipeline.rl.step_metrics import reduce_metrics
-from kimi_pipeline.rl.policy import PolicyWorker, policy_sections
 
 log = logging.getLogger(__name__)
 
@@ -26,10 +26,10 @@ class TrainerGroup:
         self.actor_layout = actor_layout
         world = recipe.cluster.world_size
         addr, port = free_port_on(pg, actor_layout.master_addr_node)
-        sections = policy_sections(recipe)  # the sections a rank reads: the hub token stays here
+        sections = PolicySections.of(recipe)  # the sections a rank reads: the hub token stays here
         cls = ray.remote(PolicyWorker)
         self.workers = [cls.options(**trainer_options(actor_layout, pg, rank, threads)).remote(
-                            **sections, rank=rank, world_size=world, master_addr=addr, master_port=port,
+                            sections, rank=rank, world_size=world, master_addr=addr, master_port=port,
                             local_gpu=next(iter(actor_layout.ranks[rank].gpus), 0))
                         for rank in range(world)]
 

@@ -19,8 +19,8 @@ from kimi_pipeline.stages.export import EXPORT
 from kimi_pipeline.stages.runner import Record, Skipped, Stage, StageReport, stage_run
 from kimi_pipeline.stages.train import TRAIN
 from kimi_pipeline.stages.validate import VALIDATE
-from kimi_pipeline.util.files import atomic_write_text
 from kimi_pipeline.util import run_lock
+from kimi_pipeline.util.files import atomic_write_text
 from kimi_pipeline.util.paths import new_run_dir, resolve_path
 
 DAG: tuple[Stage, ...] = (DOWNLOAD, VALIDATE, CONVERT, CLUSTER, TRAIN, EXPORT)

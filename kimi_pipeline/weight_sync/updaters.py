@@ -51,9 +51,9 @@ from kimi_pipeline.weight_sync.turns import EngineTurns
 
 
 @dataclass(frozen=True)
-class SyncTarget:
+class SyncSections:
     """What the engines serve and how a trainer rank's weights reach them: resolved once on the driver from the
-    rollout, sglang, cluster, quant and hub sections (`SyncTarget.of`), so a trainer rank reads this, not them."""
+    rollout, sglang, cluster, quant and hub sections (`SyncSections.of`), so a trainer rank reads this, not them."""
 
     engine: str  # rollout.engine (`COLOCATED_HANDOFFS`)
     weight_format: EngineFormat  # rollout.engine_weight_format with `auto` resolved (`weight_sync.formats`)
@@ -64,7 +64,7 @@ class SyncTarget:
     colocate: bool  # cluster.colocate: engines share the trainers' GPUs and hosts
 
     @classmethod
-    def of(cls, recipe: Recipe) -> SyncTarget:
+    def of(cls, recipe: Recipe) -> SyncSections:
         rollout, quant = recipe.rollout, recipe.quant
         return cls(engine=rollout.engine,
                    weight_format=engine_weight_format(rollout, quant.export_format, recipe.hub.source_format),
@@ -76,7 +76,7 @@ class SyncTarget:
 class TrainerRank(Protocol):
     """What an updater reads of a trainer rank (`rl.policy.PolicyWorker`)."""
 
-    target: SyncTarget
+    target: SyncSections
     spec: ModelSpec
     model: list[torch.nn.Module]
     layout: Any
@@ -122,7 +122,7 @@ def _schedule(trainer: TrainerRank, groups: Groups) -> BucketSchedule:
                             use_te=model_uses_te(model), pp_stage_dtypes=pp_stage_dtypes(tensors, groups))
 
 
-class Handoff(ABC):
+class WeightHandoff(ABC):
     """How a rank hands a bucket it holds whole to the engine rank on its own device, and what ends a sync."""
 
     collectives_per_bucket = 0  # collectives `send` issues (over an engine's ranks)
@@ -150,7 +150,7 @@ class Handoff(ABC):
         """Free what the handoff keeps for the run (no collective)."""
 
 
-class SharedMemoryHandoff(Handoff):
+class SharedMemoryHandoff(WeightHandoff):
     """The embedded engine (CPU): the first trainer rank of each engine's ranks writes the bucket into its
     shared-memory segment (`weight_sync/shm.py`) and posts the descriptor to that engine alone; the engine's other
     ranks hold the same bucket and send nothing (one embedded process reads it once, where each SGLang TP rank
@@ -158,10 +158,10 @@ class SharedMemoryHandoff(Handoff):
     (`cluster.placement`: engines take the trainers' devices in order; on CPU one engine per node)."""
 
     def __init__(self, trainer: TrainerRank, router) -> None:
-        engines = len(router.clients)
-        if trainer.world_size % engines:
-            raise ValueError(f"{engines} colocated engines do not divide {trainer.world_size} trainer ranks")
-        engine, offset = divmod(trainer.rank, trainer.world_size // engines)
+        n_engines = len(router.clients)
+        if trainer.world_size % n_engines:
+            raise ValueError(f"{n_engines} colocated engines do not divide {trainer.world_size} trainer ranks")
+        engine, offset = divmod(trainer.rank, trainer.world_size // n_engines)
         self.client = router.clients[engine] if offset == 0 else None
         self.segment = shm.SharedBucket() if self.client is not None else None
 
@@ -183,7 +183,7 @@ class SharedMemoryHandoff(Handoff):
             self.segment = None
 
 
-class CudaIpcHandoff(Handoff):
+class CudaIpcHandoff(WeightHandoff):
     """SGLang colocated: each rank serializes the bucket as a CUDA-IPC handle (`cuda_ipc.py`, SGLang's
     "flattened_bucket" format) for the SGLang TP rank on its own GPU; the rank on the engine's TP-rank-0 GPU
     gathers its engine's entries (one per TP rank, in TP order, over a gloo group of the engine's ranks) and
@@ -228,13 +228,13 @@ class GroupBuckets(WeightSync):
     """Colocated sync, as the recipes' framework does it at 256 GPUs: bucket by bucket, every trainer rank
     assembles the full HF tensors of the bucket from group collectives (`weight_sync.buckets`: a broadcast over
     the pipeline group, all-gathers over TP and EP, one flat buffer per dtype), converts them to the engines'
-    format and names on its own device, and hands them to the engine rank on the same device (`Handoff`). No
+    format and names on its own device, and hands them to the engine rank on the same device (`WeightHandoff`). No
     rank receives more than the model once and none sends it to all; the collectives per sync are bounded by
     buckets x dtypes x groups (`sync_collectives` in the metrics row)."""
 
     name = "group_buckets"
 
-    def __init__(self, trainer: TrainerRank, router, handoff: Handoff) -> None:
+    def __init__(self, trainer: TrainerRank, router, handoff: WeightHandoff) -> None:
         super().__init__(trainer, router)
         self.groups = Groups.current()
         self.schedule = _schedule(trainer, self.groups)
@@ -422,7 +422,7 @@ def _all_engines_local(trainer: TrainerRank, router) -> bool:
 
 
 # How a colocated engine of each kind (`rollout.engine`) takes a bucket from the trainer rank on its device.
-COLOCATED_HANDOFFS: dict[str, type[Handoff]] = {"embedded": SharedMemoryHandoff, "sglang": CudaIpcHandoff}
+COLOCATED_HANDOFFS: dict[str, type[WeightHandoff]] = {"embedded": SharedMemoryHandoff, "sglang": CudaIpcHandoff}
 
 
 def choose_weight_sync(trainer: TrainerRank, router) -> WeightSync:

@@ -34,8 +34,8 @@ from kimi_pipeline.weightjobs.convert_verify import (
     summarize,
     verify_layout,
 )
-from kimi_pipeline.weightjobs.job_file import write_job_file
 from kimi_pipeline.weightjobs.job import JobLayout, run_weight_job
+from kimi_pipeline.weightjobs.job_file import write_job_file
 
 log = logging.getLogger(__name__)
 

@@ -20,14 +20,14 @@ from typing import Any
 
 import torch
 
-from kimi_pipeline.hf.reader import HFCheckpoint
-from kimi_pipeline.model.hf_bridge import load_hf_tensors_into_model
 from kimi_pipeline.errors import PermanentError
+from kimi_pipeline.hf.reader import HFCheckpoint
 from kimi_pipeline.model.device import job_device
+from kimi_pipeline.model.hf_bridge import load_hf_tensors_into_model
 from kimi_pipeline.model.megatron_model import build_model
 from kimi_pipeline.model.megatron_train import save_model_only
-from kimi_pipeline.recipes.layout import Layout
 from kimi_pipeline.model.parallel import destroy, init_distributed, ranks
+from kimi_pipeline.recipes.layout import Layout
 from kimi_pipeline.recipes.models import ModelSpec
 from kimi_pipeline.util.files import atomic_write_json
 from kimi_pipeline.weightjobs.job_file import current_rss_mb, peak_rss_mb

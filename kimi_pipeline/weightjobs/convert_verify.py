@@ -26,20 +26,20 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from kimi_pipeline.weightjobs.convert_rank import poison_parameters
-from kimi_pipeline.hf.reader import HFCheckpoint
-from kimi_pipeline.model.hf_bridge import export_hf_tensors, load_hf_tensors_into_model
 from kimi_pipeline.errors import PermanentError
-from kimi_pipeline.model.device import job_device
 from kimi_pipeline.hf.config import hf_config_dict
+from kimi_pipeline.hf.reader import HFCheckpoint
+from kimi_pipeline.model.device import job_device
+from kimi_pipeline.model.hf_bridge import export_hf_tensors, load_hf_tensors_into_model
 from kimi_pipeline.model.hf_model import load_hf_model
 from kimi_pipeline.model.megatron_model import build_model, causal_forward, model_device
 from kimi_pipeline.model.megatron_train import load_model_only
-from kimi_pipeline.recipes.layout import Layout, LayoutError
 from kimi_pipeline.model.parallel import destroy, init_distributed, ranks
 from kimi_pipeline.model.params import count_params
+from kimi_pipeline.recipes.layout import Layout, LayoutError
 from kimi_pipeline.recipes.models import ModelSpec
 from kimi_pipeline.util.files import atomic_write_json
+from kimi_pipeline.weightjobs.convert_rank import poison_parameters
 from kimi_pipeline.weightjobs.job_file import current_rss_mb, dtype_of, peak_rss_mb
 
 # transformers vs megatron on the same weights: different kernels and summation order only.

@@ -20,14 +20,14 @@ from typing import Any
 
 import torch.distributed as dist
 
+from kimi_pipeline.hf.int4_checkpoint import write_int4_shards
 from kimi_pipeline.hf.names import HFLayout
 from kimi_pipeline.model.device import job_device
 from kimi_pipeline.recipes.layout import Layout
-from kimi_pipeline.hf.int4_checkpoint import write_int4_shards
-from kimi_pipeline.weightjobs.export_verify import check_tensors
 from kimi_pipeline.recipes.models import ModelSpec
 from kimi_pipeline.util.files import atomic_write_json
 from kimi_pipeline.weight_sync.policy_tensors import checkpoint_model, policy_tensors
+from kimi_pipeline.weightjobs.export_verify import check_tensors
 from kimi_pipeline.weightjobs.job_file import peak_rss_mb
 
 REPORT_PREFIX = "export_rank"

@@ -25,15 +25,15 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from kimi_pipeline.hf.reader import StoredTensors
-from kimi_pipeline.hf.names import HFLayout
 from kimi_pipeline.errors import SectionError
 from kimi_pipeline.hf.config import quantization_config, text_config, with_quantization_config
-from kimi_pipeline.model.hf_model import deepseek_config, load_hf_model, load_strict
-from kimi_pipeline.model.tokenizer import load_tokenizer
-from kimi_pipeline.hf.int4_checkpoint import KEEP_FP32, is_quantized, kimi_quantization_config
 from kimi_pipeline.hf.int4 import fake_quant_int4
+from kimi_pipeline.hf.int4_checkpoint import KEEP_FP32, is_quantized, kimi_quantization_config
+from kimi_pipeline.hf.names import HFLayout
+from kimi_pipeline.hf.reader import StoredTensors
+from kimi_pipeline.model.hf_model import deepseek_config, load_hf_model, load_strict
 from kimi_pipeline.model.qat import fake_quant_hf_tensors
+from kimi_pipeline.model.tokenizer import load_tokenizer
 
 EXACT_REF_TOL = 1e-4  # fp32 reload vs fp32 model of the same decoded weights: only summation order differs
 # HF (transformers) vs trainer (megatron) forward of the same weights: summation order only (fp32 measured ~4e-7).

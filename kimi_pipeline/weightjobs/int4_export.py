@@ -31,16 +31,22 @@ from typing import Any
 import psutil
 import torch
 
-from kimi_pipeline.hf.names import HFLayout
 from kimi_pipeline.errors import PermanentError, is_permanent
+from kimi_pipeline.hf.int4_checkpoint import ExportInfo, Int4Part, export_int4, export_temp_dir, finish_int4_dir
+from kimi_pipeline.hf.names import HFLayout
 from kimi_pipeline.model.checkpoint_dirs import CheckpointError
 from kimi_pipeline.model.device import resolve_device
 from kimi_pipeline.model.megatron_model import causal_forward, model_device
 from kimi_pipeline.model.megatron_train import EXTRA, resolve_iteration
 from kimi_pipeline.model.params import count_params
-from kimi_pipeline.hf.int4_checkpoint import ExportInfo, Int4Part, export_int4, export_temp_dir, finish_int4_dir
-from kimi_pipeline.weightjobs.export_rank import REPORT_PREFIX
 from kimi_pipeline.model.qat import enable_int4_qat
+from kimi_pipeline.recipes import Recipe
+from kimi_pipeline.recipes.models import ModelSpec, QuantSpec
+from kimi_pipeline.util.files import atomic_write_json, sha256_files, sha256_json
+from kimi_pipeline.util.lifetime import die_with_parent
+from kimi_pipeline.util.secret_env import without_secrets
+from kimi_pipeline.weight_sync.policy_tensors import checkpoint_model, policy_tensors
+from kimi_pipeline.weightjobs.export_rank import REPORT_PREFIX
 from kimi_pipeline.weightjobs.export_verify import (
     PARITY_TOL,
     PARITY_TOL_BY_DTYPE,
@@ -51,14 +57,8 @@ from kimi_pipeline.weightjobs.export_verify import (
     check_tensors,
     model_check_problems,
 )
-from kimi_pipeline.recipes import Recipe
-from kimi_pipeline.recipes.models import ModelSpec, QuantSpec
-from kimi_pipeline.util.files import atomic_write_json, sha256_files, sha256_json
-from kimi_pipeline.util.lifetime import die_with_parent
-from kimi_pipeline.util.secret_env import without_secrets
-from kimi_pipeline.weight_sync.policy_tensors import checkpoint_model, policy_tensors
-from kimi_pipeline.weightjobs.job_file import write_job_file
 from kimi_pipeline.weightjobs.job import JobLayout, run_weight_job
+from kimi_pipeline.weightjobs.job_file import write_job_file
 
 log = logging.getLogger(__name__)
 

@@ -24,10 +24,10 @@ from pathlib import Path
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from kimi_pipeline.cluster.readiness import connected
 from kimi_pipeline.cluster.env import auth_mode, require_auth
 from kimi_pipeline.cluster.lifecycle import attach_driver
 from kimi_pipeline.cluster.placement import GroupSpec, create_group, remove_placement_groups
+from kimi_pipeline.cluster.readiness import connected
 from kimi_pipeline.util.lifetime import die_with_parent
 from kimi_pipeline.util.net import free_port
 from kimi_pipeline.weightjobs.launch import (

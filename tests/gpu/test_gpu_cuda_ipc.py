@@ -174,11 +174,11 @@ def test_the_colocated_sync_hands_every_bucket_to_the_engine_rank_on_its_gpu(cud
     from kimi_pipeline.model.hf_bridge import export_hf_tensors
     from kimi_pipeline.model.megatron_model import build_model
     from kimi_pipeline.recipes import load_recipe
-    from kimi_pipeline.weight_sync.updaters import CudaIpcHandoff, GroupBuckets, SyncTarget, choose_weight_sync
+    from kimi_pipeline.weight_sync.updaters import CudaIpcHandoff, GroupBuckets, SyncSections, choose_weight_sync
 
     spec = load_recipe("tiny").model
     model = build_model(spec, one_gpu_rank, device=cuda)
-    target = SyncTarget(engine="sglang", weight_format="model", weight_sync="auto", buffer_bytes=1 << 20,
+    target = SyncSections(engine="sglang", weight_format="model", weight_sync="auto", buffer_bytes=1 << 20,
                         group_size=32, gpus_per_engine=1, colocate=True)
     trainer = SimpleNamespace(target=target, spec=spec, model=[model], layout=one_gpu_rank, rank=0, world_size=1,
                               qat=[], device=cuda, hf_layout=HFLayout(), sync_dir=lambda: tmp_path)

@@ -6,7 +6,6 @@ tests/integration/test_routing_replay.py (same recipe, same bounds: fp32 on both
 from __future__ import annotations
 
 import pytest
-
 from support.common import TINY, engine_samples, replay_diffs
 from support.gpu import off_device
 
@@ -22,9 +21,9 @@ def recipe():
 
 @pytest.fixture(scope="module")
 def worker(cuda, recipe):
-    from kimi_pipeline.rl.policy import PolicyWorker, policy_sections
+    from kimi_pipeline.rl.policy import PolicySections, PolicyWorker
 
-    w = PolicyWorker(**policy_sections(recipe))
+    w = PolicyWorker(PolicySections.of(recipe))
     assert w.device == cuda  # resolved from cluster.device, not from what torch happens to see
     assert w.load("/nonexistent-checkpoints", str(TINY / "model")) is None  # fresh start, bridge load
     assert off_device(w.model[0], cuda) == []

@@ -23,13 +23,13 @@ def _rollout(url: str, sets: list[str], step: int = 0):
     from kimi_pipeline.recipes import load_recipe
     from kimi_pipeline.reward import AnswerGrader
     from kimi_pipeline.rl.prompts import PromptStream, load_prompts
-    from kimi_pipeline.rl.rollout import rollout
+    from kimi_pipeline.rl.rollout import collect_rollout
 
     recipe = load_recipe("tiny", ["rollout.rollout_batch_size=8", "rollout.n_samples_per_prompt=4", *sets])
     tok = load_tokenizer(TINY / "model")
     stream = PromptStream(load_prompts(TINY / "dapo-math-tiny.jsonl", tok), seed=1)
     with Router([url]) as client, AnswerGrader("math") as rm:
-        samples, metrics = rollout(client, tok, rm, stream, recipe.rollout, recipe.grpo.advantage_estimator, step)
+        samples, metrics = collect_rollout(client, tok, rm, stream, recipe.rollout, recipe.grpo.advantage_estimator, step)
     return recipe, stream, samples, metrics
 
 

@@ -6,7 +6,6 @@ megatron, each rank reading its own slice)."""
 from __future__ import annotations
 
 import pytest
-
 from support.common import TINY, engine_samples, replay_diffs
 
 
@@ -19,9 +18,9 @@ def recipe():
 
 @pytest.fixture(scope="module")
 def worker(recipe):
-    from kimi_pipeline.rl.policy import PolicyWorker, policy_sections
+    from kimi_pipeline.rl.policy import PolicySections, PolicyWorker
 
-    w = PolicyWorker(**policy_sections(recipe))
+    w = PolicyWorker(PolicySections.of(recipe))
     assert w.load("/nonexistent-checkpoints", str(TINY / "model")) is None  # fresh start, bridge load
     yield w
     w.close()

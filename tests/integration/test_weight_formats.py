@@ -17,7 +17,7 @@ from kimi_pipeline.hf.source_formats import dequant_fp8_block, quantize_fp8_bloc
 from kimi_pipeline.recipes import load_recipe
 from kimi_pipeline.weight_sync.formats import to_engine_format
 from kimi_pipeline.weight_sync.push import chunk_named_tensors
-from kimi_pipeline.weight_sync.updaters import SyncTarget
+from kimi_pipeline.weight_sync.updaters import SyncSections
 
 TINY_MODEL = Path(__file__).resolve().parents[2] / "data" / "tiny" / "model"
 
@@ -162,7 +162,7 @@ def test_incomplete_quantized_weights_are_refused():
 
 def served(recipe) -> str:
     """The format the run's engines are sent, as the driver resolves it for the trainer ranks."""
-    return SyncTarget.of(recipe).weight_format
+    return SyncSections.of(recipe).weight_format
 
 
 def test_auto_format_follows_the_seeds():
@@ -180,12 +180,12 @@ def test_policy_sync_in_int4_gives_the_engine_the_trainers_fake_quant_policy(col
     uses; the rest is the bf16 an INT4 checkpoint stores."""
     from kimi_pipeline.engine.rollout_engine import RolloutEngine
     from kimi_pipeline.engine.server import EngineServer
-    from kimi_pipeline.rl.policy import PolicyWorker, policy_sections
+    from kimi_pipeline.rl.policy import PolicySections, PolicyWorker
 
     recipe = load_recipe("tiny", ["quant.int4_qat=true", "rollout.engine_weight_format=int4",
                                   "rollout.update_weight_buffer_size=262144", f"cluster.colocate={str(colocate).lower()}",
                                   f"rollout.weight_sync={weight_sync}"])
-    w = PolicyWorker(**policy_sections(recipe))
+    w = PolicyWorker(PolicySections.of(recipe))
     engine = RolloutEngine(EngineModel.from_pretrained(TINY_MODEL), seed=0)
     try:
         w.load(str(tmp_path / "checkpoints"), str(TINY_MODEL))

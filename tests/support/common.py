@@ -148,10 +148,10 @@ def one_grpo_step(recipe, device="cpu") -> dict:
     import torch
 
     from kimi_pipeline.rl.grpo import group_advantages
-    from kimi_pipeline.rl.policy import PolicyWorker, policy_sections
+    from kimi_pipeline.rl.policy import PolicySections, PolicyWorker
     from kimi_pipeline.rl.samples import share_rollout
 
-    w = PolicyWorker(**policy_sections(recipe))
+    w = PolicyWorker(PolicySections.of(recipe))
     try:
         w.load("/nonexistent-checkpoints", str(TINY / "model"))
         samples = engine_samples(recipe, device, n_prompts=4, n=4)

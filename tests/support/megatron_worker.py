@@ -230,9 +230,9 @@ def scenario_grpo_padded(out_dir: Path, args: dict) -> dict:
     from kimi_pipeline.model import megatron_train as mt
     from kimi_pipeline.model.host_syncs import HostSyncRecorder
     from kimi_pipeline.model.megatron_model import unwrap
-    from kimi_pipeline.rl.step_metrics import settle
     from kimi_pipeline.rl.policy import microbatch_loss
     from kimi_pipeline.rl.samples import Sample, collate, padding_micro_batch
+    from kimi_pipeline.rl.step_metrics import settle
 
     recipe, layout = _setup(args)
     spec = recipe.model
@@ -266,14 +266,14 @@ def scenario_replay(out_dir: Path, args: dict) -> dict:
     """The trainer's (PolicyWorker's) per-token logprobs of rollout samples under routing replay, at the
     layout in args (tp, sp); every rank returns them."""
     from kimi_pipeline.recipes import load_recipe
-    from kimi_pipeline.rl.policy import PolicyWorker, policy_sections
+    from kimi_pipeline.rl.policy import PolicySections, PolicyWorker
     from kimi_pipeline.rl.samples import Sample
 
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     recipe = load_recipe("tiny", ["rollout.routing_replay=true", "quant.int4_qat=false", f"parallel.tp={args['tp']}",
                                   f"parallel.sequence_parallel={str(args['sp']).lower()}", f"cluster.gpus_per_node={world}",
                                   f"parallel.ep={args.get('ep', 1)}", f"parallel.etp={args.get('etp', 1)}"])
-    worker = PolicyWorker(**policy_sections(recipe), rank=rank, world_size=world,
+    worker = PolicyWorker(PolicySections.of(recipe), rank=rank, world_size=world,
                           master_port=int(os.environ["MASTER_PORT"]))
     worker.load(str(out_dir / "no-checkpoints"), args["model"])
     samples = [Sample(**s) for s in args["samples"]]
@@ -332,14 +332,14 @@ def scenario_grpo_dp(out_dir: Path, args: dict) -> dict:
 
     from kimi_pipeline.recipes import load_recipe
     from kimi_pipeline.rl import policy
-    from kimi_pipeline.rl.policy import PolicyWorker, policy_sections
+    from kimi_pipeline.rl.policy import PolicySections, PolicyWorker
     from kimi_pipeline.rl.samples import share_rollout
 
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     recipe = load_recipe("tiny", [f"cluster.gpus_per_node={world}", "rollout.global_batch_size=8",
                                   "rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4", "rollout.num_steps_per_rollout=2",
                                   "parallel.max_tokens_per_gpu=40", "grpo.use_kl_loss=true", "grpo.kl_loss_coef=0.05"])
-    worker = PolicyWorker(**policy_sections(recipe), rank=rank, world_size=world,
+    worker = PolicyWorker(PolicySections.of(recipe), rank=rank, world_size=world,
                           master_port=int(os.environ["MASTER_PORT"]))
     worker.load(str(out_dir / "no-checkpoints"), args["model"])
     shares, split = share_rollout(_fixed_rollout(recipe.model.vocab_size), recipe.rollout, recipe.parallel,
@@ -480,7 +480,7 @@ def scenario_weight_sync(out_dir: Path, args: dict) -> dict:
         GroupBuckets,
         PPStageSources,
         SharedMemoryHandoff,
-        SyncTarget,
+        SyncSections,
         choose_weight_sync,
     )
 
@@ -488,7 +488,7 @@ def scenario_weight_sync(out_dir: Path, args: dict) -> dict:
     spec = recipe.model
     model = build_model(spec, layout, device=torch.device("cpu"))
     rank = int(os.environ["RANK"])
-    target = SyncTarget(engine="embedded", weight_format="model", weight_sync=args.get("weight_sync", "auto"),
+    target = SyncSections(engine="embedded", weight_format="model", weight_sync=args.get("weight_sync", "auto"),
                         buffer_bytes=args["buffer"],
                         group_size=32, gpus_per_engine=1, colocate=args["colocate"])
     trainer = SimpleNamespace(target=target, spec=spec, model=[model], layout=layout, rank=rank,

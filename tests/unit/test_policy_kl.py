@@ -8,7 +8,6 @@ from __future__ import annotations
 import math
 
 import pytest
-
 from support.common import TINY, engine_samples
 
 
@@ -30,13 +29,13 @@ def test_reference_model_only_with_a_kl_coefficient():
 
     from kimi_pipeline.recipes import load_recipe
     from kimi_pipeline.rl.grpo import group_advantages
-    from kimi_pipeline.rl.policy import PolicyWorker, policy_sections
+    from kimi_pipeline.rl.policy import PolicySections, PolicyWorker
     from kimi_pipeline.rl.samples import share_rollout
 
     recipe = load_recipe("tiny", ["grpo.use_kl_loss=true", "grpo.kl_loss_coef=0.01", "quant.int4_qat=false",
                                   "rollout.num_steps_per_rollout=1", "rollout.rollout_batch_size=4",
                                   "rollout.n_samples_per_prompt=4"])  # 16 samples = 1 global batch
-    w = PolicyWorker(**policy_sections(recipe))
+    w = PolicyWorker(PolicySections.of(recipe))
     try:
         w.load("/nonexistent-checkpoints", str(TINY / "model"))
         assert w.ref_model is not None
@@ -56,7 +55,7 @@ def test_reference_model_only_with_a_kl_coefficient():
         assert second["kl"] == pytest.approx(expected, rel=1e-4)
     finally:
         w.close()
-    w0 = PolicyWorker(**policy_sections(load_recipe("tiny", ["quant.int4_qat=false"])))
+    w0 = PolicyWorker(PolicySections.of(load_recipe("tiny", ["quant.int4_qat=false"])))
     try:
         w0.load("/nonexistent-checkpoints", str(TINY / "model"))
         assert w0.ref_model is None

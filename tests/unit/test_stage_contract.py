@@ -95,7 +95,7 @@ COMMANDS = {
     "download": ("kimi_pipeline/cli.py", "download", "_stage_command"),
     "validate": ("kimi_pipeline/cli.py", "validate", "_stage_command"),
     "convert": ("kimi_pipeline/cli.py", "convert", "_stage_command"),
-    "cluster": ("kimi_pipeline/cluster/cli.py", "up", "stage_run"),
+    "cluster": ("kimi_pipeline/cli_cluster.py", "up", "stage_run"),
     "train": ("kimi_pipeline/cli.py", "train", "_stage_command"),
     "export": ("kimi_pipeline/cli.py", "export", "_stage_command"),
 }

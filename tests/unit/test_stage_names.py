@@ -138,3 +138,65 @@ def test_the_word_scan_catches_a_second_meaning():
         "kimi_pipeline/rl/x.py:3 launch_plan",
     ]
     assert words_out_of_place({"kimi_pipeline/plan/x.py": "make_plan = 1\n"}) == []
+
+
+# One word, one meaning for the rest of the house's vocabulary:
+# - a module's file name names one module: `python -m`, log names and a reader's search all say which;
+# - `spec` is the model (`ModelSpec`); any other recipe section is called by its section's name (`parallel`,
+#   `convert`, `sglang`, `rules`, …);
+# - a function's parameter never takes the function's own name (`def rollout(…, rollout)` hid the function);
+# - the sections a component receives are one shape: a frozen `XSections` dataclass built by `XSections.of(recipe)`.
+ONE_FILE_NAME_EXCEPTIONS = {"__init__.py", "__main__.py"}
+
+
+def duplicate_module_names(root: Path) -> dict[str, list[str]]:
+    by_name: dict[str, list[str]] = {}
+    for f in sorted(root.rglob("*.py")):
+        if f.name not in ONE_FILE_NAME_EXCEPTIONS:
+            by_name.setdefault(f.name, []).append(str(f.relative_to(root.parent)))
+    return {k: v for k, v in by_name.items() if len(v) > 1}
+
+
+def test_no_two_library_modules_share_a_file_name():
+    dupes = duplicate_module_names(ROOT / "kimi_pipeline")
+    assert not dupes, f"modules sharing a file name (name each for what it holds): {dupes}"
+
+
+def misused_words(sources: dict[str, str]) -> list[str]:
+    """`file:line function: reason` for a `spec` parameter that is not the model, a parameter named as its own
+    function, and a recipe-reading `of` classmethod outside an `XSections` dataclass."""
+    bad = []
+    for path, text in sources.items():
+        tree = ast.parse(text)
+        for fn in ast.walk(tree):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for a in fn.args.posonlyargs + fn.args.args + fn.args.kwonlyargs:
+                    annotation = ast.unparse(a.annotation) if a.annotation else None
+                    if a.arg == "spec" and annotation != "ModelSpec":
+                        bad.append(f"{path}:{a.lineno} {fn.name}: `spec: {annotation}` (spec is the ModelSpec)")
+                    if a.arg == fn.name:
+                        bad.append(f"{path}:{a.lineno} {fn.name}: a parameter named as its function")
+            if isinstance(fn, ast.ClassDef):
+                for m in fn.body:
+                    reads_recipe = isinstance(m, ast.FunctionDef) and m.name == "of" and len(m.args.args) > 1 \
+                        and m.args.args[1].arg == "recipe"
+                    if reads_recipe and not fn.name.endswith("Sections"):
+                        bad.append(f"{path}:{m.lineno} {fn.name}.of: the sections a component reads are `XSections`")
+    return sorted(bad)
+
+
+def test_spec_means_the_model_and_no_parameter_hides_its_function():
+    bad = misused_words(_library_sources())
+    assert not bad, "words used for another meaning:\n" + "\n".join(bad)
+
+
+def test_the_misused_word_scan_catches_each_kind():
+    src = ("def rollout(client, rollout):\n    pass\n"
+           "def lay_out(spec: ConvertSpec):\n    pass\n"
+           "class EngineSettings:\n    @classmethod\n    def of(cls, recipe):\n        pass\n"
+           "def build(spec: ModelSpec):\n    pass\n")
+    assert misused_words({"x.py": src}) == [
+        "x.py:1 rollout: a parameter named as its function",
+        "x.py:3 lay_out: `spec: ConvertSpec` (spec is the ModelSpec)",
+        "x.py:7 EngineSettings.of: the sections a component reads are `XSections`",
+    ]

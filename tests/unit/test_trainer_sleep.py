@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.common import TIMING, TINY, engine_samples
 
 from kimi_pipeline.model.offload import PARTS
-from support.common import TIMING, TINY, engine_samples
 
 
 def _share(recipe):
@@ -24,9 +24,9 @@ def _share(recipe):
 
 
 def _two_steps(recipe, share, sleep_between: bool):
-    from kimi_pipeline.rl.policy import PolicyWorker, policy_sections
+    from kimi_pipeline.rl.policy import PolicySections, PolicyWorker
 
-    w = PolicyWorker(**policy_sections(recipe))
+    w = PolicyWorker(PolicySections.of(recipe))
     try:
         w.load("/nonexistent-checkpoints", str(TINY / "model"))
         w.train(share, 0)

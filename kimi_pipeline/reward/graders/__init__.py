@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import importlib
 
-from kimi_pipeline.reward.reward_errors import RewardError
 from kimi_pipeline.reward.graders import deepscaler, math
 from kimi_pipeline.reward.graders.base import Grader, Verdict
+from kimi_pipeline.reward.reward_errors import RewardError
 
 GRADERS: dict[str, Grader] = {"math": math.grade, "deepscaler": deepscaler.grade}
 
