@@ -40,10 +40,11 @@ def _type_checking_nodes(tree: ast.AST) -> set[int]:
     return out
 
 
-def _imports(path: Path, module: str) -> list[tuple[ast.stmt, list[str], str | None]]:
-    """(node, imported dotted names, enclosing function or None) for every import outside TYPE_CHECKING."""
+def _imports(path: Path, module: str, type_checking: bool = False) -> list[tuple[ast.stmt, list[str], str | None]]:
+    """(node, imported dotted names, enclosing function or None) for every import (those under TYPE_CHECKING only
+    when `type_checking`)."""
     tree = ast.parse(path.read_text())
-    skip = _type_checking_nodes(tree)
+    skip = set() if type_checking else _type_checking_nodes(tree)
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     owner: dict[int, str] = {}
     for fn in ast.walk(tree):
@@ -146,3 +147,41 @@ def test_own_modules_are_imported_at_module_top():
 def test_the_cycle_finder_sees_a_cycle_through_a_function_level_import():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def _package(module: str) -> str:
+    """`kimi_pipeline.<package>` (a top-level module counts as its own package), `tasks`, `flows`."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if parts[0] == "kimi_pipeline" and len(parts) > 1 else parts[0]
+
+
+def package_graph() -> dict[str, set[str]]:
+    """Which package imports which, TYPE_CHECKING imports included (a type is a dependency a reader follows)."""
+    modules = _sources()
+    graph: dict[str, set[str]] = {_package(m): set() for m in modules}
+    for module, path in modules.items():
+        for _, names, _ in _imports(path, module, type_checking=True):
+            graph[_package(module)].update(
+                _package(t) for t in (_resolve(n, modules) for n in names) if t and _package(t) != _package(module))
+    return graph
+
+
+def test_packages_stand_in_floors_no_import_runs_back_up():
+    """No package imports one that imports it back, directly or around a circle: the packages stand in floors and
+    every import runs down (so `python -m pytest tests/unit/test_import_graph.py` is the count of imports running
+    back up: zero). A type-only import counts: it is a dependency a reader follows."""
+    found = cycles(package_graph())
+    assert not found, "packages importing each other (directly or around a circle):\n" + "\n".join(
+        " <-> ".join(c) for c in found)
+
+
+# The HF checkpoint vocabulary stands on the ground floor: every package may learn a name, a format or a config
+# from it without importing a job.
+GROUND = {"kimi_pipeline.hf": {"kimi_pipeline.recipes", "kimi_pipeline.errors", "kimi_pipeline.util"}}
+
+
+def test_the_hf_vocabulary_imports_only_recipes_errors_and_util():
+    graph = package_graph()
+    for package, allowed in GROUND.items():
+        extra = sorted(graph[package] - allowed)
+        assert not extra, f"{package} imports {extra}: only {sorted(allowed)}"
