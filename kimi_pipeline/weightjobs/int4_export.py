@@ -5,7 +5,7 @@ sharded safetensors + index, tokenizer files) and `<run_dir>/export/export.json`
 section, written last: its presence marks a finished export).
 
 `export_checkpoint` exports a megatron torch_dist training checkpoint (the tracker's
-latest, or a chosen step). It is distributed like the conversion, in the weight-job layout (`run.JobLayout`, one
+latest, or a chosen step). It is distributed like the conversion, in the weight-job layout (`job.JobLayout`, one
 rank per GPU over its nodes): every rank loads its slice, quantizes and writes the tensors it owns and
 checks them bit for bit (`weightjobs/export_rank.py`); then this process names the shards and writes the index
 last. When the model fits in this host's memory, a one-rank child process then reloads the export with
