@@ -396,7 +396,7 @@ def _load_converted(ckpt: Path, spec) -> dict[str, torch.Tensor]:
         "from kimi_pipeline.model.parallel import init_distributed, destroy\nfrom kimi_pipeline.recipes.layout import Layout\n"
         "from kimi_pipeline.model.megatron_model import build_model\n"
         "from kimi_pipeline.model.megatron_train import load_model_only\n"
-        "from kimi_pipeline.hf.names import export_hf_tensors\n"
+        "from kimi_pipeline.model.hf_bridge import export_hf_tensors\n"
         "if __name__ == '__main__':\n"
         "    spec = ModelSpec.model_validate_json(open(sys.argv[1]).read()); lay = Layout()\n"
         "    init_distributed(lay, device=torch.device('cpu')); m = build_model(spec, lay, device=torch.device('cpu')); load_model_only(sys.argv[2], m)\n"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import threading
 import time
 from pathlib import Path
@@ -612,7 +613,8 @@ def test_colocated_weight_sync_goes_through_shared_memory_not_http_bodies(server
 
     for s in servers:
         _reset(s, hf_a)
-    before = {p.name for p in shm.shm_dir().glob(shm.PREFIX + "*")}
+    ours = f"{shm.PREFIX}{os.getpid()}-*"  # this process's segments: the other test worker's runs make their own
+    before = {p.name for p in shm.shm_dir().glob(ours)}
     sent: list[int] = []
     with Router([s.url for s in servers]) as router:
         assert all(c.shares_memory() for c in router.clients)
@@ -622,7 +624,7 @@ def test_colocated_weight_sync_goes_through_shared_memory_not_http_bodies(server
         buckets = router.update_weights(hf_b.state_dict().items(), 1 << 20, weight_version="b")
         assert router.weight_version() == "b"
     assert buckets > 1 and len(sent) == 2 * buckets and max(sent) < 64 * 1024  # descriptors, not tensor bytes
-    assert {p.name for p in shm.shm_dir().glob(shm.PREFIX + "*")} == before  # no segment left behind
+    assert {p.name for p in shm.shm_dir().glob(ours)} == before  # no segment left behind
     via_body = EngineModel.from_hf_model(hf_a)
     via_body.load_weights(hf_b.state_dict().items())
     got = servers[0].engine.model
