@@ -6,16 +6,14 @@ from __future__ import annotations
 import dataclasses
 import resource
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import psutil
 import torch
 
+from kimi_pipeline.recipes.layout import Layout
+from kimi_pipeline.recipes.models import ModelSpec
 from kimi_pipeline.util.files import atomic_write_json
-
-if TYPE_CHECKING:  # types only: every rank imports this module, and megatron's layout module is heavy
-    from kimi_pipeline.recipes.layout import Layout
-    from kimi_pipeline.recipes.models import ModelSpec
 
 
 def dtype_of(name: str) -> torch.dtype:
