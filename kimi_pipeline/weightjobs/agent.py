@@ -1,6 +1,6 @@
 """One node's torchrun agent of a weight job, whose rendezvous store listens only on --master-addr.
 
-`python -m kimi_pipeline.weightjobs.agent` takes torchrun's arguments (`launch.node_command`). torchrun's static
+`python -m kimi_pipeline.weightjobs.agent` takes torchrun's arguments (`commands.NodeCommand`). torchrun's static
 rendezvous makes node 0's agent host a TCPStore on --master-addr:--master-port
 (torch/distributed/elastic/rendezvous/static_tcp_rendezvous.py:63-74), and torch's TCPStore server listens on every
 interface whatever host it is given (`util.rendezvous`). The same static rendezvous is registered here under its own

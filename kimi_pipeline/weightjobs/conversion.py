@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,12 +28,12 @@ from kimi_pipeline.recipes.models import ModelSpec
 from kimi_pipeline.util.files import atomic_write_json, sha256_json
 from kimi_pipeline.weightjobs.convert_verify import (
     SMALL_MODEL_BYTES,
-    ConversionVerifyError,
+    Verification,
     model_bytes,
-    summarize,
+    verification_section,
     verify_layout,
 )
-from kimi_pipeline.weightjobs.job import JobLayout, run_weight_job
+from kimi_pipeline.weightjobs.job import JobLayout, JobPhase, run_weight_job
 from kimi_pipeline.weightjobs.job_file import write_job_file
 
 log = logging.getLogger(__name__)
@@ -143,19 +142,21 @@ def run_convert(sections: ConvertSections, run_dir: str | Path, model_dir: str |
     if removed:
         log.warning("convert: removed the leftovers of an interrupted conversion: %s", ", ".join(removed))
 
+    do_verify = sections.verify if verify is None else verify
     job.layout.check_model(spec)
     reader = HFCheckpoint(model_dir, text_config_key=sections.text_config_key)  # fails early on a bad index
     source_bytes = reader.total_bytes()
     work = out / "work"
     shutil.rmtree(work, ignore_errors=True)
-    reports = work / "reports"
     tmp = out / f"{CKPT_NAME}.tmp-{uuid.uuid4().hex[:8]}"
+    check = verification(sections, model_dir, tmp, work) if do_verify else None
+    reports = work / "reports"
     job_file = write_job_file(work / "job.json", model=spec, layout=job.layout, device=job.device,
                               model_dir=model_dir.resolve(), out_dir=tmp.resolve(), report_dir=reports.resolve(),
                               text_config_key=sections.text_config_key)
-    t0 = time.monotonic()
-    job_result, ranks, command = run_weight_job(job, "convert", job_file, reports, "convert", "rank", timeout)
-    seconds = time.monotonic() - t0
+    phases = [JobPhase("convert", job_file, reports, "convert"), *([check.phase] if check else [])]
+    done = run_weight_job(job, phases, timeout)  # the verification reloads what the conversion wrote
+    converted, ranks = done[0].result, done[0].reports
     if not (tmp / TRACKER).is_file():
         raise ConvertStageError(f"{tmp}: the conversion job exited cleanly but wrote no {TRACKER}; not marking it complete")
 
@@ -173,16 +174,14 @@ def run_convert(sections: ConvertSections, run_dir: str | Path, model_dir: str |
         "bytes_read_per_rank": [r["bytes_read"] for r in ranks],
         "bytes": source_bytes,
         "output_bytes": _dir_bytes(tmp),
-        "seconds": round(seconds, 3),
-        "bytes_per_second": round(source_bytes / seconds, 1) if seconds else None,
-        "command": command,
-        "launcher": job_result.launcher,
-        "placement": job_result.placement,
+        "seconds": round(converted.seconds, 3),
+        "bytes_per_second": round(source_bytes / converted.seconds, 1) if converted.seconds else None,
+        "command": done[0].command,
+        "launcher": converted.launcher,
+        "placement": converted.placement,
     }
-
-    do_verify = sections.verify if verify is None else verify
-    if do_verify:
-        section.update(verify_conversion(sections, model_dir, tmp, work, timeout))
+    if check:
+        section.update(verification_section(check, done[1]))
     else:
         section["verify_skipped"] = "convert.verify=false"
         log.warning("convert: verification skipped by convert.verify=false; the checkpoint is NOT verified")
@@ -195,32 +194,27 @@ def run_convert(sections: ConvertSections, run_dir: str | Path, model_dir: str |
     return section
 
 
-def verify_conversion(
-    sections: ConvertSections, model_dir: str | Path, ckpt: str | Path, work: str | Path, timeout: float | None = None
-) -> dict[str, Any]:
-    """Verify the torch_dist checkpoint `ckpt`, written in the convert section's layout, against the HF checkpoint
-    `model_dir` (`weightjobs.convert_verify`'s ranks, reloaded under another layout); returns the verdict's fields
-    for the convert section. Raises ConversionVerifyError listing every tensor that differs (the whole
-    verdict is then in WORK/verify_failed.json)."""
-    job, spec = sections.job, sections.spec
-    model_dir, ckpt, work = Path(model_dir), Path(ckpt), Path(work)
+def verification(sections: ConvertSections, model_dir: Path, ckpt: Path, work: Path) -> Verification:
+    """The verification of the torch_dist checkpoint `ckpt` that the conversion writes in the convert section's
+    layout: its ranks (`weightjobs.convert_verify`) reload it under another layout and compare it with the HF
+    checkpoint `model_dir`; its job file written now, under WORK."""
+    spec, job = sections.spec, sections.job
+    logits = model_bytes(spec) <= SMALL_MODEL_BYTES
+    layout = verify_layout(spec, job.layout, logits)
     reports = work / "reports"
-    small = model_bytes(spec) <= SMALL_MODEL_BYTES
-    vlayout = verify_layout(spec, job.layout, small)
-    vjob = write_job_file(work / "verify.json", model=spec, layout=vlayout, device=job.device,
-                          model_dir=model_dir.resolve(),
-                          out_dir=ckpt.resolve(), ckpt_dir=ckpt.resolve(), report_dir=reports.resolve(),
-                          text_config_key=sections.text_config_key, logits=small)
-    t1 = time.monotonic()
-    _, reports_by_rank, _ = run_weight_job(job, "verify", vjob, reports, "verify", "verify_rank", timeout,
-                                           world_size=vlayout.world_size)
-    verdict = summarize(reports_by_rank, logits_expected=small)
-    section = {k: v for k, v in verdict.items() if k != "problems"}
-    section["verify_layout"] = {"world_size": vlayout.world_size, "tp": vlayout.tp, "pp": vlayout.pp, "ep": vlayout.ep}
-    section["verify_seconds"] = round(time.monotonic() - t1, 3)
-    if not verdict["verified"]:
-        atomic_write_json(work / "verify_failed.json", verdict)
-        raise ConversionVerifyError(
-            f"converted checkpoint {ckpt} does not reproduce {model_dir}:\n  - " + "\n  - ".join(verdict["problems"])
-        )
-    return section
+    job_file = write_job_file(work / "verify.json", model=spec, layout=layout, device=job.device,
+                              model_dir=model_dir.resolve(), out_dir=ckpt.resolve(), ckpt_dir=ckpt.resolve(),
+                              report_dir=reports.resolve(), text_config_key=sections.text_config_key, logits=logits)
+    phase = JobPhase("verify", job_file, reports, "verify", "verify_rank", world_size=layout.world_size)
+    return Verification(phase, layout, logits, ckpt, model_dir, work)
+
+
+def verify_conversion(sections: ConvertSections, model_dir: str | Path, ckpt: str | Path, work: str | Path,
+                      timeout: float | None = None) -> dict[str, Any]:
+    """Verify an existing torch_dist checkpoint `ckpt`, written in the convert section's layout, against the HF
+    checkpoint `model_dir` on its own (the stage runs the same check as the conversion job's second phase); returns
+    the verdict's fields for the convert section, or raises ConversionVerifyError listing every tensor that differs
+    (the whole verdict is then in WORK/verify_failed.json)."""
+    check = verification(sections, Path(model_dir), Path(ckpt), Path(work))
+    (done,) = run_weight_job(sections.job, [check.phase], timeout)
+    return verification_section(check, done)

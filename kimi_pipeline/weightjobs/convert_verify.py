@@ -20,6 +20,7 @@ import dataclasses
 import re
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,35 @@ _LAYER = re.compile(r"\.layers\.(\d+)\.")
 
 class ConversionVerifyError(PermanentError):
     """The converted checkpoint does not reproduce the HF source."""
+
+
+@dataclass(frozen=True)
+class Verification:
+    """A conversion's verification as planned (`conversion.verification`): its job phase, the layout it reloads
+    the checkpoint `ckpt` in, whether rank 0 compares logits (small models), the HF source `model_dir`, and `work`
+    where a failed verdict is kept."""
+
+    phase: Any  # job.JobPhase: the launcher side, not imported into the ranks that run this module
+    layout: Layout
+    logits: bool
+    ckpt: Path
+    model_dir: Path
+    work: Path
+
+
+def verification_section(check: Verification, done: Any) -> dict[str, Any]:
+    """The verdict of the verification phase `done` (a `job.PhaseResult`) as the convert section's fields; raises
+    ConversionVerifyError listing every tensor that differs (the whole verdict kept in WORK/verify_failed.json)."""
+    verdict = summarize(done.reports, logits_expected=check.logits)
+    section = {k: v for k, v in verdict.items() if k != "problems"}
+    lay = check.layout
+    section["verify_layout"] = {"world_size": lay.world_size, "tp": lay.tp, "pp": lay.pp, "ep": lay.ep}
+    section["verify_seconds"] = round(done.result.seconds, 3)
+    if not verdict["verified"]:
+        atomic_write_json(check.work / "verify_failed.json", verdict)
+        raise ConversionVerifyError(f"converted checkpoint {check.ckpt} does not reproduce {check.model_dir}:\n  - "
+                                    + "\n  - ".join(verdict["problems"]))
+    return section
 
 
 def model_bytes(spec: ModelSpec) -> int:

@@ -25,15 +25,17 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from kimi_pipeline.errors import SectionError
+from kimi_pipeline.errors import PermanentError, SectionError
 from kimi_pipeline.hf.config import quantization_config, text_config, with_quantization_config
 from kimi_pipeline.hf.int4 import fake_quant_int4
-from kimi_pipeline.hf.int4_checkpoint import KEEP_FP32, is_quantized, kimi_quantization_config
+from kimi_pipeline.hf.int4_checkpoint import KEEP_FP32, ExportInfo, is_quantized, kimi_quantization_config
 from kimi_pipeline.hf.names import HFLayout
 from kimi_pipeline.hf.reader import StoredTensors
 from kimi_pipeline.model.hf_model import deepseek_config, load_hf_model, load_strict
 from kimi_pipeline.model.qat import fake_quant_hf_tensors
 from kimi_pipeline.model.tokenizer import load_tokenizer
+from kimi_pipeline.recipes.models import ModelSpec, QuantSpec
+from kimi_pipeline.util.files import atomic_write_json
 
 EXACT_REF_TOL = 1e-4  # fp32 reload vs fp32 model of the same decoded weights: only summation order differs
 # HF (transformers) vs trainer (megatron) forward of the same weights: summation order only (fp32 measured ~4e-7).
@@ -46,6 +48,10 @@ LogitsFn = Callable[[torch.Tensor], torch.Tensor]
 
 class ExportVerificationError(SectionError):
     """The export's tensors or logits do not match its checkpoint; `section` carries the verdict."""
+
+
+class ExportInputError(PermanentError):
+    """What the export was given cannot be exported (no checkpoint at that step, no base config.json)."""
 
 
 @dataclass
@@ -177,7 +183,7 @@ def prompt_ids(tokenizer, prompts: Iterable[str]) -> list[torch.Tensor]:
 
 
 @torch.no_grad()
-def check_model(export_dir: str | Path, trainer_tensors: Iterable[tuple[str, torch.Tensor]], group_size: int, *,
+def check_reloaded_model(export_dir: str | Path, trainer_tensors: Iterable[tuple[str, torch.Tensor]], group_size: int, *,
                 reference_logits: LogitsFn | None = None, prompts: Iterable[str] = DEFAULT_PROMPTS,
                 max_new_tokens: int = 8, parity_tol: float = PARITY_TOL) -> dict[str, Any]:
     """Stage 2: reload, compare experts and logits, generate.
@@ -232,7 +238,7 @@ def check_model(export_dir: str | Path, trainer_tensors: Iterable[tuple[str, tor
 
 
 def model_check_problems(result: dict[str, Any], parity_tol: float = PARITY_TOL) -> list[str]:
-    """What in a check_model result fails its gate (empty = pass)."""
+    """What in a check_reloaded_model result fails its gate (empty = pass)."""
     out = []
     if not result["experts_equal"]:
         out.append("reloaded expert weights differ from the fake-quant weights")
@@ -249,3 +255,52 @@ def model_check_problems(result: dict[str, Any], parity_tol: float = PARITY_TOL)
     if result["generated_tokens"] < 1:
         out.append("the reloaded export generated no tokens")
     return out
+
+
+def check_model_into(section: dict[str, Any], spec: ModelSpec, quant: QuantSpec, out: Path, tensors,
+                     reference_logits: LogitsFn | None, parity_tol: float | None = None) -> None:
+    """Model-level check (reload, logits, generate) merged into `section`, its failures into `problems`."""
+    parity_tol = PARITY_TOL_BY_DTYPE.get(spec.params_dtype, PARITY_TOL) if parity_tol is None else parity_tol
+    result = check_reloaded_model(out, tensors, quant.group_size, reference_logits=reference_logits,
+                                  parity_tol=parity_tol)
+    section.update(result)
+    gate = model_check_problems(result, parity_tol)
+    if not quant.int4_qat:
+        # Trained without fake-quant: INT4 is post-training quantization here, so the export is
+        # *expected* to differ from the trainer's forward; only the decode-exactness gates apply.
+        gate = [p for p in gate if not p.startswith(("export vs trainer", "HF model of the trainer"))]
+        section["note"] = "quant.int4_qat is off: logits_max_diff is post-training quantization error"
+    if gate:
+        section["problems"] = section.get("problems", []) + gate
+
+
+def export_section(quant: QuantSpec, info: ExportInfo, tensors: TensorCheck, checkpoint: str | None) -> dict[str, Any]:
+    """The export stage's section: what was written (format, sizes, compression) and the tensor-level verdict."""
+    section: dict[str, Any] = {
+        "path": info.path,
+        "format": "compressed-tensors pack-quantized int4",
+        "group_size": quant.group_size,
+        "checkpoint": checkpoint,
+        **{k: v for k, v in info.as_dict().items() if k != "path"},
+        "compression": round(info.bf16_bytes / info.int4_bytes, 3),
+        "dequant_exact": tensors.dequant_exact,
+        "others_exact": tensors.others_exact,
+        "qat": quant.int4_qat,
+    }
+    if tensors.mismatches:
+        section["problems"] = [f"{n}: stored tensor differs from the trainer's" for n in tensors.mismatches[:5]]
+    return section
+
+
+def finish_export(section: dict[str, Any], checked: dict[str, Any], marker: Path, seconds: float) -> dict[str, Any]:
+    """The section with the model-level check's fields (`checked`), gated on every problem found: a failed export
+    raises ExportVerificationError carrying it; a passed one is written to `marker` last (its presence marks a
+    finished export)."""
+    problems = section.pop("problems", []) + checked.pop("problems", [])
+    section.update(checked, **({"problems": problems} if problems else {}))
+    section["seconds"] = round(seconds, 2)
+    if problems:
+        raise ExportVerificationError(f"INT4 export {section['path']} failed verification: " + "; ".join(problems),
+                                      section)
+    atomic_write_json(marker, section)
+    return section

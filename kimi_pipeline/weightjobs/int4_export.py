@@ -8,7 +8,7 @@ section, written last: its presence marks a finished export).
 latest, or a chosen step). It is distributed like the conversion, in the weight-job layout (`job.JobLayout`, one
 rank per GPU over its nodes): every rank loads its slice, quantizes and writes the tensors it owns and
 checks them bit for bit (`weightjobs/export_rank.py`); then this process names the shards and writes the index
-last. When the model fits in this host's memory, a one-rank child process then reloads the export with
+last. When the model fits in this host's memory, a one-rank child process (`export_model_check`) then reloads the export with
 transformers + compressed-tensors and compares its logits with the checkpoint's own megatron forward
 (fake-quant experts when the recipe trains with INT4 QAT). `run_export` is the same export in one
 process from any source of HF-named tensors (tests, tools).
@@ -19,8 +19,6 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Callable, Iterable
@@ -28,36 +26,28 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import psutil
 import torch
 
-from kimi_pipeline.errors import PermanentError, is_permanent
 from kimi_pipeline.hf.int4_checkpoint import ExportInfo, Int4Part, export_int4, export_temp_dir, finish_int4_dir
 from kimi_pipeline.hf.names import HFLayout
 from kimi_pipeline.model.checkpoint_dirs import CheckpointError
-from kimi_pipeline.model.device import resolve_device
-from kimi_pipeline.model.megatron_model import causal_forward, model_device
 from kimi_pipeline.model.megatron_train import EXTRA, resolve_iteration
 from kimi_pipeline.model.params import count_params
-from kimi_pipeline.model.qat import enable_int4_qat
 from kimi_pipeline.recipes import Recipe
 from kimi_pipeline.recipes.models import ModelSpec, QuantSpec
-from kimi_pipeline.util.files import atomic_write_json, sha256_files, sha256_json
-from kimi_pipeline.util.lifetime import die_with_parent
-from kimi_pipeline.util.secret_env import without_secrets
-from kimi_pipeline.weight_sync.policy_tensors import checkpoint_model, policy_tensors
+from kimi_pipeline.util.files import sha256_files, sha256_json
 from kimi_pipeline.weightjobs.export_rank import REPORT_PREFIX
+from kimi_pipeline.weightjobs.export_model_check import model_check_fits, run_model_check
 from kimi_pipeline.weightjobs.export_verify import (
-    PARITY_TOL,
-    PARITY_TOL_BY_DTYPE,
-    ExportVerificationError,
+    ExportInputError,
     LogitsFn,
     TensorCheck,
-    check_model,
+    check_model_into,
     check_tensors,
-    model_check_problems,
+    export_section,
+    finish_export,
 )
-from kimi_pipeline.weightjobs.job import JobLayout, run_weight_job
+from kimi_pipeline.weightjobs.job import JobLayout, JobPhase, run_weight_job
 from kimi_pipeline.weightjobs.job_file import write_job_file
 
 log = logging.getLogger(__name__)
@@ -65,11 +55,6 @@ log = logging.getLogger(__name__)
 TensorSource = Callable[[], Iterable[tuple[str, torch.Tensor]]]
 MIN_SHARD, MAX_SHARD = 1 << 20, 5 << 30
 SECTION_FILE = "export.json"
-ERROR_FILE = "export-error.json"
-
-
-class ExportInputError(PermanentError):
-    pass
 
 
 @dataclass(frozen=True)
@@ -94,16 +79,6 @@ def export_dir(run_dir: str | Path) -> Path:
 def shard_bytes(spec: ModelSpec) -> int:
     """~4 shards for small models (so sharding is exercised), 5 GiB shards for real ones."""
     return int(min(MAX_SHARD, max(MIN_SHARD, count_params(spec).total * 2 // 4)))
-
-
-def model_check_fits(spec: ModelSpec) -> tuple[bool, str | None]:
-    """Reloading on CPU holds three fp32 copies of the model (export + two references)."""
-
-    need = count_params(spec).total * 4 * 3 * 3 // 2
-    avail = psutil.virtual_memory().available
-    if need > avail:
-        return False, f"needs ~{need / 2**30:.1f} GiB of RAM for a CPU reload, {avail / 2**30:.1f} GiB available"
-    return True, None
 
 
 def run_export(
@@ -138,14 +113,14 @@ def run_export(
     )
     log.info("export: wrote %s (%d packed experts, %d bytes, %d tensors carried as stored)", out, info.num_quantized,
              info.disk_bytes, info.carried_tensors)
-    section = _section(quant, info, check_tensors(out, hf_tensors_source(), quant.group_size), checkpoint)
-    if verify_model is None:
-        verify_model = model_check_fits(spec)[0]
-    if verify_model:
-        check_model_into(section, spec, quant, out, hf_tensors_source(), reference_logits, parity_tol)
+    section = export_section(quant, info, check_tensors(out, hf_tensors_source(), quant.group_size), checkpoint)
+    fits, reason = model_check_fits(spec)
+    checked: dict[str, Any] = {}
+    if fits if verify_model is None else verify_model:
+        check_model_into(checked, spec, quant, out, hf_tensors_source(), reference_logits, parity_tol)
     else:
-        section["model_check"] = f"skipped: {model_check_fits(spec)[1] or 'disabled'}"
-    return _finish(run_dir, section, t0)
+        checked["model_check"] = f"skipped: {reason or 'disabled'}"
+    return finish_export(section, checked, export_dir(run_dir) / SECTION_FILE, time.monotonic() - t0)
 
 
 def base_config(model_dir: str | Path) -> dict[str, Any]:
@@ -153,56 +128,6 @@ def base_config(model_dir: str | Path) -> dict[str, Any]:
     if not cfg_path.is_file():
         raise ExportInputError(f"{cfg_path}: not found; model_dir must hold the base model's config.json + tokenizer")
     return json.loads(cfg_path.read_text())
-
-
-def _section(quant: QuantSpec, info: ExportInfo, tensors: TensorCheck, checkpoint: str | None) -> dict[str, Any]:
-    section: dict[str, Any] = {
-        "path": info.path,
-        "format": "compressed-tensors pack-quantized int4",
-        "group_size": quant.group_size,
-        "checkpoint": checkpoint,
-        **{k: v for k, v in info.as_dict().items() if k != "path"},
-        "compression": round(info.bf16_bytes / info.int4_bytes, 3),
-        "dequant_exact": tensors.dequant_exact,
-        "others_exact": tensors.others_exact,
-        "qat": quant.int4_qat,
-    }
-    if tensors.mismatches:
-        section["problems"] = [f"{n}: stored tensor differs from the trainer's" for n in tensors.mismatches[:5]]
-    return section
-
-
-def check_model_into(
-    section: dict[str, Any],
-    spec: ModelSpec,
-    quant: QuantSpec,
-    out: Path,
-    tensors,
-    reference_logits: LogitsFn | None,
-    parity_tol: float | None = None,
-) -> None:
-    """Model-level check (reload, logits, generate) merged into `section`, its failures into `problems`."""
-    parity_tol = PARITY_TOL_BY_DTYPE.get(spec.params_dtype, PARITY_TOL) if parity_tol is None else parity_tol
-    result = check_model(out, tensors, quant.group_size, reference_logits=reference_logits, parity_tol=parity_tol)
-    section.update(result)
-    gate = model_check_problems(result, parity_tol)
-    if not quant.int4_qat:
-        # Trained without fake-quant: INT4 is post-training quantization here, so the export is
-        # *expected* to differ from the trainer's forward; only the decode-exactness gates apply.
-        gate = [p for p in gate if not p.startswith(("export vs trainer", "HF model of the trainer"))]
-        section["note"] = "quant.int4_qat is off: logits_max_diff is post-training quantization error"
-    if gate:
-        section["problems"] = section.get("problems", []) + gate
-
-
-def _finish(run_dir: str | Path, section: dict[str, Any], t0: float) -> dict[str, Any]:
-    """Gate on problems; the section file is written last (its presence marks a finished export)."""
-    section["seconds"] = round(time.monotonic() - t0, 2)
-    if section.get("problems"):
-        raise ExportVerificationError(f"INT4 export {section['path']} failed verification: "
-                                      + "; ".join(section["problems"]), section)
-    atomic_write_json(export_dir(run_dir) / SECTION_FILE, section)
-    return section
 
 
 # --------------------------------------------------------------------------- from a training checkpoint
@@ -268,7 +193,8 @@ def export_distributed(
     )
     t0 = time.monotonic()
     try:
-        job_result, ranks, command = run_weight_job(job, "export", job_file, reports, "export", REPORT_PREFIX, timeout_s)
+        (done,) = run_weight_job(job, [JobPhase("export", job_file, reports, "export", REPORT_PREFIX)], timeout_s)
+        ranks = done.reports
         info = finish_int4_dir(
             tmp,
             final,
@@ -291,29 +217,10 @@ def export_distributed(
         "layout": {k: v for k, v in job.as_dict().items() if k != "etp"},
         "peak_rss_mb_per_rank": [r["peak_rss_mb"] for r in ranks],
         "write_seconds": round(time.monotonic() - t0, 3),
-        "command": command,
-        "launcher": job_result.launcher,
+        "command": done.command,
+        "launcher": done.result.launcher,
     }
     return info, {"tensors": tensors, **extra}
-
-
-def check_checkpoint_model(spec: ModelSpec, quant: QuantSpec, device: str, out: Path, checkpoint_dir: str | Path,
-                           step: int) -> dict[str, Any]:
-    """In THIS process (the child): the export vs the checkpoint's one-rank megatron forward on `device`
-    (fake-quant experts when the policy trains with QAT); returns the model-check section fields and problems."""
-
-    with checkpoint_model(spec, checkpoint_dir, step, device=resolve_device(device)) as (model, layout, _):
-        if quant.int4_qat:
-            enable_int4_qat(model, quant.group_size)
-        model.eval()
-
-        @torch.no_grad()
-        def trainer_logits(ids: torch.Tensor) -> torch.Tensor:  # host tokens in, host logits out
-            return causal_forward(model, ids.to(model_device(model))).cpu()
-
-        section: dict[str, Any] = {}
-        check_model_into(section, spec, quant, out, policy_tensors(model, spec, layout), trainer_logits)
-        return section
 
 
 def export_checkpoint(
@@ -331,8 +238,7 @@ def export_checkpoint(
     path, step = resolve_checkpoint(checkpoint_dir, step)  # fail here, clearly, before spawning anything
     out = export_dir(run_dir)
     out.mkdir(parents=True, exist_ok=True)
-    for stale in (SECTION_FILE, ERROR_FILE):
-        (out / stale).unlink(missing_ok=True)
+    (out / SECTION_FILE).unlink(missing_ok=True)
     info, dist_info = export_distributed(sections, run_dir, checkpoint_dir, step, model_dir, timeout_s=timeout_s)
     log.info(
         "export: wrote %s (%d packed experts, %d bytes) from %d ranks",
@@ -341,65 +247,9 @@ def export_checkpoint(
         info.disk_bytes,
         dist_info["ranks"],
     )
-    section = {**_section(sections.quant, info, dist_info.pop("tensors"), str(path)), **dist_info}
-    fits, reason = model_check_fits(sections.spec)
-    if fits:
-        checked = _model_check_child(sections, run_dir, checkpoint_dir, step, Path(info.path), timeout_s)
-        problems = section.pop("problems", []) + checked.pop("problems", [])
-        section.update(checked, **({"problems": problems} if problems else {}))
-    else:
-        section["model_check"] = f"skipped: {reason}"
-    return _finish(run_dir, section, t0)
+    checked = run_model_check(sections.spec, sections.quant, sections.job.device, Path(info.path), checkpoint_dir,
+                              step, out / "work", timeout_s)
+    section = {**export_section(sections.quant, info, dist_info.pop("tensors"), str(path)), **dist_info}
+    return finish_export(section, checked, out / SECTION_FILE, time.monotonic() - t0)
 
 
-def _model_check_child(
-    sections: ExportSections, run_dir: Path, checkpoint_dir: str | Path, step: int, export: Path,
-    timeout_s: float | None,
-) -> dict[str, Any]:
-    """`check_checkpoint_model` in a child: megatron's process groups and gloo rendezvous stay out of the
-    flow process. It is sent the sections it reads. Returns its fields (with `problems` when a gate failed)."""
-
-    out = export_dir(run_dir)
-    job = {"checkpoint_dir": str(checkpoint_dir), "step": step, "export": str(export),
-           "model": sections.spec.model_dump(mode="json"), "quant": sections.quant.model_dump(mode="json"),
-           "device": sections.job.device, "result": str(out / "work" / "model_check.json")}
-    atomic_write_json(out / "job.json", job)
-    env = {**without_secrets(), "TORCHDYNAMO_DISABLE": "1"}
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT"):
-        env.pop(var, None)  # the child is its own one-rank world
-    proc = subprocess.run(
-        [sys.executable, "-m", "kimi_pipeline.weightjobs.int4_export", str(out / "job.json")],
-        env=env,
-        timeout=timeout_s,
-        capture_output=True,
-        text=True,
-        preexec_fn=die_with_parent,
-    )  # a killed flow leaves no child behind
-    if proc.returncode != 0:
-        err = json.loads((out / ERROR_FILE).read_text()) if (out / ERROR_FILE).is_file() else {}
-        message = err.get("message") or f"export model check exited {proc.returncode}: {proc.stderr[-2000:]}"
-        if err.get("permanent"):
-            raise ExportInputError(message)
-        raise RuntimeError(message)
-    return json.loads(Path(job["result"]).read_text())
-
-
-def main(argv: list[str] | None = None) -> None:
-    """Child entry point: `python -m kimi_pipeline.weightjobs.int4_export JOB.json` (the model check)."""
-
-    job_path = Path((argv or sys.argv[1:])[0])
-    job = json.loads(job_path.read_text())
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    try:
-        result = check_checkpoint_model(ModelSpec.model_validate(job["model"]), QuantSpec.model_validate(job["quant"]),
-                                        job["device"], Path(job["export"]), job["checkpoint_dir"], job["step"])
-        atomic_write_json(Path(job["result"]), result)
-    except BaseException as e:
-        atomic_write_json(job_path.parent / ERROR_FILE, {
-            "type": type(e).__name__, "message": str(e), "permanent": is_permanent(e),
-        })
-        raise
-
-
-if __name__ == "__main__":
-    main()

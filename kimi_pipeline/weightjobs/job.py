@@ -1,54 +1,25 @@
 """The one entry of the distributed weight jobs (conversion, its verification, the INT4 export): the layout they run
-in (`JobLayout`, the recipe's weight-job layout), where a job's per-node agents start (`convert.launcher`), and
-running it to every rank's report (`run_weight_job`)."""
+in (`JobLayout`, the recipe's weight-job layout), the programs one job runs in turn (`JobPhase`), and running them
+to every rank's report (`run_weight_job`): the per-node command built once (`commands`), started where
+`convert.launcher` says (`launch`, `ray_agents`), judged the same way whoever started it (`outcome`)."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kimi_pipeline.recipes.layout import Layout
 from kimi_pipeline.recipes.models import ClusterSpec, ConvertSpec
-from kimi_pipeline.weightjobs.launch import (
-    JobResult,
-    WeightJobPermanentError,
-    launch_local,
-    launch_manual,
-    read_rank_reports,
-    scale_out_command,
-)
+from kimi_pipeline.weightjobs.commands import NodeCommand
+from kimi_pipeline.weightjobs.launch import launch_local, launch_manual
+from kimi_pipeline.weightjobs.outcome import JobResult, WeightJobPermanentError, rank_reports
 from kimi_pipeline.weightjobs.rank import RANK_ENTRY, rank_args
 from kimi_pipeline.weightjobs.ray_agents import TooFewNodes, launch_ray
 
 log = logging.getLogger(__name__)
-
-
-def launch(module: str, args: list[str], *, nodes: int, procs_per_node: int, work_dir: str | Path,
-           report_dir: str | Path, name: str = "job", launcher: str = "auto", address: str | None = None,
-           gpus_per_node: int = 0, report_prefix: str = "rank", master_port: int = 29500,
-           timeout: float | None = None, allow_insecure: bool = False) -> JobResult:
-    """Start the job's per-node agents where `launcher` says: `ray` (one per node of the cluster at `address`,
-    `ray_agents`), `local` (every node's agent on this host), `manual` (print the per-node command, wait for
-    every rank's `<report_prefix>_<rank>.json`); `auto` = ray when `address` has at least `nodes` nodes."""
-    if launcher == "manual":
-        return launch_manual(module, args, nodes=nodes, procs_per_node=procs_per_node, work_dir=work_dir,
-                             report_dir=report_dir, name=name, report_prefix=report_prefix, master_port=master_port,
-                             timeout=timeout)
-    if launcher in ("auto", "ray") and address:
-        try:
-            return launch_ray(module, args, nodes=nodes, procs_per_node=procs_per_node, work_dir=work_dir,
-                              report_dir=report_dir, address=address, name=name, gpus_per_node=gpus_per_node,
-                              timeout=timeout, allow_insecure=allow_insecure)
-        except TooFewNodes as e:
-            if launcher == "ray":
-                raise WeightJobPermanentError(f"{e}; add nodes or set convert.launcher=local") from None
-            log.warning("%s; running all %d nodes' ranks on this host", e, nodes)  # a small model, a small cluster
-    elif launcher == "ray":
-        raise WeightJobPermanentError(f"{name}: convert.launcher=ray needs cluster.address (an existing Ray cluster)")
-    return launch_local(module, args, nodes=nodes, procs_per_node=procs_per_node, work_dir=work_dir,
-                        report_dir=report_dir, name=name, timeout=timeout)
 
 
 @dataclass(frozen=True)
@@ -78,22 +49,61 @@ class JobLayout:
                 "pp": self.layout.pp, "ep": self.layout.ep, "etp": self.layout.etp}
 
 
-def run_weight_job(job: JobLayout, kind: str, job_file: Path, reports: Path, name: str, report_prefix: str,
-                   timeout: float | None, *, world_size: int | None = None) -> tuple[JobResult, list[dict[str, Any]], str]:
-    """One offline weight job (`kind`: a `weightjobs.rank` kind: conversion, its verification or the INT4 export)
-    over `job`'s nodes x ranks: log the per-node command, launch it where `job.launcher` says, return (job result,
-    every rank's report, the command). `world_size`: a job of another size than `job`'s (the verification, under
-    another layout): on `job`'s nodes when it has their rank count, else on one node."""
-    job_file = job_file.resolve()
-    args = rank_args(kind, job_file)
-    world = world_size or job.nodes * job.ranks_per_node
-    nodes, per_node = (job.nodes, job.ranks_per_node) if world == job.nodes * job.ranks_per_node else (1, world)
-    command = scale_out_command(RANK_ENTRY, args, nnodes=nodes, nproc_per_node=per_node, master_port=job.master_port)
-    log.info("%s: %d node(s) x %d rank(s), tp=%d pp=%d ep=%d; on a cluster without Ray run on every node:\n  %s",
-             name, nodes, per_node, job.layout.tp, job.layout.pp, job.layout.ep, command)
-    result = launch(RANK_ENTRY, args, nodes=nodes, procs_per_node=per_node, work_dir=job_file.parent,
-                    report_dir=reports, name=name, timeout=timeout, report_prefix=report_prefix,
-                    launcher=job.launcher, address=job.address, master_port=job.master_port,
-                    gpus_per_node=job.ranks_per_node if job.device == "cuda" else 0,
-                    allow_insecure=job.allow_insecure)
-    return result, read_rank_reports(reports, report_prefix, world), command
+@dataclass(frozen=True)
+class JobPhase:
+    """One program of a weight job: ranks of `kind` (a `weightjobs.rank` kind: convert, verify, export) reading
+    `job_file`, each reporting `<report_prefix>_<rank>.json` into `reports`; logs named `name`. `world_size`: a
+    phase of another size than the job's (the verification, under another layout): on the job's nodes when it has
+    their rank count, else on one node."""
+
+    kind: str
+    job_file: Path
+    reports: Path
+    name: str
+    report_prefix: str = "rank"
+    world_size: int | None = None
+
+
+@dataclass(frozen=True)
+class PhaseResult:
+    """A finished phase: how it ran (`result`), every rank's report by rank, the per-node command it printed."""
+
+    result: JobResult
+    reports: list[dict[str, Any]]
+    command: str
+
+
+def run_weight_job(job: JobLayout, phases: Sequence[JobPhase], timeout: float | None) -> list[PhaseResult]:
+    """Run `phases` in turn over `job`'s nodes x ranks (the next starts when every rank of the last reported; a
+    failed phase raises `outcome`'s error naming its rank and node): log each phase's per-node command (what to run
+    on a cluster without Ray), start its agents where `job.launcher` says (`auto` = on the Ray cluster at
+    `cluster.address` when it has the nodes, else on this host), return each phase's result."""
+    done = []
+    for phase in phases:
+        world = phase.world_size or job.nodes * job.ranks_per_node
+        nodes, per_node = (job.nodes, job.ranks_per_node) if world == job.nodes * job.ranks_per_node else (1, world)
+        job_file = phase.job_file.resolve()
+        command = NodeCommand(RANK_ENTRY, tuple(rank_args(phase.kind, job_file)), nodes, per_node)
+        printed = command.scale_out(job.master_port)
+        log.info("%s: %d node(s) x %d rank(s), tp=%d pp=%d ep=%d; on a cluster without Ray run on every node:\n  %s",
+                 phase.name, nodes, per_node, job.layout.tp, job.layout.pp, job.layout.ep, printed)
+        where = dict(work_dir=job_file.parent, report_dir=phase.reports, name=phase.name, timeout=timeout)
+        result = None
+        if job.launcher == "manual":
+            result = launch_manual(command, **where, report_prefix=phase.report_prefix, master_port=job.master_port)
+        elif job.launcher == "ray" and not job.address:
+            raise WeightJobPermanentError(
+                f"{phase.name}: convert.launcher=ray needs cluster.address (an existing Ray cluster)")
+        elif job.launcher in ("auto", "ray") and job.address:
+            try:
+                result = launch_ray(command, **where, address=job.address, allow_insecure=job.allow_insecure,
+                                    gpus_per_node=job.ranks_per_node if job.device == "cuda" else 0)
+            except TooFewNodes as e:
+                if job.launcher == "ray":
+                    raise WeightJobPermanentError(f"{e}; add nodes or set convert.launcher=local") from None
+                log.warning("%s; running all %d nodes' ranks on this host", e, nodes)  # a small model, a small cluster
+        if result is None:
+            result = launch_local(command, **where)
+        ranks = rank_reports(result, phase.name, phase.reports, phase.report_prefix, world, timeout)
+        done.append(PhaseResult(result, ranks, printed))
+    return done

@@ -227,6 +227,7 @@ def test_a_multi_node_cluster_without_token_auth_is_refused_unless_the_recipe_al
     token auth pass."""
     from kimi_pipeline.cluster.env import require_auth
     from kimi_pipeline.cluster.lifecycle import bring_up
+    from kimi_pipeline.weightjobs.commands import NodeCommand
     from kimi_pipeline.weightjobs.ray_agents import launch_ray
 
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
@@ -236,7 +237,7 @@ def test_a_multi_node_cluster_without_token_auth_is_refused_unless_the_recipe_al
         assert is_permanent(refused.value) and "RAY_AUTH_MODE=disabled" in str(refused.value)
         assert LocalCluster.load(tmp_path / "run") is None  # nothing started or recorded
     with pytest.raises(ClusterConfigError, match="allow_insecure"):
-        launch_ray("platform", [], nodes=2, procs_per_node=1, work_dir=tmp_path, report_dir=tmp_path / "r",
+        launch_ray(NodeCommand("platform", (), 2, 1), work_dir=tmp_path, report_dir=tmp_path / "r",
                    address="127.0.0.1:9")
     assert load_recipe("tiny", ["cluster.nodes=2", "cluster.allow_insecure=true"]).cluster.allow_insecure
     require_auth("disabled", 2, allow_insecure=True)

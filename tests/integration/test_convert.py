@@ -51,7 +51,9 @@ from kimi_pipeline.weightjobs.conversion import (
     verify_conversion,
 )
 from kimi_pipeline.weightjobs.convert_verify import ConversionVerifyError
-from kimi_pipeline.weightjobs.launch import WeightJobPermanentError, launch_local, scale_out_command
+from kimi_pipeline.weightjobs.commands import NodeCommand
+from kimi_pipeline.weightjobs.launch import launch_local
+from kimi_pipeline.weightjobs.outcome import WeightJobPermanentError
 from kimi_pipeline.weightjobs.rank import RANK_ENTRY, rank_args
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -231,7 +233,7 @@ def test_verify_layout_differs_from_the_written_one():
 
 
 def test_scale_out_command_is_one_torchrun_per_node():
-    cmd = scale_out_command("kimi_pipeline.weightjobs.convert_rank", ["--job", "/shared/run/convert/work/job.json"], nnodes=4, nproc_per_node=8)
+    cmd = NodeCommand("kimi_pipeline.weightjobs.convert_rank", ("--job", "/shared/run/convert/work/job.json"), 4, 8).scale_out()
     assert "--nnodes=4" in cmd and "--nproc-per-node=8" in cmd
     assert "--master-addr=$MASTER_ADDR" in cmd and "--node-rank=$NODE_RANK" in cmd
     assert cmd.endswith("-m kimi_pipeline.weightjobs.convert_rank --job /shared/run/convert/work/job.json")
@@ -306,8 +308,9 @@ def test_reload_under_tp2_matches_the_source(converted, tiny_ckpt, tmp_path):
     job = write_job_file(tmp_path / "verify.json", model=load_recipe("tiny").model, layout=layout, device="cpu",
                          model_dir=tiny_ckpt,
                          out_dir=checkpoint_dir(run_dir), ckpt_dir=checkpoint_dir(run_dir), report_dir=reports, logits=False)
-    launch_local(RANK_ENTRY, rank_args("verify", job), nodes=1, procs_per_node=2, work_dir=tmp_path,
-                 report_dir=reports, name="verify-tp2", timeout=300)
+    done = launch_local(NodeCommand(RANK_ENTRY, tuple(rank_args("verify", job)), 1, 2), work_dir=tmp_path,
+                        report_dir=reports, name="verify-tp2", timeout=300)
+    assert done.ok, done
     rs = [json.loads(p.read_text()) for p in sorted(reports.glob("verify_rank_*.json"))]
     assert sorted(r["tp"] for r in rs) == [0, 1]
     v = summarize(rs, logits_expected=False)
@@ -418,7 +421,7 @@ def _load_converted(ckpt: Path, spec) -> dict[str, torch.Tensor]:
 def test_quantized_source_converts_close_to_the_bf16_source(tiny_ckpt, tmp_path, kind):
     qdir = write_quantized_checkpoint(tiny_ckpt, tmp_path / kind, kind)
     run_dir = tmp_path / "run"
-    # per launch: conversion, then verification
+    # one job: conversion, then verification
     s = run_convert(ConvertSections.of(_two_nodes()), run_dir, qdir, timeout=200)
     assert s["source_format"] == kind and s["source"]["format"] == kind
     # exact against the dequantized source (the stage's own verification) ...
@@ -555,12 +558,12 @@ def test_launcher_relaunches_when_the_rendezvous_port_is_taken(tmp_path, monkeyp
     real = launch.free_port
     monkeypatch.setattr(launch, "free_port", lambda: picked.append(taken if not picked else real()) or picked[-1])
     try:
-        res = launch_local("platform", [], nodes=2, procs_per_node=1, work_dir=tmp_path, report_dir=tmp_path / "r",
+        res = launch_local(NodeCommand("platform", (), 2, 1), work_dir=tmp_path, report_dir=tmp_path / "r",
                            name="probe", timeout=120, grace=5)
     finally:
         squatter.close()
     assert len(picked) == 2 and picked[0] == taken  # the first launch failed on the taken port
-    assert res.nodes == 2 and f"--master-port={picked[1]}" in res.commands[0]
+    assert res.ok and res.nodes == 2 and f"--master-port={picked[1]}" in res.commands[0]
 
 
 def _job_processes(cluster) -> dict[int, tuple[psutil.Process, str]]:

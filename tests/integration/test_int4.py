@@ -241,12 +241,12 @@ def test_export_is_atomic(tmp_path):
 
 
 def test_dequant_exact_and_reload_parity(tiny_export):
-    from kimi_pipeline.weightjobs.export_verify import check_model, check_tensors, model_check_problems
+    from kimi_pipeline.weightjobs.export_verify import check_reloaded_model, check_tensors, model_check_problems
 
     out, _ = tiny_export
     t = check_tensors(out, iter_stored_tensors(TINY_MODEL), 32)
     assert t.dequant_exact and t.others_exact and t.num_quantized == 144 and not t.mismatches
-    r = check_model(out, iter_stored_tensors(TINY_MODEL), 32)
+    r = check_reloaded_model(out, iter_stored_tensors(TINY_MODEL), 32)
     assert r["experts_equal"]
     assert r["logits_max_diff_exact"] <= 1e-4
     assert r["generated_tokens"] >= 1 and r["generation_matches_reference"]
@@ -260,7 +260,7 @@ def test_verification_catches_a_wrong_scale(tiny_export, tmp_path):
 
     from safetensors.torch import load_file, save_file
 
-    from kimi_pipeline.weightjobs.export_verify import check_model, check_tensors, model_check_problems
+    from kimi_pipeline.weightjobs.export_verify import check_reloaded_model, check_tensors, model_check_problems
 
     src, _ = tiny_export
     out = tmp_path / "corrupt"
@@ -272,7 +272,7 @@ def test_verification_catches_a_wrong_scale(tiny_export, tmp_path):
     save_file(tensors, str(shard), metadata={"format": "pt"})
     t = check_tensors(out, iter_stored_tensors(TINY_MODEL), 32)
     assert not t.dequant_exact and t.mismatches == ["model.layers.2.mlp.experts.5.down_proj.weight"]
-    r = check_model(out, iter_stored_tensors(TINY_MODEL), 32)
+    r = check_reloaded_model(out, iter_stored_tensors(TINY_MODEL), 32)
     assert not r["experts_equal"]
     assert "reloaded expert weights differ from the fake-quant weights" in model_check_problems(r)
 

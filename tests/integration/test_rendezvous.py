@@ -20,6 +20,7 @@ from kimi_pipeline.util.net import free_port
 from kimi_pipeline.util.rendezvous import tcp_store
 from kimi_pipeline.weight_sync.dist_group import make_group
 from kimi_pipeline.weightjobs.agent import BACKEND, torchrun_args
+from kimi_pipeline.weightjobs.commands import NodeCommand
 from kimi_pipeline.weightjobs.launch import launch_local
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -96,8 +97,9 @@ def test_a_weight_job_listens_on_its_master_address_only(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     env = {"PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), *(p for p in sys.path if p)])}
-    res = launch_local("support.listening_rank", [str(out)], nodes=2, procs_per_node=1, work_dir=tmp_path,
+    res = launch_local(NodeCommand("support.listening_rank", (str(out),), 2, 1), work_dir=tmp_path,
                        report_dir=tmp_path / "r", name="listen", env=env, timeout=240, grace=5)
+    assert res.ok, res
     port = int(next(a for a in res.commands[0] if a.startswith("--master-port=")).split("=")[1])
     seen = [x for r in (0, 1) for x in json.loads((out / f"rank_{r}.json").read_text())]
     assert any(x["agent"] and x["port"] == port for x in seen), seen  # node 0's agent hosts the store
