@@ -11,6 +11,8 @@ test_validate malformed rows; flow level: test_deployment kill -9 through a serv
   back the retry resumes from the last checkpoint and completes;
 - the Ray head lost during `kimi run`'s training: the run fails at once naming the head (summary, FAILED.md), leaves
   nothing of the cluster, and a re-run resumes from the last checkpoint;
+- `kimi run` itself killed -9 while it trains: nothing it started is left (Prefect server, run guard, the cluster with
+  its engines and trainers), training is marked interrupted, and a re-run resumes to the uninterrupted run's metrics;
 - the W&B mirror of the metrics (real wandb, offline) writes no secret into any file;
 - no downloaded file is ever unpickled: none of our code can (static), and pickles planted in the
   model directory are never loaded on the download → validate → convert path or by the model loaders.
@@ -561,3 +563,66 @@ def test_ray_head_lost_during_train_fails_naming_it_and_a_re_run_resumes(tmp_pat
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["stages"]["train"]["status"] == "completed" and not (run_dir / "FAILED.md").exists()
     print(f"head killed after the step-2 checkpoint; the run failed {fail_s:.1f} s later naming it; the re-run resumed")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_kimi_run_killed_during_train_leaves_nothing_and_a_re_run_resumes_to_the_uninterrupted_metrics(
+        tmp_path, tiny_copy, prefect_home):
+    """Issue 40 item 7 at flow level: `kimi run` killed -9 while it trains (step 3's row written, the last checkpoint
+    at step 2): nothing it started is left (its Prefect API server and run guard, the Ray cluster with its engines
+    and trainer actors), summary.json marks training interrupted; a re-run of the directory resumes from the step-2
+    checkpoint, and the step 3 it computes again is the step 3 the killed run had computed uninterrupted, every
+    non-timing key equal."""
+    from support.common import REPRODUCIBLE, TRAIN_SET, stable_row
+
+    from kimi_pipeline.cluster.local import LocalCluster
+    from kimi_pipeline.report.metrics_log import read_jsonl
+
+    run_dir = tmp_path / "run"
+    cmd, env = _kimi_run(run_dir, "train", tiny_overrides(tiny_copy) + TRAIN_SET + REPRODUCIBLE, prefect_home)
+    metrics = run_dir / "train" / "metrics.jsonl"
+    started: dict[int, psutil.Process] = {}
+    names: dict[int, str] = {}
+    with _in_background(cmd, env, tmp_path / "kimi-run.log") as proc:
+        owner = psutil.Process(proc.pid)
+        deadline = time.monotonic() + 600
+        while not (metrics.is_file() and [r["step"] for r in read_jsonl(metrics)][-1:] == [3]):
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "kimi-run.log").read_text()[-3000:]
+            for c in owner.children(recursive=True):
+                started.setdefault(c.pid, c)
+                if line := _cmdline(c):
+                    names[c.pid] = " ".join(line)[:200]
+            time.sleep(0.2)
+        cluster = LocalCluster.load(run_dir)
+        ray_processes = cluster.processes()
+        os.kill(proc.pid, signal.SIGKILL)
+        assert proc.wait(timeout=60) == -signal.SIGKILL
+    killed = read_jsonl(metrics)
+    assert [r["step"] for r in killed] == [1, 2, 3], killed
+    assert any("uvicorn" in c and "prefect.server" in c for c in names.values()), names  # the test saw the server
+    assert any("run_guard" in c for c in names.values()), names
+    assert any("PolicyWorker" in " ".join(_cmdline(p)) for p in ray_processes), [p.name() for p in ray_processes]
+    left: dict[int, str] = {}
+    deadline = time.monotonic() + 120  # the guard and the cluster's watchdog notice within their polls, then stop
+    while time.monotonic() < deadline:
+        left = {p.pid: names.get(p.pid) or " ".join(_cmdline(p))[:200]
+                for p in [*started.values(), *ray_processes] if _alive(p)}
+        if not left:
+            break
+        time.sleep(0.5)
+    assert not left, f"left running after kill -9 of `kimi run`: {left}"
+    train = json.loads((run_dir / "summary.json").read_text())["stages"]["train"]
+    assert train["status"] == "failed" and train.get("interrupted") is True, train
+    assert f"pid {proc.pid}" in train["error"] and "re-run with the same run directory" in train["error"], train
+
+    again = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    out = again.stdout + again.stderr
+    assert again.returncode == 0, out[-3000:]
+    assert f"pid {proc.pid}" in out and "taking it over" in out, out[-3000:]
+    rows = read_jsonl(metrics)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4], rows
+    assert rows[:2] == killed[:2]  # kept, timings and all: resumed from the step-2 checkpoint, not restarted
+    assert stable_row(rows[2]) == stable_row(killed[2])  # step 3 again == step 3 as the uninterrupted run had it
+    stages = json.loads((run_dir / "summary.json").read_text())["stages"]
+    assert stages["train"]["status"] == "completed" and "interrupted" not in stages["train"], stages
