@@ -133,7 +133,8 @@ def run(
     except KeyboardInterrupt as e:  # SIGINT, SIGTERM, SIGHUP: the flow has unwound; stop what it left, mark the run
         stopped = stop_children()
         marked = mark_interrupted(run_dir, os.getpid()) if (run_dir / "summary.json").is_file() else []
-        err.print(f"run stopped ({e or 'SIGINT'}); {stopped} process(es) it started stopped; stage(s) marked "
+        why = str(e) or "stopped by SIGINT: re-run with the same --run-dir to resume"  # Ctrl-C's carries no text
+        err.print(f"run stopped ({why}); {stopped} process(es) it started stopped; stage(s) marked "
                   f"interrupted: {', '.join(marked) or 'none'}; run directory {run_dir}", highlight=False, markup=False)
         raise typer.Exit(130) from None
     result = state.result(raise_on_failure=False)

@@ -408,11 +408,11 @@ def prefect_home(tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL], ids=["SIGTERM", "SIGINT", "SIGKILL"])
 def test_kimi_run_stopped_during_convert_leaves_nothing_it_started_and_says_so(sig, tmp_path, tiny_copy,
                                                                                prefect_home):
     """`kimi run` signalled while its conversion runs: its temporary Prefect API server, the conversion's agents and
-    ranks and the run guard are all gone afterwards (SIGTERM: the run unwinds; SIGKILL: the run guard stops them),
+    ranks and the run guard are all gone afterwards (SIGTERM, SIGINT: the run unwinds; SIGKILL: the run guard stops them),
     and summary.json says the conversion did not finish; after the kill -9, a re-run of the directory takes it over
     and completes."""
     run_dir = tmp_path / "run"
@@ -460,6 +460,8 @@ def test_kimi_run_stopped_during_convert_leaves_nothing_it_started_and_says_so(s
     assert convert["status"] == "failed", convert
     if sig == signal.SIGTERM:
         assert code == 130 and "run stopped (stopped by SIGTERM" in out, out[-3000:]
+    elif sig == signal.SIGINT:  # Ctrl-C
+        assert code == 130 and "run stopped (stopped by SIGINT: re-run with the same --run-dir" in out, out[-3000:]
     else:
         assert code == -signal.SIGKILL
         assert convert.get("interrupted") is True and f"pid {proc.pid}" in convert["error"], convert
