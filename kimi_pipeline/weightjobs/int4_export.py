@@ -8,8 +8,8 @@ section, written last: its presence marks a finished export).
 latest, or a chosen step). It is distributed like the conversion, in the weight-job layout (`job.JobLayout`, one
 rank per GPU over its nodes): every rank loads its slice, quantizes and writes the tensors it owns and
 checks them bit for bit (`weightjobs/export_rank.py`); then this process names the shards and writes the index
-last. When the model fits in this host's memory, a one-rank child process (`export_model_check`) then reloads the export with
-transformers + compressed-tensors and compares its logits with the checkpoint's own megatron forward
+last. When the model fits in this host's memory, a one-rank child process (`export_model_check`) then reloads the
+export with transformers + compressed-tensors and compares its logits with the checkpoint's own megatron forward
 (fake-quant experts when the recipe trains with INT4 QAT). `run_export` is the same export in one
 process from any source of HF-named tensors (tests, tools).
 """

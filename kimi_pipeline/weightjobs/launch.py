@@ -42,8 +42,8 @@ def launch_manual(command: NodeCommand, *, work_dir: str | Path, report_dir: str
                       "# shared filesystem mounted at the same path, this environment's python on PATH.\n"
                       "exec %s\n" % (nodes - 1, text))
     script.chmod(0o755)
-    log.warning("%s: convert.launcher=manual: run on each of the %d nodes (NODE_RANK=0..%d, MASTER_ADDR=node 0):\n  %s\n"
-                "waiting for %d ranks to report in %s", name, nodes, nodes - 1, text, world, report_dir)
+    log.warning("%s: convert.launcher=manual: run on each of the %d nodes (NODE_RANK=0..%d, MASTER_ADDR=node 0):"
+                "\n  %s\nwaiting for %d ranks to report in %s", name, nodes, nodes - 1, text, world, report_dir)
     t0, noted = time.monotonic(), 0.0
     while True:
         seconds = time.monotonic() - t0
@@ -112,7 +112,7 @@ def _run(command: NodeCommand, log_dir: Path, name: str, env: dict[str, str] | N
         for node in range(nodes):
             cmd = command.for_node(node, "127.0.0.1", port)
             log_path = log_dir / f"{name}.node{node}.log"
-            node_env = {**full_env, LOCAL_DEVICE_BASE_ENV: str(node * ppn)}  # this host's GPUs are shared by its "nodes"
+            node_env = {**full_env, LOCAL_DEVICE_BASE_ENV: str(node * ppn)}  # this host's GPUs, shared by its "nodes"
             with open(log_path, "wb") as fh:
                 # own session (stopped as a group); dies with the launcher (a killed launcher leaves nothing)
                 procs.append(subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=node_env,

@@ -408,12 +408,13 @@ def prefect_home(tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL], ids=["SIGTERM", "SIGINT", "SIGKILL"])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL],
+                         ids=["SIGTERM", "SIGINT", "SIGKILL"])
 def test_kimi_run_stopped_during_convert_leaves_nothing_it_started_and_says_so(sig, tmp_path, tiny_copy,
                                                                                prefect_home):
     """`kimi run` signalled while its conversion runs: its temporary Prefect API server, the conversion's agents and
-    ranks and the run guard are all gone afterwards (SIGTERM, SIGINT: the run unwinds; SIGKILL: the run guard stops them),
-    and summary.json says the conversion did not finish; after the kill -9, a re-run of the directory takes it over
+    ranks and the run guard are all gone afterwards (SIGTERM, SIGINT: the run unwinds; SIGKILL: the run guard stops
+    them), and summary.json says the conversion did not finish; after the kill -9, a re-run of the directory takes it over
     and completes."""
     run_dir = tmp_path / "run"
     cmd, env = _kimi_run(run_dir, "convert", tiny_overrides(tiny_copy), prefect_home)
