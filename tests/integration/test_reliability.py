@@ -414,8 +414,8 @@ def test_kimi_run_stopped_during_convert_leaves_nothing_it_started_and_says_so(s
                                                                                prefect_home):
     """`kimi run` signalled while its conversion runs: its temporary Prefect API server, the conversion's agents and
     ranks and the run guard are all gone afterwards (SIGTERM, SIGINT: the run unwinds; SIGKILL: the run guard stops
-    them), and summary.json says the conversion did not finish; after the kill -9, a re-run of the directory takes it over
-    and completes."""
+    them), and summary.json says the conversion did not finish; after the kill -9, a re-run of the directory takes
+    it over and completes."""
     run_dir = tmp_path / "run"
     cmd, env = _kimi_run(run_dir, "convert", tiny_overrides(tiny_copy), prefect_home)
     started: dict[int, psutil.Process] = {}
