@@ -489,7 +489,10 @@ def _kimi_run(run_dir: Path, until: str, overrides: list[str], prefect_home: Pat
 def _in_background(cmd: list[str], env: dict[str, str], log_path: Path):
     """`cmd` in its own session, its output in `log_path`; killed on the way out if it still runs."""
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        # SIGINT as a terminal's Ctrl-C finds it: a shell starts background jobs (a suite run with `&`, its workers
+        # and so this test) with SIGINT ignored, and a child inherits that
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         try:
             yield proc
         finally:
@@ -597,20 +600,19 @@ def test_kimi_run_killed_during_train_leaves_nothing_and_a_re_run_resumes_to_the
                 if line := _cmdline(c):
                     names[c.pid] = " ".join(line)[:200]
             time.sleep(0.2)
-        cluster = LocalCluster.load(run_dir)
-        ray_processes = cluster.processes()
-        os.kill(proc.pid, signal.SIGKILL)
+        ray_processes = LocalCluster.load(run_dir).processes()
+        names.update({p.pid: " ".join(_cmdline(p))[:200] for p in ray_processes})  # named while they live: the
+        os.kill(proc.pid, signal.SIGKILL)  # actors go as soon as Ray sees their owner, the driver, gone
         assert proc.wait(timeout=60) == -signal.SIGKILL
     killed = read_jsonl(metrics)
     assert [r["step"] for r in killed] == [1, 2, 3], killed
     assert any("uvicorn" in c and "prefect.server" in c for c in names.values()), names  # the test saw the server
     assert any("run_guard" in c for c in names.values()), names
-    assert any("PolicyWorker" in " ".join(_cmdline(p)) for p in ray_processes), [p.name() for p in ray_processes]
+    assert any("ray::PolicyWorker" in names[p.pid] for p in ray_processes), [names[p.pid] for p in ray_processes]
     left: dict[int, str] = {}
     deadline = time.monotonic() + 120  # the guard and the cluster's watchdog notice within their polls, then stop
     while time.monotonic() < deadline:
-        left = {p.pid: names.get(p.pid) or " ".join(_cmdline(p))[:200]
-                for p in [*started.values(), *ray_processes] if _alive(p)}
+        left = {p.pid: names.get(p.pid, "?") for p in [*started.values(), *ray_processes] if _alive(p)}
         if not left:
             break
         time.sleep(0.5)
