@@ -84,9 +84,8 @@ def launch_local(command: NodeCommand, *, work_dir: str | Path, report_dir: str 
         for stale in report_dir.glob("rank_*.error.json"):
             stale.unlink()
         result = _run(command, log_dir, name, env, timeout, grace)
-        if result.ok or result.timed_out or attempt == port_attempts or any(report_dir.glob("rank_*.error.json")):
-            return result
-        if not _port_clash(result.logs[0]):
+        if (result.ok or result.timed_out or attempt == port_attempts or any(report_dir.glob("rank_*.error.json"))
+                or not _port_clash(result.logs[0])):
             return result
         log.warning("%s: node 0 could not listen on its rendezvous port (taken meanwhile); relaunching", name)
     raise AssertionError("unreachable")

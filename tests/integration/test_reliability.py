@@ -418,22 +418,13 @@ def test_kimi_run_stopped_during_convert_leaves_nothing_it_started_and_says_so(s
     it over and completes."""
     run_dir = tmp_path / "run"
     cmd, env = _kimi_run(run_dir, "convert", tiny_overrides(tiny_copy), prefect_home)
-    started: dict[int, psutil.Process] = {}
-    names: dict[int, str] = {}
+    seen = _Started()
     with _in_background(cmd, env, tmp_path / "kimi-run.log") as proc:
         owner = psutil.Process(proc.pid)
-
-        def look() -> None:  # what the run has started so far, named while they live
-            for c in owner.children(recursive=True):
-                started.setdefault(c.pid, c)
-                # renamed on every look: a child caught between fork and exec still shows its parent's command
-                # line (seen on a loaded host: the run guard named as `kimi run`, the test then missed it)
-                if cmd := _cmdline(c):
-                    names[c.pid] = " ".join(cmd)[:200]
-
+        names = seen.names
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline and proc.poll() is None:
-            look()
+            seen.look(owner)
             summary = _summary_or_empty(run_dir)
             if summary.get("stages", {}).get("convert", {}).get("status") == "running" and any(
                     AGENT in c for c in names.values()):
@@ -442,20 +433,14 @@ def test_kimi_run_stopped_during_convert_leaves_nothing_it_started_and_says_so(s
         else:
             pytest.fail(f"the conversion never ran: {(tmp_path / 'kimi-run.log').read_text()[-3000:]}")
         time.sleep(1.0)
-        look()
+        seen.look(owner)
         os.kill(proc.pid, sig)
         code = proc.wait(timeout=180)
     out = (tmp_path / "kimi-run.log").read_text()
     assert any("uvicorn" in c and "prefect.server" in c for c in names.values()), names  # the test saw the server
     assert any("run_guard" in c for c in names.values()) and any(AGENT in c
                                                                  for c in names.values()), names
-    left: dict[int, str] = {}
-    deadline = time.monotonic() + 90  # SIGKILL: the guard notices within its poll and gives each a grace period
-    while time.monotonic() < deadline:
-        left = {pid: names.get(pid, "?") for pid, p in started.items() if _alive(p)}
-        if not left:
-            break
-        time.sleep(0.5)
+    left = seen.left_running(90)  # SIGKILL: the guard notices within its poll and gives each a grace period
     assert not left, f"left running after {sig.name}: {left}\n{out[-3000:]}"
     convert = json.loads((run_dir / "summary.json").read_text())["stages"]["convert"]
     assert convert["status"] == "failed", convert
@@ -474,6 +459,35 @@ def test_kimi_run_stopped_during_convert_leaves_nothing_it_started_and_says_so(s
         assert f"pid {proc.pid}" in out and "taking it over" in out, out[-3000:]
         stages = json.loads((run_dir / "summary.json").read_text())["stages"]
         assert stages["convert"]["status"] == "completed" and "interrupted" not in stages["convert"], stages
+
+
+class _Started:
+    """The processes a run started (its descendants, and any others `add`ed), each named while it lives."""
+
+    def __init__(self) -> None:
+        self.processes: dict[int, psutil.Process] = {}
+        self.names: dict[int, str] = {}
+
+    def look(self, owner: psutil.Process) -> None:
+        """What `owner` has started so far. Renamed on every look: a child caught between fork and exec still shows
+        its parent's command line (seen on a loaded host: the run guard named as `kimi run`, the test then missed
+        it)."""
+        self.add(owner.children(recursive=True))
+
+    def add(self, procs: list[psutil.Process]) -> None:
+        for p in procs:
+            self.processes.setdefault(p.pid, p)
+            if line := _cmdline(p):
+                self.names[p.pid] = " ".join(line)[:200]
+
+    def left_running(self, within_s: float) -> dict[int, str]:
+        """Those still running after up to `within_s` seconds of waiting for them to go (empty: all gone)."""
+        deadline = time.monotonic() + within_s
+        while True:
+            left = {pid: self.names.get(pid, "?") for pid, p in self.processes.items() if _alive(p)}
+            if not left or time.monotonic() > deadline:
+                return left
+            time.sleep(0.5)
 
 
 def _kimi_run(run_dir: Path, until: str, overrides: list[str], prefect_home: Path) -> tuple[list[str], dict[str, str]]:
@@ -588,34 +602,25 @@ def test_kimi_run_killed_during_train_leaves_nothing_and_a_re_run_resumes_to_the
     run_dir = tmp_path / "run"
     cmd, env = _kimi_run(run_dir, "train", tiny_overrides(tiny_copy) + TRAIN_SET + REPRODUCIBLE, prefect_home)
     metrics = run_dir / "train" / "metrics.jsonl"
-    started: dict[int, psutil.Process] = {}
-    names: dict[int, str] = {}
+    seen = _Started()
     with _in_background(cmd, env, tmp_path / "kimi-run.log") as proc:
         owner = psutil.Process(proc.pid)
+        names = seen.names
         deadline = time.monotonic() + 600
         while not (metrics.is_file() and [r["step"] for r in read_jsonl(metrics)][-1:] == [3]):
             assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "kimi-run.log").read_text()[-3000:]
-            for c in owner.children(recursive=True):
-                started.setdefault(c.pid, c)
-                if line := _cmdline(c):
-                    names[c.pid] = " ".join(line)[:200]
+            seen.look(owner)
             time.sleep(0.2)
         ray_processes = LocalCluster.load(run_dir).processes()
-        names.update({p.pid: " ".join(_cmdline(p))[:200] for p in ray_processes})  # named while they live: the
-        os.kill(proc.pid, signal.SIGKILL)  # actors go as soon as Ray sees their owner, the driver, gone
+        seen.add(ray_processes)  # named while they live: the actors go as soon as Ray sees their owner, the driver,
+        os.kill(proc.pid, signal.SIGKILL)  # gone
         assert proc.wait(timeout=60) == -signal.SIGKILL
     killed = read_jsonl(metrics)
     assert [r["step"] for r in killed] == [1, 2, 3], killed
     assert any("uvicorn" in c and "prefect.server" in c for c in names.values()), names  # the test saw the server
     assert any("run_guard" in c for c in names.values()), names
     assert any("ray::PolicyWorker" in names[p.pid] for p in ray_processes), [names[p.pid] for p in ray_processes]
-    left: dict[int, str] = {}
-    deadline = time.monotonic() + 120  # the guard and the cluster's watchdog notice within their polls, then stop
-    while time.monotonic() < deadline:
-        left = {p.pid: names.get(p.pid, "?") for p in [*started.values(), *ray_processes] if _alive(p)}
-        if not left:
-            break
-        time.sleep(0.5)
+    left = seen.left_running(120)  # the guard and the cluster's watchdog notice within their polls, then stop
     assert not left, f"left running after kill -9 of `kimi run`: {left}"
     train = json.loads((run_dir / "summary.json").read_text())["stages"]["train"]
     assert train["status"] == "failed" and train.get("interrupted") is True, train
