@@ -35,27 +35,13 @@ from kimi_pipeline.rl.actor_layout import (
     rollout_manager_options,
     trainer_options,
 )
+from kimi_pipeline.rl.stand_in import StandIn
 from kimi_pipeline.util.files import atomic_write_json, atomic_write_text
 from kimi_pipeline.util.redact import ray_worker_setup
 
 log = logging.getLogger(__name__)
 
 NODE_RESOURCE = "node_{}"  # the simulated node index, as cluster/lifecycle.py names it
-
-
-class StandIn:
-    """A trainer rank, engine node or the rollout manager with the real actor's options; it only reports where
-    it landed."""
-
-    def __init__(self, role: str):
-        self.role = role
-
-    def report(self) -> dict[str, Any]:
-        ctx = ray.get_runtime_context()
-        keep = ("CUDA_VISIBLE_DEVICES", "NCCL_TIMEOUT", "CUDA_DEVICE_MAX_CONNECTIONS", "OMP_NUM_THREADS",
-                "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES")
-        return {"actor": self.role, "node_id": ctx.get_node_id(), "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
-                "env": {k: os.environ[k] for k in keep if k in os.environ}}
 
 
 def simulated_cluster(recipe: Recipe, work_dir: Path):
