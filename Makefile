@@ -69,8 +69,9 @@ browser:
 TEST_WORKERS ?= 2
 XDIST = $(if $(filter 0,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
+# --cpu-report: after the 25 slowest tests, the session's CPU by kind of process (tests/support/cpu_report.py).
 test: install browser sglang-parser
-	KIMI_SGLANG_PARSER_PATH=$(CURDIR)/$(SGLANG_PARSER) $(BIN)/python -m pytest $(XDIST) $(ARGS)
+	KIMI_SGLANG_PARSER_PATH=$(CURDIR)/$(SGLANG_PARSER) $(BIN)/python -m pytest $(XDIST) --cpu-report $(ARGS)
 
 # The inner loop while developing: the unit tests and the integration tests of a few seconds each (those that start
 # clusters, many processes, served runs or the tiny run are marked `slow`); `make test` runs everything, as CI does.

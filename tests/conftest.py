@@ -19,6 +19,7 @@ from kimi_pipeline.engine.key import KEY_FILE_VAR, KEY_VAR
 from kimi_pipeline.util.prefect_env import configure_prefect_env
 from kimi_pipeline.util.threads import usable_cpus
 from support.common import TINY
+from support.cpu_report import CpuSampler
 
 # Several xdist workers share the box: each worker, and every process its tests start (runs, Ray actors, ranks),
 # computes on its share of the cores (`OMP_NUM_THREADS`, which the pipeline honours: util/threads.py:cpu_threads).
@@ -67,6 +68,15 @@ def tiny_copy(tmp_path: Path) -> Path:
     return dst
 
 
+_CPU_SAMPLER = pytest.StashKey[CpuSampler]()
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """`--cpu-report`: the sampler runs in the controller only (xdist workers are among what it measures)."""
+    if session.config.getoption("--cpu-report") and not hasattr(session.config, "workerinput"):
+        session.config.stash[_CPU_SAMPLER] = CpuSampler().start()
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Stop Prefect's default ephemeral server (one a test's trailing log or event flush started) while pytest's
     captured streams are still open: Prefect's own atexit stop logs to the captured stderr its console handler
@@ -105,6 +115,9 @@ HEAVIEST_FIRST = (
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--cpu-report", action="store_true",
+                     help="print the session's CPU by kind of process at the end (support/cpu_report.py): Ray's "
+                          "daemons, each actor class, weight-job ranks, kimi commands, Prefect servers, pytest workers")
     parser.addoption("--test-order", default="default", metavar="ORDER",
                      help="default | reversed (files in reverse, each file's tests in reverse) | shuffle:SEED (files "
                           "and the tests in each shuffled): proves no test depends on another having run first")
@@ -160,4 +173,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     others_part = f"{len(others)} — " + "; ".join(f"{nodeid} ({why})" for nodeid, why in others.items()) \
         if others else "none"
     terminalreporter.write_line(f"skipped: {len(gpu) + len(others)} ({gpu_part}); others: {others_part}")
+    sampler = config.stash.get(_CPU_SAMPLER, None)
+    if sampler is not None:
+        sampler.stop()
+        for line in sampler.table():
+            terminalreporter.write_line(line)
     return result

@@ -48,7 +48,10 @@ class NodeSpec:
     num_gpus: int | None = None
     resources: dict[str, float] = field(default_factory=dict)
     object_store_bytes: int | None = None
-    log_monitor: bool = True  # simulated nodes share the head's log directory: one monitor is enough
+    # Ray's log monitor streams the workers' output to drivers that ask (`ray.init(log_to_driver=True)`); the run's
+    # own drivers never do (their actors log into the run dir), so only a cluster kept for users' drivers runs one,
+    # on its head (simulated nodes share the head's log directory)
+    log_monitor: bool = True
 
     def args(self) -> list[str]:
         out: list[str] = [] if self.log_monitor else ["--include-log-monitor", "false"]

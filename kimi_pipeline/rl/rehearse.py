@@ -54,7 +54,7 @@ def simulated_cluster(recipe: Recipe, work_dir: Path):
     gpus = cluster.gpus_per_node if cluster.device == "cuda" else 0
     cpus = max(cluster.gpus_per_node, 1) + 1  # the bundle's CPUs + one for the node's stand-in bookkeeping
     specs = [NodeSpec(num_cpus=cpus, num_gpus=gpus, resources={NODE_RESOURCE.format(i): 1.0},
-                      object_store_bytes=80 * 1024 * 1024, log_monitor=i == 0) for i in range(cluster.nodes)]
+                      object_store_bytes=80 * 1024 * 1024, log_monitor=False) for i in range(cluster.nodes)]
     return LocalCluster.start(work_dir, specs[0], specs[1:])
 
 

@@ -406,6 +406,8 @@ def test_the_one_host_cluster_listens_on_loopback_only(embedded):
     # later: seen in one run of this test, not in another, so it is checked with the rest when present, not waited for)
     for process in ("gcs_server", "raylet", "dashboard.py", "ray.util.client.server"):
         assert process in commands, (process, found)
+    # no log monitor: the run's drivers never stream the workers' output (`NodeSpec.log_monitor`)
+    assert not [p for p in cluster.processes() if "log_monitor.py" in " ".join(p.cmdline())]
     assert [x for x in found if not x.loopback] == []
     with pytest.raises(ClusterConfigError, match="loopback"):
         cluster._start_worker(NodeSpec(num_cpus=1, num_gpus=0), 1, 60)

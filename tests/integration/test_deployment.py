@@ -33,7 +33,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from support.common import REPRODUCIBLE, ROOT, assert_same_rows, stable_row
+from support.common import ONE_NODE_WEIGHT_JOBS, REPRODUCIBLE, ROOT, assert_same_rows, stable_row
 
 sys.path.insert(0, str(ROOT))
 
@@ -52,9 +52,10 @@ from support.webhook_server import wait_for, webhook_receiver  # noqa: E402
 pytestmark = pytest.mark.slow
 
 BIN = Path(sys.executable).parent
+# The served runs prove the deployment (queueing, caches, retries, secrets, the UI), not the weight jobs' layout.
 SHORT = ["rollout.num_rollout=4", "eval.interval=2", "checkpoint.save_interval=2", "rollout.rollout_batch_size=16",
          "rollout.over_sampling_batch_size=32", "eval.n_samples_per_prompt=4", "quant.int4_qat=true",
-         *REPRODUCIBLE]  # run c's metrics are compared bit for bit with run a's
+         *ONE_NODE_WEIGHT_JOBS, *REPRODUCIBLE]  # run c's metrics are compared bit for bit with run a's
 HF_SENTINEL = "hf_SentinelTokenKimiG7x2Qw9ZpL4"
 WANDB_SENTINEL = "wandbSentinelKey-93f1c07a5e"
 STAGES = ("download", "validate", "convert", "cluster", "train", "export")
@@ -335,7 +336,7 @@ def test_deployment_run_watch_completes_and_a_queued_second_run_hits_the_caches(
 
 def check_summary_contract(run_dir: Path, s: dict) -> None:
     """Every section automation reads, with the keys the issues name, plus the plots summary.md links."""
-    assert s["convert"]["verified"] is True and s["convert"]["max_abs_diff"] == 0.0 and s["convert"]["nodes"] == 4
+    assert s["convert"]["verified"] is True and s["convert"]["max_abs_diff"] == 0.0 and s["convert"]["nodes"] == 1
     assert s["cluster"]["nodes"] == 1 and s["cluster"]["address"] and s["cluster"]["cpus"] >= 1
     assert s["train"]["checkpoint"].endswith("iter_0000004")
     assert isinstance(s["train"]["reward_first"], float) and isinstance(s["train"]["reward_last"], float)

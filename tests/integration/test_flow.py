@@ -7,7 +7,7 @@ import json
 import sys
 
 import pytest
-from support.common import ROOT, tiny_overrides
+from support.common import ONE_NODE_WEIGHT_JOBS, ROOT, tiny_overrides
 
 pytestmark = pytest.mark.slow  # `make test-fast` leaves it out: Prefect flows over a tiny run (~15 s of set-up)
 
@@ -40,7 +40,7 @@ def run(run_dir, overrides, until="convert"):
 
 @pytest.mark.slow
 def test_flow_summary_cache_hit_and_miss(tmp_path, tiny_copy):
-    overrides = tiny_overrides(tiny_copy)
+    overrides = tiny_overrides(tiny_copy) + ONE_NODE_WEIGHT_JOBS  # the caches' claim, not the conversion's layout
     run_dir = tmp_path / "run"
     first = run(run_dir, overrides)
     assert first.is_completed(), first

@@ -34,4 +34,7 @@ def test_kimi_run_on_tiny_learns_and_shows_progress_live(tmp_path):
     assert summary["export"]["published"] and served["step"] == recipe.rollout.num_rollout, served
     assert served["drop"] <= served["max_drop"] == recipe.export.max_eval_drop, served
     assert summary["validate"]["contamination"]["overlap"] == 0
+    # the shipped recipe's conversion: 4 rendezvous agents, verified exact (the served deployment runs use one node)
+    assert summary["convert"]["nodes"] == recipe.convert.nodes == 4 and summary["convert"]["verified"] is True
+    assert summary["convert"]["max_abs_diff"] == 0.0
     assert json.loads((run_dir / "validate" / "report.json").read_text())["eval"]["rows"] >= 64
