@@ -25,8 +25,10 @@ from pathlib import Path
 PROC = Path("/proc")
 TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
+_RAY_BINARIES = {"gcs_server": "ray gcs_server", "raylet": "ray raylet"}  # by executable: Ray's Python processes
+# name the raylet's socket (`--raylet-name=.../raylet`) on their command lines
 _RAY_DAEMONS = (
-    ("/gcs_server ", "ray gcs_server"), ("/raylet ", "ray raylet"), ("dashboard/agent.py", "ray dashboard agent"),
+    ("dashboard/agent.py", "ray dashboard agent"),
     ("ray::DashboardAgent", "ray dashboard agent"), ("runtime_env/agent", "ray runtime-env agent"),
     ("ray::RuntimeEnvAgent", "ray runtime-env agent"), ("log_monitor.py", "ray log monitor"),
     ("dashboard/dashboard.py", "ray dashboard"), ("ray.util.client.server", "ray client server"),
@@ -38,6 +40,9 @@ _RAY_DAEMONS = (
 def kind(cmdline: str) -> str:
     """The kind of process a command line is, at the grain the suite's cost is decided: Ray actors by class, our
     modules by module and verb, Prefect's API servers apart from its CLI."""
+    argv0 = cmdline.split()[0] if cmdline.strip() else ""
+    if os.path.basename(argv0) in _RAY_BINARIES:
+        return _RAY_BINARIES[os.path.basename(argv0)]
     for needle, name in _RAY_DAEMONS:
         if needle in cmdline:
             return name
@@ -57,7 +62,6 @@ def kind(cmdline: str) -> str:
     m = re.search(r"-m (prefect[\w.]*)(?: ([a-z][\w-]*))?", cmdline)
     if m:
         return f"{m.group(1)} {m.group(2) or ''}".strip()
-    argv0 = cmdline.split()[0] if cmdline.strip() else ""
     if re.search(r"-m pip\b|pip-build-env|/pip\s|pip-[\d.]+-py3", cmdline):
         return "pip"
     if "chrom" in os.path.basename(argv0):
