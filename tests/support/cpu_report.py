@@ -41,8 +41,9 @@ def kind(cmdline: str) -> str:
     """The kind of process a command line is, at the grain the suite's cost is decided: Ray actors by class, our
     modules by module and verb, Prefect's API servers apart from its CLI."""
     argv0 = cmdline.split()[0] if cmdline.strip() else ""
-    if os.path.basename(argv0) in _RAY_BINARIES:
-        return _RAY_BINARIES[os.path.basename(argv0)]
+    program = os.path.basename(argv0)
+    if program in _RAY_BINARIES:
+        return _RAY_BINARIES[program]
     for needle, name in _RAY_DAEMONS:
         if needle in cmdline:
             return name
@@ -64,12 +65,12 @@ def kind(cmdline: str) -> str:
         return f"{m.group(1)} {m.group(2) or ''}".strip()
     if re.search(r"-m pip\b|pip-build-env|/pip\s|pip-[\d.]+-py3", cmdline):
         return "pip"
-    if "chrom" in os.path.basename(argv0):
+    if "chrom" in program:
         return "chromium"
     m = re.search(r"python[\d.]*\s+(?:-\S+\s+)*(-m \S+|\S+\.py)", cmdline)
     if m:
         return "python " + m.group(1)
-    return os.path.basename(argv0) or "?"
+    return program or "?"
 
 
 def busy_seconds() -> float:
@@ -159,13 +160,17 @@ class CpuSampler:
         busy = busy_seconds() - self._busy0
         wall = time.monotonic() - self._t0
         held = sum(cpu.values())
+        shown = cpu.most_common(top)
+
+        def row(seconds: float, what: str) -> str:
+            return f"{seconds:9.1f} s {100 * seconds / max(busy, 1e-9):5.1f} %  {what}"
+
         lines = [f"CPU by kind of process ({wall:.0f} s wall, {busy:.0f} CPU-s busy on {os.cpu_count()} cores, "
                  f"sampled every {self.interval_s:g} s):"]
-        for name, seconds in cpu.most_common(top):
-            lines.append(f"{seconds:9.1f} s {100 * seconds / max(busy, 1e-9):5.1f} %  {count[name]:5d} x  {name}")
-        rest = held - sum(s for _, s in cpu.most_common(top))
+        lines += [row(seconds, f"{count[name]:5d} x  {name}") for name, seconds in shown]
+        rest = held - sum(seconds for _, seconds in shown)
         if rest > 0:
-            lines.append(f"{rest:9.1f} s {100 * rest / max(busy, 1e-9):5.1f} %         the other kinds")
-        lines.append(f"{max(busy - held, 0.0):9.1f} s {100 * max(busy - held, 0.0) / max(busy, 1e-9):5.1f} %  "
-                     f"       not seen (processes shorter than {self.interval_s:g} s, and the kernel)")
+            lines.append(row(rest, "       the other kinds"))
+        lines.append(row(max(busy - held, 0.0), f"       not seen (processes shorter than {self.interval_s:g} s, "
+                                                "and the kernel)"))
         return lines
