@@ -28,9 +28,9 @@ from typing import Any, TypeVar
 
 from kimi_pipeline.cluster.cluster_errors import ClusterConfigError, ClusterError, RayStartTimedOut
 from kimi_pipeline.cluster.env import SINGLE_HOST_VAR, choose_temp_dir, gcs_reachable, loopback_env, ray_env
-from kimi_pipeline.cluster.procs import MARKER_VAR, cluster_processes, stop_processes
+from kimi_pipeline.cluster.procs import MARKER_VAR, cluster_processes, stop_cluster_processes
 from kimi_pipeline.util.files import atomic_write_json
-from kimi_pipeline.util.net import LOOPBACK, free_port
+from kimi_pipeline.util.net import LOOPBACK, free_port, free_ports
 from kimi_pipeline.util.secret_env import without_secrets
 
 T = TypeVar("T")
@@ -190,7 +190,7 @@ class LocalCluster:
                 raise ClusterError(f"`ray start` ({log_name}) did not finish in {timeout_s:.0f} s; see {log_path}") from None
         text = log_path.read_text(errors="replace")
         if rc != 0 and "timed out during startup" in text:
-            stop_processes(cluster_processes(None, [proc.pid]))  # what this start left behind, not the cluster
+            stop_cluster_processes(None, [proc.pid])  # what this start left behind, not the cluster
             raise RayStartTimedOut(f"`ray start` ({log_name}): its raylet did not register in Ray's 30 s; "
                                    f"see {log_path}")
         if rc != 0:
@@ -202,13 +202,14 @@ class LocalCluster:
         t0 = time.monotonic()
 
         def start() -> tuple[str, int]:
-            dash_port = free_port()  # fresh ports on each attempt: a port taken meanwhile may be why one failed
+            # fresh ports on each attempt (a port taken meanwhile may be why one failed), distinct within it
+            dash_port, client_port, agent_port = free_ports(3)
             args = [
                 "--head", "--port", "0", *(["--node-ip-address", LOOPBACK] if self.loopback else []),
                 "--include-dashboard", "true" if dashboard else "false",
                 "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash_port),
-                "--ray-client-server-port", str(free_port()),
-                "--dashboard-agent-listen-port", str(free_port()),
+                "--ray-client-server-port", str(client_port),
+                "--dashboard-agent-listen-port", str(agent_port),
                 *head.args(),
             ]
             env_extra = loopback_env() if self.loopback else None
@@ -263,12 +264,11 @@ class LocalCluster:
     def stop(self, grace_s: float = 5.0) -> dict[str, Any]:
         """Stop every process of this cluster (and only those); idempotent."""
         t0 = time.monotonic()
-        procs = self.processes()
-        counts = stop_processes(procs, grace_s=grace_s)
+        counts = stop_cluster_processes(self.state["marker"], self.state.get("sids", []), grace_s=grace_s)
         self._collect_logs()
         self.state["stopped_at"] = time.time()
         self.save()
-        report = {"processes": len(procs), **counts, "seconds": round(time.monotonic() - t0, 2)}
+        report = {**counts, "seconds": round(time.monotonic() - t0, 2)}
         log.info("stopped embedded Ray cluster %s: %s", self.address, report)
         return report
 

@@ -16,6 +16,20 @@ def free_port(host: str = LOOPBACK) -> int:
         return s.getsockname()[1]
 
 
+def free_ports(n: int, host: str = LOOPBACK) -> list[int]:
+    """`n` distinct unused TCP ports on `host`, for one server that takes several (a Ray head: dashboard, client
+    server, agent). All n are held open until each is chosen: `free_port()` n times can hand the same port twice
+    (seen: Ray refused a head whose dashboard and client server got one port)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 NODE_ADDRESS = "<node-ip>"  # a bind host meaning "this node's cluster address", resolved where the server starts
 
 

@@ -20,7 +20,7 @@ import psutil
 import pytest
 
 from kimi_pipeline import stages
-from kimi_pipeline.cluster.env import SOCKET_PATH_MAX, SOCKET_PATH_TAIL, choose_temp_dir
+from kimi_pipeline.cluster.env import SINGLE_HOST_VAR, SOCKET_PATH_MAX, SOCKET_PATH_TAIL, choose_temp_dir
 from kimi_pipeline.cluster.cluster_errors import ClusterConfigError, ClusterHealthError, LocalClusterTooSmall, PlacementError
 from kimi_pipeline.cluster.readiness import ClusterFacts, NodeFacts, Requirements, wait_until_healthy
 from kimi_pipeline.cluster.kuberay import check_manifest, manifest_presets, render_manifest
@@ -613,17 +613,18 @@ def test_infra_scripts_start_a_head_and_a_worker():
     on the "shared" BASE_DIR; checked from a separate driver process; stopped by marker, not `ray stop`."""
     from ray._private.services import get_node_ip_address
 
-    from kimi_pipeline.cluster.procs import stop_processes
-    from kimi_pipeline.util.net import free_port
+    from kimi_pipeline.cluster.procs import stop_cluster_processes
+    from kimi_pipeline.util.net import free_ports
 
     base = short_run_dir("infra")
     marker = f"infra-{os.getpid()}"
-    port = free_port()
+    port, dashboard, client, head_agent, worker_agent = free_ports(5)  # distinct: Ray refuses one port twice
     env = dict(os.environ, MASTER_ADDR=get_node_ip_address(), BASE_DIR=str(base), GPUS_PER_NODE="0", NUM_CPUS="1",
-               RAY_PORT=str(port), DASHBOARD_PORT=str(free_port()), RAY_TMPDIR=str(base / "tmp"), RAY_AUTH_MODE="token",
+               RAY_PORT=str(port), DASHBOARD_PORT=str(dashboard), RAY_TMPDIR=str(base / "tmp"), RAY_AUTH_MODE="token",
                **{MARKER_VAR: marker})
     env.pop("RAY_AUTH_TOKEN_PATH", None)
     env.pop("RAY_AUTH_TOKEN", None)
+    env.pop(SINGLE_HOST_VAR, None)  # left by a loopback cluster's driver in this process; a node's shell has none
     sids: list[int] = []
     names: dict[int, str] = {}
 
@@ -636,10 +637,10 @@ def test_infra_scripts_start_a_head_and_a_worker():
         return out
 
     try:
-        out = run("head.sh", f"--ray-client-server-port {free_port()} --dashboard-agent-listen-port {free_port()}")
+        out = run("head.sh", f"--ray-client-server-port {client} --dashboard-agent-listen-port {head_agent}")
         token = base / ".ray" / "auth_token"
         assert "created the cluster token" in out and oct(token.stat().st_mode & 0o777) == "0o600"
-        run("worker.sh", f"--dashboard-agent-listen-port {free_port()}")
+        run("worker.sh", f"--dashboard-agent-listen-port {worker_agent}")
         names = {p.pid: p.name() for p in cluster_processes(marker, sids)}
         assert list(names.values()).count("raylet") == 2
         probe = (
@@ -651,7 +652,7 @@ def test_infra_scripts_start_a_head_and_a_worker():
                                capture_output=True, text=True, timeout=120)
         assert "NODES 2 2.60.0" in check.stdout, check.stdout[-2000:] + check.stderr[-2000:]
     finally:
-        assert stop_processes(cluster_processes(marker, sids))["left"] == 0
+        assert stop_cluster_processes(marker, sids)["left"] == 0
     assert ray_processes_alive(names) == []
 
 

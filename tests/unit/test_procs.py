@@ -1,0 +1,69 @@
+"""Stopping a cluster's processes when one of them starts a child while it is being stopped (CI saw Ray's dashboard
+spawn its MetricsHead module during `kimi cluster down`; the child outlived the listing and its parent)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+
+import psutil
+
+from kimi_pipeline.cluster.procs import MARKER_VAR, cluster_processes, stop_cluster_processes, stop_processes
+
+# On SIGTERM it starts a sleeping child (inheriting the marker), says so on stdout, and exits.
+SPAWNS_ON_TERM = """
+import signal, subprocess, sys, time
+def on_term(*_):
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    print(child.pid, flush=True)
+    sys.exit(0)
+signal.signal(signal.SIGTERM, on_term)
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def _start(marker: str) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", SPAWNS_ON_TERM], env={**os.environ, MARKER_VAR: marker},
+                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+    assert proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+def _kill_marked(marker: str) -> None:
+    for p in cluster_processes(marker):
+        p.kill()
+
+
+def test_one_pass_leaves_a_child_started_during_the_stop():
+    """The cause: one listing, one stop; the child started in the SIGTERM handler is not in the listing."""
+    marker = f"procs-{uuid.uuid4().hex}"
+    proc = _start(marker)
+    try:
+        counts = stop_processes(cluster_processes(marker), grace_s=5.0)
+        assert counts["left"] == 0  # what was listed is gone
+        child = int(proc.stdout.readline())
+        proc.wait(timeout=10)
+        assert [p.pid for p in cluster_processes(marker)] == [child]
+    finally:
+        _kill_marked(marker)
+
+
+def test_stopping_a_cluster_looks_again_until_nothing_is_left():
+    marker = f"procs-{uuid.uuid4().hex}"
+    proc = _start(marker)
+    try:
+        counts = stop_cluster_processes(marker, grace_s=5.0)
+        child = int(proc.stdout.readline())
+        proc.wait(timeout=10)
+        assert counts["left"] == 0 and counts["processes"] == 2, counts
+        deadline = time.monotonic() + 5
+        while psutil.pid_exists(child) and psutil.Process(child).status() != psutil.STATUS_ZOMBIE:
+            assert time.monotonic() < deadline, f"child {child} still runs"
+            time.sleep(0.05)
+        assert cluster_processes(marker) == []
+    finally:
+        _kill_marked(marker)
