@@ -66,7 +66,7 @@ def short_run_dir(name: str) -> Path:
 @pytest.fixture(scope="module", autouse=True)
 def _ray_hygiene():
     """Restore the env vars the stage exports, and stop any cluster a failed test left running."""
-    saved = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_USAGE_STATS_ENABLED")}
+    saved = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_USAGE_STATS_ENABLED", SINGLE_HOST_VAR)}
     yield
     import ray
 
