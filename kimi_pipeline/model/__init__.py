@@ -4,3 +4,9 @@ torch_dist checkpoints (`megatron_train`, `checkpoint_dirs`, `checkpoint_manifes
 (`parallel`, `context_parallel`, `vocab_parallel`), colocated offload (`offload`) and the HF side (`hf_model`,
 `hf_config`, `tokenizer`); `params` counts parameters for `kimi plan`. No entry of its own: `rl.policy.PolicyWorker`
 trains with it, `convert` and `weight_sync` load through it."""
+
+from kimi_pipeline.model.megatron_import import eager_fused_functions_when_dynamo_is_off
+
+# Before megatron can be imported through this package (every megatron import of ours is below it): megatron's fused
+# functions without torch.compile's wrappers where dynamo is off (megatron_import: 2.2 CPU-s of imports a process).
+eager_fused_functions_when_dynamo_is_off()

@@ -13,6 +13,9 @@ the module attribute it replaces, why, and the one cause it exists for:
 - `CPU`        tensors live on the CPU: `torch.cuda.*` stand-ins, the CPU RNG, CUDA tensor-type names, CPU
   speed paths.
 
+One switch runs before megatron imports and so cannot be a row here: where dynamo is off, megatron's own
+`disable_jit_fuser()` as its jit module loads (`megatron_import`, installed by `kimi_pipeline.model`).
+
 `compat_causes(device, backend)` says which causes hold for a process and `apply_compat` applies exactly their
 rows (restoring any row whose cause no longer holds), so a TE-less GPU runs the TE-less rows the CPU tests
 run, and no CPU row ever reaches a GPU. `tests/integration/test_megatron_model.py` checks that every target
@@ -34,6 +37,7 @@ from typing import Any
 import torch
 
 from kimi_pipeline.model import host_syncs
+from kimi_pipeline.model.megatron_import import eager_fused_functions_when_dynamo_is_off
 
 MEGATRON_CORE_VERSION = "0.16.1"
 
@@ -685,6 +689,7 @@ def apply_compat(device: torch.device | str, backend: str | None = None) -> list
     if CPU in causes:
         for key, value in CPU_ENV.items():
             os.environ.setdefault(key, value)
+        eager_fused_functions_when_dynamo_is_off()  # a process that had not set it before importing this package
     for name, patch in list(_applied.items()):
         if patch.cause not in causes:
             owner, leaf, _ = _resolve(patch)

@@ -4,6 +4,7 @@ gloo runs (TP2 x EP2 against one process, torch_dist resharding 1 -> TP2xEP2 -> 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -115,6 +116,38 @@ def test_a_gpu_process_gets_no_cpu_row_and_keeps_the_te_less_ones():
     finally:
         assert megatron_compat.apply_compat(CPU, "gloo") == cpu_set
     assert torch.cuda.current_device() == torch.device("cpu")
+
+
+EAGER_PROBE = """
+import sys
+import kimi_pipeline.model.megatron_model  # megatron imported through our package, as every rank and actor does
+import megatron.core.jit as jit
+from megatron.core.fusions import fused_bias_swiglu
+import torch
+y, b = torch.randn(3, 8), torch.randn(8)
+same = torch.equal(fused_bias_swiglu.bias_swiglu_impl(y, b), torch.nn.functional.silu((y + b)[:, :4]) * (y + b)[:, 4:])
+print(jit.jit_fuser.__name__, fused_bias_swiglu.bias_swiglu.__name__, "torch._dynamo" in sys.modules, same)
+"""
+
+
+def test_with_dynamo_off_megatrons_fused_functions_run_eagerly_without_importing_dynamo(monkeypatch):
+    """TORCHDYNAMO_DISABLE=1 (every CPU rank and actor): megatron's fuser is its own no-op decorator from its first
+    import (model/megatron_import.py), so its fused functions are plain functions computing the same, and torch._dynamo
+    is never imported; without it (a GPU process) nothing is installed and megatron keeps torch.compile."""
+    import subprocess
+    import sys
+
+    from kimi_pipeline.model import megatron_import
+
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", EAGER_PROBE], capture_output=True, text=True,
+                         env={**os.environ, "TORCHDYNAMO_DISABLE": "1"}, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["noop_decorator", "bias_swiglu", "False", "True"], out.stdout
+    monkeypatch.delenv("TORCHDYNAMO_DISABLE", raising=False)
+    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
+    monkeypatch.delitem(sys.modules, megatron_import.JIT_MODULE, raising=False)
+    assert megatron_import.eager_fused_functions_when_dynamo_is_off() is False
+    assert not any(type(f).__name__ == "_EagerJitFuser" for f in sys.meta_path)
 
 
 # --------------------------------------------------------------------------- layouts
