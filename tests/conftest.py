@@ -20,6 +20,7 @@ from kimi_pipeline.util.prefect_env import configure_prefect_env
 from kimi_pipeline.util.threads import usable_cpus
 from support.common import TINY
 from support.cpu_report import CpuSampler
+from support.prefect_home import remove_template, template_dir
 
 # Several xdist workers share the box: each worker, and every process its tests start (runs, Ray actors, ranks),
 # computes on its share of the cores (`OMP_NUM_THREADS`, which the pipeline honours: util/threads.py:cpu_threads).
@@ -35,6 +36,7 @@ os.environ["PREFECT_HOME"] = _HOME
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ["DO_NOT_TRACK"] = "1"
 os.environ.pop("PREFECT_API_URL", None)
+template_dir()  # named here, in the controller first: xdist workers inherit it and share one migrated database
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 configure_prefect_env()  # the same Prefect settings `kimi run` uses (ephemeral server start-up timeout among them)
 # SGLang's parser on CPU (`make sglang-parser`; `make test` sets this too): tests/integration/test_sglang.py
@@ -80,10 +82,13 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Stop Prefect's default ephemeral server (one a test's trailing log or event flush started) while pytest's
     captured streams are still open: Prefect's own atexit stop logs to the captured stderr its console handler
-    was bound to, after pytest has closed it, and prints a 'Logging error' traceback at the end of a green run."""
+    was bound to, after pytest has closed it, and prints a 'Logging error' traceback at the end of a green run.
+    The controller also removes the session's migrated Prefect database (support/prefect_home.py)."""
     server = sys.modules.get("prefect.server.api.server")  # absent: no test started Prefect (the GPU image has none)
     if server is not None:
         server.SubprocessASGIServer().stop()  # the default (port None) server; a no-op when none was started
+    if not hasattr(session.config, "workerinput"):
+        remove_template()  # every worker has ended
 
 
 # The suite's heaviest files, slowest first: seconds of each under two workers (a clean clone, 2-core Intel Xeon,

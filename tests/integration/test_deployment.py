@@ -47,6 +47,7 @@ from flows.serve import full_deployment, start_server  # noqa: E402
 from kimi_pipeline.cluster.local import LocalCluster  # noqa: E402
 from kimi_pipeline.report.metrics_log import read_jsonl  # noqa: E402
 from kimi_pipeline.util.net import free_port  # noqa: E402
+from support.prefect_home import migrated_home  # noqa: E402
 from support.webhook_server import wait_for, webhook_receiver  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -193,7 +194,7 @@ def served(tmp_path_factory):
                                                      "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR")}
     for d in wandb_dirs.values():
         d.mkdir(parents=True)
-    env = dict(os.environ, PREFECT_HOME=str(root / "prefect-home"), HF_TOKEN=HF_SENTINEL,
+    env = dict(os.environ, PREFECT_HOME=str(migrated_home(root / "prefect-home")), HF_TOKEN=HF_SENTINEL,
                WANDB_API_KEY=WANDB_SENTINEL, PREFECT_LOGGING_LEVEL="INFO", WANDB_MODE="offline", WANDB_SILENT="true",
                **{k: str(d) for k, d in wandb_dirs.items()})
     env.pop("PREFECT_API_URL", None)
@@ -461,7 +462,7 @@ def test_a_sigkilled_server_owner_leaves_no_server_behind(tmp_path):
     """kill -9 can't be handled, so the server (own session, for Ctrl-C ordering) dies with its owner."""
     code = ("import sys, time; from pathlib import Path; from flows.serve import start_server; "
             "s = start_server(0, home=Path(sys.argv[1])); print(s.port, s.process.pid, flush=True); time.sleep(600)")
-    owner = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "home")], stdout=subprocess.PIPE, text=True,
+    owner = subprocess.Popen([sys.executable, "-c", code, str(migrated_home(tmp_path / "home"))], stdout=subprocess.PIPE, text=True,
                              cwd=ROOT)
     try:
         port, server_pid = map(int, owner.stdout.readline().split())
@@ -485,7 +486,7 @@ def test_prefect_yaml_work_pool_worker_failure_notices_and_sigterm(tmp_path):
     """infra/prefect/setup.sh (work pool, cluster limit, failure Automation, `prefect deploy` of prefect.yaml)
     against a real server; worker.sh started as a background job runs a flow; a failing run is reported
     by the flow's hook and by the server-side Automation; SIGTERM stops the worker."""
-    server = start_server(port=0, home=tmp_path / "server-home")
+    server = start_server(port=0, home=migrated_home(tmp_path / "server-home"))
     worker = None
     try:
         with webhook_receiver() as (hook_url, received):

@@ -16,6 +16,7 @@ import psutil
 import pytest
 
 from kimi_pipeline.util.net import free_port
+from support.prefect_home import migrated_home
 
 pytestmark = pytest.mark.slow  # a Prefect server started and stopped (~30 s)
 
@@ -36,6 +37,7 @@ def test_the_shared_server_answers_only_with_the_api_auth_string(tmp_path):
     port = free_port()
     url = f"http://127.0.0.1:{port}/api"
     env = _env(tmp_path, KIMI_PREFECT_HOST="127.0.0.1", KIMI_PREFECT_PORT=str(port))
+    migrated_home(Path(env["PREFECT_HOME"]))  # its database at the schema already (support/prefect_home.py)
     with open(tmp_path / "server.log", "wb") as log:
         server = subprocess.Popen(["bash", str(INFRA / "server.sh")], env=env, stdout=log, stderr=subprocess.STDOUT,
                                   start_new_session=True)

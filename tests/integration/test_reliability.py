@@ -403,8 +403,10 @@ AGENT = "kimi_pipeline.weightjobs.agent"  # a conversion node's agent (torchrun'
 
 @pytest.fixture(scope="module")
 def prefect_home(tmp_path_factory) -> Path:
-    """One Prefect home for the kill tests: its database migrations run once."""
-    return tmp_path_factory.mktemp("prefect-home")
+    """One Prefect home for the kill tests, its database already migrated (support/prefect_home.py)."""
+    from support.prefect_home import migrated_home
+
+    return migrated_home(tmp_path_factory.mktemp("prefect-home"))
 
 
 @pytest.mark.slow
