@@ -3,6 +3,7 @@ tests/support/ (`pythonpath = ["tests"]` in pyproject.toml); unit/ and integrati
 
 from __future__ import annotations
 
+import atexit
 import os
 import random
 import secrets
@@ -33,6 +34,9 @@ if _WORKERS > 1:
 
 _HOME = tempfile.mkdtemp(prefix="kimi-test-prefect-")
 os.environ["PREFECT_HOME"] = _HOME
+# removed as this process exits: registered before Prefect is imported, so after Prefect's own exit handlers (atexit
+# runs last-registered first), which stop its ephemeral server and flush logs into this home
+atexit.register(shutil.rmtree, _HOME, ignore_errors=True)
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ["DO_NOT_TRACK"] = "1"
 os.environ.pop("PREFECT_API_URL", None)
