@@ -113,19 +113,17 @@ def stop_cluster_processes(marker: str | None, sids: Iterable[int] = (), grace_s
     """Stop every process of one cluster, looking again after each pass: a daemon can start a child between the
     listing and its own SIGTERM (seen in CI: the dashboard spawning its MetricsHead module and a multiprocessing
     helper while `kimi cluster down` stopped it), and that child outlives its parent. `processes` counts every
-    process stopped over all passes; `left` is what the last pass could not stop or what still appeared."""
+    process stopped over all passes; `left` is what is still there after the last pass."""
     total = {"processes": 0, "terminated": 0, "killed": 0, "left": 0}
     sids = list(sids)
     for _ in range(rounds):
         procs = cluster_processes(marker, sids)
         if not procs:
-            total["left"] = 0
             return total
         counts = stop_processes(procs, grace_s=grace_s)
         total["processes"] += len(procs)
         total["terminated"] += counts["terminated"]
         total["killed"] += counts["killed"]
-        total["left"] = counts["left"]
     total["left"] = len(cluster_processes(marker, sids))
     return total
 

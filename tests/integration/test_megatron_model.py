@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -134,9 +136,6 @@ def test_with_dynamo_off_megatrons_fused_functions_run_eagerly_without_importing
     """TORCHDYNAMO_DISABLE=1 (every CPU rank and actor): megatron's fuser is its own no-op decorator from its first
     import (model/megatron_import.py), so its fused functions are plain functions computing the same, and torch._dynamo
     is never imported; without it (a GPU process) nothing is installed and megatron keeps torch.compile."""
-    import subprocess
-    import sys
-
     from kimi_pipeline.model import megatron_import
 
     out = subprocess.run([sys.executable, "-W", "ignore", "-c", EAGER_PROBE], capture_output=True, text=True,

@@ -25,8 +25,9 @@ from pathlib import Path
 PROC = Path("/proc")
 TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
-_RAY_BINARIES = {"gcs_server": "ray gcs_server", "raylet": "ray raylet"}  # by executable: Ray's Python processes
-# name the raylet's socket (`--raylet-name=.../raylet`) on their command lines
+# Ray's native daemons by executable, not by text: Ray's Python processes name the raylet's socket
+# (`--raylet-name=.../raylet`) on their command lines
+_RAY_BINARIES = {"gcs_server": "ray gcs_server", "raylet": "ray raylet"}
 _RAY_DAEMONS = (
     ("dashboard/agent.py", "ray dashboard agent"),
     ("ray::DashboardAgent", "ray dashboard agent"), ("runtime_env/agent", "ray runtime-env agent"),

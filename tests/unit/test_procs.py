@@ -9,9 +9,13 @@ import sys
 import time
 import uuid
 
-import psutil
-
-from kimi_pipeline.cluster.procs import MARKER_VAR, cluster_processes, stop_cluster_processes, stop_processes
+from kimi_pipeline.cluster.procs import (
+    MARKER_VAR,
+    cluster_processes,
+    ray_processes_alive,
+    stop_cluster_processes,
+    stop_processes,
+)
 
 # On SIGTERM it starts a sleeping child (inheriting the marker), says so on stdout, and exits.
 SPAWNS_ON_TERM = """
@@ -61,7 +65,7 @@ def test_stopping_a_cluster_looks_again_until_nothing_is_left():
         proc.wait(timeout=10)
         assert counts["left"] == 0 and counts["processes"] == 2, counts
         deadline = time.monotonic() + 5
-        while psutil.pid_exists(child) and psutil.Process(child).status() != psutil.STATUS_ZOMBIE:
+        while ray_processes_alive([child]):
             assert time.monotonic() < deadline, f"child {child} still runs"
             time.sleep(0.05)
         assert cluster_processes(marker) == []
