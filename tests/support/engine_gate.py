@@ -38,11 +38,15 @@ def _hold_if_armed(gate: Path, point: str, seen: dict[tuple, int]) -> None:
     seen[key] = seen.get(key, 0) + 1
     if seen[key] < int(count):
         return
+    # The point is on disk, whole, before `held-<pid>` appears: the test's killer reads it as soon as it sees `held-`.
+    point_file, tmp = gate / f"point-{os.getpid()}", gate / f"point-{os.getpid()}.tmp"
+    tmp.write_text(f"{point} {count}")
+    tmp.rename(point_file)
     try:
         os.rename(arm, gate / f"held-{os.getpid()}")  # one taker
     except OSError:
+        point_file.unlink(missing_ok=True)
         return
-    (gate / f"point-{os.getpid()}").write_text(f"{point} {count}")
     while True:  # until the test's SIGKILL
         time.sleep(1)
 

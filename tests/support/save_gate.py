@@ -41,7 +41,9 @@ def install() -> None:
         if not arm.is_file():
             return
         if path.suffix == ".distcp" and path.parent.name == f"iter_{int(arm.read_text()):07d}.tmp":
-            (Path(gate) / f"held-{os.getpid()}").write_text(str(path))
+            tmp = Path(gate) / f"writing-{os.getpid()}"  # whole before `held-` appears: the test reads it at once
+            tmp.write_text(str(path))
+            tmp.rename(Path(gate) / f"held-{os.getpid()}")
             while True:  # until the test's SIGKILL
                 time.sleep(1)
 
