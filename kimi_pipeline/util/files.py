@@ -15,7 +15,9 @@ from typing import Any
 CHUNK = 8 * 1024 * 1024
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> Path:
+def atomic_write_bytes(path: Path, data: bytes, mode: int | None = None) -> Path:
+    """`mode`: the file's permission bits (set before the rename, so the file is never seen without them; the
+    default is mkstemp's 0o600)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -23,6 +25,8 @@ def atomic_write_bytes(path: Path, data: bytes) -> Path:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
+            if mode is not None:
+                os.fchmod(f.fileno(), mode)
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
@@ -31,8 +35,8 @@ def atomic_write_bytes(path: Path, data: bytes) -> Path:
     return path
 
 
-def atomic_write_text(path: Path, text: str) -> Path:
-    return atomic_write_bytes(path, text.encode("utf-8"))
+def atomic_write_text(path: Path, text: str, mode: int | None = None) -> Path:
+    return atomic_write_bytes(path, text.encode("utf-8"), mode)
 
 
 def atomic_write_json(path: Path, obj: Any) -> Path:

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from kimi_pipeline.model.device import JOB_DEVICE_ENV, LOCAL_DEVICE_BASE_ENV, cuda_device_count
+from kimi_pipeline.util.files import atomic_write_text
 from kimi_pipeline.util.lifetime import die_with_parent
 from kimi_pipeline.util.net import free_port
 from kimi_pipeline.util.secret_env import without_secrets
@@ -38,10 +39,9 @@ def launch_manual(command: NodeCommand, *, work_dir: str | Path, report_dir: str
         stale.unlink()
     text = command.scale_out(master_port)
     script = work_dir / f"{name}.run-on-every-node.sh"
-    script.write_text("#!/bin/sh\n# On every node of the job: NODE_RANK=0..%d, MASTER_ADDR=<node 0's address>, the\n"
-                      "# shared filesystem mounted at the same path, this environment's python on PATH.\n"
-                      "exec %s\n" % (nodes - 1, text))
-    script.chmod(0o755)
+    atomic_write_text(script, "#!/bin/sh\n# On every node of the job: NODE_RANK=0..%d, MASTER_ADDR=<node 0's address>, "
+                      "the\n# shared filesystem mounted at the same path, this environment's python on PATH.\n"
+                      "exec %s\n" % (nodes - 1, text), mode=0o755)  # whole and executable once it is there
     log.warning("%s: convert.launcher=manual: run on each of the %d nodes (NODE_RANK=0..%d, MASTER_ADDR=node 0):"
                 "\n  %s\nwaiting for %d ranks to report in %s", name, nodes, nodes - 1, text, world, report_dir)
     t0, noted = time.monotonic(), 0.0
