@@ -10,6 +10,7 @@ with the same metrics; EP2 across 2 trainer actors. Tests kill and inspect only 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -438,7 +439,8 @@ def _kill_held_engines(gate: Path, stop: threading.Event, killed: list[str]) -> 
             pid = int(held.name.split("-")[1])
             point = (gate / f"point-{pid}").read_text()
             os.kill(pid, signal.SIGKILL)
-            psutil.Process(pid).wait(30) if psutil.pid_exists(pid) else None
+            with contextlib.suppress(psutil.NoSuchProcess):  # its raylet may reap it before we look
+                psutil.Process(pid).wait(30)
             held.unlink()
             killed.append(point)
         stop.wait(0.02)
