@@ -48,6 +48,7 @@ from kimi_pipeline.cluster.local import LocalCluster  # noqa: E402
 from kimi_pipeline.report.metrics_log import read_jsonl  # noqa: E402
 from kimi_pipeline.util.net import free_port  # noqa: E402
 from support.prefect_home import migrated_home  # noqa: E402
+from support.processes import alive, cmdline  # noqa: E402
 from support.webhook_server import wait_for, webhook_receiver  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -276,7 +277,7 @@ def killed_run(served, run_a):
                                      + proc.stdout.read()[-3000:])
             time.sleep(0.2)
         cluster = LocalCluster.load(run_dir)
-        trainers = [p for p in cluster.processes() if "ray::PolicyWorker" in " ".join(p.cmdline())]
+        trainers = [p for p in cluster.processes() if "ray::PolicyWorker" in " ".join(cmdline(p))]
         assert trainers, "no PolicyWorker process in the run's Ray cluster"
         trainer_secrets = sorted(k for k in ("HF_TOKEN", "WANDB_API_KEY") if k in trainers[0].environ())
         with client(api) as c:
@@ -437,26 +438,12 @@ def test_secrets_never_reach_logs_artifacts_parameters_or_the_run_dir(served, ru
     print(f"searched {len(texts)} places ({len(logs)} log lines, {len(artifacts)} artifacts): no secret")
 
 
-def _cmdline(p: psutil.Process) -> list[str]:
-    try:
-        return p.cmdline()
-    except psutil.NoSuchProcess:  # exited since it was listed
-        return []
-
-
-def _alive(p: psutil.Process) -> bool:
-    try:
-        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
 @pytest.mark.timeout(SERVE_S + 90 + 30 + CHECKS_S)
 def test_kimi_serve_stops_cleanly_on_sigterm(served):
     proc = served["proc"]
     assert proc.poll() is None
     family = psutil.Process(proc.pid).children(recursive=True)  # the server (own session), flow-run leftovers
-    assert any("prefect" in " ".join(cmd) and "server" in cmd for cmd in map(_cmdline, family))
+    assert any("prefect" in " ".join(cmd) and "server" in cmd for cmd in map(cmdline, family))
     t0 = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     rc = proc.wait(timeout=90)
@@ -465,9 +452,9 @@ def test_kimi_serve_stops_cleanly_on_sigterm(served):
     with socket.socket() as s:
         assert s.connect_ex(("127.0.0.1", served["port"])) != 0  # the server is gone
     deadline = time.monotonic() + 30
-    while (left := [p for p in family if _alive(p)]) and time.monotonic() < deadline:
+    while (left := [p for p in family if alive(p)]) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert not left, [_cmdline(p) for p in left]
+    assert not left, [cmdline(p) for p in left]
     print(f"kimi serve stopped {seconds:.1f} s after SIGTERM")
 
 

@@ -35,6 +35,7 @@ from pathlib import Path
 import psutil
 import pytest
 from support.common import ROOT, tiny_overrides, train_recipe
+from support.processes import alive, cmdline
 from support.webhook_server import webhook_receiver
 
 sys.path.insert(0, str(ROOT))
@@ -214,10 +215,10 @@ def test_ray_node_lost_during_train_fails_clearly_and_the_retry_resumes(tmp_path
         def lose_node(row: dict) -> None:
             if row["step"] != 2:
                 return
-            raylet = next(p for p in cluster.processes() if p.name() == "raylet"
-                          and any(a == f"--node_id={extra}" for a in p.cmdline()))
+            raylet = next(p for p in cluster.processes() if any(a == f"--node_id={extra}" for a in cmdline(p))
+                          and p.name() == "raylet")
             victims = [raylet, *raylet.children(recursive=True)]
-            titles = [" ".join(p.cmdline()) for p in victims]
+            titles = [" ".join(cmdline(p)) for p in victims]
             lost["actors"] = sorted(c for c in ("PolicyWorker", "EmbeddedEngine") for t in titles if f"ray::{c}" in t)
             for p in victims:
                 p.kill()
@@ -479,14 +480,14 @@ class _Started:
     def add(self, procs: list[psutil.Process]) -> None:
         for p in procs:
             self.processes.setdefault(p.pid, p)
-            if line := _cmdline(p):
+            if line := cmdline(p):
                 self.names[p.pid] = " ".join(line)[:200]
 
     def left_running(self, within_s: float) -> dict[int, str]:
         """Those still running after up to `within_s` seconds of waiting for them to go (empty: all gone)."""
         deadline = time.monotonic() + within_s
         while True:
-            left = {pid: self.names.get(pid, "?") for pid, p in self.processes.items() if _alive(p)}
+            left = {pid: self.names.get(pid, "?") for pid, p in self.processes.items() if alive(p)}
             if not left or time.monotonic() > deadline:
                 return left
             time.sleep(0.5)
@@ -521,20 +522,6 @@ def _summary_or_empty(run_dir: Path) -> dict:
         return json.loads((run_dir / "summary.json").read_text())
     except (OSError, ValueError):
         return {}
-
-
-def _cmdline(p: psutil.Process) -> list[str]:
-    try:
-        return p.cmdline()
-    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-        return []
-
-
-def _alive(p: psutil.Process) -> bool:
-    try:
-        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 @pytest.mark.slow
@@ -572,7 +559,7 @@ def test_ray_head_lost_during_train_fails_naming_it_and_a_re_run_resumes(tmp_pat
     assert summary["stages"]["train"]["status"] == "failed" and named in summary["stages"]["train"]["error"]
     assert named in (run_dir / "FAILED.md").read_text()
     left = LocalCluster.load(run_dir).processes()
-    assert left == [], [" ".join(_cmdline(p)) for p in left]
+    assert left == [], [" ".join(cmdline(p)) for p in left]
     before = read_jsonl(run_dir / "train" / "metrics.jsonl")
     assert [r["step"] for r in before][:2] == [1, 2], before
     fail_s = time.monotonic() - killed_at

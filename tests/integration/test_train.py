@@ -36,6 +36,7 @@ from support.common import (
     train_recipe,
 )
 from support.learning import read_summary
+from support.processes import cmdline
 from support.save_gate import GATE_ENV
 
 pytestmark = pytest.mark.slow
@@ -601,14 +602,7 @@ def _trainer_pids() -> list[int]:
     """This test's trainer actors only: `ray.init` in `ray_local` started the raylet as our child, so the
     PolicyWorker processes of our cluster are our descendants; a `kimi run` beside the test is never touched."""
     return [p.pid for p in psutil.Process().children(recursive=True)
-            if any("ray::PolicyWorker" in part for part in _cmdline(p))]
-
-
-def _cmdline(p: psutil.Process) -> list[str]:
-    try:
-        return p.cmdline()
-    except psutil.Error:  # exited between the listing and the read
-        return []
+            if any("ray::PolicyWorker" in part for part in cmdline(p))]
 
 
 def test_ep2_across_two_trainer_actors(prepared, ray_local, engine_gate_dir, tmp_path):
