@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import psutil
 
 MARKER_VAR = "KIMI_RAY_CLUSTER_ID"
 
 
-def _dead(p: psutil.Process) -> bool:
+def gone(p: psutil.Process) -> bool:
+    """Exited, or a zombie (it holds nothing; hosts whose init does not reap keep them): never raises, as a process
+    may exit while it is looked at."""
     try:
         return not p.is_running() or p.status() == psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
@@ -39,28 +41,45 @@ def _protected() -> set[int]:
     return {me.pid, *(a.pid for a in me.parents())}
 
 
-def cluster_processes(marker: str | None, sids: Iterable[int] = ()) -> list[psutil.Process]:
-    """Live processes of this user that carry `marker` (None: match by session only) or belong to one of `sids`,
-    plus descendants."""
+def _user_processes(match: Callable[[psutil.Process], bool]) -> dict[int, psutil.Process]:
+    """Live processes of this user, not this one or its ancestors, for which `match` holds (a process that exits
+    or hides its environment while it is read is skipped)."""
     uid = os.getuid()
-    sids = set(sids)
     protected = _protected()
     found: dict[int, psutil.Process] = {}
     for p in psutil.process_iter(["pid", "uids"]):
         try:
-            if p.info["uids"] is None or p.info["uids"].real != uid or p.pid in protected or _dead(p):
+            if p.info["uids"] is None or p.info["uids"].real != uid or p.pid in protected or gone(p):
                 continue
-            if sids and os.getsid(p.pid) in sids and _looks_like_ray(p):
-                found[p.pid] = p
-                continue
-            if marker is not None and p.environ().get(MARKER_VAR) == marker:
+            if match(p):
                 found[p.pid] = p
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, ProcessLookupError):
             continue
+    return found
+
+
+def marked_processes(var: str, value: str) -> dict[int, psutil.Process]:
+    """Live processes of this user whose environment holds `var=value`: every process a marked one started, even
+    after its parent was stopped and it was re-parented away from the tree it came from."""
+    return _user_processes(lambda p: p.environ().get(var) == value)
+
+
+def cluster_processes(marker: str | None, sids: Iterable[int] = ()) -> list[psutil.Process]:
+    """Live processes of this user that carry `marker` (None: match by session only) or belong to one of `sids`,
+    plus descendants."""
+    sids = set(sids)
+
+    def ours(p: psutil.Process) -> bool:
+        if sids and os.getsid(p.pid) in sids and _looks_like_ray(p):
+            return True
+        return marker is not None and p.environ().get(MARKER_VAR) == marker
+
+    found = _user_processes(ours)
+    protected = _protected()
     for p in list(found.values()):
         try:
             for c in p.children(recursive=True):
-                if c.pid not in protected and not _dead(c):
+                if c.pid not in protected and not gone(c):
                     found.setdefault(c.pid, c)
         except psutil.NoSuchProcess:
             continue
@@ -74,7 +93,7 @@ def _terminate_and_wait(procs: list[psutil.Process], grace_s: float) -> None:
         except psutil.NoSuchProcess:
             pass
     deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and not all(_dead(p) for p in procs):
+    while time.monotonic() < deadline and not all(gone(p) for p in procs):
         time.sleep(0.05)
 
 
@@ -94,17 +113,17 @@ def stop_processes(procs: list[psutil.Process], grace_s: float = 5.0) -> dict[st
     """
     raylets = [p for p in procs if _name(p) == "raylet"]
     _terminate_and_wait(raylets, grace_s)
-    _terminate_and_wait([p for p in procs if not _dead(p)], min(grace_s, 2.0))
-    stubborn = [p for p in procs if not _dead(p)]
+    _terminate_and_wait([p for p in procs if not gone(p)], min(grace_s, 2.0))
+    stubborn = [p for p in procs if not gone(p)]
     for p in stubborn:
         try:
             p.kill()
         except psutil.NoSuchProcess:
             pass
     deadline = time.monotonic() + 5.0
-    while time.monotonic() < deadline and not all(_dead(p) for p in stubborn):
+    while time.monotonic() < deadline and not all(gone(p) for p in stubborn):
         time.sleep(0.05)
-    left = [p for p in procs if not _dead(p)]
+    left = [p for p in procs if not gone(p)]
     return {"terminated": len(procs) - len(stubborn), "killed": len(stubborn) - len(left), "left": len(left)}
 
 
@@ -133,7 +152,7 @@ def ray_processes_alive(pids: Iterable[int]) -> list[int]:
     out = []
     for pid in pids:
         try:
-            if not _dead(psutil.Process(pid)):
+            if not gone(psutil.Process(pid)):
                 out.append(pid)
         except psutil.NoSuchProcess:
             continue

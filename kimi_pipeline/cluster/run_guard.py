@@ -5,10 +5,15 @@ server, its weight-job agents and anything else it started would be orphaned, an
 is still running. This guard, a detached process started when the run takes its directory, watches the owner:
 
 - while the owner lives it remembers the owner's descendants every `--poll` seconds (after the owner dies they
-  are reparented and can no longer be told apart);
+  are reparented and can no longer be told apart by descent);
 - when the owner dies, it stops those still alive (SIGTERM, then SIGKILL after a grace period; a pid is matched
   with its start time, so a reused pid is never hit), and marks every stage summary.json has as running as failed,
   `interrupted`, saying how to resume.
+
+Every process the run starts after the guard inherits `KIMI_RUN_ID` (`RUN_MARKER_VAR`, set in the owner's
+environment by `RunGuard`), so a stop looks again after each pass and finds by it what descent no longer shows: a
+child started while its parent was being stopped, re-parented once the parent is gone (the same race that left a
+dashboard child behind a cluster's teardown, `procs.stop_cluster_processes`).
 
 The embedded Ray cluster is not its business: the cluster's own watchdog (`cluster/watchdog.py`) tears it down,
 and keeps it when the recipe says `cluster.keep`, so processes carrying the cluster's marker are left to it.
@@ -25,17 +30,21 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
 
-from kimi_pipeline.cluster.procs import MARKER_VAR, stop_processes
+from kimi_pipeline.cluster.procs import MARKER_VAR, gone, marked_processes, stop_processes
 from kimi_pipeline.report.summary import RunSummary
 from kimi_pipeline.util.secret_env import without_secrets
 
 DONE = b"done\n"
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 PREFECT_SERVER_APP = "prefect.server.api.server:create_app"  # the temporary API server's uvicorn factory
+RUN_MARKER_VAR = "KIMI_RUN_ID"  # inherited by every process a run starts after its guard: found after re-parenting
+STOP_ROUNDS = 3  # passes of a stop: a pass can only miss what the one before it made start
 
 
 class RunStopped(KeyboardInterrupt):
@@ -65,29 +74,50 @@ def stop_children(grace_s: float = 5.0) -> int:
     """Stop every process this one started that is still alive (not the Ray cluster's: its watchdog owns them; not
     the temporary Prefect server: Prefect stops it at exit, after its log handler has sent the last lines);
     returns how many. Called by a run unwinding from a signal or a failure, after its flow has ended."""
-    left = [p for p in _descendants(psutil.Process()).values() if not _prefect_server(p)]
-    if left:
-        stop_processes(left, grace_s=grace_s)
-    return len(left)
+    me, marker = psutil.Process(), os.environ.get(RUN_MARKER_VAR)
+    counts = stop_until_gone(lambda: [p for p in run_processes(me, marker).values() if not _prefect_server(p)],
+                             grace_s)
+    return counts["stopped"]
+
+
+def stop_until_gone(find: Callable[[], list[psutil.Process]], grace_s: float = 5.0,
+                    rounds: int = STOP_ROUNDS) -> dict[str, int]:
+    """Stop what `find` lists, then look again, up to `rounds` passes: a process can start a child between the
+    listing and its own SIGTERM. `stopped` counts distinct processes over all passes, `left` what a last look finds."""
+    stopped: set[int] = set()
+    for _ in range(rounds):
+        procs = find()
+        if not procs:
+            return {"stopped": len(stopped), "left": 0}
+        stop_processes(procs, grace_s=grace_s)
+        stopped.update(p.pid for p in procs)
+    return {"stopped": len(stopped), "left": len(find())}
+
+
+def run_processes(owner: psutil.Process | None, marker: str | None) -> dict[int, psutil.Process]:
+    """What the run started that is alive now: `owner`'s descendants, and the processes carrying the run's marker
+    (re-parented ones too); never this process, its ancestors or the Ray cluster's processes."""
+    found = _descendants(owner) if owner is not None else {}
+    for pid, p in (marked_processes(RUN_MARKER_VAR, marker) if marker else {}).items():
+        if pid not in found and not _cluster_process(p):
+            found[pid] = p
+    return found
+
+
+def _cluster_process(p: psutil.Process) -> bool:
+    try:
+        return MARKER_VAR in p.environ()
+    except psutil.Error:  # exited, or not ours to read: nothing to stop
+        return True
 
 
 def _descendants(owner: psutil.Process) -> dict[int, psutil.Process]:
     """The owner's descendants now, without the guard itself and the Ray cluster's processes."""
-    found: dict[int, psutil.Process] = {}
     try:
         children = owner.children(recursive=True)
     except psutil.NoSuchProcess:
-        return found
-    for p in children:
-        if p.pid == os.getpid():
-            continue
-        try:
-            if MARKER_VAR in p.environ():
-                continue
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            continue
-        found[p.pid] = p
-    return found
+        return {}
+    return {p.pid: p for p in children if p.pid != os.getpid() and not _cluster_process(p)}
 
 
 def mark_interrupted(run_dir: Path, owner_pid: int) -> list[str]:
@@ -104,12 +134,13 @@ def mark_interrupted(run_dir: Path, owner_pid: int) -> list[str]:
 
 def watch(owner_pid: int, run_dir: Path, poll_s: float, stop_fd: int | None) -> int:
     try:
-        owner = psutil.Process(owner_pid)
-    except psutil.NoSuchProcess:
-        return 0
+        owner: psutil.Process | None = psutil.Process(owner_pid)
+    except psutil.NoSuchProcess:  # died while this guard was still importing: what it started is found by the marker
+        owner = None
     seen: dict[int, psutil.Process] = {}
-    while owner.is_running() and owner.status() != psutil.STATUS_ZOMBIE:
-        seen = {pid: p for pid, p in seen.items() if p.is_running()} | _descendants(owner)
+    marker = os.environ.get(RUN_MARKER_VAR)  # the owner's, inherited
+    while owner is not None and not gone(owner):
+        seen = {pid: p for pid, p in seen.items() if not gone(p)} | _descendants(owner)
         if stop_fd is not None:
             ready, _, _ = select.select([stop_fd], [], [], poll_s)
             if ready:
@@ -120,10 +151,10 @@ def watch(owner_pid: int, run_dir: Path, poll_s: float, stop_fd: int | None) -> 
                     stop_fd = None  # EOF: the owner is dying; confirm by its pid on the next turn
         else:
             time.sleep(poll_s)
-    left = [p for p in seen.values() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-    counts = stop_processes(left) if left else {}
+    counts = stop_until_gone(lambda: list(({pid: p for pid, p in seen.items() if not gone(p)}
+                                           | run_processes(None, marker)).values()))
     stages = mark_interrupted(run_dir, owner_pid) if (run_dir / "summary.json").is_file() else []
-    print(f"owner {owner_pid} died: stopped {len(left)} process(es) it started {counts}; "
+    print(f"owner {owner_pid} died: stopped {counts['stopped']} process(es) it started ({counts['left']} left); "
           f"stages marked interrupted: {stages or 'none'}", flush=True)
     return 0
 
@@ -132,6 +163,9 @@ class RunGuard:
     """The owner's handle on its guard: `start` when the run takes its directory, `done` when it ends cleanly."""
 
     def __init__(self, run_dir: Path, poll_s: float = 0.5):
+        # a fresh marker for this run, kept in this process's environment after `done` (a run's unwinding, in
+        # `stop_children`, still reads it); the guard and everything started from here on inherit it
+        self.marker = os.environ[RUN_MARKER_VAR] = f"{os.getpid()}-{uuid.uuid4().hex}"
         log_path = Path(run_dir) / "run-guard.log"
         with open(log_path, "a") as out:
             self.proc = subprocess.Popen(

@@ -9,6 +9,8 @@ import sys
 import time
 import uuid
 
+from support.processes import SPAWNS_ON_TERM
+
 from kimi_pipeline.cluster.procs import (
     MARKER_VAR,
     cluster_processes,
@@ -16,18 +18,6 @@ from kimi_pipeline.cluster.procs import (
     stop_cluster_processes,
     stop_processes,
 )
-
-# On SIGTERM it starts a sleeping child (inheriting the marker), says so on stdout, and exits.
-SPAWNS_ON_TERM = """
-import signal, subprocess, sys, time
-def on_term(*_):
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    print(child.pid, flush=True)
-    sys.exit(0)
-signal.signal(signal.SIGTERM, on_term)
-print("ready", flush=True)
-time.sleep(60)
-"""
 
 
 def _start(marker: str) -> subprocess.Popen:
