@@ -99,9 +99,22 @@ def run_processes(owner: psutil.Process | None, marker: str | None) -> dict[int,
     (re-parented ones too); never this process, its ancestors or the Ray cluster's processes."""
     found = _descendants(owner) if owner is not None else {}
     for pid, p in (marked_processes(RUN_MARKER_VAR, marker) if marker else {}).items():
-        if pid not in found and not _cluster_process(p):
+        if pid not in found and not _cluster_process(p) and not _ray_process(p):
             found[pid] = p
     return found
+
+
+def _ray_process(p: psutil.Process) -> bool:
+    """A Ray daemon or worker, known by what it runs: a worker's title (`ray::…`) can overwrite part of its
+    /proc environ, hiding the cluster's marker while the run's stays readable; a cluster kept after the run
+    (`cluster.keep`) must never be stopped here."""
+    try:
+        cmd = p.cmdline()
+        name = p.name()
+    except psutil.Error:
+        return True
+    return name in ("raylet", "gcs_server") or (bool(cmd) and cmd[0].startswith("ray::")) \
+        or any("/site-packages/ray/" in part or part.endswith("/bin/ray") for part in cmd)
 
 
 def _cluster_process(p: psutil.Process) -> bool:

@@ -6,16 +6,18 @@ spawns on SIGTERM), so the stops act only on what the test started."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
+import uuid
 
 import psutil
 from support.common import ROOT
 from support.processes import SPAWNS_ON_TERM
 
-from kimi_pipeline.cluster.procs import gone, marked_processes
-from kimi_pipeline.cluster.run_guard import RUN_MARKER_VAR
+from kimi_pipeline.cluster.procs import MARKER_VAR, gone, marked_processes
+from kimi_pipeline.cluster.run_guard import RUN_MARKER_VAR, run_processes
 
 # argv: mode (once | unwind | die), run dir. Prints "<marker> <guard pid> <child pid>", then per mode:
 # once: one listing of its descendants stopped, as before the marker (the cause); unwind: `stop_children` as `kimi
@@ -104,3 +106,25 @@ def test_the_guard_of_a_killed_owner_stops_what_it_started_and_what_that_started
         assert "stopped 2 process(es) it started (0 left)" in log, log
     finally:
         _kill_marked(marker)
+
+
+def test_the_marker_never_reaches_the_ray_clusters_processes():
+    """A cluster's process carries the run's marker too (it inherits the run's environment): one with the cluster's
+    own marker, and a Ray worker by its title (its title can hide the cluster's marker), are left to the cluster."""
+    marker = f"guard-{uuid.uuid4().hex}"
+    env = {**os.environ, RUN_MARKER_VAR: marker}
+    sleeping = "exec -a {} sleep 60"
+    procs = {what: subprocess.Popen(["bash", "-c", sleeping.format(title)], env={**env, **extra})
+             for what, title, extra in [("ours", "sleep", {}), ("cluster", "sleep", {MARKER_VAR: "c1"}),
+                                        ("ray worker", "ray::PolicyWorker", {})]}
+    try:
+        deadline = time.monotonic() + 10
+        while not all(psutil.Process(p.pid).cmdline()[:1] in (["sleep"], ["ray::PolicyWorker"])
+                      for p in procs.values()):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert set(run_processes(None, marker)) == {procs["ours"].pid}
+    finally:
+        for p in procs.values():
+            p.kill()
+            p.wait()
