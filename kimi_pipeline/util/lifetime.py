@@ -17,6 +17,7 @@ import threading
 import time
 
 _PR_SET_PDEATHSIG = 1
+BIND_VAR = "KIMI_DIE_WITH_PARENT"  # a launcher's request to a child of ours: `bind_to_parent` with this signal
 _forks_armed = False
 if sys.platform.startswith("linux"):  # loaded now: a preexec_fn must not import between fork and exec
     import ctypes
@@ -56,6 +57,27 @@ def bind_to_parent(sig: int = signal.SIGKILL) -> None:
     pass_to_forks(sig)
     if os.getppid() != parent:
         os._exit(1)
+
+
+def bound_env(env: dict[str, str], sig: int = signal.SIGKILL) -> dict[str, str]:
+    """`env` for a child of ours (a module that calls `bind_to_parent_if_asked` first) that must die with the process
+    starting it.
+
+    Why not `Popen(preexec_fn=die_with_parent)`: with a preexec_fn CPython runs the at-fork callbacks in the parent
+    after the fork (`_posixsubprocess.fork_exec` calls PyOS_AfterFork_Parent; logging releases its lock there), and an
+    exception a signal handler raises inside one is printed as "ignored" and dropped: a Ctrl-C that arrived while
+    `kimi run` started its conversion's agents vanished and the run converted on. Without a preexec_fn no Python runs
+    in the parent around the fork. A manual launch (a user's shell runs the agent) does not ask: closing the shell
+    must not kill the job."""
+    return {**env, BIND_VAR: str(int(sig))}
+
+
+def bind_to_parent_if_asked() -> None:
+    """`bind_to_parent` with the launcher's signal when it asked (`bound_env`); the request is not passed on to this
+    process's own children (each level decides for its own)."""
+    sig = os.environ.pop(BIND_VAR, None)
+    if sig is not None:
+        bind_to_parent(int(sig))
 
 
 def watch_parent(interval_s: float = 0.5) -> threading.Thread:

@@ -17,6 +17,7 @@ from torch.distributed.elastic.rendezvous import rendezvous_handler_registry as 
 from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCPRendezvous, create_rdzv_handler
 from torch.distributed.run import main as torchrun
 
+from kimi_pipeline.util.lifetime import bind_to_parent_if_asked
 from kimi_pipeline.util.rendezvous import tcp_store
 
 BACKEND = "kimi-static"
@@ -64,4 +65,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    bind_to_parent_if_asked()  # a local or Ray launch dies with its launcher; a manual one lives with its shell
     main()

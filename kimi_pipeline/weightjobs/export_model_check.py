@@ -24,7 +24,7 @@ from kimi_pipeline.model.params import count_params
 from kimi_pipeline.model.qat import enable_int4_qat
 from kimi_pipeline.recipes.models import ModelSpec, QuantSpec
 from kimi_pipeline.util.files import atomic_write_json
-from kimi_pipeline.util.lifetime import die_with_parent
+from kimi_pipeline.util.lifetime import bind_to_parent_if_asked, bound_env
 from kimi_pipeline.util.secret_env import without_secrets
 from kimi_pipeline.weight_sync.policy_tensors import checkpoint_model, policy_tensors
 from kimi_pipeline.weightjobs.export_verify import ExportInputError, check_model_into
@@ -50,8 +50,8 @@ def run_model_check(spec: ModelSpec, quant: QuantSpec, device: str, export: Path
     env = {**without_secrets(), "TORCHDYNAMO_DISABLE": "1"}
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT"):
         env.pop(var, None)  # the child is its own one-rank world
-    proc = subprocess.run([sys.executable, "-m", CHILD_ENTRY, str(work / JOB_FILE)], env=env, timeout=timeout_s,
-                          capture_output=True, text=True, preexec_fn=die_with_parent)
+    proc = subprocess.run([sys.executable, "-m", CHILD_ENTRY, str(work / JOB_FILE)], env=bound_env(env),
+                          timeout=timeout_s, capture_output=True, text=True)  # the child binds itself to us
     if proc.returncode != 0:
         err = json.loads((work / ERROR_FILE).read_text()) if (work / ERROR_FILE).is_file() else {}
         message = err.get("message") or f"export model check exited {proc.returncode}: {proc.stderr[-2000:]}"
@@ -93,6 +93,7 @@ def check_checkpoint_model(spec: ModelSpec, quant: QuantSpec, device: str, out: 
 def main(argv: list[str] | None = None) -> None:
     """Child entry point: `python -m kimi_pipeline.weightjobs.export_model_check JOB.json`."""
 
+    bind_to_parent_if_asked()
     job_path = Path((argv or sys.argv[1:])[0])
     job = json.loads(job_path.read_text())
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from kimi_pipeline.model.device import JOB_DEVICE_ENV, LOCAL_DEVICE_BASE_ENV, cuda_device_count
 from kimi_pipeline.util.files import atomic_write_text
-from kimi_pipeline.util.lifetime import die_with_parent
+from kimi_pipeline.util.lifetime import bound_env
 from kimi_pipeline.util.net import free_port
 from kimi_pipeline.util.secret_env import without_secrets
 from kimi_pipeline.weightjobs.commands import WORKER_ENV, NodeCommand
@@ -111,11 +111,12 @@ def _run(command: NodeCommand, log_dir: Path, name: str, env: dict[str, str] | N
         for node in range(nodes):
             cmd = command.for_node(node, "127.0.0.1", port)
             log_path = log_dir / f"{name}.node{node}.log"
-            node_env = {**full_env, LOCAL_DEVICE_BASE_ENV: str(node * ppn)}  # this host's GPUs, shared by its "nodes"
-            with open(log_path, "wb") as fh:
-                # own session (stopped as a group); dies with the launcher (a killed launcher leaves nothing)
+            # this host's GPUs, shared by its "nodes"; the agent dies with the launcher (a killed launcher leaves
+            # nothing): it binds itself, as a preexec_fn could swallow a Ctrl-C (`util.lifetime.bound_env`)
+            node_env = bound_env({**full_env, LOCAL_DEVICE_BASE_ENV: str(node * ppn)})
+            with open(log_path, "wb") as fh:  # own session: stopped as a group
                 procs.append(subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=node_env,
-                                              start_new_session=True, preexec_fn=die_with_parent))
+                                              start_new_session=True))
             commands.append(cmd)
             logs.append(log_path)
         failed_at = None

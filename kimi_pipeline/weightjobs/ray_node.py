@@ -18,7 +18,7 @@ from typing import Any
 
 import ray
 
-from kimi_pipeline.util.lifetime import die_with_parent
+from kimi_pipeline.util.lifetime import bound_env
 from kimi_pipeline.util.net import free_port
 
 log = logging.getLogger(__name__)
@@ -46,8 +46,8 @@ class NodeAgent:
 
         cmd = [sys.executable, *cmd[1:]]
         with open(self.log_path, "wb") as fh:
-            self.proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env={**os.environ, **env},
-                                         start_new_session=True, preexec_fn=die_with_parent)
+            self.proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=bound_env({**os.environ, **env}),
+                                         start_new_session=True)  # the agent dies with this actor: it binds itself
         return self.proc.pid
 
     def poll(self, offset: int) -> tuple[int | None, bytes]:
