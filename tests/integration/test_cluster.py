@@ -303,8 +303,7 @@ def test_infra_scripts_parse_and_name_the_seed_variables():
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def embedded(tmp_path_factory):
+def _start_embedded(run_dir: Path) -> dict:
     """Stage `cluster` on the tiny recipe, with the dashboard on (for the job test) and the flow's secrets in the
     environment it starts from (the Ray processes must not get them). The run dir is a pytest tmp dir: too long for
     Ray's sockets, so this also exercises the /tmp fallback."""
@@ -312,7 +311,6 @@ def embedded(tmp_path_factory):
 
     if ray.is_initialized():
         ray.shutdown()
-    run_dir = tmp_path_factory.mktemp("embedded") / "run"
     _RUN_DIRS.append(run_dir)
     started_with = {"KIMI_RAY_DASHBOARD": "1", **FLOW_SECRETS}
     saved = {k: os.environ.get(k) for k in started_with}
@@ -326,8 +324,15 @@ def embedded(tmp_path_factory):
             else:
                 os.environ[k] = v
     pids, cluster = _snapshot(run_dir)
-    yield {"run_dir": run_dir, "section": section, "pids": pids, "cluster": cluster}
-    stop_cluster(run_dir)
+    return {"run_dir": run_dir, "section": section, "pids": pids, "cluster": cluster}
+
+
+@pytest.fixture(scope="module")
+def embedded(tmp_path_factory):
+    """One embedded cluster (`_start_embedded`) the tests below only read or use; the teardown test stops its own."""
+    started = _start_embedded(tmp_path_factory.mktemp("embedded") / "run")
+    yield started
+    stop_cluster(started["run_dir"])
 
 
 def test_stage_reports_the_cluster(embedded):
@@ -479,7 +484,10 @@ def test_ray_job_submit_with_the_venv_interpreter(embedded):
     assert f"JOB-OK {embedded['section']['address']}" in out.stdout
 
 
-def test_teardown_leaves_no_ray_process(embedded):
+def test_teardown_leaves_no_ray_process(tmp_path_factory):
+    """On a cluster of its own: stopping the module's shared one would leave the tests that run after it (in any
+    order) without a cluster."""
+    embedded = _start_embedded(tmp_path_factory.mktemp("torn-down") / "run")
     run_dir = embedded["run_dir"]
     try:
         raise RuntimeError("the train stage failed")  # what the flow's `finally` sees

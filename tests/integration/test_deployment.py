@@ -438,8 +438,11 @@ def test_secrets_never_reach_logs_artifacts_parameters_or_the_run_dir(served, ru
     print(f"searched {len(texts)} places ({len(logs)} log lines, {len(artifacts)} artifacts): no secret")
 
 
+@pytest.mark.ends_shared  # last in this file in every order: the other tests share this server
 @pytest.mark.timeout(SERVE_S + 90 + 30 + CHECKS_S)
 def test_kimi_serve_stops_cleanly_on_sigterm(served):
+    """`kimi serve` stops on SIGTERM with everything it started, the flow runs' leftovers included: so it stops the
+    module's server after the runs the other tests made on it (`ends_shared`), rather than a fresh one."""
     proc = served["proc"]
     assert proc.poll() is None
     family = psutil.Process(proc.pid).children(recursive=True)  # the server (own session), flow-run leftovers
