@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 import psutil
 
 MARKER_VAR = "KIMI_RAY_CLUSTER_ID"
+STOP_ROUNDS = 3  # passes of a stop: a pass can only miss what the one before it made start
 
 
 def gone(p: psutil.Process) -> bool:
@@ -33,6 +34,19 @@ def _looks_like_ray(p: psutil.Process) -> bool:
     except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
         return False
     return "ray" in text or "gcs_server" in text or "kimi_pipeline.cluster" in text
+
+
+def ray_process(p: psutil.Process) -> bool:
+    """A Ray daemon or worker, known by what it runs (unlike `_looks_like_ray`, no loose text match): a worker's title
+    (`ray::…`) can overwrite part of its /proc environ and hide the cluster's marker. An unreadable process counts as
+    Ray: callers use this to leave processes alone."""
+    try:
+        cmd = p.cmdline()
+        name = p.name()
+    except psutil.Error:
+        return True
+    return name in ("raylet", "gcs_server") or (bool(cmd) and cmd[0].startswith("ray::")) \
+        or any("/site-packages/ray/" in part or part.endswith("/bin/ray") for part in cmd)
 
 
 def _protected() -> set[int]:
@@ -127,24 +141,32 @@ def stop_processes(procs: list[psutil.Process], grace_s: float = 5.0) -> dict[st
     return {"terminated": len(procs) - len(stubborn), "killed": len(stubborn) - len(left), "left": len(left)}
 
 
-def stop_cluster_processes(marker: str | None, sids: Iterable[int] = (), grace_s: float = 5.0,
-                           rounds: int = 3) -> dict[str, int]:
-    """Stop every process of one cluster, looking again after each pass: a daemon can start a child between the
-    listing and its own SIGTERM (seen in CI: the dashboard spawning its MetricsHead module and a multiprocessing
-    helper while `kimi cluster down` stopped it), and that child outlives its parent. `processes` counts every
-    process stopped over all passes; `left` is what is still there after the last pass."""
+def stop_until_gone(find: Callable[[], list[psutil.Process]], grace_s: float = 5.0,
+                    rounds: int = STOP_ROUNDS) -> dict[str, int]:
+    """Stop what `find` lists, then look again, up to `rounds` passes: a process can start a child between the
+    listing and its own SIGTERM (seen in CI: Ray's dashboard spawning its MetricsHead module and a multiprocessing
+    helper while `kimi cluster down` stopped it), and that child outlives its parent. `processes` counts the
+    distinct processes stopped over all passes; `left` is what is still there after the last pass."""
     total = {"processes": 0, "terminated": 0, "killed": 0, "left": 0}
-    sids = list(sids)
+    stopped: set[int] = set()
     for _ in range(rounds):
-        procs = cluster_processes(marker, sids)
+        procs = find()
         if not procs:
             return total
         counts = stop_processes(procs, grace_s=grace_s)
-        total["processes"] += len(procs)
+        stopped.update(p.pid for p in procs)
+        total["processes"] = len(stopped)
         total["terminated"] += counts["terminated"]
         total["killed"] += counts["killed"]
-    total["left"] = len(cluster_processes(marker, sids))
+    total["left"] = len(find())
     return total
+
+
+def stop_cluster_processes(marker: str | None, sids: Iterable[int] = (), grace_s: float = 5.0,
+                           rounds: int = STOP_ROUNDS) -> dict[str, int]:
+    """Stop every process of one cluster (`stop_until_gone` over `cluster_processes`)."""
+    sids = list(sids)
+    return stop_until_gone(lambda: cluster_processes(marker, sids), grace_s, rounds)
 
 
 def ray_processes_alive(pids: Iterable[int]) -> list[int]:

@@ -13,7 +13,7 @@ is still running. This guard, a detached process started when the run takes its 
 Every process the run starts after the guard inherits `KIMI_RUN_ID` (`RUN_MARKER_VAR`, set in the owner's
 environment by `RunGuard`), so a stop looks again after each pass and finds by it what descent no longer shows: a
 child started while its parent was being stopped, re-parented once the parent is gone (the same race that left a
-dashboard child behind a cluster's teardown, `procs.stop_cluster_processes`).
+dashboard child behind a cluster's teardown; both stop with `procs.stop_until_gone`).
 
 The embedded Ray cluster is not its business: the cluster's own watchdog (`cluster/watchdog.py`) tears it down,
 and keeps it when the recipe says `cluster.keep`, so processes carrying the cluster's marker are left to it.
@@ -31,12 +31,11 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 
 import psutil
 
-from kimi_pipeline.cluster.procs import MARKER_VAR, gone, marked_processes, stop_processes
+from kimi_pipeline.cluster.procs import MARKER_VAR, gone, marked_processes, ray_process, stop_until_gone
 from kimi_pipeline.report.summary import RunSummary
 from kimi_pipeline.util.secret_env import without_secrets
 
@@ -44,7 +43,6 @@ DONE = b"done\n"
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 PREFECT_SERVER_APP = "prefect.server.api.server:create_app"  # the temporary API server's uvicorn factory
 RUN_MARKER_VAR = "KIMI_RUN_ID"  # inherited by every process a run starts after its guard: found after re-parenting
-STOP_ROUNDS = 3  # passes of a stop: a pass can only miss what the one before it made start
 
 
 class RunStopped(KeyboardInterrupt):
@@ -77,21 +75,7 @@ def stop_children(grace_s: float = 5.0) -> int:
     me, marker = psutil.Process(), os.environ.get(RUN_MARKER_VAR)
     counts = stop_until_gone(lambda: [p for p in run_processes(me, marker).values() if not _prefect_server(p)],
                              grace_s)
-    return counts["stopped"]
-
-
-def stop_until_gone(find: Callable[[], list[psutil.Process]], grace_s: float = 5.0,
-                    rounds: int = STOP_ROUNDS) -> dict[str, int]:
-    """Stop what `find` lists, then look again, up to `rounds` passes: a process can start a child between the
-    listing and its own SIGTERM. `stopped` counts distinct processes over all passes, `left` what a last look finds."""
-    stopped: set[int] = set()
-    for _ in range(rounds):
-        procs = find()
-        if not procs:
-            return {"stopped": len(stopped), "left": 0}
-        stop_processes(procs, grace_s=grace_s)
-        stopped.update(p.pid for p in procs)
-    return {"stopped": len(stopped), "left": len(find())}
+    return counts["processes"]
 
 
 def run_processes(owner: psutil.Process | None, marker: str | None) -> dict[int, psutil.Process]:
@@ -99,22 +83,9 @@ def run_processes(owner: psutil.Process | None, marker: str | None) -> dict[int,
     (re-parented ones too); never this process, its ancestors or the Ray cluster's processes."""
     found = _descendants(owner) if owner is not None else {}
     for pid, p in (marked_processes(RUN_MARKER_VAR, marker) if marker else {}).items():
-        if pid not in found and not _cluster_process(p) and not _ray_process(p):
+        if pid not in found and not _cluster_process(p) and not ray_process(p):
             found[pid] = p
     return found
-
-
-def _ray_process(p: psutil.Process) -> bool:
-    """A Ray daemon or worker, known by what it runs: a worker's title (`ray::…`) can overwrite part of its
-    /proc environ, hiding the cluster's marker while the run's stays readable; a cluster kept after the run
-    (`cluster.keep`) must never be stopped here."""
-    try:
-        cmd = p.cmdline()
-        name = p.name()
-    except psutil.Error:
-        return True
-    return name in ("raylet", "gcs_server") or (bool(cmd) and cmd[0].startswith("ray::")) \
-        or any("/site-packages/ray/" in part or part.endswith("/bin/ray") for part in cmd)
 
 
 def _cluster_process(p: psutil.Process) -> bool:
@@ -167,7 +138,7 @@ def watch(owner_pid: int, run_dir: Path, poll_s: float, stop_fd: int | None) -> 
     counts = stop_until_gone(lambda: list(({pid: p for pid, p in seen.items() if not gone(p)}
                                            | run_processes(None, marker)).values()))
     stages = mark_interrupted(run_dir, owner_pid) if (run_dir / "summary.json").is_file() else []
-    print(f"owner {owner_pid} died: stopped {counts['stopped']} process(es) it started ({counts['left']} left); "
+    print(f"owner {owner_pid} died: stopped {counts['processes']} process(es) it started ({counts['left']} left); "
           f"stages marked interrupted: {stages or 'none'}", flush=True)
     return 0
 
