@@ -151,18 +151,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 rng.shuffle(g)
         else:
             raise pytest.UsageError(f"--test-order {order!r}: use default, reversed or shuffle:SEED")
-        items[:] = [item for g in groups for item in _ending_last(g)]
-        return
-    if not hasattr(config, "workerinput"):  # not an xdist worker
-        return
-    rank = {name: i for i, name in enumerate(HEAVIEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+        items[:] = [item for g in groups for item in g]
+    elif hasattr(config, "workerinput"):  # an xdist worker
+        rank = {name: i for i, name in enumerate(HEAVIEST_FIRST)}
+        items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+    _ending_last(items)
 
 
-def _ending_last(tests: list[pytest.Item]) -> list[pytest.Item]:
-    """A file's tests with those marked `ends_shared` (they end a resource the file's other tests share, and prove
-    something about that resource after its use) after the others, in every order."""
-    return sorted(tests, key=lambda item: item.get_closest_marker("ends_shared") is not None)
+def _ending_last(items: list[pytest.Item]) -> None:
+    """Each file's tests marked `ends_shared` (they end a resource the file's other tests share, and prove something
+    about it after its use) after that file's others, in every order; files and the rest keep their order."""
+    first: dict[Path, int] = {}
+    for i, item in enumerate(items):
+        first.setdefault(item.path, i)
+    items.sort(key=lambda item: (first[item.path], item.get_closest_marker("ends_shared") is not None))
 
 
 GPU_TESTS = Path(__file__).resolve().parent / "gpu"  # skipped without CUDA, by tests/gpu/conftest.py

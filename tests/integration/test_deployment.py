@@ -45,10 +45,11 @@ from prefect.settings import PREFECT_API_URL, temporary_settings  # noqa: E402
 
 from flows.serve import full_deployment, start_server  # noqa: E402
 from kimi_pipeline.cluster.local import LocalCluster  # noqa: E402
+from kimi_pipeline.cluster.procs import gone  # noqa: E402
 from kimi_pipeline.report.metrics_log import read_jsonl  # noqa: E402
 from kimi_pipeline.util.net import free_port  # noqa: E402
 from support.prefect_home import migrated_home  # noqa: E402
-from support.processes import alive, cmdline  # noqa: E402
+from support.processes import cmdline  # noqa: E402
 from support.webhook_server import wait_for, webhook_receiver  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -455,7 +456,7 @@ def test_kimi_serve_stops_cleanly_on_sigterm(served):
     with socket.socket() as s:
         assert s.connect_ex(("127.0.0.1", served["port"])) != 0  # the server is gone
     deadline = time.monotonic() + 30
-    while (left := [p for p in family if alive(p)]) and time.monotonic() < deadline:
+    while (left := [p for p in family if not gone(p)]) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not left, [cmdline(p) for p in left]
     print(f"kimi serve stopped {seconds:.1f} s after SIGTERM")

@@ -35,8 +35,10 @@ from pathlib import Path
 import psutil
 import pytest
 from support.common import ROOT, tiny_overrides, train_recipe
-from support.processes import alive, cmdline
+from support.processes import cmdline
 from support.webhook_server import webhook_receiver
+
+from kimi_pipeline.cluster.procs import gone
 
 sys.path.insert(0, str(ROOT))
 
@@ -487,7 +489,7 @@ class _Started:
         """Those still running after up to `within_s` seconds of waiting for them to go (empty: all gone)."""
         deadline = time.monotonic() + within_s
         while True:
-            left = {pid: self.names.get(pid, "?") for pid, p in self.processes.items() if alive(p)}
+            left = {pid: self.names.get(pid, "?") for pid, p in self.processes.items() if not gone(p)}
             if not left or time.monotonic() > deadline:
                 return left
             time.sleep(0.5)

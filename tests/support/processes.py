@@ -7,19 +7,12 @@ import psutil
 
 
 def cmdline(p: psutil.Process) -> list[str]:
-    """`p`'s command line, or [] where it exited since it was listed (or is not ours to read)."""
+    """`p`'s command line, or [] where it exited since it was listed (or is not ours to read). Whether it still runs:
+    `kimi_pipeline.cluster.procs.gone`."""
     try:
         return p.cmdline()
     except psutil.Error:
         return []
-
-
-def alive(p: psutil.Process) -> bool:
-    """Running and not a zombie (an exited child its parent has not reaped yet holds nothing)."""
-    try:
-        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
 
 
 # `python -c SPAWNS_ON_TERM`: prints "ready"; on SIGTERM starts a sleeping child (inheriting the environment), prints
