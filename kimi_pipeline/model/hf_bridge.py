@@ -35,12 +35,11 @@ def model_uses_te(model) -> bool:
 
 
 def model_tensors(model) -> dict[str, torch.Tensor]:
-    """Parameters and persistent buffers by state_dict name (live tensors, not copies)."""
+    """Parameters and persistent buffers by state_dict name (live tensors, not copies): the stacked routed experts
+    as their per-expert views (`model/grouped_experts.py`), so every name is the names table's."""
     m = unwrap(model)
-    out = {n: p for n, p in m.named_parameters()}
-    persistent = set(m.state_dict(keep_vars=True))
-    out.update({n: b for n, b in m.named_buffers() if n in persistent and b is not None})
-    return out
+    return {n: t for n, t in m.state_dict(keep_vars=True).items()
+            if isinstance(t, torch.Tensor) and not n.endswith("_extra_state")}
 
 
 def current_coords() -> dict[str, int]:

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
 
-from kimi_pipeline.model.grouped_experts import grouped_sequential_mlp
+from kimi_pipeline.model.grouped_experts import stackable, stacked_experts
 from kimi_pipeline.model.megatron_compat import apply_compat, megatron_kernels
 from kimi_pipeline.recipes.layout import Layout, LayoutError
 from kimi_pipeline.recipes.models import ModelSpec
@@ -289,6 +289,7 @@ def decoder_block_spec(config, use_te: bool, pp_rank: int | None = None):
         from megatron.core.transformer.moe.experts import SequentialMLP
 
         attention = _local_mla_core_attention()
+        stack = stackable(config, config.expert_tensor_parallel_size)
         for layer in block.layer_specs:
             sub = layer.submodules
             sub.self_attention.submodules.core_attention = attention
@@ -303,8 +304,8 @@ def decoder_block_spec(config, use_te: bool, pp_rank: int | None = None):
             if sub.mlp.module is MLP:  # dense layer: TE fuses this norm into fc1
                 sub.sharded_state_dict_keys_map.update(LOCAL_TO_TE_DENSE_KEYS)
             experts = getattr(getattr(sub.mlp, "submodules", None), "experts", None)
-            if experts is not None and experts.module is SequentialMLP:  # same params, grouped GEMMs
-                experts.module = grouped_sequential_mlp()
+            if experts is not None and experts.module is SequentialMLP and stack:
+                experts.module = stacked_experts()  # same weights and checkpoint layout, stacked, grouped GEMMs
     return block
 
 

@@ -9,8 +9,10 @@ The fake-quant is computed inside forward, after any megatron forward pre-hook (
 ran, and its gradient flows straight through into the Parameter's own grad accumulator, so DDP's
 grad hooks fire as usual.
 
-Routed experts are found by type, not name (wrappers add prefixes): `SequentialMLP.local_experts[*]`
-(local spec) and `TEGroupedMLP.linear_fc1/linear_fc2` (`weight{e}`, TE spec). Attention, router,
+Routed experts are found by type, not name (wrappers add prefixes): the stacked experts module
+(`fc1_weight`/`fc2_weight`, local spec, `model/grouped_experts.py`: the fake-quant runs once per stack, which
+equals each expert's since INT4 groups run along the input dim), `SequentialMLP.local_experts[*]` (local spec
+where experts cannot stack) and `TEGroupedMLP.linear_fc1/linear_fc2` (`weight{e}`, TE spec). Attention, router,
 shared experts, dense MLP, embeddings and lm_head are left alone.
 """
 
@@ -26,9 +28,12 @@ import torch
 from kimi_pipeline.errors import PermanentError
 from kimi_pipeline.hf.int4 import fake_quant_int4
 from kimi_pipeline.hf.int4_checkpoint import is_quantized
-from kimi_pipeline.model.grouped_experts import WEIGHT_TRANSFORM_ATTR
+from kimi_pipeline.model.grouped_experts import stacked_experts
 
-_WEIGHT = re.compile(r"weight\d*")  # `weight` (local Linear) or `weight{e}` (TE grouped linear)
+# `weight` (local Linear), `weight{e}` (TE grouped linear) or `fc{1,2}_weight` (stacked experts)
+WEIGHT = re.compile(r"(fc\d_)?weight\d*")
+# A routed-expert module carrying this attribute computes with `transform(weight)` instead of its weights.
+WEIGHT_TRANSFORM_ATTR = "kimi_weight_transform"
 
 
 @dataclass(frozen=True)
@@ -47,7 +52,7 @@ class QATError(PermanentError):
 
 def _qat_forward(self: torch.nn.Module, *args, **kwargs):
     transform = getattr(self, WEIGHT_TRANSFORM_ATTR)
-    names = [n for n, p in self._parameters.items() if p is not None and _WEIGHT.fullmatch(n)]
+    names = [n for n, p in self._parameters.items() if p is not None and WEIGHT.fullmatch(n)]
     for n in names:
         self.__dict__[n] = transform(self._parameters[n])
     try:
@@ -57,11 +62,15 @@ def _qat_forward(self: torch.nn.Module, *args, **kwargs):
             self.__dict__.pop(n, None)
 
 
-def routed_expert_linears(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module]]:
-    """(name, module) of every routed-expert Linear in a megatron-core model (any wrapper)."""
+def routed_expert_modules(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module]]:
+    """(name, module) of every module holding routed-expert weights in a megatron-core model (any wrapper): a
+    layer's stacked experts, or each expert Linear."""
     from megatron.core.transformer.moe.experts import GroupedMLP, SequentialMLP, TEGroupedMLP
 
+    stacked = stacked_experts()
     for name, mod in model.named_modules():
+        if isinstance(mod, stacked):
+            yield name, mod
         if isinstance(mod, GroupedMLP):
             raise QATError(
                 f"{name}: legacy GroupedMLP stores experts as one [hidden, E*ffn] matrix, where INT4 groups "
@@ -89,9 +98,9 @@ def enable_int4_qat(model: torch.nn.Module, group_size: int = 32) -> list[str]:
             "main_grad, which the fake-quant weight does not carry); turn it off in the trainer config"
         )
     names = []
-    for name, lin in routed_expert_linears(model):
+    for name, lin in routed_expert_modules(model):
         for pname, p in lin._parameters.items():
-            if p is not None and _WEIGHT.fullmatch(pname) and p.shape[-1] % group_size:
+            if p is not None and WEIGHT.fullmatch(pname) and p.shape[-1] % group_size:
                 raise QATError(
                     f"{name}.{pname}: input dim {p.shape[-1]} is not divisible by quant.group_size={group_size} "
                     "(with expert-TP, ffn/etp must be a multiple of it too)"
@@ -101,13 +110,14 @@ def enable_int4_qat(model: torch.nn.Module, group_size: int = 32) -> list[str]:
             lin.forward = types.MethodType(_qat_forward, lin)
         names.append(name)
     if not names:
-        raise QATError("INT4 QAT is on but the model has no routed experts (no SequentialMLP/TEGroupedMLP found)")
+        raise QATError("INT4 QAT is on but the model has no routed experts (no stacked experts, SequentialMLP or "
+                       "TEGroupedMLP found)")
     return names
 
 
 def disable_int4_qat(model: torch.nn.Module) -> None:
     """Undo enable_int4_qat (e.g. for a bf16 reference forward)."""
-    for _, lin in routed_expert_linears(model):
+    for _, lin in routed_expert_modules(model):
         lin.__dict__.pop("forward", None)
         lin.__dict__.pop(WEIGHT_TRANSFORM_ATTR, None)
 

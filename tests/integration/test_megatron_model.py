@@ -236,44 +236,125 @@ def _moe_layer(chunks):
     return unwrap(chunks[0]).decoder.layers[1].mlp
 
 
-@pytest.mark.parametrize("qat", [False, True])
-def test_grouped_experts_equal_megatrons_expert_loop(single_process, qat):
-    """The grouped-GEMM experts compute what megatron's SequentialMLP loop computes (forward and every
-    expert's gradient), with and without INT4 QAT, empty experts included."""
+def _sequential_twin(model, spec, layout, monkeypatch):
+    """A model built with megatron's own SequentialMLP experts (where experts cannot stack), holding `model`'s
+    weights through its state dict (the stacked experts name theirs as SequentialMLP does)."""
     from megatron.core.transformer.moe.experts import SequentialMLP
 
-    from kimi_pipeline.model import megatron_train as mt
-    from kimi_pipeline.model.grouped_experts import grouped_sequential_mlp
+    from kimi_pipeline.model import megatron_model
+
+    with monkeypatch.context() as m:
+        m.setattr(megatron_model, "stackable", lambda config, expert_tp: False)
+        twin = megatron_model.build_model(spec, layout, device=CPU)
+    assert type(twin.decoder.layers[1].mlp.experts) is SequentialMLP
+    twin.load_state_dict(model.state_dict())  # strict: every name matches
+    return twin
+
+
+def _expert_grads(experts) -> list[torch.Tensor]:
+    """[fc1 grads [E, 2F, H], fc2 grads [E, H, F]] of stacked experts or of megatron's per-expert Linears."""
+    if hasattr(experts, "fc1_weight"):
+        return [experts.fc1_weight.grad.clone(), experts.fc2_weight.grad.clone()]
+    return [torch.stack([getattr(e, lin).weight.grad for e in experts.local_experts]) for lin in ("linear_fc1",
+                                                                                                  "linear_fc2")]
+
+
+@pytest.mark.parametrize("qat", [False, True])
+def test_stacked_experts_equal_megatrons_sequential_mlp(single_process, qat, monkeypatch):
+    """The stacked experts (grouped GEMMs, and the one-expert-at-a-time path where grouped_mm cannot run) compute
+    what megatron's SequentialMLP computes with the same weights: the layer's output, the input's and every
+    expert's gradient, empty experts included, with and without INT4 QAT; and the whole model's logits."""
+    from kimi_pipeline.model import grouped_experts
+    from kimi_pipeline.model.megatron_model import build_model, causal_forward
     from kimi_pipeline.model.qat import enable_int4_qat
 
     r = load_recipe("tiny")
-    chunks, _ = mt.build_trainable(r.model, single_process, r.optimizer, device=CPU)
+    model = build_model(r.model, single_process, device=CPU)
+    twin = _sequential_twin(model, r.model, single_process, monkeypatch)
     if qat:
-        enable_int4_qat(chunks[0], r.quant.group_size)
-    experts = _moe_layer(chunks).experts
-    assert type(experts) is grouped_sequential_mlp() and isinstance(experts, SequentialMLP)
+        assert enable_int4_qat(model, r.quant.group_size) == [f"decoder.layers.{i}.mlp.experts" for i in (1, 2, 3)]
+        enable_int4_qat(twin, r.quant.group_size)
+    experts, reference = model.decoder.layers[1].mlp.experts, twin.decoder.layers[1].mlp.experts
+    assert type(experts) is grouped_experts.stacked_experts()
+    assert [n for n, _ in experts.named_parameters()] == ["fc1_weight", "fc2_weight"]
     g = torch.Generator().manual_seed(3)
-    counts = torch.tensor([5, 0, 9, 1] + [3] * (len(experts.local_experts) - 4))
+    counts = torch.tensor([5, 0, 9, 1] + [3] * (experts.num_local_experts - 4))
     x = torch.randn(int(counts.sum()), r.model.hidden_size, generator=g)
     probs = torch.rand(x.shape[0], generator=g)
     upstream = torch.randn(x.shape[0], r.model.hidden_size, generator=g)
-    results = []
-    for forward in (type(experts).forward, SequentialMLP.forward):
+
+    def run(module):
         xi = x.clone().requires_grad_()
-        out, bias = forward(experts, xi, counts, probs)
+        module.zero_grad(set_to_none=True)
+        out, bias = module(xi, counts, probs)
         assert bias is None
-        experts.zero_grad(set_to_none=True)
-        for p in experts.parameters():
-            p.main_grad = None if not hasattr(p, "main_grad") else p.main_grad.zero_()
         out.backward(upstream)
-        grads = [p.main_grad.clone() if getattr(p, "main_grad", None) is not None else p.grad.clone()
-                 for p in experts.parameters()]
-        results.append((out.detach(), xi.grad.clone(), grads))
-    (o1, gx1, gw1), (o2, gx2, gw2) = results
-    assert torch.allclose(o1, o2, atol=1e-5), (o1 - o2).abs().max()
-    assert torch.allclose(gx1, gx2, atol=1e-5)
-    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(gw1, gw2))
-    assert any(a.abs().sum() > 0 for a in gw1)
+        return out.detach(), xi.grad.clone(), _expert_grads(module)
+
+    grouped = run(experts)
+    with monkeypatch.context() as m:
+        m.setattr(grouped_experts, "grouped_mm_supported", lambda *a: False)
+        one_at_a_time = run(experts)
+    want = run(reference)
+    for got in (grouped, one_at_a_time):
+        assert torch.allclose(got[0], want[0], atol=1e-5), (got[0] - want[0]).abs().max()
+        assert torch.allclose(got[1], want[1], atol=1e-5)
+        assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(got[2], want[2]))
+    assert all(gr[1:].abs().sum() > 0 for gr in want[2]) and not want[2][0][1].any()  # expert 1 got no tokens
+    tokens, _ = fixed_batch(r.model)
+    with torch.no_grad():
+        assert torch.allclose(causal_forward(model, tokens), causal_forward(twin, tokens), atol=1e-4)
+
+
+def test_stacked_experts_keep_sequential_mlps_names_and_checkpoint_layout(single_process, monkeypatch):
+    """Outside the module the experts are SequentialMLP's: state_dict names (views: a write reaches the stack),
+    load_state_dict from either form, and the torch_dist layout (one key per layer, global expert axis)."""
+    from kimi_pipeline.model import hf_bridge
+    from kimi_pipeline.model.megatron_model import build_model
+
+    r = load_recipe("tiny")
+    model = build_model(r.model, single_process, device=CPU)
+    twin = _sequential_twin(model, r.model, single_process, monkeypatch)
+    def tensors(m) -> list[str]:
+        return sorted(k for k in m.state_dict() if not k.endswith("._extra_state"))  # megatron Linear's (None)
+
+    assert tensors(model) == tensors(twin)
+    live = hf_bridge.model_tensors(model)
+    assert sorted(live) == tensors(twin)
+    experts = model.decoder.layers[2].mlp.experts
+    with torch.no_grad():
+        live["decoder.layers.2.mlp.experts.local_experts.5.linear_fc2.weight"].fill_(0.25)
+    assert (experts.fc2_weight[5] == 0.25).all() and not (experts.fc2_weight[4] == 0.25).all()
+    twin.decoder.layers[2].mlp.experts.local_experts[7].linear_fc1.weight.data.mul_(3)
+    model.load_state_dict(twin.state_dict())  # SequentialMLP's state dict, its Linears' _extra_state included
+    assert torch.equal(experts.fc1_weight[7], twin.decoder.layers[2].mlp.experts.local_experts[7].linear_fc1.weight)
+
+    def layout(m):
+        return {sh.key: (tuple(sh.global_shape), tuple(sh.global_offset), sh.replica_id)
+                for sh in _sharded_tensors(m.sharded_state_dict()) if ".mlp.experts." in sh.key}
+
+    twin_layout, stacked_layout = layout(twin), layout(model)
+    assert sorted(stacked_layout) == sorted(twin_layout) == sorted(
+        f"decoder.layers.{i}.mlp.experts.experts.linear_fc{k}.weight" for i in (1, 2, 3) for k in (1, 2))
+    for key, (shape, offset, replica) in stacked_layout.items():  # one rank: every expert from offset 0
+        assert shape == twin_layout[key][0] and shape[-3] == r.model.num_experts, (key, shape)
+        assert offset[-3:] == (0, 0, 0) and replica == twin_layout[key][2] == (0, 0, 0)
+
+
+def _sharded_tensors(sharded: dict) -> list:
+    """Every ShardedTensor of a sharded state dict, factories built (the GLU fc1's swiglu split) as a save does."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    out = []
+    for v in sharded.values():
+        if isinstance(v, dict):
+            out += _sharded_tensors(v)
+        elif isinstance(v, ShardedTensorFactory):
+            built = v.build()
+            out += [t for t in (built if isinstance(built, list) else [built]) if isinstance(t, ShardedTensor)]
+        elif isinstance(v, ShardedTensor):
+            out.append(v)
+    return out
 
 
 def test_sdpa_attention_equals_megatrons_local_attention(single_process):
@@ -454,6 +535,56 @@ def test_checkpoint_is_atomic_and_round_trips(single_process, tmp_path, monkeypa
     assert all(torch.equal(mine[k], theirs[k]) for k in mine)
     with pytest.raises(mt.CheckpointError, match="no latest_checkpointed_iteration"):
         mt.load_model_only(tmp_path / "nothing", other)
+
+
+@pytest.mark.slow  # two trainable models, two torch_dist saves (~15 s)
+def test_checkpoints_of_megatrons_expert_modules_and_of_stacked_experts_load_into_each_other(
+        single_process, tmp_path, monkeypatch):
+    """A run checkpointed before the experts were stacked (megatron's SequentialMLP, also what a layout whose
+    experts cannot stack builds) resumes with stacked experts: weights equal, Adam state carried (the next step
+    lands where the SequentialMLP run's did, to grouped-GEMM rounding); and a stacked checkpoint loads back."""
+    from kimi_pipeline.model import hf_bridge, megatron_model
+    from kimi_pipeline.model import megatron_train as mt
+
+    r = load_recipe("tiny")
+    tokens, targets = fixed_batch(r.model)
+    micro = [{"tokens": tokens, "targets": targets}]
+
+    def step(chunks, opt):
+        mt.forward_backward(chunks, micro, nll, optimizer=opt)
+        assert mt.optimizer_step(opt)[0]
+
+    def weights(chunks):
+        return {k: v.detach().clone() for k, v in hf_bridge.model_tensors(chunks).items()}
+
+    def trainable(stacked: bool):
+        with monkeypatch.context() as m:
+            if not stacked:
+                m.setattr(megatron_model, "stackable", lambda config, expert_tp: False)
+            chunks, opt = mt.build_trainable(r.model, single_process, r.optimizer, device=CPU)
+        assert hasattr(megatron_model.unwrap(chunks[0]).decoder.layers[1].mlp.experts, "fc1_weight") == stacked
+        return chunks, opt
+
+    old, old_opt = trainable(stacked=False)
+    step(old, old_opt)
+    mt.save_checkpoint(tmp_path / "sequential", 1, old, old_opt, {"rollout": 1})
+    saved = weights(old)
+    step(old, old_opt)
+    continued = weights(old)
+
+    new, new_opt = trainable(stacked=True)
+    assert mt.load_checkpoint(tmp_path / "sequential", new, new_opt) == {"rollout": 1}
+    assert [k for k, v in weights(new).items() if not torch.equal(v, saved[k])] == []
+    step(new, new_opt)
+    after = weights(new)
+    worst = max(float((after[k] - continued[k]).abs().max()) for k in continued)
+    moved = max(float((continued[k] - saved[k]).abs().max()) for k in continued)
+    assert worst < 1e-3 * moved, (worst, moved)  # a fresh Adam would move by lr (~moved) in its first step
+
+    mt.save_checkpoint(tmp_path / "stacked", 2, new, new_opt, {"rollout": 2})
+    back, back_opt = trainable(stacked=False)
+    assert mt.load_checkpoint(tmp_path / "stacked", back, back_opt) == {"rollout": 2}
+    assert [k for k, v in weights(back).items() if not torch.equal(v, after[k])] == []
 
 
 # --------------------------------------------------------------------------- multi-process (real gloo ranks)

@@ -212,26 +212,32 @@ def replay_diffs(worker, samples) -> dict[str, float]:
     return out
 
 
+def experts_reached(grads: dict, experts: set[str]) -> tuple[int, int]:
+    """(experts whose weight got a non-zero gradient, experts) over `qat_vs_quantized_weights`' expert params: a
+    stacked [E, out, in] weight counts E experts, a per-expert [out, in] weight one."""
+    import torch
+
+    per_expert = [torch.as_tensor(grads[n][0]).reshape(-1, *grads[n][0].shape[-2:]) for n in experts]
+    return (sum(int((g.abs().sum((1, 2)) > 0).sum()) for g in per_expert), sum(g.shape[0] for g in per_expert))
+
+
 def qat_vs_quantized_weights(model, ref, device) -> tuple:
     """INT4 QAT (group 32) on `model` in megatron DDP against `ref` whose routed-expert weights ARE the fake-quant
     values: the same forward and backward of a fixed batch on `device` through both. Returns (QAT logits, ref
     logits, {param name: (QAT main_grad, ref grad)}, names of the routed-expert params); QAT is off after."""
-    import re
-
     import torch
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     from kimi_pipeline.hf.int4 import fake_quant_int4
     from kimi_pipeline.model.megatron_model import causal_forward
-    from kimi_pipeline.model.qat import disable_int4_qat, enable_int4_qat, routed_expert_linears
+    from kimi_pipeline.model.qat import WEIGHT, disable_int4_qat, enable_int4_qat, routed_expert_modules
 
-    weight = re.compile(r"weight\d*")  # as model/qat.py: `weight` (local Linear) or `weight{e}` (TE grouped linear)
     with torch.no_grad():
-        for _, lin in routed_expert_linears(ref):
+        for _, lin in routed_expert_modules(ref):
             for name, p in lin._parameters.items():
-                if p is not None and weight.fullmatch(name):
+                if p is not None and WEIGHT.fullmatch(name):
                     p.copy_(fake_quant_int4(p, 32))
-    expert_ids = {id(p) for _, lin in routed_expert_linears(model) for p in lin.parameters()}
+    expert_ids = {id(p) for _, lin in routed_expert_modules(model) for p in lin.parameters()}
     experts = {n for n, p in model.named_parameters() if id(p) in expert_ids}
     enable_int4_qat(model, 32)
     ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), module=model)
