@@ -462,6 +462,19 @@ def test_cpu_speed_patches_compute_what_megatron_computes():
     assert torch.allclose(outs[0], outs[1]) and all(torch.allclose(a, b) for a, b in zip(*grads))
 
 
+def _train_step(chunks, opt, micro) -> None:
+    from kimi_pipeline.model import megatron_train as mt
+
+    mt.forward_backward(chunks, micro, nll, optimizer=opt)
+    assert mt.optimizer_step(opt)[0]
+
+
+def _weights(chunks) -> dict[str, torch.Tensor]:
+    from kimi_pipeline.model import hf_bridge
+
+    return {k: v.detach().clone() for k, v in hf_bridge.model_tensors(chunks).items()}
+
+
 @pytest.mark.slow  # torch_dist saves and a killed writer (~12 s)
 def test_checkpoint_is_atomic_and_round_trips(single_process, tmp_path, monkeypatch):
     from megatron.core import dist_checkpointing
@@ -473,18 +486,11 @@ def test_checkpoint_is_atomic_and_round_trips(single_process, tmp_path, monkeypa
     tokens, targets = fixed_batch(r.model)
     micro = [{"tokens": tokens, "targets": targets}]
 
-    def step(chunks, opt):
-        mt.forward_backward(chunks, micro, nll, optimizer=opt)
-        assert mt.optimizer_step(opt)[0]
-
-    def weights(chunks):
-        return {k: v.detach().clone() for k, v in hf_bridge.model_tensors(chunks).items()}
-
     chunks, opt = mt.build_trainable(r.model, single_process, r.optimizer, device=CPU)
-    step(chunks, opt)
+    _train_step(chunks, opt, micro)
     ckpt = tmp_path / "ckpt"
     mt.save_checkpoint(ckpt, 1, chunks, opt, {"rollout": 1, "data_pos": 64})
-    saved = weights(chunks)
+    saved = _weights(chunks)
     assert (ckpt / mt.TRACKER).read_text().strip() == "1"
     assert (ckpt / "iter_0000001" / "metadata.json").is_file()
     # torch_dist keys use Transformer Engine names even from the local (CPU) spec: GPU jobs can load it
@@ -494,8 +500,8 @@ def test_checkpoint_is_atomic_and_round_trips(single_process, tmp_path, monkeypa
             "decoder.layers.1.self_attention.linear_kv_up_proj.layer_norm_weight",
             "decoder.layers.1.mlp.experts.experts.linear_fc1.weight"} <= keys
     assert not [k for k in keys if "q_layernorm" in k or "kv_layernorm" in k or "layers.0.pre_mlp" in k]
-    step(chunks, opt)
-    continued = weights(chunks)  # where training goes from the checkpointed state
+    _train_step(chunks, opt, micro)
+    continued = _weights(chunks)  # where training goes from the checkpointed state
 
     # a crash after the shards are written but before the rename/tracker: "latest" stays at step 1
     real_save = dist_checkpointing.save
@@ -515,10 +521,10 @@ def test_checkpoint_is_atomic_and_round_trips(single_process, tmp_path, monkeypa
     # next step lands exactly where the original run went
     fresh, fresh_opt = mt.build_trainable(r.model, single_process, r.optimizer, device=CPU)
     assert mt.load_checkpoint(ckpt, fresh, fresh_opt) == {"rollout": 1, "data_pos": 64}
-    now = weights(fresh)
+    now = _weights(fresh)
     assert all(torch.equal(saved[k], now[k]) for k in saved)
-    step(fresh, fresh_opt)
-    after = weights(fresh)
+    _train_step(fresh, fresh_opt, micro)
+    after = _weights(fresh)
     assert [k for k in continued if not torch.equal(continued[k], after[k])] == []
 
     mt.save_checkpoint(ckpt, 2, fresh, fresh_opt, {"rollout": 2})  # the leftover temp dir is replaced
@@ -543,19 +549,12 @@ def test_checkpoints_of_megatrons_expert_modules_and_of_stacked_experts_load_int
     """A run checkpointed before the experts were stacked (megatron's SequentialMLP, also what a layout whose
     experts cannot stack builds) resumes with stacked experts: weights equal, Adam state carried (the next step
     lands where the SequentialMLP run's did, to grouped-GEMM rounding); and a stacked checkpoint loads back."""
-    from kimi_pipeline.model import hf_bridge, megatron_model
+    from kimi_pipeline.model import megatron_model
     from kimi_pipeline.model import megatron_train as mt
 
     r = load_recipe("tiny")
     tokens, targets = fixed_batch(r.model)
     micro = [{"tokens": tokens, "targets": targets}]
-
-    def step(chunks, opt):
-        mt.forward_backward(chunks, micro, nll, optimizer=opt)
-        assert mt.optimizer_step(opt)[0]
-
-    def weights(chunks):
-        return {k: v.detach().clone() for k, v in hf_bridge.model_tensors(chunks).items()}
 
     def trainable(stacked: bool):
         with monkeypatch.context() as m:
@@ -566,17 +565,17 @@ def test_checkpoints_of_megatrons_expert_modules_and_of_stacked_experts_load_int
         return chunks, opt
 
     old, old_opt = trainable(stacked=False)
-    step(old, old_opt)
+    _train_step(old, old_opt, micro)
     mt.save_checkpoint(tmp_path / "sequential", 1, old, old_opt, {"rollout": 1})
-    saved = weights(old)
-    step(old, old_opt)
-    continued = weights(old)
+    saved = _weights(old)
+    _train_step(old, old_opt, micro)
+    continued = _weights(old)
 
     new, new_opt = trainable(stacked=True)
     assert mt.load_checkpoint(tmp_path / "sequential", new, new_opt) == {"rollout": 1}
-    assert [k for k, v in weights(new).items() if not torch.equal(v, saved[k])] == []
-    step(new, new_opt)
-    after = weights(new)
+    assert [k for k, v in _weights(new).items() if not torch.equal(v, saved[k])] == []
+    _train_step(new, new_opt, micro)
+    after = _weights(new)
     worst = max(float((after[k] - continued[k]).abs().max()) for k in continued)
     moved = max(float((continued[k] - saved[k]).abs().max()) for k in continued)
     assert worst < 1e-3 * moved, (worst, moved)  # a fresh Adam would move by lr (~moved) in its first step
@@ -584,7 +583,7 @@ def test_checkpoints_of_megatrons_expert_modules_and_of_stacked_experts_load_int
     mt.save_checkpoint(tmp_path / "stacked", 2, new, new_opt, {"rollout": 2})
     back, back_opt = trainable(stacked=False)
     assert mt.load_checkpoint(tmp_path / "stacked", back, back_opt) == {"rollout": 2}
-    assert [k for k, v in weights(back).items() if not torch.equal(v, after[k])] == []
+    assert [k for k, v in _weights(back).items() if not torch.equal(v, after[k])] == []
 
 
 # --------------------------------------------------------------------------- multi-process (real gloo ranks)
