@@ -15,9 +15,10 @@ What the rest of the project sees is unchanged: `state_dict()` names the experts
 `sharded_state_dict` writes megatron's `SequentialMLP` checkpoint layout (one key per layer, the global expert
 index as an axis: megatron-core 0.16.1 `transformer/moe/experts.py:935-975`), as one ShardedTensor whose data is
 the stacked Parameter itself, which the distributed optimizer maps its state by. Checkpoints written before the
-stacking load unchanged (torch_dist re-chunks the per-expert pieces on load; tested).
+stacking load unchanged (torch_dist re-chunks the per-expert pieces on load), and a stacked checkpoint loads where
+experts do not stack (both tested, Adam state included).
 
-Built where the stacked form holds (`stackable`: expert-TP 1, gated linear unit, no expert bias, no FP8/FP4, no
+Built where the stacked form holds (`stackable`: expert-TP 1, gated linear unit, unbiased expert Linears, no FP8/FP4, no
 delayed wgrad); otherwise megatron's `SequentialMLP`. At run time the grouped GEMM needs `torch._grouped_mm` to
 take the operands (`grouped_mm_supported`: any float on CPU, bf16 on sm80+ GPUs — one rule, so a TE-less GPU runs
 what the CPU tests run); elsewhere the same stacks run one expert at a time.
@@ -74,7 +75,7 @@ def stackable(config, expert_tp: int) -> bool:
     )
 
 
-def _expert_view_keys(prefix: str, e: int, linear: str) -> str:
+def _expert_view_key(prefix: str, e: int, linear: str) -> str:
     """SequentialMLP's state-dict name of expert `e`'s weight of `linear`."""
     return f"{prefix}local_experts.{e}.{linear}.weight"
 
@@ -179,13 +180,13 @@ def stacked_experts() -> type:
         for stacked, linear in STACKED:
             t = state_dict.pop(prefix + stacked).detach()
             for e in range(t.shape[0]):
-                state_dict[_expert_view_keys(prefix, e, linear)] = t[e]
+                state_dict[_expert_view_key(prefix, e, linear)] = t[e]
 
     def _stack_expert_views(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
         """load_state_dict pre-hook: per-expert weights (SequentialMLP's names, as `state_dict()` gives them)
         back into the stacks' keys; SequentialMLP's Linears' `_extra_state` (None) dropped."""
         for stacked, linear in STACKED:
-            keys = [_expert_view_keys(prefix, e, linear) for e in range(module.num_local_experts)]
+            keys = [_expert_view_key(prefix, e, linear) for e in range(module.num_local_experts)]
             if all(k in state_dict for k in keys):
                 state_dict[prefix + stacked] = torch.stack([state_dict.pop(k) for k in keys])
             for e in range(module.num_local_experts):
