@@ -79,6 +79,44 @@ def test_bf16_trainer_lives_on_the_gpu_and_its_loss_falls(cuda, one_gpu_rank):
     assert torch.allclose(ent, want_ent, atol=1e-3), (ent - want_ent).abs().max().item()
 
 
+def test_the_bf16_trainers_stacked_experts_take_the_grouped_gemm(cuda, one_gpu_rank, monkeypatch):
+    """Without TE, every MoE layer's experts are two stacked Parameters living in megatron's DDP param buffer, and a
+    training micro-batch multiplies them with torch's grouped GEMM (bf16, sm80+), never one expert at a time (the
+    path for operands grouped_mm does not take, e.g. a misaligned buffer view)."""
+    import torch
+
+    from kimi_pipeline.model import grouped_experts
+    from kimi_pipeline.model import megatron_train as mt
+    from kimi_pipeline.model.hf_bridge import model_uses_te
+    from kimi_pipeline.model.megatron_model import unwrap
+
+    if torch.cuda.get_device_capability(cuda)[0] < 8:
+        pytest.skip("torch's grouped GEMM on CUDA needs sm80+")
+    r, spec = _bf16()
+    chunks, opt = mt.build_trainable(spec, one_gpu_rank, r.optimizer, device=cuda)
+    if model_uses_te(chunks):
+        pytest.skip("with Transformer Engine the experts are TE's grouped linears")
+    stacked = grouped_experts.stacked_experts()
+    layers = [m for m in unwrap(chunks).modules() if isinstance(m, stacked)]
+    assert len(layers) == 3 and all(m.fc1_weight.device == cuda and m.fc1_weight.dtype == torch.bfloat16
+                                    for m in layers)
+    calls = {"grouped": 0, "one at a time": 0}
+    grouped_mm, one_at_a_time = torch._grouped_mm, stacked._one_expert_at_a_time
+
+    def counted(name, fn):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(torch, "_grouped_mm", counted("grouped", grouped_mm))
+    monkeypatch.setattr(stacked, "_one_expert_at_a_time", counted("one at a time", one_at_a_time))
+    tokens, targets = fixed_batch(spec, cuda)
+    out = mt.forward_backward(chunks, [{"tokens": tokens, "targets": targets}], nll, optimizer=opt)
+    assert calls == {"grouped": 2 * len(layers), "one at a time": 0}, calls  # fc1 and fc2 of each layer's forward
+    assert torch.isfinite(out[0]["loss"]) and all(torch.isfinite(m.fc1_weight.main_grad).all() for m in layers)
+
+
 def test_torch_dist_resume_takes_the_identical_next_step(cuda, one_gpu_rank, tmp_path):
     """Save after one step, take a second step; a fresh model + optimizer loaded from the checkpoint takes the
     same second step: every weight bit-identical (fp32 Adam state and main params restored, not re-derived)."""
