@@ -75,9 +75,9 @@ def stackable(config, expert_tp: int) -> bool:
     )
 
 
-def _expert_view_key(prefix: str, e: int, linear: str) -> str:
-    """SequentialMLP's state-dict name of expert `e`'s weight of `linear`."""
-    return f"{prefix}local_experts.{e}.{linear}.weight"
+def _expert_view_key(prefix: str, e: int, linear: str, entry: str = "weight") -> str:
+    """SequentialMLP's state-dict name of expert `e`'s `entry` (weight, _extra_state) of `linear`."""
+    return f"{prefix}local_experts.{e}.{linear}.{entry}"
 
 
 @functools.cache
@@ -170,7 +170,7 @@ def stacked_experts() -> type:
                 e_local = self.num_local_experts
                 for e in range(e_local):
                     expert_axis = (n, ep_rank * e_local + e, ep_size * e_local)
-                    out[f"{prefix}local_experts.{e}.{linear}._extra_state"] = make_sharded_object_for_checkpoint(
+                    out[_expert_view_key(prefix, e, linear, "_extra_state")] = make_sharded_object_for_checkpoint(
                         None, f"{prefix}experts.{linear}._extra_state", (*sharded_offsets, expert_axis),
                         replica_id=replica_id)
             return out
@@ -190,6 +190,6 @@ def stacked_experts() -> type:
             if all(k in state_dict for k in keys):
                 state_dict[prefix + stacked] = torch.stack([state_dict.pop(k) for k in keys])
             for e in range(module.num_local_experts):
-                state_dict.pop(f"{prefix}local_experts.{e}.{linear}._extra_state", None)
+                state_dict.pop(_expert_view_key(prefix, e, linear, "_extra_state"), None)
 
     return StackedExperts

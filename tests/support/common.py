@@ -212,12 +212,10 @@ def replay_diffs(worker, samples) -> dict[str, float]:
     return out
 
 
-def experts_reached(grads: dict, experts: set[str]) -> tuple[int, int]:
-    """(experts whose weight got a non-zero gradient, experts) over `qat_vs_quantized_weights`' expert params: a
-    stacked [E, out, in] weight counts E experts, a per-expert [out, in] weight one."""
-    import torch
-
-    per_expert = [torch.as_tensor(grads[n][0]).reshape(-1, *grads[n][0].shape[-2:]) for n in experts]
+def experts_reached(grads) -> tuple[int, int]:
+    """(experts whose weight got a non-zero gradient, experts) over routed-expert weight gradients: a stacked
+    [E, out, in] gradient counts E experts, a per-expert [out, in] one counts one."""
+    per_expert = [g.reshape(-1, *g.shape[-2:]) for g in grads]
     return (sum(int((g.abs().sum((1, 2)) > 0).sum()) for g in per_expert), sum(g.shape[0] for g in per_expert))
 
 
