@@ -18,7 +18,7 @@ SGLANG_VENV ?= .venv-sglang
 # SGLang's launch-argument parser on CPU, for the tests only: sglang + what its parser imports, --no-deps.
 SGLANG_PARSER := .cache/sglang-parser
 
-.PHONY: install run test test-fast clean browser gpu-check sglang-env sglang-parser trainer-env images
+.PHONY: install run test test-fast clean browser gpu-check sglang-env sglang-parser trainer-env images bytecode
 
 $(BIN)/.installed: pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -50,7 +50,14 @@ $(SGLANG_PARSER)/.installed: requirements-sglang.txt tests/sglang-parser.txt $(B
 
 sglang-parser: $(SGLANG_PARSER)/.installed
 
-run: install
+# This project's own sources byte-compiled, as pip compiles every package it installs (not an editable one's):
+# where PYTHONDONTWRITEBYTECODE=1 (this CI image sets it) no process writes a .pyc, so each of the hundreds a run or
+# the suite starts (Ray actors, ranks, agents) would compile every module of ours it imports, ~0.25 CPU-s each.
+# Incremental: only sources newer than their .pyc.
+bytecode: install
+	$(BIN)/python -m compileall -q kimi_pipeline flows tasks tests bench
+
+run: install bytecode
 	$(BIN)/kimi run $(ARGS)
 
 # Headless Chromium for the Prefect UI test (tests/integration/test_deployment.py): Debian's `chromium`, installed with apt
@@ -70,12 +77,12 @@ TEST_WORKERS ?= 2
 XDIST = $(if $(filter 0,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
 # --cpu-report: after the 25 slowest tests, the session's CPU by kind of process (tests/support/cpu_report.py).
-test: install browser sglang-parser
+test: install browser sglang-parser bytecode
 	KIMI_SGLANG_PARSER_PATH=$(CURDIR)/$(SGLANG_PARSER) $(BIN)/python -m pytest $(XDIST) --cpu-report $(ARGS)
 
 # The inner loop while developing: the unit tests and the integration tests of a few seconds each (those that start
 # clusters, many processes, served runs or the tiny run are marked `slow`); `make test` runs everything, as CI does.
-test-fast: install sglang-parser
+test-fast: install sglang-parser bytecode
 	KIMI_SGLANG_PARSER_PATH=$(CURDIR)/$(SGLANG_PARSER) $(BIN)/python -m pytest -m "not slow" $(ARGS)
 
 # GPU machines only: preflight (CUDA + megatron-core, else exit 1 naming what is missing), `pytest -m gpu tests/gpu`,

@@ -10,6 +10,13 @@ medians of three). Where TORCHDYNAMO_DISABLE=1 (every CPU rank
 and actor: `megatron_compat.CPU_ENV`), megatron's own `disable_jit_fuser()` (core/jit.py: `noop_decorator`) is called
 as soon as its jit module has run, before any fused module imports `jit_fuser`: the functions run eagerly as they
 would through the disabled wrapper. A GPU process has dynamo on and keeps torch.compile.
+
+Also, in every process: megatron's timers and its dynamic-inference context and engine import wandb at module top
+(`try: import wandb`) for metric writers a caller passes in, which the pipeline never does (it runs neither
+megatron's inference engine nor its timers' writers): 0.25-0.4 CPU-s in each of the ~150 processes of a test suite
+that import megatron (measured 2026-11-28, 2-core AMD EPYC: megatron through this package 2.21-2.82 CPU-s, 1.96-2.20
+without wandb). Those three modules run with wandb unimportable, as where it is not installed (their `wandb = None`
+branch); wandb itself stays importable for the pipeline's own W&B logger (report/metrics_log.py).
 """
 
 from __future__ import annotations
@@ -22,6 +29,9 @@ import sys
 from types import ModuleType
 
 JIT_MODULE = "megatron.core.jit"
+# megatron modules whose only use of wandb is a writer argument the pipeline never passes (see the docstring)
+WANDB_FREE = ("megatron.core.timers", "megatron.core.inference.contexts.dynamic_context",
+              "megatron.core.inference.engines.dynamic_engine")
 
 
 def dynamo_disabled() -> bool:
@@ -47,6 +57,37 @@ class _EagerJitFuser(importlib.abc.MetaPathFinder):
 
         spec.loader.exec_module = exec_module  # type: ignore[method-assign]
         return spec
+
+
+class _WithoutWandb(importlib.abc.MetaPathFinder):
+    """Runs the WANDB_FREE modules with `import wandb` failing, unless wandb is imported already (then it costs
+    nothing and they take it)."""
+
+    def find_spec(self, name: str, path=None, target=None) -> importlib.machinery.ModuleSpec | None:
+        if name not in WANDB_FREE:
+            return None
+        others = (f for f in sys.meta_path if f is not self and hasattr(f, "find_spec"))
+        spec = next((s for f in others if (s := f.find_spec(name, path, target)) is not None), None)
+        if spec is None or spec.loader is None or "wandb" in sys.modules:
+            return spec
+        run = spec.loader.exec_module
+
+        def exec_module(module: ModuleType) -> None:
+            sys.modules["wandb"] = None  # type: ignore[assignment]  # `import wandb` raises ImportError
+            try:
+                run(module)
+            finally:
+                if sys.modules.get("wandb", 0) is None:
+                    del sys.modules["wandb"]
+
+        spec.loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+
+def megatron_without_wandb() -> None:
+    """Install the finder (once) for the WANDB_FREE modules not imported yet."""
+    if not any(isinstance(f, _WithoutWandb) for f in sys.meta_path):
+        sys.meta_path.insert(0, _WithoutWandb())
 
 
 def eager_fused_functions_when_dynamo_is_off() -> bool:

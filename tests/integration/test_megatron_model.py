@@ -129,19 +129,27 @@ import torch
 y, b = torch.randn(3, 8), torch.randn(8)
 same = torch.equal(fused_bias_swiglu.bias_swiglu_impl(y, b), torch.nn.functional.silu((y + b)[:, :4]) * (y + b)[:, 4:])
 print(jit.jit_fuser.__name__, fused_bias_swiglu.bias_swiglu.__name__, "torch._dynamo" in sys.modules, same)
+import megatron.core.timers as timers
+from megatron.core.inference.contexts import dynamic_context
+from megatron.core.inference.engines import dynamic_engine
+print("wandb" in sys.modules, timers.wandb, dynamic_context.HAVE_WANDB, dynamic_engine.HAVE_WANDB)
+import wandb  # the pipeline's own W&B logger still imports it
+print(wandb.Settings.__name__)
 """
 
 
 def test_with_dynamo_off_megatrons_fused_functions_run_eagerly_without_importing_dynamo(monkeypatch):
     """TORCHDYNAMO_DISABLE=1 (every CPU rank and actor): megatron's fuser is its own no-op decorator from its first
     import (model/megatron_import.py), so its fused functions are plain functions computing the same, and torch._dynamo
-    is never imported; without it (a GPU process) nothing is installed and megatron keeps torch.compile."""
+    is never imported; without it (a GPU process) nothing is installed and megatron keeps torch.compile. Megatron's
+    timers and dynamic inference modules import without wandb (their writers unused), which stays importable."""
     from kimi_pipeline.model import megatron_import
 
     out = subprocess.run([sys.executable, "-W", "ignore", "-c", EAGER_PROBE], capture_output=True, text=True,
                          env={**os.environ, "TORCHDYNAMO_DISABLE": "1"}, timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split() == ["noop_decorator", "bias_swiglu", "False", "True"], out.stdout
+    assert out.stdout.split() == ["noop_decorator", "bias_swiglu", "False", "True",
+                                  "False", "None", "False", "False", "Settings"], out.stdout
     monkeypatch.delenv("TORCHDYNAMO_DISABLE", raising=False)
     monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
     monkeypatch.delitem(sys.modules, megatron_import.JIT_MODULE, raising=False)
