@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.machinery
-import importlib.util
 import os
 import sys
+from collections.abc import Callable
 from types import ModuleType
 
 JIT_MODULE = "megatron.core.jit"
@@ -39,24 +39,35 @@ def dynamo_disabled() -> bool:
     return os.environ.get("TORCHDYNAMO_DISABLE") == "1"
 
 
+Exec = Callable[[ModuleType], None]  # a loader's exec_module
+
+
+def _spec_running(finder: importlib.abc.MetaPathFinder, name: str, path, target,
+                  around: Callable[[Exec, ModuleType], None]) -> importlib.machinery.ModuleSpec | None:
+    """`name`'s spec from the finders other than `finder`, its module executed through `around(exec_module, module)`
+    (both finders below wrap a megatron module's execution this way)."""
+    others = (f for f in sys.meta_path if f is not finder and hasattr(f, "find_spec"))
+    spec = next((s for f in others if (s := f.find_spec(name, path, target)) is not None), None)
+    if spec is None or spec.loader is None:
+        return spec
+    run = spec.loader.exec_module
+    spec.loader.exec_module = lambda module: around(run, module)  # type: ignore[method-assign]
+    return spec
+
+
 class _EagerJitFuser(importlib.abc.MetaPathFinder):
     """Finds megatron's jit module once (through the other finders) and disables its fuser right after it runs."""
 
     def find_spec(self, name: str, path=None, target=None) -> importlib.machinery.ModuleSpec | None:
         if name != JIT_MODULE:
             return None
-        sys.meta_path.remove(self)  # once: the next lookup (ours, just below) goes to the real finders
-        spec = importlib.util.find_spec(name)
-        if spec is None or spec.loader is None:
-            return spec
-        run = spec.loader.exec_module
+        sys.meta_path.remove(self)  # once
+        return _spec_running(self, name, path, target, _then_disable_jit_fuser)
 
-        def exec_module(module: ModuleType) -> None:
-            run(module)
-            module.disable_jit_fuser()
 
-        spec.loader.exec_module = exec_module  # type: ignore[method-assign]
-        return spec
+def _then_disable_jit_fuser(run: Exec, module: ModuleType) -> None:
+    run(module)
+    module.disable_jit_fuser()
 
 
 class _WithoutWandb(importlib.abc.MetaPathFinder):
@@ -64,24 +75,18 @@ class _WithoutWandb(importlib.abc.MetaPathFinder):
     nothing and they take it)."""
 
     def find_spec(self, name: str, path=None, target=None) -> importlib.machinery.ModuleSpec | None:
-        if name not in WANDB_FREE:
+        if name not in WANDB_FREE or "wandb" in sys.modules:
             return None
-        others = (f for f in sys.meta_path if f is not self and hasattr(f, "find_spec"))
-        spec = next((s for f in others if (s := f.find_spec(name, path, target)) is not None), None)
-        if spec is None or spec.loader is None or "wandb" in sys.modules:
-            return spec
-        run = spec.loader.exec_module
+        return _spec_running(self, name, path, target, _without_wandb)
 
-        def exec_module(module: ModuleType) -> None:
-            sys.modules["wandb"] = None  # type: ignore[assignment]  # `import wandb` raises ImportError
-            try:
-                run(module)
-            finally:
-                if sys.modules.get("wandb", 0) is None:
-                    del sys.modules["wandb"]
 
-        spec.loader.exec_module = exec_module  # type: ignore[method-assign]
-        return spec
+def _without_wandb(run: Exec, module: ModuleType) -> None:
+    sys.modules["wandb"] = None  # type: ignore[assignment]  # `import wandb` raises ImportError
+    try:
+        run(module)
+    finally:
+        if sys.modules.get("wandb", 0) is None:
+            del sys.modules["wandb"]
 
 
 def megatron_without_wandb() -> None:
