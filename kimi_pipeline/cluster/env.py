@@ -121,10 +121,20 @@ def ensure_token() -> str:
     return source
 
 
+# Ray's own metrics, off on the clusters a run starts itself and in their drivers. Every Ray process records them and
+# its node's dashboard agent serves them to a Prometheus, which nothing points at an embedded cluster (a run's own
+# metrics are its metrics.jsonl, TensorBoard and W&B). And a driver flushes them in `ray.shutdown()`: with the Ray head
+# gone, that flush waits on the dead node's agent for 30 s (py-spy on the head-lost test's `kimi run`: shutdown_driver
+# → ~CoreWorkerProcessImpl → OpenTelemetryMetricRecorder::Shutdown → MetricReader::ForceFlush; its run failed 31 s
+# after its train stage, 8 s with this off). A cluster we only connect to keeps its own setting.
+RAY_METRICS_VAR = "RAY_enable_metrics_collection"
+RAY_METRICS_OFF = {RAY_METRICS_VAR: "0"}
+
+
 def ray_env(temp_dir: Path | None, mode: str | None = None) -> dict[str, str]:
     """Variables for the Ray processes we start and for drivers that connect to them."""
     mode = mode or auth_mode()
-    env = {"RAY_AUTH_MODE": mode, "RAY_USAGE_STATS_ENABLED": "0"}
+    env = {"RAY_AUTH_MODE": mode, "RAY_USAGE_STATS_ENABLED": "0", **RAY_METRICS_OFF}
     if temp_dir is not None:
         env["RAY_TMPDIR"] = str(temp_dir)
     return env

@@ -30,7 +30,14 @@ from kimi_pipeline.cluster.cluster_errors import (
     LocalClusterTooSmall,
     PreflightError,
 )
-from kimi_pipeline.cluster.env import auth_mode, ensure_token, require_auth, token_source
+from kimi_pipeline.cluster.env import (
+    RAY_METRICS_OFF,
+    RAY_METRICS_VAR,
+    auth_mode,
+    ensure_token,
+    require_auth,
+    token_source,
+)
 from kimi_pipeline.cluster.local import LocalCluster, NodeSpec
 from kimi_pipeline.cluster.preflight import report_markdown, run_preflight
 from kimi_pipeline.cluster.readiness import ClusterFacts, Requirements, wait_until_healthy
@@ -118,10 +125,13 @@ def attach_driver(address: str) -> str:
     return resolved
 
 
-def export_driver_env(mode: str) -> None:
-    """Drivers in this process (the train stage's ray.init) must use the cluster's auth mode."""
+def export_driver_env(mode: str, ray_metrics: bool = True) -> None:
+    """Drivers in this process (the train stage's ray.init) must use the cluster's auth mode; `ray_metrics` False on
+    a cluster that records none (`env.RAY_METRICS_OFF`: the embedded ones; any other keeps what the user set)."""
     os.environ["RAY_AUTH_MODE"] = mode
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    if not ray_metrics:
+        os.environ.update(RAY_METRICS_OFF)
     if "ray" in sys.modules:  # Ray caches its config at import: refresh it like Ray itself does
         with contextlib.suppress(Exception):
             from ray._raylet import Config
@@ -199,7 +209,7 @@ def bring_up(recipe, run_dir: Path, timeout_s: float | None = None, owner_pid: i
                                          owner_pid=None if wanted.keep else owner_pid)
         auth = cluster.env.get("RAY_AUTH_MODE", auth)  # a reused cluster keeps the mode it started with
         try:
-            export_driver_env(auth)
+            export_driver_env(auth, ray_metrics=cluster.env.get(RAY_METRICS_VAR) != RAY_METRICS_OFF[RAY_METRICS_VAR])
             facts = wait_until_healthy(cluster.address, req, timeout_s or EMBEDDED_TIMEOUT_S)
         except ClusterHealthError as e:
             cluster.stop()

@@ -36,7 +36,9 @@ from kimi_pipeline.util.secret_env import without_secrets
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 
-RAY_CLI = [sys.executable, "-m", "ray.scripts.scripts"]  # the venv's Ray, whatever PATH says
+# the venv's Ray whatever PATH says: its `ray start`, less the CLI's `ray serve` group and the Ray Client server
+# (`ray_start`: neither is used)
+RAY_START = [sys.executable, "-m", "kimi_pipeline.cluster.ray_start"]
 START_TIMEOUT_S = 120.0
 
 
@@ -177,7 +179,7 @@ class LocalCluster:
         log_path = self.run_dir / "cluster" / f"{log_name}.log"
         with open(log_path, "w") as out:
             proc = subprocess.Popen(
-                [*(prefix or []), *RAY_CLI, "start", *args, "--temp-dir", self.state["temp_dir"],
+                [*(prefix or []), *RAY_START, *args, "--temp-dir", self.state["temp_dir"],
                  "--disable-usage-stats"],
                 env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
             )
@@ -203,12 +205,11 @@ class LocalCluster:
 
         def start() -> tuple[str, int]:
             # fresh ports on each attempt (a port taken meanwhile may be why one failed), distinct within it
-            dash_port, client_port, agent_port = free_ports(3)
+            dash_port, agent_port = free_ports(2)
             args = [
                 "--head", "--port", "0", *(["--node-ip-address", LOOPBACK] if self.loopback else []),
                 "--include-dashboard", "true" if dashboard else "false",
                 "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash_port),
-                "--ray-client-server-port", str(client_port),
                 "--dashboard-agent-listen-port", str(agent_port),
                 *head.args(),
             ]

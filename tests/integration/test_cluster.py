@@ -20,7 +20,13 @@ import psutil
 import pytest
 
 from kimi_pipeline import stages
-from kimi_pipeline.cluster.env import SINGLE_HOST_VAR, SOCKET_PATH_MAX, SOCKET_PATH_TAIL, choose_temp_dir
+from kimi_pipeline.cluster.env import (
+    RAY_METRICS_VAR,
+    SINGLE_HOST_VAR,
+    SOCKET_PATH_MAX,
+    SOCKET_PATH_TAIL,
+    choose_temp_dir,
+)
 from kimi_pipeline.cluster.cluster_errors import ClusterConfigError, ClusterHealthError, LocalClusterTooSmall, PlacementError
 from kimi_pipeline.cluster.readiness import ClusterFacts, NodeFacts, Requirements, wait_until_healthy
 from kimi_pipeline.cluster.kuberay import check_manifest, manifest_presets, render_manifest
@@ -66,7 +72,8 @@ def short_run_dir(name: str) -> Path:
 @pytest.fixture(scope="module", autouse=True)
 def _ray_hygiene():
     """Restore the env vars the stage exports, and stop any cluster a failed test left running."""
-    saved = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_USAGE_STATS_ENABLED", SINGLE_HOST_VAR)}
+    exported = ("RAY_AUTH_MODE", "RAY_USAGE_STATS_ENABLED", RAY_METRICS_VAR, SINGLE_HOST_VAR)
+    saved = {k: os.environ.get(k) for k in exported}
     yield
     import ray
 
@@ -361,7 +368,8 @@ def test_ray_processes_get_explicit_hygiene_env(embedded):
     env = raylet.environ()
     assert env["RAY_AUTH_MODE"] == "token" and env["RAY_USAGE_STATS_ENABLED"] == "0"
     assert env["RAY_TMPDIR"] == embedded["section"]["temp_dir"] and MARKER_VAR in env
-    assert os.environ["RAY_AUTH_MODE"] == "token"  # exported for the train stage's driver
+    assert env[RAY_METRICS_VAR] == "0"  # no Ray metrics on a cluster the run owns (`cluster.env.RAY_METRICS_OFF`)
+    assert os.environ["RAY_AUTH_MODE"] == "token" and os.environ[RAY_METRICS_VAR] == "0"  # for the stage's driver
     assert not set(FLOW_SECRETS) & set(env), "the raylet (and so every actor) got the flow's secrets"
 
 
@@ -409,8 +417,11 @@ def test_the_one_host_cluster_listens_on_loopback_only(embedded):
     commands = " ".join(x.command for x in found)
     # the servers every cluster has from its start (the autoscaler's monitor.py opens its metrics port some seconds
     # later: seen in one run of this test, not in another, so it is checked with the rest when present, not waited for)
-    for process in ("gcs_server", "raylet", "dashboard.py", "ray.util.client.server"):
+    for process in ("gcs_server", "raylet", "dashboard.py"):
         assert process in commands, (process, found)
+    # no Ray Client server (`cluster.ray_start`): the pipeline refuses ray:// addresses, so it would only be a port
+    assert "ray.util.client.server" not in commands and not [
+        p for p in cluster.processes() if "ray.util.client.server" in " ".join(p.cmdline())]
     # no log monitor: the run's drivers never stream the workers' output (`NodeSpec.log_monitor`)
     assert not [p for p in cluster.processes() if "log_monitor.py" in " ".join(p.cmdline())]
     assert [x for x in found if not x.loopback] == []
