@@ -19,7 +19,7 @@ sys.path.insert(0, str(ROOT))
 from prefect import flow  # noqa: E402
 from prefect.client.orchestration import get_client  # noqa: E402
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId  # noqa: E402
-from prefect.testing.utilities import prefect_test_harness  # noqa: E402
+from support.prefect_home import migrated_test_harness  # noqa: E402
 
 from kimi_pipeline.engine.client import EngineRequestError  # noqa: E402
 from kimi_pipeline.engine.model import EngineModel  # noqa: E402
@@ -33,7 +33,7 @@ from tasks.train import eval_task  # noqa: E402
 
 @pytest.fixture(scope="module", autouse=True)
 def prefect_server():
-    with prefect_test_harness(server_startup_timeout=120):
+    with migrated_test_harness():
         yield
 
 

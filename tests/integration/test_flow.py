@@ -15,14 +15,14 @@ sys.path.insert(0, str(ROOT))
 
 from prefect.client.orchestration import get_client  # noqa: E402
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId  # noqa: E402
-from prefect.testing.utilities import prefect_test_harness  # noqa: E402
+from support.prefect_home import migrated_test_harness  # noqa: E402
 
 from flows.kimi import kimi  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)
 def prefect_server():
-    with prefect_test_harness(server_startup_timeout=120):
+    with migrated_test_harness():
         yield
 
 

@@ -25,7 +25,7 @@ from prefect.client.schemas.filters import (
     LogFilterFlowRunId,
 )
 from prefect.logging.handlers import APILogHandler
-from prefect.testing.utilities import prefect_test_harness
+from support.prefect_home import migrated_test_harness
 
 from flows.notify import FAILED_FILE, notify_failure
 from kimi_pipeline.errors import SectionError
@@ -83,7 +83,7 @@ def test_a_failed_run_shows_no_secret_in_summary_failed_md_webhook_logs_or_artif
     monkeypatch.setenv("HF_TOKEN", HF)
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     run_dir = tmp_path / "run"
-    with webhook_receiver() as (url, received), prefect_test_harness(server_startup_timeout=120):
+    with webhook_receiver() as (url, received), migrated_test_harness():
         monkeypatch.setenv("KIMI_NOTIFY_WEBHOOK", url)
         Secret(value=WANDB).save("wandb-api-key", overwrite=True)
         state = refused_flow(str(run_dir), return_state=True)

@@ -65,7 +65,7 @@ def test_corrupt_shard_fails_the_flow_naming_it_and_the_failure_hook_reports(tmp
                                                                              monkeypatch):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
-    from prefect.testing.utilities import prefect_test_harness
+    from support.prefect_home import migrated_test_harness
 
     from flows.kimi import kimi
     from flows.notify import FAILED_FILE
@@ -77,7 +77,7 @@ def test_corrupt_shard_fails_the_flow_naming_it_and_the_failure_hook_reports(tmp
     shard = tiny_copy / "model" / sorted(set(index.values()))[-1]
     flip_byte(shard)  # inside the tensor data: only the sha256 in the shipped MANIFEST can tell
     run_dir = tmp_path / "run"
-    with prefect_test_harness(server_startup_timeout=120):
+    with migrated_test_harness():
         state = kimi(recipe="tiny", overrides=tiny_overrides(tiny_copy), run_dir=str(run_dir), return_state=True)
         with get_client(sync_client=True) as c:
             this_run = FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id]))

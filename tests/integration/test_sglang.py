@@ -35,11 +35,11 @@ def _planned_commands(recipe) -> list[list[str]]:
     return [list(n.command) for e in plan.engines for n in e.nodes]
 
 
-@pytest.mark.parametrize("colocate", [True, False])
-def test_every_preset_engine_command_parses_with_the_pinned_sglang(parser_dir, colocate):
+def _preset_commands(colocate: bool) -> tuple[list[str], list[list[str]]]:
+    """(owner preset of each command, every SGLang preset's planned engine commands and its export scoring's)."""
     names = [n for n in preset_names() if load_recipe(n).rollout.engine == "sglang"]
     assert {"kimi-k2-instruct", "kimi-k2-thinking", "kimi-k2.5"} <= set(names)
-    owners, commands = [], []  # every preset's commands in one parse: SGLang is imported once (8 CPU-s)
+    owners, commands = [], []
     for name in names:
         recipe = load_recipe(name, [f"cluster.colocate={str(colocate).lower()}", "rollout.routing_replay=true"])
         planned = _planned_commands(recipe)
@@ -49,10 +49,25 @@ def test_every_preset_engine_command_parses_with_the_pinned_sglang(parser_dir, c
         assert served[served.index("--tp-size") + 1] == "8" and "--nnodes" not in served  # one node serves INT4
         commands += planned + [served]
         owners += [name] * (len(planned) + 1)
-    parsed = parse_with_sglang(commands, recipe.sglang)
+    return owners, commands
+
+
+@pytest.fixture(scope="module")
+def preset_parses(parser_dir) -> dict[bool, list[tuple[str, str]]]:
+    """colocate -> (owner preset, SGLang's error) for each command: both layouts' commands in one parse, so SGLang is
+    imported once (~5 CPU-s). Read-only to the tests."""
+    owned = {colocate: _preset_commands(colocate) for colocate in (True, False)}
+    commands = owned[True][1] + owned[False][1]
+    parsed = parse_with_sglang(commands, load_recipe("kimi-k2-instruct").sglang)
     assert parsed.version == PINNED, parsed.reason
     assert len(parsed.errors) == len(commands)
-    assert [(o, e) for o, e in zip(owners, parsed.errors) if e] == []
+    errors = iter(parsed.errors)
+    return {colocate: [(owner, next(errors)) for owner in owners] for colocate, (owners, _) in owned.items()}
+
+
+@pytest.mark.parametrize("colocate", [True, False])
+def test_every_preset_engine_command_parses_with_the_pinned_sglang(preset_parses, colocate):
+    assert [(owner, error) for owner, error in preset_parses[colocate] if error] == []
 
 
 def test_a_flag_sglang_does_not_know_fails_the_check(parser_dir):

@@ -22,46 +22,59 @@ from kimi_pipeline.recipes import load_recipe
 from kimi_pipeline.recipes.layout import Layout
 from kimi_pipeline.weight_sync.buckets import BucketSchedule
 
-pytestmark = pytest.mark.slow  # `make test-fast` leaves it out: 8 gloo ranks per layout (~30 s each)
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out: 8 gloo ranks syncing three ways (~45 s)
 
 LAYOUT = {"tp": 2, "ep": 2, "pp": 2}
 BUFFER = 96 * 1024  # bytes: several buckets per stage, some with both dtypes (fp32 weights + the fp32 expert bias)
 
 
-def _sync(tmp_path_factory, colocate: bool, weight_sync: str = "auto"):
-    """Two embedded engines serving another model, then one sync from the 8 trainer ranks."""
+PATHS = {  # fixture name -> the sync it takes
+    "colocated": {"colocate": True, "weight_sync": "auto"},  # each engine covers four ranks' devices; every rank
+    # assembles every bucket
+    "pp_stage_sources": {"colocate": False, "weight_sync": "auto"},  # each stage's source rank sends its stage
+    # through its own weight-update group
+    "from_disk": {"colocate": True, "weight_sync": "disk"},  # `rollout.weight_sync=disk`: each stage's source
+    # writes its stage's shards, rank 0 the index, every engine loads the directory
+}
+
+
+@pytest.fixture(scope="module")
+def synced(tmp_path_factory):
+    """Per path, two embedded engines serving another model; then one launch of the 8 trainer ranks runs each
+    path's sync to its own engines (one rank start for the three: ~4 CPU-s a rank). Read-only to the tests."""
     torch.set_num_threads(1)
-    engines = [EngineServer(RolloutEngine(EngineModel.from_hf_model(random_tiny_hf(0)), seed=i)) for i in range(2)]
-    for e in engines:
-        e.start()
+    engines = {name: [EngineServer(RolloutEngine(EngineModel.from_hf_model(random_tiny_hf(0)), seed=i))
+                      for i in range(2)] for name in PATHS}
+    started = []
     out = tmp_path_factory.mktemp("weight-sync")
     try:
-        ranks = launch("weight_sync", 8, out, {**LAYOUT, "buffer": BUFFER, "urls": [e.url for e in engines],
-                                               "colocate": colocate, "weight_sync": weight_sync},
-                       timeout=600, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
-        yield engines, ranks, load_file(str(out / "reference.safetensors"))
+        for pair in engines.values():
+            for e in pair:
+                e.start()
+                started.append(e)
+        paths = {name: {**path, "urls": [e.url for e in engines[name]]} for name, path in PATHS.items()}
+        ranks = launch("weight_sync", 8, out, {**LAYOUT, "buffer": BUFFER, "paths": paths}, timeout=900,
+                       env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
+        reference = load_file(str(out / "reference.safetensors"))
+        yield {name: (engines[name], [r[name] for r in ranks], reference) for name in PATHS}
     finally:
-        for e in engines:
+        for e in started:
             e.stop()
 
 
 @pytest.fixture(scope="module")
-def colocated(tmp_path_factory):
-    """Each engine covers four ranks' devices; every rank assembles every bucket."""
-    yield from _sync(tmp_path_factory, colocate=True)
+def colocated(synced):
+    return synced["colocated"]
 
 
 @pytest.fixture(scope="module")
-def pp_stage_sources(tmp_path_factory):
-    """Not colocated: each stage's source rank sends its stage through its own weight-update group."""
-    yield from _sync(tmp_path_factory, colocate=False)
+def pp_stage_sources(synced):
+    return synced["pp_stage_sources"]
 
 
 @pytest.fixture(scope="module")
-def from_disk(tmp_path_factory):
-    """`rollout.weight_sync=disk`: each stage's source writes its stage's shards, rank 0 the index, every engine
-    loads the directory."""
-    yield from _sync(tmp_path_factory, colocate=True, weight_sync="disk")
+def from_disk(synced):
+    return synced["from_disk"]
 
 
 def _schedule() -> BucketSchedule:

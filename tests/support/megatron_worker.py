@@ -463,10 +463,13 @@ class CollectiveRecorder:
 
 
 def scenario_weight_sync(out_dir: Path, args: dict) -> dict:
-    """The colocated sync (`weight_sync.updaters.GroupBuckets` with the embedded engine's shared-memory handoff,
-    `args["colocate"]`) or the non-colocated one (`PPStageSources`) of a randomly initialised tiny model at this
-    layout to the engines at `args["urls"]`, under a recorder of every collective of the trainers' groups; rank 0 also writes the trainer's HF tensors, exported by the conversion's own path
-    (`model.hf_bridge.export_hf_tensors`), as the reference."""
+    """Each sync of `args["paths"]` (name -> colocate, weight_sync, urls), one after the other from the same randomly
+    initialised tiny model at this layout, to that path's engines: the colocated one (`weight_sync.updaters.
+    GroupBuckets` with the embedded engine's shared-memory handoff), the non-colocated one (`PPStageSources`) or the
+    disk fallback (`DiskCheckpoint`), each under its own recorder of every collective of the trainers' groups. One
+    launch for all of them: the ranks' start (~4 CPU-s each, importing megatron) is paid once. Rank 0 also writes the
+    trainer's HF tensors, exported by the conversion's own path (`model.hf_bridge.export_hf_tensors`), as the
+    reference."""
     from types import SimpleNamespace
 
     import torch
@@ -488,36 +491,40 @@ def scenario_weight_sync(out_dir: Path, args: dict) -> dict:
     spec = recipe.model
     model = build_model(spec, layout, device=torch.device("cpu"))
     rank = int(os.environ["RANK"])
-    target = SyncSections(engine="embedded", weight_format="model", weight_sync=args.get("weight_sync", "auto"),
-                        buffer_bytes=args["buffer"],
-                        group_size=32, gpus_per_engine=1, colocate=args["colocate"])
-    trainer = SimpleNamespace(target=target, spec=spec, model=[model], layout=layout, rank=rank,
-                              world_size=layout.world_size, qat=[], device=torch.device("cpu"), hf_layout=HFLayout(),
-                              sync_dir=lambda: out_dir / "weight-sync")
-    router = Router(args["urls"], weight_transport="auto" if args["colocate"] else "distributed")
-    sync = choose_weight_sync(trainer, router)
-    if args.get("weight_sync") == "disk":
-        assert isinstance(sync, DiskCheckpoint), type(sync)
-    elif args["colocate"]:
-        assert isinstance(sync, GroupBuckets) and isinstance(sync.handoff, SharedMemoryHandoff), type(sync)
-    else:
-        assert isinstance(sync, PPStageSources), type(sync)
-    try:
-        with CollectiveRecorder() as recorder:
-            metrics = sync.update("synced")
-    finally:
-        sync.close()
     reference = {n: t.contiguous() for n, t in export_hf_tensors([model], spec, layout)}
     if rank == 0:
         from safetensors.torch import save_file
 
         save_file(reference, str(out_dir / "reference.safetensors"))
-    schedule = sync.schedule
-    return {"metrics": metrics, "calls": recorder.calls, "schedule_collectives": schedule.collectives(),
-            "schedule_received": schedule.received_bytes(sync.groups.pp_rank), "schedule_buckets": len(schedule.buckets),
-            "model_bytes": sum(t.numel() * t.element_size() for t in reference.values()),
-            "pp_rank": sync.groups.pp_rank, "source": sync.groups.pp_stage_source,
-            "debug_level": str(torch.distributed.get_debug_level())}
+    model_bytes = sum(t.numel() * t.element_size() for t in reference.values())
+    results = {}
+    for name, path in args["paths"].items():
+        target = SyncSections(engine="embedded", weight_format="model", weight_sync=path["weight_sync"],
+                              buffer_bytes=args["buffer"], group_size=32, gpus_per_engine=1,
+                              colocate=path["colocate"])
+        trainer = SimpleNamespace(target=target, spec=spec, model=[model], layout=layout, rank=rank,
+                                  world_size=layout.world_size, qat=[], device=torch.device("cpu"),
+                                  hf_layout=HFLayout(), sync_dir=lambda name=name: out_dir / f"weight-sync-{name}")
+        router = Router(path["urls"], weight_transport="auto" if path["colocate"] else "distributed")
+        sync = choose_weight_sync(trainer, router)
+        if path["weight_sync"] == "disk":
+            assert isinstance(sync, DiskCheckpoint), type(sync)
+        elif path["colocate"]:
+            assert isinstance(sync, GroupBuckets) and isinstance(sync.handoff, SharedMemoryHandoff), type(sync)
+        else:
+            assert isinstance(sync, PPStageSources), type(sync)
+        try:
+            with CollectiveRecorder() as recorder:
+                metrics = sync.update("synced")
+        finally:
+            sync.close()
+        schedule = sync.schedule
+        results[name] = {
+            "metrics": metrics, "calls": recorder.calls, "schedule_collectives": schedule.collectives(),
+            "schedule_received": schedule.received_bytes(sync.groups.pp_rank),
+            "schedule_buckets": len(schedule.buckets), "model_bytes": model_bytes, "pp_rank": sync.groups.pp_rank,
+            "source": sync.groups.pp_stage_source, "debug_level": str(torch.distributed.get_debug_level())}
+    return results
 
 
 def main() -> None:

@@ -4,7 +4,8 @@ A Prefect server on an empty home runs every database migration first: 12 CPU-s 
 box (measured 2026-11-28: a one-task flow on a fresh home, 26.0 CPU-s with its ephemeral server; with a copied
 migrated database, 13.9). Tests that start a server on a home of their own (served deployments, the kill tests'
 `kimi run`s, the infra scripts) copy one migrated database instead, made once per test session under a lock (the
-two xdist workers share it). Each home is still the test's own: a copy, written only by the server it starts.
+two xdist workers share it), and so do the tests that run flows in-process under Prefect's test harness
+(`migrated_test_harness`). Each home is still the test's own: a copy, written only by the server it starts.
 `kimi run` on an empty home (what a new user runs) stays proven by the learning test, which starts from nothing.
 """
 
@@ -17,7 +18,9 @@ import sqlite3
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
+from unittest import mock
 
 from filelock import FileLock
 
@@ -61,6 +64,28 @@ def migrated_home(home: Path) -> Path:
         shutil.copyfile(_migrated_database(), tmp)
         os.replace(tmp, home / DB_NAME)
     return home
+
+
+HARNESS_DB_NAME = "prefect-test.db"  # the database prefect_test_harness makes in its own temporary directory
+
+
+@contextlib.contextmanager
+def migrated_test_harness(server_startup_timeout: int = 120) -> Iterator[None]:
+    """Prefect's `prefect_test_harness`, its temporary database a copy of the session's migrated one: its server
+    skips the migrations. The harness names its database `prefect-test.db` in a directory from `mkdtemp()`
+    (prefect/testing/utilities.py:147,158); that directory is made here with the copy already in it."""
+    # imported here, not at the top: tests/conftest.py imports this module before it sets Prefect's environment
+    # (Prefect reads it at import), and the GPU image has no Prefect
+    import prefect.testing.utilities as prefect_testing
+
+    def temporary_dir_with_database() -> str:
+        made = tempfile.mkdtemp()
+        shutil.copyfile(_migrated_database(), Path(made) / HARNESS_DB_NAME)
+        return made
+
+    with mock.patch.object(prefect_testing, "mkdtemp", temporary_dir_with_database):
+        with prefect_testing.prefect_test_harness(server_startup_timeout=server_startup_timeout):
+            yield
 
 
 def remove_template() -> None:
