@@ -33,7 +33,8 @@ _RAY_DAEMONS = (
     ("ray::DashboardAgent", "ray dashboard agent"), ("runtime_env/agent", "ray runtime-env agent"),
     ("ray::RuntimeEnvAgent", "ray runtime-env agent"), ("log_monitor.py", "ray log monitor"),
     ("dashboard/dashboard.py", "ray dashboard"), ("ray.util.client.server", "ray client server"),
-    ("ray.scripts.scripts start", "`ray start`"), ("ray.scripts.scripts stop", "`ray stop`"),
+    ("kimi_pipeline.cluster.ray_start", "`ray start`"), ("ray.scripts.scripts start", "`ray start`"),
+    ("ray.scripts.scripts stop", "`ray stop`"),
     ("setup_worker.py", "ray worker (starting)"), ("default_worker.py", "ray worker (starting)"),
 )
 

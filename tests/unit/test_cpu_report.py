@@ -25,6 +25,7 @@ VENV = "/repo/.venv/bin/python"
     (f"{VENV} /x/ray/_private/workers/setup_worker.py /x/ray/_private/workers/default_worker.py --node-ip-address=1 "
      "--raylet-name=/tmp/s/sockets/raylet --redis-address=None", "ray worker (starting)"),
     (f"{VENV} -m ray.scripts.scripts start --address 1.2.3.4:5 --num-cpus 9", "`ray start`"),
+    (f"{VENV} -m kimi_pipeline.cluster.ray_start --address 1.2.3.4:5 --num-cpus 9", "`ray start`"),
     (f"{VENV} -u -c import sys;exec(eval(sys.stdin.readline()))", "pytest worker"),
     (f"{VENV} -u -m kimi_pipeline.weightjobs.rank convert --job /x/job.json", "kimi_pipeline.weightjobs.rank convert"),
     (f"{VENV} -m kimi_pipeline.weightjobs.agent --nnodes=4 --node-rank=2", "kimi_pipeline.weightjobs.agent"),
