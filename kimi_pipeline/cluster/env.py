@@ -125,8 +125,8 @@ def ensure_token() -> str:
 # its node's dashboard agent serves them to a Prometheus, which nothing points at an embedded cluster (a run's own
 # metrics are its metrics.jsonl, TensorBoard and W&B). And a driver flushes them in `ray.shutdown()`: with the Ray head
 # gone, that flush waits on the dead node's agent for 30 s (py-spy on the head-lost test's `kimi run`: shutdown_driver
-# → ~CoreWorkerProcessImpl → OpenTelemetryMetricRecorder::Shutdown → MetricReader::ForceFlush; its run failed 31 s
-# after its train stage, 8 s with this off). A cluster we only connect to keeps its own setting.
+# → ~CoreWorkerProcessImpl → OpenTelemetryMetricRecorder::Shutdown → MetricReader::ForceFlush; its flow run ended
+# 34-37 s after the train task failed, 8 s with this off). A cluster we only connect to keeps its own setting.
 RAY_METRICS_VAR = "RAY_enable_metrics_collection"
 RAY_METRICS_OFF = {RAY_METRICS_VAR: "0"}
 
