@@ -16,6 +16,13 @@ import pytest
 
 import torch
 
+# A test process that runs megatron in-process (trainer workers, models, exports) runs it as the pipeline's CPU ranks
+# and actors do (megatron_compat.CPU_ENV through rl/actor_layout.py and weightjobs/commands.py): dynamo off, set
+# before this package's model code is imported (model/megatron_import.py), so megatron's fused functions run eagerly
+# instead of being compiled by inductor in each test process (the in-process megatron tests: 59 s -> 16 s).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+
 from kimi_pipeline.engine.key import KEY_FILE_VAR, KEY_VAR
 from kimi_pipeline.util.prefect_env import configure_prefect_env
 from kimi_pipeline.util.threads import usable_cpus

@@ -8,11 +8,13 @@ of the rollout (`samples.share_rollout`, planned by the driver so micro-batch co
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import logging
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -109,10 +111,23 @@ def microbatch_loss(logits: torch.Tensor, batch: dict[str, Any], grpo, temperatu
     rows = batch["rows"]
     if rows == 0:  # an all-padding micro-batch: no loss, but keep the graph connected for the pipeline
         return lp.sum() * 0.0, 0, {}
-    loss, m = grpo_loss(lp, batch["old_logprobs"], batch["rollout_logprobs"], batch.get("ref_logprobs"), ent,
-                        batch["advantages"], batch["mask"], grpo, rows=rows)
+    old = batch["old_logprobs"]  # None: the weights are the rollout's, so this forward's own (PolicyWorker.train)
+    loss, m = grpo_loss(lp, lp.detach() if old is None else old, batch["rollout_logprobs"], batch.get("ref_logprobs"),
+                        ent, batch["advantages"], batch["mask"], grpo, rows=rows)
     # gradient of sum(loss_sum) / sum(denominator) over the step's micro-batches = the per-sample mean
     return loss * rows, rows, {k: dataclasses.replace(v, weight=rows) for k, v in m.items()}
+
+
+@dataclass
+class RoutingTally:
+    """(response token, MoE layer) pairs whose trainer top-k expert set is the engine's (`same`) out of `pairs`,
+    summed on the device over the forwards compared (`PolicyWorker._compare_routes`)."""
+
+    same: torch.Tensor
+    pairs: torch.Tensor
+
+    def metrics(self) -> dict[str, DeviceMetric]:
+        return {"routing_agreement": DeviceMetric(self.same / self.pairs.clamp_min(1))}
 
 
 @dataclass(frozen=True)
@@ -332,44 +347,56 @@ class PolicyWorker:
         return [m.router_replay for m in unwrap(self.model).modules() if getattr(m, "router_replay", None) is not None]
 
     def _routing_agreement(self, mbs: list[MicroBatch], fn) -> tuple[Any, dict[str, DeviceMetric]]:
-        """Run `fn` (the policy's forward over `mbs`) recording the trainer's own routing and compare it with the
-        engine's: (fn's result, {"routing_agreement": the fraction of (response token, MoE layer) pairs where the
-        trainer's top-k expert set equals the engine's}). Only with routing replay off (replayed routing agrees by
-        construction) and the engines' ids at hand (`rollout.routing_agreement`). Recording is megatron's own
-        RouterReplay RECORD action (moe/router_replay.py `get_replay_topk`: the live top-k, kept per layer until the
-        next forward), read after each micro-batch's forward. Device values, read back with the step's metrics."""
+        """Run `fn` (the policy's forward over `mbs`) comparing the trainer's routing with the engine's:
+        (fn's result, {"routing_agreement": ...} or {}); see `_compare_routes`."""
+        tally = self._routing_tally(mbs)
+        with self._compare_routes(mbs, tally):
+            result = fn()
+        return result, tally.metrics() if tally else {}
+
+    def _routing_tally(self, mbs: list[MicroBatch]) -> RoutingTally | None:
+        """A tally to compare routing into, or None where nothing is measured: routing replay on (replayed routing
+        agrees by construction), `rollout.routing_agreement` off, or a sample without the engine's ids."""
         if self.rollout.routing_replay or not self.rollout.routing_agreement or any(
                 mb.routed_experts is None for mb in mbs):
-            return fn(), {}
+            return None
+        return RoutingTally(torch.zeros((), device=self.device), torch.zeros((), device=self.device))
+
+    @contextlib.contextmanager
+    def _compare_routes(self, mbs: list[MicroBatch], tally: RoutingTally | None) -> Iterator[None]:
+        """While the block runs the policy's forward over `mbs` (in that order: one forward of model[0] each), record
+        the trainer's own routing and add to `tally` the (response token, MoE layer) pairs whose top-k expert set
+        equals the engine's. Recording is megatron's own RouterReplay RECORD action (moe/router_replay.py
+        `get_replay_topk`: the live top-k, kept per layer until the next forward), read when each micro-batch's
+        forward returns (before its backward, whose recomputation records again). Device values: the metric is
+        read back with the step's metrics. No tally, or a pipeline stage of dense layers only: nothing recorded."""
+        routers = self._routers() if tally is not None else []
+        if not routers:
+            yield
+            return
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
-        routers = self._routers()
-        if not routers:  # a pipeline stage of dense layers only
-            return fn(), {}
         queue, layers = list(mbs), self._moe_layer_slice()
-        same = torch.zeros((), device=self.device)
-        pairs = torch.zeros((), device=self.device)
 
         def compare(_module, _args, _output) -> None:
-            nonlocal same, pairs
             mb = queue.pop(0)
             mine = torch.stack([r.get_recorded_indices() for r in routers], dim=1).sort(-1).values  # [t, L, k]
             theirs = self._local_tokens(mb)[:, layers].to(mine.device).sort(-1).values
-            response = self._local_tokens(mb, mb.mask[:, :, None]).reshape(-1).bool()  # positions scored
-            agree = (mine == theirs).all(-1)[response]  # [response tokens, L]
-            same, pairs = same + agree.sum(), pairs + agree.numel()
+            response = self._local_tokens(mb, mb.mask[:, :, None]).reshape(-1, 1).bool()  # [t, 1] positions scored
+            agree = (mine == theirs).all(-1) & response  # [t, L]; masks, not indexing: no wait for the device
+            tally.same = tally.same + agree.sum()
+            tally.pairs = tally.pairs + response.sum() * agree.shape[1]
 
         for r in routers:
             r.set_router_replay_action(RouterReplayAction.RECORD)
         handle = self.model[0].register_forward_hook(compare)
         try:
-            result = fn()
+            yield
         finally:
             handle.remove()
             for r in routers:
                 r.clear_indices()
                 r.clear_router_replay_action()
-        return result, {"routing_agreement": DeviceMetric(same / pairs.clamp_min(1))}
 
     def _logprobs(self, model_chunks, mbs: list[MicroBatch]) -> list[torch.Tensor]:
         """Per-token logprobs [b, s] of every micro-batch (no grad, on every rank, 0 outside the response
@@ -406,7 +433,14 @@ class PolicyWorker:
         samples = share.samples
         steps = [[self._collate(samples, mb) for mb in st] for st in share.steps]
         flat = [mb for st in steps for mb in st]
-        old, agreement = self._routing_agreement(flat, lambda: self._logprobs(self.model, flat))
+        # Old logprobs: until the first optimizer step the weights are the ones the rollout sampled, so that step's
+        # micro-batches take their own training forward's logprobs, detached (`microbatch_loss`; verl's on-policy
+        # case, workers/actor/dp_actor.py). Only the later steps' micro-batches need this no-grad forward, before
+        # any update: one forward of the rollout's tokens saved per rollout, all of it at one step per rollout.
+        later = flat[len(steps[0]):]
+        tally = self._routing_tally(flat)  # routing compared in the forwards of the weights the rollout sampled
+        with self._compare_routes(later, tally):
+            old = [None] * len(steps[0]) + (self._logprobs(self.model, later) if later else [])
         ref = self._logprobs([self.ref_model], flat) if self.ref_model is not None else None
         reports: list[dict[str, DeviceMetric]] = []  # read back once, after the last optimizer step (settle)
         grad_norms, updated, tokens, j = [], 0, 0, 0
@@ -414,7 +448,7 @@ class PolicyWorker:
         def loss_fn(logits: torch.Tensor, batch: dict):
             return microbatch_loss(logits, batch, self.grpo, temperature)
 
-        for mbs in steps:
+        for n, mbs in enumerate(steps):
             batches = []
             for mb in mbs:
                 d = {"tokens": mb.tokens, "targets": mb.targets, "lengths": mb.lengths, "mask": mb.mask,
@@ -424,14 +458,16 @@ class PolicyWorker:
                     d["ref_logprobs"] = ref[j]
                 batches.append(d)
                 j += 1
-            outs = self._with_replay(mbs, lambda: forward_backward(self.model, batches, loss_fn, optimizer=self.optimizer))
+            with self._compare_routes(mbs, tally if n == 0 else None):
+                outs = self._with_replay(mbs, lambda: forward_backward(self.model, batches, loss_fn,
+                                                                        optimizer=self.optimizer))
             ok, grad_norm = optimizer_step(self.optimizer, self.scheduler, require_finite=self.require_finite)
             updated += int(ok)
             grad_norms.append(float(grad_norm or 0.0))
             reports.extend(outs)
             tokens += sum(samples[i].num_tokens for mb in mbs for i in mb.index)
-        if agreement:  # every rank: its own MoE layers and tokens (the trainer group means over ranks)
-            reports.append(agreement)
+        if tally is not None:  # every rank: its own MoE layers and tokens (the trainer group means over ranks)
+            reports.append(tally.metrics())
         metrics: dict[str, float] = reduce_metrics(settle(reports))  # loss metrics: last pipeline stage only
         seconds = time.perf_counter() - t0
         metrics.update(grad_norm=sum(grad_norms) / max(len(grad_norms), 1), optimizer_steps=float(updated),
