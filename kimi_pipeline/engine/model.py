@@ -23,6 +23,7 @@ addresses captured graphs read stay valid across weight updates.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -45,6 +46,36 @@ LATENT_NORM_EPS = 1e-6
 
 class EngineWeightError(PermanentError):
     """Weights that do not fit the engine's model (unknown name, wrong shape, incomplete set)."""
+
+
+def rope_frequencies(hf_config) -> tuple[torch.Tensor, float]:
+    """(inv_freq, attention scaling) of the rotary embedding, as transformers' DeepseekV3RotaryEmbedding computes
+    them: the rope type's init function from `transformers.modeling_rope_utils` (YaRN, the Kimi/DeepSeek-V3 type),
+    or plain RoPE over rope_theta (`compute_default_rope_parameters`). Taken from modeling_rope_utils rather than the
+    DeepSeek-V3 modeling module, whose import (torch._dynamo through masking_utils, hub kernels) cost ~1.2 CPU-s
+    more in every engine process (measured: 2.0 against 0.8 CPU-s with the config module); `test_engine.py` checks
+    both against that module."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope = hf_config.rope_parameters
+    if rope["rope_type"] != "default":
+        return ROPE_INIT_FUNCTIONS[rope["rope_type"]](hf_config)
+    dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    return 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
+
+
+def attention_softmax_scale(rope_parameters: Mapping[str, Any], qk_head_dim: int) -> float:
+    """DeepSeek-V3's attention scale: qk_head_dim^-0.5, times mscale^2 under a scaled RoPE with `mscale_all_dim`
+    (mscale = 0.1 * mscale_all_dim * ln(factor) + 1 for factor > 1): transformers' `yarn_apply_mscale` and
+    `yarn_get_mscale` (models/deepseek_v3/modeling_deepseek_v3.py), written out for the reason `rope_frequencies`
+    gives."""
+    scaling = qk_head_dim ** -0.5
+    if rope_parameters.get("rope_type", "default") != "default":
+        mscale_all_dim, factor = rope_parameters.get("mscale_all_dim", 0), rope_parameters.get("factor", 1.0)
+        if mscale_all_dim and factor > 1:
+            mscale = 0.1 * mscale_all_dim * math.log(factor) + 1.0
+            scaling = scaling * mscale * mscale
+    return float(scaling)
 
 
 @dataclass(frozen=True)
@@ -91,8 +122,6 @@ class EngineConfig:
     @classmethod
     def from_hf(cls, cfg) -> EngineConfig:
         """From a transformers DeepseekV3Config (see kimi_pipeline.model.hf_model.deepseek_config)."""
-        from transformers.models.deepseek_v3.modeling_deepseek_v3 import yarn_apply_mscale
-
         if getattr(cfg, "attention_bias", False):
             raise EngineWeightError("attention_bias=true is not a DeepSeek-V3/Kimi layout; the engine lacks it")
         if getattr(cfg, "scoring_func", "sigmoid") != "sigmoid":
@@ -125,7 +154,7 @@ class EngineConfig:
             routed_scaling_factor=float(cfg.routed_scaling_factor),
             rms_norm_eps=float(cfg.rms_norm_eps),
             rope_interleave=bool(getattr(cfg, "rope_interleave", True)),
-            softmax_scale=float(yarn_apply_mscale(cfg.rope_parameters, qk_head_dim ** (-0.5))),
+            softmax_scale=attention_softmax_scale(cfg.rope_parameters, qk_head_dim),
             max_position_embeddings=cfg.max_position_embeddings,
             tie_word_embeddings=bool(cfg.tie_word_embeddings),
             eos_token_ids=eos_ids,
@@ -460,10 +489,8 @@ class EngineModel:
         """cos/sin tables from transformers' own rotary module (YaRN inv_freq and attention factor)."""
         c = self.config
         if hf_config is not None:
-            from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding
-
-            rot = DeepseekV3RotaryEmbedding(hf_config)
-            inv_freq, scale = rot.inv_freq.float().cpu(), float(rot.attention_scaling)
+            inv_freq, scale = rope_frequencies(hf_config)
+            inv_freq, scale = inv_freq.float().cpu(), float(scale)
         else:  # plain RoPE (tests of configs built by hand)
             d = c.qk_rope_head_dim
             inv_freq, scale = 1.0 / (10000.0 ** (torch.arange(0, d, 2, dtype=torch.float) / d)), 1.0

@@ -796,3 +796,33 @@ def test_non_colocated_weight_sync_through_a_process_group(servers, hf_a, hf_b):
             assert torch.equal(got._params[name], want), name
     for s in servers:
         _reset(s, hf_a)
+
+
+@pytest.mark.parametrize("rope", [
+    None,  # the tiny checkpoint's own: YaRN, factor 64, mscale_all_dim 1
+    {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0,
+     "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},  # Kimi-K2's rope_scaling
+    {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 32, "beta_fast": 32.0,
+     "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707},
+    {"rope_type": "default"},
+])
+def test_rope_and_softmax_scale_are_transformers_deepseek_v3s(rope):
+    """The engine's rotary frequencies and attention scale (engine/model.py `rope_frequencies`,
+    `attention_softmax_scale`, read without importing transformers' DeepSeek-V3 modeling module) are exactly what
+    that module computes: DeepseekV3RotaryEmbedding's inv_freq and attention_scaling, and yarn_apply_mscale."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding, yarn_apply_mscale
+
+    from kimi_pipeline.model.hf_model import deepseek_config, read_config
+    from support.common import TINY
+
+    raw = read_config(TINY / "model")
+    if rope is not None:
+        raw = {**raw, "rope_scaling": None if rope["rope_type"] == "default" else rope}
+    cfg = deepseek_config(raw)
+    assert cfg.rope_parameters["rope_type"] == (rope or {"rope_type": "yarn"})["rope_type"]
+    inv_freq, scale = engine_model.rope_frequencies(cfg)
+    theirs = DeepseekV3RotaryEmbedding(cfg)
+    assert torch.equal(inv_freq.float(), theirs.inv_freq.float()) and scale == theirs.attention_scaling
+    qk_head_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    assert engine_model.attention_softmax_scale(cfg.rope_parameters, qk_head_dim) == pytest.approx(
+        yarn_apply_mscale(cfg.rope_parameters, qk_head_dim ** (-0.5)), rel=1e-15)
