@@ -352,13 +352,14 @@ class PolicyWorker:
         tally = self._routing_tally(mbs)
         with self._compare_routes(mbs, tally):
             result = fn()
-        return result, tally.metrics() if tally else {}
+        return result, tally.metrics() if tally is not None else {}
 
     def _routing_tally(self, mbs: list[MicroBatch]) -> RoutingTally | None:
         """A tally to compare routing into, or None where nothing is measured: routing replay on (replayed routing
-        agrees by construction), `rollout.routing_agreement` off, or a sample without the engine's ids."""
+        agrees by construction), `rollout.routing_agreement` off, a sample without the engine's ids, or a pipeline
+        stage of dense layers only (no router: no metric from this rank, not a zero)."""
         if self.rollout.routing_replay or not self.rollout.routing_agreement or any(
-                mb.routed_experts is None for mb in mbs):
+                mb.routed_experts is None for mb in mbs) or not self._routers():
             return None
         return RoutingTally(torch.zeros((), device=self.device), torch.zeros((), device=self.device))
 
@@ -369,11 +370,11 @@ class PolicyWorker:
         equals the engine's. Recording is megatron's own RouterReplay RECORD action (moe/router_replay.py
         `get_replay_topk`: the live top-k, kept per layer until the next forward), read when each micro-batch's
         forward returns (before its backward, whose recomputation records again). Device values: the metric is
-        read back with the step's metrics. No tally, or a pipeline stage of dense layers only: nothing recorded."""
-        routers = self._routers() if tally is not None else []
-        if not routers:
+        read back with the step's metrics. No tally (`_routing_tally`): nothing recorded."""
+        if tally is None:
             yield
             return
+        routers = self._routers()
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
         queue, layers = list(mbs), self._moe_layer_slice()
