@@ -242,8 +242,9 @@ class EngineModel:
     """DeepSeek-V3 forward with a preallocated latent KV cache; see the module docstring."""
 
     def __init__(self, config: EngineConfig, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                 hf_config=None, layout: HFLayout = HFLayout()):
-        """`layout`: how the served checkpoint names its language model (K2.5: `language_model.` before the names
+                 *, hf_config, layout: HFLayout = HFLayout()):
+        """`hf_config`: the transformers DeepseekV3Config `config` came from (its rotary parameters give the cos/sin
+        tables). `layout`: how the served checkpoint names its language model (K2.5: `language_model.` before the names
         below); weights load under those stored names, as SGLang's K2.5 model loads them."""
         self.config, self.device, self.dtype, self.layout = config, torch.device(device), dtype, layout
         c = config
@@ -486,14 +487,11 @@ class EngineModel:
 
     # ------------------------------------------------------------------ rope
     def _init_rope(self, hf_config) -> None:
-        """cos/sin tables from transformers' own rotary module (YaRN inv_freq and attention factor)."""
+        """cos/sin tables of every position from the rotary parameters (`rope_frequencies`: YaRN inv_freq and
+        attention factor, or plain RoPE)."""
         c = self.config
-        if hf_config is not None:
-            inv_freq, scale = rope_frequencies(hf_config)
-            inv_freq, scale = inv_freq.float().cpu(), float(scale)
-        else:  # plain RoPE (tests of configs built by hand)
-            d = c.qk_rope_head_dim
-            inv_freq, scale = 1.0 / (10000.0 ** (torch.arange(0, d, 2, dtype=torch.float) / d)), 1.0
+        inv_freq, scale = rope_frequencies(hf_config)
+        inv_freq, scale = inv_freq.float().cpu(), float(scale)
         pos = torch.arange(c.max_position_embeddings, dtype=torch.float32)
         freqs = pos[:, None] * inv_freq[None, :]
         self.cos = (freqs.cos() * scale).to(self.device, self.dtype)

@@ -346,14 +346,6 @@ class PolicyWorker:
         model built here, so replay and recording address this model's slots themselves."""
         return [m.router_replay for m in unwrap(self.model).modules() if getattr(m, "router_replay", None) is not None]
 
-    def _routing_agreement(self, mbs: list[MicroBatch], fn) -> tuple[Any, dict[str, DeviceMetric]]:
-        """Run `fn` (the policy's forward over `mbs`) comparing the trainer's routing with the engine's:
-        (fn's result, {"routing_agreement": ...} or {}); see `_compare_routes`."""
-        tally = self._routing_tally(mbs)
-        with self._compare_routes(mbs, tally):
-            result = fn()
-        return result, tally.metrics() if tally is not None else {}
-
     def _routing_tally(self, mbs: list[MicroBatch]) -> RoutingTally | None:
         """A tally to compare routing into, or None where nothing is measured: routing replay on (replayed routing
         agrees by construction), `rollout.routing_agreement` off, a sample without the engine's ids, or a pipeline

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.common import TINY, engine_samples
+from support.common import TINY, graded_share
 
 
 @pytest.fixture(scope="module")
@@ -27,19 +27,13 @@ def test_the_first_step_reuses_its_training_forward_which_is_the_no_grad_forward
     once and the later steps' twice, and still compares every micro-batch's routing with the engine's."""
     from kimi_pipeline.model.context_parallel import batch_logprobs
     from kimi_pipeline.model.megatron_train import forward_backward
-    from kimi_pipeline.rl.grpo import group_advantages
     from kimi_pipeline.rl.policy import PolicySections, PolicyWorker
-    from kimi_pipeline.rl.samples import share_rollout
 
     temperature = recipe.rollout.temperature or 1.0
     w = PolicyWorker(PolicySections.of(recipe))
     try:
         assert w.load("/nonexistent-checkpoints", str(TINY / "model")) is None  # fresh start
-        samples = engine_samples(recipe, n_prompts=4, n=2)
-        rewards = torch.tensor([float(i % 2) for i in range(len(samples))])
-        for s, a, r in zip(samples, group_advantages(rewards, 2).tolist(), rewards.tolist()):
-            s.advantage, s.reward = a, r
-        (share,), _ = share_rollout(samples, recipe.rollout, recipe.parallel, recipe.data_parallel_size)
+        share = graded_share(recipe, n_prompts=4, n=2)
         steps = [[w._collate(share.samples, mb) for mb in st] for st in share.steps]
         first, micro_batches = steps[0], sum(len(st) for st in steps)
         assert len(steps) == 2 and micro_batches > len(first) > 0

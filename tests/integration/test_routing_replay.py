@@ -49,8 +49,10 @@ def test_routing_agreement_is_the_share_of_response_routing_the_trainer_shares_w
     def measured() -> dict:
         split = split_micro_batches([s.num_tokens for s in samples], worker.parallel.max_tokens_per_gpu, 1)
         mbs = [collate([samples[i] for i in mb], mb, pad_id=0).to(worker.device) for mb in split.ranks[0] if mb]
-        _, metrics = worker._routing_agreement(mbs, lambda: worker._logprobs(worker.model, mbs))
-        return {k: float(v.value) for k, v in metrics.items()}
+        tally = worker._routing_tally(mbs)  # as `PolicyWorker.train` compares the old-logprob forward
+        with worker._compare_routes(mbs, tally):
+            worker._logprobs(worker.model, mbs)
+        return {} if tally is None else {k: float(v.value) for k, v in tally.metrics().items()}
 
     assert measured() == {}  # replay on: replayed routing agrees by construction
     worker.rollout.routing_replay, worker.rollout.routing_agreement = False, True

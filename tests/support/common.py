@@ -146,24 +146,32 @@ def engine_samples(recipe, device="cpu", n_prompts: int = 4, n: int = 2):
                    routed_experts=c.routed_experts) for c in out]
 
 
-def one_grpo_step(recipe, device="cpu") -> dict:
-    """`PolicyWorker.train` of one DP rank on 16 embedded-engine samples of the tiny prompts (4 prompts x 4, rewards
-    alternating 0/1, GRPO advantages), from the tiny checkpoint on `device`: the trainer's metrics row."""
+def graded_share(recipe, device="cpu", n_prompts: int = 4, n: int = 4, reward=lambda i: float(i % 2)):
+    """`n_prompts` x `n` embedded-engine samples of the tiny prompts from the tiny checkpoint on `device`, graded
+    for a test (sample i's reward `reward(i)`: alternating 0/1 by default; GRPO advantages per prompt) and split as
+    the driver splits a rollout: the one DP rank's share (`share.samples` the samples)."""
     import torch
 
     from kimi_pipeline.rl.grpo import group_advantages
-    from kimi_pipeline.rl.policy import PolicySections, PolicyWorker
     from kimi_pipeline.rl.samples import share_rollout
+
+    samples = engine_samples(recipe, device, n_prompts=n_prompts, n=n)
+    rewards = torch.tensor([reward(i) for i in range(len(samples))])
+    for s, a, r in zip(samples, group_advantages(rewards, n).tolist(), rewards.tolist()):
+        s.advantage, s.reward = a, r
+    (share,), _ = share_rollout(samples, recipe.rollout, recipe.parallel, recipe.data_parallel_size)
+    return share
+
+
+def one_grpo_step(recipe, device="cpu") -> dict:
+    """`PolicyWorker.train` of one DP rank on 16 embedded-engine samples of the tiny prompts (4 prompts x 4,
+    `graded_share`), from the tiny checkpoint on `device`: the trainer's metrics row."""
+    from kimi_pipeline.rl.policy import PolicySections, PolicyWorker
 
     w = PolicyWorker(PolicySections.of(recipe))
     try:
         w.load("/nonexistent-checkpoints", str(TINY / "model"))
-        samples = engine_samples(recipe, device, n_prompts=4, n=4)
-        rewards = torch.tensor([float(i % 2) for i in range(len(samples))])
-        for s, a, r in zip(samples, group_advantages(rewards, 4).tolist(), rewards.tolist()):
-            s.advantage, s.reward = a, r
-        (share,), _ = share_rollout(samples, recipe.rollout, recipe.parallel, recipe.data_parallel_size)
-        return w.train(share, 0)
+        return w.train(graded_share(recipe, device), 0)
     finally:
         w.close()
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from support.common import TINY, engine_samples
+from support.common import TINY, graded_share
 
 
 def _low_var_kl(policy: list[list[float]], ref: list[list[float]]) -> float:
@@ -25,12 +25,8 @@ def _low_var_kl(policy: list[list[float]], ref: list[list[float]]) -> float:
 
 
 def test_reference_model_only_with_a_kl_coefficient():
-    import torch
-
     from kimi_pipeline.recipes import load_recipe
-    from kimi_pipeline.rl.grpo import group_advantages
     from kimi_pipeline.rl.policy import PolicySections, PolicyWorker
-    from kimi_pipeline.rl.samples import share_rollout
 
     recipe = load_recipe("tiny", ["grpo.use_kl_loss=true", "grpo.kl_loss_coef=0.01", "quant.int4_qat=false",
                                   "rollout.num_steps_per_rollout=1", "rollout.rollout_batch_size=4",
@@ -39,12 +35,8 @@ def test_reference_model_only_with_a_kl_coefficient():
     try:
         w.load("/nonexistent-checkpoints", str(TINY / "model"))
         assert w.ref_model is not None
-        samples = engine_samples(recipe, n_prompts=4, n=4)
-        rewards = torch.tensor([float(i % 2) for i in range(len(samples))])
-        for s, a, r in zip(samples, group_advantages(rewards, 4).tolist(), rewards.tolist()):
-            s.advantage, s.reward = a, r
-        # one DP rank: the whole rollout
-        (share,), _ = share_rollout(samples, recipe.rollout, recipe.parallel, recipe.data_parallel_size)
+        share = graded_share(recipe)  # one DP rank: the whole rollout
+        samples = share.samples
         first = w.train(share, 0)  # its loss is computed before the update: policy = reference
         assert first["optimizer_steps"] == 1
         assert first["kl"] == pytest.approx(0.0, abs=1e-9)

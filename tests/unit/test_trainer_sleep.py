@@ -6,21 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.common import TIMING, TINY, engine_samples
+from support.common import TIMING, TINY, graded_share
 
 from kimi_pipeline.model.offload import PARTS
 
 
 def _share(recipe):
-    from kimi_pipeline.rl.grpo import group_advantages
-    from kimi_pipeline.rl.samples import share_rollout
-
-    samples = engine_samples(recipe, n_prompts=4, n=4)
-    rewards = torch.tensor([float(i % 3 == 0) for i in range(len(samples))])
-    for s, a, r in zip(samples, group_advantages(rewards, 4).tolist(), rewards.tolist()):
-        s.advantage, s.reward = a, r
-    (share,), _ = share_rollout(samples, recipe.rollout, recipe.parallel, recipe.data_parallel_size)
-    return share
+    return graded_share(recipe, reward=lambda i: float(i % 3 == 0))
 
 
 def _two_steps(recipe, share, sleep_between: bool):
