@@ -32,7 +32,7 @@ from kimi_pipeline.model.params import ParamCounts
 from kimi_pipeline.plan.hardware import GPU
 from kimi_pipeline.plan.memory import PlanLayout, format_bytes, rollout_formats
 from kimi_pipeline.recipes.layout import Layout, LayoutError
-from kimi_pipeline.recipes.models import ModelSpec, RolloutSpec
+from kimi_pipeline.recipes.models import ModelSpec
 from kimi_pipeline.recipes.recipe import Recipe
 from kimi_pipeline.weight_sync.buckets import BucketSchedule, received_by_group
 
@@ -117,13 +117,6 @@ def forward_flops_per_token(r: Recipe, pc: ParamCounts, mean_seq: float) -> floa
     return 2 * pc.active_matmul + attn
 
 
-def steps_per_rollout(rollout: RolloutSpec) -> int:
-    """Optimizer steps per rollout: one with a dynamic global batch, else the rollout over the step's samples."""
-    if rollout.use_dynamic_global_batch_size:
-        return 1
-    return max(1, rollout.samples_per_rollout // rollout.samples_per_step)
-
-
 def train_passes(r: Recipe, layers_per_pp_stage: float) -> dict[str, float]:
     """Forward-pass equivalents per trained token."""
     parallel, grpo = r.parallel, r.grpo
@@ -137,7 +130,7 @@ def train_passes(r: Recipe, layers_per_pp_stage: float) -> dict[str, float]:
         "forward_backward": 3.0,
         "recompute": recompute,
         # the first optimizer step's tokens reuse their own training forward (rl/policy.py PolicyWorker.train)
-        "old_logprob_forward": 1.0 - 1.0 / steps_per_rollout(r.rollout),
+        "old_logprob_forward": 1.0 - 1.0 / r.rollout.optimizer_steps_per_rollout,
         "ref_logprob_forward": 1.0 if (grpo.use_kl_loss or grpo.kl_loss_coef > 0) else 0.0,
     }
 

@@ -305,6 +305,13 @@ class RolloutSpec(Section):
             return self.global_batch_size
         return self.samples_per_rollout // self.num_steps_per_rollout
 
+    @property
+    def optimizer_steps_per_rollout(self) -> int:
+        """The optimizer steps the trainer takes per rollout: one with a dynamic global batch (every kept sample in
+        one step: `rl.batching.step_batch_size`), else `num_steps_per_rollout` (the recipe checks make a
+        global_batch_size agree with it)."""
+        return 1 if self.use_dynamic_global_batch_size else self.num_steps_per_rollout
+
 
 class SGLangSpec(Section):
     """SGLang's own server settings. Read by: `engine.sglang` (its launch command, through
