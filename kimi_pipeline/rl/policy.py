@@ -121,8 +121,10 @@ def microbatch_loss(logits: torch.Tensor, batch: dict[str, Any], grpo, temperatu
 @dataclass
 class RoutingTally:
     """(response token, MoE layer) pairs whose trainer top-k expert set is the engine's (`same`) out of `pairs`,
-    summed on the device over the forwards compared (`PolicyWorker._compare_routes`)."""
+    summed on the device over the forwards compared (`PolicyWorker._compare_routes`) at this rank's `routers`
+    (megatron RouterReplay slots)."""
 
+    routers: list
     same: torch.Tensor
     pairs: torch.Tensor
 
@@ -351,9 +353,12 @@ class PolicyWorker:
         agrees by construction), `rollout.routing_agreement` off, a sample without the engine's ids, or a pipeline
         stage of dense layers only (no router: no metric from this rank, not a zero)."""
         if self.rollout.routing_replay or not self.rollout.routing_agreement or any(
-                mb.routed_experts is None for mb in mbs) or not self._routers():
+                mb.routed_experts is None for mb in mbs):
             return None
-        return RoutingTally(torch.zeros((), device=self.device), torch.zeros((), device=self.device))
+        routers = self._routers()
+        if not routers:  # a pipeline stage of dense layers only
+            return None
+        return RoutingTally(routers, torch.zeros((), device=self.device), torch.zeros((), device=self.device))
 
     @contextlib.contextmanager
     def _compare_routes(self, mbs: list[MicroBatch], tally: RoutingTally | None) -> Iterator[None]:
@@ -366,7 +371,7 @@ class PolicyWorker:
         if tally is None:
             yield
             return
-        routers = self._routers()
+        routers = tally.routers
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
         queue, layers = list(mbs), self._moe_layer_slice()
