@@ -111,7 +111,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 # (found with `pytest -p no:xdist tests/integration/test_gpu_install_resolves.py tests/unit/test_device.py`).
 HEAVIEST_FIRST = (
     "test_deployment.py",  # 732: `kimi serve` and four served runs
-    "test_reliability.py",  # 441, and about 300 more since the Ray-head-loss test (a kimi run failed, then re-run)
+    "test_reliability.py",  # 418: three `kimi run` faults, a Ray node lost, three stopped conversions
     "test_train.py",  # 708
     "test_learning.py",  # 584: the full tiny run
     "test_convert.py",  # 521

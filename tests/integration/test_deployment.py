@@ -79,6 +79,10 @@ RUN_S = 600  # one shortened tiny run through the deployment, from `prefect depl
 CHROMIUM_S = 180  # one headless Chromium page load
 CHECKS_S = 120  # a test's own API reads and file checks
 RUN_A_S = 2 * RUN_S  # run a, then the second run queued behind it
+# How often the served runner looks for runs to start (Prefect's default: every 10 s) and how long a run the
+# deployment's concurrency limit turned away waits before it is offered again (default 30 s): the queueing and the
+# runs are the same, each run starts up to 10 s sooner and the queued second run up to 30 s sooner after the first.
+QUICK_POLLS = {"PREFECT_RUNNER_POLL_FREQUENCY": "2", "PREFECT_SERVER_DEPLOYMENTS_CONCURRENCY_SLOT_WAIT_SECONDS": "5"}
 KILLED_S = 2 * RUN_S  # run c up to its step-2 checkpoint, then its retry to the end
 
 
@@ -198,7 +202,7 @@ def served(tmp_path_factory):
         d.mkdir(parents=True)
     env = dict(os.environ, PREFECT_HOME=str(migrated_home(root / "prefect-home")), HF_TOKEN=HF_SENTINEL,
                WANDB_API_KEY=WANDB_SENTINEL, PREFECT_LOGGING_LEVEL="INFO", WANDB_MODE="offline", WANDB_SILENT="true",
-               **{k: str(d) for k, d in wandb_dirs.items()})
+               **QUICK_POLLS, **{k: str(d) for k, d in wandb_dirs.items()})
     env.pop("PREFECT_API_URL", None)
     log = open(root / "serve.log", "w")
     kimi = [str(BIN / "kimi")] if (BIN / "kimi").exists() else [sys.executable, "-m", "kimi_pipeline.cli"]
@@ -522,8 +526,10 @@ def test_prefect_yaml_work_pool_worker_failure_notices_and_sigterm(tmp_path):
             assert probe.stdout.strip() == "True", probe.stdout + probe.stderr
             # ... worker.sh started exactly that way still stops on SIGTERM
             pidfile, log = tmp_path / "worker.pid", tmp_path / "worker.log"
+            # (polling the pool every 2 s, not Prefect's 10: each of the two runs below starts sooner, nothing else)
             subprocess.run(["bash", "-c", f"bash {ROOT}/infra/prefect/worker.sh --name ci-worker > {log} 2>&1 & "
-                            f"echo $! > {pidfile}"], env=env, check=True, timeout=30, cwd=tmp_path)
+                            f"echo $! > {pidfile}"], env={**env, "PREFECT_WORKER_QUERY_SECONDS": "2"}, check=True,
+                           timeout=30, cwd=tmp_path)
             worker = psutil.Process(int(pidfile.read_text()))
 
             def deployment_run(params: dict) -> subprocess.CompletedProcess:
