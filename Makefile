@@ -26,19 +26,9 @@ SGLANG_PARSER := .cache/sglang-parser
 
 .PHONY: install run test test-fast clean browser gpu-check sglang-env sglang-parser trainer-env images bytecode
 
-# Independent targets build side by side: `make test` installs SGLang's parser (one pip, one core) while the
-# trainer's environment installs (another pip, the other core), 16 s of the ~80 s install on 2 cores. Every target
-# names what it needs, so any -j is safe.
-MAKEFLAGS += -j2
-
-# The venv and its pip, which both the trainer's environment and SGLang's parser install with (order-only below: a
-# pip upgraded later does not make either install again).
-$(BIN)/.pip:
+$(BIN)/.installed: pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q $(PIP_FLAGS) --upgrade pip
-	touch $@
-
-$(BIN)/.installed: pyproject.toml Makefile | $(BIN)/.pip
 	$(BIN)/python $(PIP_INSTALL) "$(TORCH_SPEC)"
 	mkdir -p .cache && echo "$(TORCH_SPEC)" > .cache/build-constraints.txt
 	$(BIN)/python $(PIP_INSTALL) --build-constraint .cache/build-constraints.txt \
@@ -59,7 +49,7 @@ $(SGLANG_VENV)/.installed: requirements-sglang.txt
 
 sglang-env: $(SGLANG_VENV)/.installed
 
-$(SGLANG_PARSER)/.installed: requirements-sglang.txt tests/sglang-parser.txt | $(BIN)/.pip
+$(SGLANG_PARSER)/.installed: requirements-sglang.txt tests/sglang-parser.txt $(BIN)/.installed
 	rm -rf $(SGLANG_PARSER)
 	$(BIN)/python $(PIP_INSTALL) --no-deps --target $(SGLANG_PARSER) \
 	  -r requirements-sglang.txt -r tests/sglang-parser.txt
