@@ -79,11 +79,11 @@ RUN_S = 600  # one shortened tiny run through the deployment, from `prefect depl
 CHROMIUM_S = 180  # one headless Chromium page load
 CHECKS_S = 120  # a test's own API reads and file checks
 RUN_A_S = 2 * RUN_S  # run a, then the second run queued behind it
+KILLED_S = 2 * RUN_S  # run c up to its step-2 checkpoint, then its retry to the end
 # How often the served runner looks for runs to start (Prefect's default: every 10 s) and how long a run the
 # deployment's concurrency limit turned away waits before it is offered again (default 30 s): the queueing and the
 # runs are the same, each run starts up to 10 s sooner and the queued second run up to 30 s sooner after the first.
 QUICK_POLLS = {"PREFECT_RUNNER_POLL_FREQUENCY": "2", "PREFECT_SERVER_DEPLOYMENTS_CONCURRENCY_SLOT_WAIT_SECONDS": "5"}
-KILLED_S = 2 * RUN_S  # run c up to its step-2 checkpoint, then its retry to the end
 
 
 def _background_job() -> None:
