@@ -86,7 +86,9 @@ class Workload:
 
 
 def workload(r: Recipe, a: TimeAssumptions) -> Workload:
-    """Dynamic sampling generates over_sampling_batch_size prompts (assumed enough groups survive in one pass)."""
+    """Dynamic sampling generates over_sampling_batch_size prompts (assumed enough groups survive in one pass). The
+    optimizer steps and their batch are the trainer's: with a dynamic global batch, every trained sample in one step
+    (`RolloutSpec.optimizer_steps_per_rollout`, `rl.batching.step_batch_size`), whatever num_steps_per_rollout says."""
     rollout = r.rollout
     gen = (
         rollout.over_sampling_batch_size
@@ -99,8 +101,8 @@ def workload(r: Recipe, a: TimeAssumptions) -> Workload:
         samples_trained=rollout.samples_per_rollout,
         prompts_generated=max(gen, rollout.rollout_batch_size),
         n_samples=rollout.n_samples_per_prompt,
-        optimizer_steps=rollout.num_steps_per_rollout,
-        global_batch=r.global_batch_size,
+        optimizer_steps=rollout.optimizer_steps_per_rollout,
+        global_batch=rollout.samples_per_rollout if rollout.use_dynamic_global_batch_size else r.global_batch_size,
     )
 
 

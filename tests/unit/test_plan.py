@@ -239,6 +239,24 @@ def test_time_assumptions_are_used(recipes):
     assert forward_flops_per_token(r, pc, 1000) == pytest.approx(2 * pc.active_matmul + attn)
 
 
+def test_a_dynamic_global_batch_is_planned_as_the_trainer_steps_it(recipes):
+    """With use_dynamic_global_batch_size the trainer takes every kept sample in one optimizer step
+    (rl.batching.step_batch_size) whatever num_steps_per_rollout says: the plan's optimizer steps, CPU Adam time and
+    micro-batches are those of one step over the whole rollout."""
+    gpu = get_gpu("h200")
+    one = make_plan(recipes["kimi-k2.5"], gpu)  # 256 samples, global batch 256, one step
+    four_steps = ["rollout.global_batch_size=null", "rollout.num_steps_per_rollout=4"]
+    four = make_plan(load_recipe("kimi-k2.5", four_steps), gpu)
+    assert four["timing"]["optimizer_steps_per_step"] == one["timing"]["optimizer_steps_per_step"] == 1
+    assert four["timing"]["optimizer_s"] == one["timing"]["optimizer_s"] > 0
+    micro = "microbatches_per_step_per_dp_rank"
+    assert four["assumptions"][micro] == one["assumptions"][micro]
+    assert four["timing"]["passes"]["old_logprob_forward"] == 0.0  # one step: its forward is the old logprobs
+    fixed = make_plan(load_recipe("kimi-k2.5", [*four_steps, "rollout.use_dynamic_global_batch_size=false"]), gpu)
+    assert fixed["timing"]["optimizer_steps_per_step"] == 4
+    assert fixed["timing"]["optimizer_s"] == pytest.approx(4 * one["timing"]["optimizer_s"], rel=1e-3)  # rounded
+
+
 # ---------------------------------------------------------------------------------------------- CLI
 
 
