@@ -103,16 +103,20 @@ def test_rehearse_reports_a_command_sglang_refuses_naming_engine_and_node(parser
     assert check_engine_commands(lay_out_actors(recipe, "/ckpt"), recipe).startswith("not checked: no interpreter")
 
 
+# An engine rank as SGLang's weight updater is one: its group held in a dict and popped when destroyed
+# (model_runner_components/weight_updater.py:146-150). A group still referenced at the interpreter's exit is torn down
+# there, and gloo then aborts the process now and then ("terminate called without an active exception": in 4 of 110
+# runs of the member pair when this script kept `pg`; 0 of 80 with the pop, 2026-11-29).
 _SGLANG_MEMBER = """
 import sys, torch, torch.distributed as dist
 from sglang.srt.utils.common import init_custom_process_group
 port, rank, name = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-pg = init_custom_process_group(backend="gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=3, rank=rank,
-                               group_name=name)
+groups = {name: init_custom_process_group(backend="gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=3,
+                                          rank=rank, group_name=name)}
 t = torch.empty(2, 3, dtype=torch.bfloat16)
-dist.broadcast(t, src=0, group=pg)  # as SGLang's receive_weights_from_distributed does
+dist.broadcast(t, src=0, group=groups[name])  # as SGLang's receive_weights_from_distributed does
 print(t.float().flatten().tolist(), flush=True)
-dist.destroy_process_group(pg)
+dist.destroy_process_group(groups.pop(name))  # as SGLang's destroy_weights_update_group does: no reference kept
 """
 
 
