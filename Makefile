@@ -72,13 +72,14 @@ run: install bytecode
 # only when missing. Never fails the suite: without a browser that test skips and says why. Without recommends: 19
 # packages, not 108 (avahi, cups, samba, upower, udev: daemons a headless screenshot never uses); 8 s instead of 13 s
 # on a fresh Debian 12 box (2026-11-29). The page's text renders in the image's DejaVu fonts.
+APT_CHROMIUM := env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium
 browser:
 	@if command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1; then :; \
 	elif ! command -v apt-get >/dev/null 2>&1; then echo "note: no chromium and no apt-get: the browser test will skip"; \
 	else SUDO=$$( [ "$$(id -u)" = 0 ] || echo "sudo -n" ); \
 	  echo "installing chromium (apt) for the browser test..."; \
-	  ( $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium >/dev/null 2>&1 \
-	    || ( $$SUDO apt-get update -q >/dev/null 2>&1 && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium >/dev/null 2>&1 ) ) \
+	  ( $$SUDO $(APT_CHROMIUM) >/dev/null 2>&1 \
+	    || ( $$SUDO apt-get update -q >/dev/null 2>&1 && $$SUDO $(APT_CHROMIUM) >/dev/null 2>&1 ) ) \
 	  || echo "note: could not install chromium with apt: the browser test will skip"; fi
 
 # Two pytest-xdist workers: whole files to a worker (their module fixtures are made once), heaviest first
