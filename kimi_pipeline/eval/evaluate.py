@@ -14,10 +14,9 @@ from typing import Any
 
 from kimi_pipeline.engine.rollout_engine import SamplingParams
 from kimi_pipeline.eval.scores import summarize
-from kimi_pipeline.model.tokenizer import decode_responses
 from kimi_pipeline.recipes.models import EvalSpec
 from kimi_pipeline.report.metrics_log import read_jsonl
-from kimi_pipeline.reward import AnswerGrader
+from kimi_pipeline.reward import AnswerGrader, decode_responses
 from kimi_pipeline.rl.prompts import Prompt
 from kimi_pipeline.util.files import atomic_write_json, atomic_write_text
 

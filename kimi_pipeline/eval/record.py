@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from kimi_pipeline.engine.client import EngineClient, Router
+from kimi_pipeline.engine.client import Router
 from kimi_pipeline.engine.model import EngineModel
 from kimi_pipeline.engine.rollout_engine import RolloutEngine
 from kimi_pipeline.engine.server import EngineServer
@@ -55,28 +55,27 @@ class EvalSections:
                    recipe.hub.trust_remote_code, recipe.sglang.server_concurrency)
 
 
-def eval_prompts(data: DataSpec, run_dir: Path, tokenizer):
-    path = Path(run_dir) / "validate" / "eval.jsonl"
-    return load_prompts(path, tokenizer, data.input_key, data.label_key, data.apply_chat_template)
-
-
-def evaluate_with(client, tokenizer, prompts, sections: EvalSections, step: int, out_dir: Path) -> dict[str, Any]:
-    """`eval.evaluate.evaluate` with the recipe's seed and grader (the in-training eval, `kimi eval`, the served
-    export: `eval.served`)."""
-    rollout = sections.rollout
-    return evaluate(client, tokenizer, prompts, sections.eval, step=step, seed=rollout.seed, rm_type=rollout.rm_type,
-                    thinking=rollout.thinking, strict=rollout.reward_strict, out_dir=out_dir, top_k=rollout.top_k)
+def score_engines(sections: EvalSections, engine_urls: list[str], run_dir: Path, tokenizer_dir: Path, step: int,
+                  out_dir: Path, data_file: Path | None = None) -> dict[str, Any]:
+    """The eval set scored on the engines at `engine_urls` with the recipe's sampling, seed and grader, recorded in
+    `out_dir` (`eval.evaluate.evaluate`): the one scoring of the in-training eval, `kimi eval` and the served
+    export (`eval.served`). Prompts: `data_file`, or the run's validated eval set."""
+    tokenizer = load_tokenizer(tokenizer_dir, sections.trust_remote_code)
+    data, rollout = sections.data, sections.rollout
+    prompts = load_prompts(data_file or Path(run_dir) / "validate" / "eval.jsonl", tokenizer, data.input_key,
+                           data.label_key, data.apply_chat_template)
+    with Router(engine_urls, server_concurrency=sections.server_concurrency) as client:
+        return evaluate(client, tokenizer, prompts, sections.eval, step=step, seed=rollout.seed,
+                        rm_type=rollout.rm_type, thinking=rollout.thinking, strict=rollout.reward_strict,
+                        out_dir=out_dir, top_k=rollout.top_k)
 
 
 def run_eval_step(sections: EvalSections, run_dir: Path, step: int, engine_urls: list[str],
                   model_dir: Path) -> dict[str, Any]:
     """Evaluate the engines' current weights at `step`; returns the eval.jsonl row (+ `markdown`)."""
 
-    tokenizer = load_tokenizer(model_dir, sections.trust_remote_code)
-    prompts = eval_prompts(sections.data, run_dir, tokenizer)
     out_dir = Path(run_dir) / "eval"
-    with Router(engine_urls, server_concurrency=sections.server_concurrency) as client:
-        result = evaluate_with(client, tokenizer, prompts, sections, step, out_dir)
+    result = score_engines(sections, engine_urls, run_dir, model_dir, step, out_dir)
     RunSummary(run_dir).upsert_row("eval", {k: result[k] for k in SUMMARY_KEYS})
     table = json.loads(eval_step_path(out_dir, step).read_text()).get("problems_table")
     return {**result, "markdown": eval_report(result, table)}
@@ -103,14 +102,10 @@ def evaluate_checkpoint(sections: EvalSections, checkpoint: Path, run_dir: Path,
     else:
         raise PermanentError(f"{checkpoint}: neither an HF checkpoint (config.json) nor a torch_dist checkpoint "
                              f"({TRACKER} or iter_NNNNNNN/)")
-    tokenizer = load_tokenizer(tokenizer_dir, sections.trust_remote_code)
-    data = sections.data
-    prompts = (load_prompts(data_file, tokenizer, data.input_key, data.label_key, data.apply_chat_template)
-               if data_file else eval_prompts(data, run_dir, tokenizer))
     with EngineServer(RolloutEngine(engine_model, seed=sections.rollout.seed)) as server:
-        with EngineClient(server.url) as client:
-            torch.manual_seed(sections.rollout.seed)
-            return evaluate_with(client, tokenizer, prompts, sections, step or 0, Path(run_dir) / "eval")
+        torch.manual_seed(sections.rollout.seed)
+        return score_engines(sections, [server.url], run_dir, tokenizer_dir, step or 0, Path(run_dir) / "eval",
+                             data_file)
 
 
 def base_policy_scores(sections: EvalSections, model_dir: Path, data_file: Path, work_dir: Path) -> dict[str, float]:

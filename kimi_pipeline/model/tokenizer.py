@@ -33,19 +33,3 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
     log.warning("loading tokenizer from %s with trust_remote_code=True (recipe opt-in)", path)
     return AutoTokenizer.from_pretrained(path, trust_remote_code=True)
 
-
-# Special tokens that carry meaning for grading: a thinking model's answer starts after `</think>`, which
-# Kimi's (and the tiny) tokenizer marks special — `skip_special_tokens=True` would delete it and the
-# reward would never find the answer region.
-KEPT_SPECIAL_TOKENS = ("<think>", "</think>")
-
-
-def decode_responses(tokenizer, sequences: list[list[int]]) -> list[str]:
-    """Response texts for grading: special tokens dropped (end-of-turn, padding), but `<think>`/`</think>` kept."""
-    kept = {tokenizer.convert_tokens_to_ids(t) for t in KEPT_SPECIAL_TOKENS}
-    kept.discard(getattr(tokenizer, "unk_token_id", None))
-    kept.discard(None)
-    special = set(tokenizer.all_special_ids)
-    special.update(i for i, tok in getattr(tokenizer, "added_tokens_decoder", {}).items() if tok.special)
-    drop = special - kept
-    return tokenizer.batch_decode([[i for i in seq if i not in drop] for seq in sequences], skip_special_tokens=False)

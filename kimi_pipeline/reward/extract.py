@@ -1,5 +1,8 @@
 """Where a response commits to its final answer, read so that a policy cannot fool or stall the parser.
 
+0. The text graded (``decode_responses``): the sampled token ids decoded with the special tokens dropped
+   (end-of-turn, padding) but ``<think>``/``</think>`` kept: Kimi's (and the tiny) tokenizer marks them special,
+   and ``skip_special_tokens=True`` would delete the marker the answer region starts after.
 1. The answer region: the text after the last ``</think>``. With ``deepscaler`` and no ``</think>``, the
    text after ``###Response`` (as upstream deepscaler splits). A ``thinking=True`` response with neither
    gets no answer (it never answered); ``thinking=False`` reads the whole response.
@@ -23,7 +26,7 @@ from kimi_pipeline.reward.reward_errors import RewardError
 
 RmType = Literal["math", "deepscaler"]  # the two ways of reading an answer (the built-in graders')
 RM_TYPES: tuple[str, ...] = get_args(RmType)
-THINK_CLOSE = "</think>"
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 RESPONSE_MARK = "###Response"  # upstream deepscaler's split when there is no </think>
 MAX_TAIL_CHARS = 4096
 MAX_ANSWER_CHARS = 256
@@ -32,6 +35,17 @@ BOX_COMMANDS = ("\\boxed", "\\fbox")
 
 _END_TOKEN = re.compile(r"(?:<\|[A-Za-z0-9_]{1,32}\|>|\[EOS\]|\[PAD\]|</s>)\Z")
 _ANSWER_LINE = re.compile(r"\s*(?:\*\*)?answer\s*(?:\*\*)?\s*:\s*(?:\*\*)?\s*(.+?)\s*", re.IGNORECASE)
+
+
+def decode_responses(tokenizer, sequences: list[list[int]]) -> list[str]:
+    """Response texts for grading (item 0 above); `tokenizer` a transformers tokenizer."""
+    kept = {tokenizer.convert_tokens_to_ids(t) for t in (THINK_OPEN, THINK_CLOSE)}
+    kept.discard(getattr(tokenizer, "unk_token_id", None))
+    kept.discard(None)
+    special = set(tokenizer.all_special_ids)
+    special.update(i for i, tok in getattr(tokenizer, "added_tokens_decoder", {}).items() if tok.special)
+    drop = special - kept
+    return tokenizer.batch_decode([[i for i in seq if i not in drop] for seq in sequences], skip_special_tokens=False)
 
 
 def _answer_region(response: str, thinking: bool, rm_type: str = "math") -> str | None:

@@ -9,8 +9,8 @@ import time
 import torch
 
 from kimi_pipeline.engine.rollout_engine import SamplingParams
-from kimi_pipeline.model.tokenizer import decode_responses
 from kimi_pipeline.recipes.models import RolloutSpec
+from kimi_pipeline.reward import decode_responses
 from kimi_pipeline.rl.dynamic_sampling import collect_groups
 from kimi_pipeline.rl.grpo import ADVANTAGE_ESTIMATORS
 from kimi_pipeline.rl.prompts import Prompt, PromptStream

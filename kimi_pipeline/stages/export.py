@@ -8,17 +8,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kimi_pipeline.eval.served import ExportEvalDropError, ServedSections, score_export
+from kimi_pipeline.eval.served import ServedSections, publish_scored
 from kimi_pipeline.hub.fetch import model_root
 from kimi_pipeline.recipes import Recipe
 from kimi_pipeline.report.stage_reports import export_report
 from kimi_pipeline.stages.runner import Stage, StageReport
-from kimi_pipeline.util.files import atomic_write_json
 from kimi_pipeline.weightjobs.int4_export import (
     SECTION_FILE,
     ExportSections,
     export_checkpoint,
-    export_dir,
     resolve_checkpoint,
 )
 
@@ -32,27 +30,7 @@ def run(recipe: Recipe, run_dir: Path, checkpoint_dir: str | Path, *, step: int 
     model_dir = Path(model_dir) if model_dir else model_root(run_dir)
     _, step = resolve_checkpoint(checkpoint_dir, step)
     section = export_checkpoint(ExportSections.of(recipe), run_dir, checkpoint_dir, step, model_dir, timeout_s)
-    return scored_section(ServedSections.of(recipe), section, run_dir, step)
-
-
-def scored_section(served: ServedSections, section: dict[str, Any], run_dir: Path, step: int) -> dict[str, Any]:
-    """The export's section with `eval` (its served scores) and `published`, rewritten as the stage's completion
-    marker; the marker goes while the scoring runs, so a crash there never leaves an unscored export marked done."""
-    marker = export_dir(run_dir) / SECTION_FILE
-    if not served.export.score:
-        section = {**section, "eval": {"skipped": "export.score=false"}, "published": True}
-        atomic_write_json(marker, section)
-        return section
-    marker.unlink(missing_ok=True)
-    try:
-        scored = score_export(served, Path(section["path"]), run_dir, step)
-    except ExportEvalDropError as e:
-        e.section = {**section, **e.section}
-        atomic_write_json(marker, e.section)  # the record of this export: scored, unpublished
-        raise
-    section = {**section, "eval": scored, "published": True}
-    atomic_write_json(marker, section)
-    return section
+    return publish_scored(ServedSections.of(recipe), section, run_dir, step)
 
 
 EXPORT = Stage(

@@ -471,10 +471,9 @@ def _assert_served_scoring(recipe, section: dict, run_dir: Path) -> None:
     step the scores are recorded only; one more than `export.max_eval_drop` below fails permanently and leaves the
     export on disk marked unpublished; within the bound it is published again."""
     from kimi_pipeline.errors import PermanentError
-    from kimi_pipeline.eval.served import UNPUBLISHED, ServedSections
+    from kimi_pipeline.eval.served import UNPUBLISHED, ServedSections, publish_scored
     from kimi_pipeline.report.stage_reports import export_report
     from kimi_pipeline.report.summary import RunSummary
-    from kimi_pipeline.stages.export import scored_section
 
     served = section["eval"]
     assert served["engine"] == "embedded" and served["step"] == 20 and served["problems"] == 96, served
@@ -485,12 +484,12 @@ def _assert_served_scoring(recipe, section: dict, run_dir: Path) -> None:
     summary = RunSummary(run_dir)
     summary.upsert_row("eval", {"step": 20, "avg_at_n": served["avg_at_n"] + 0.5})  # training scored far higher
     with pytest.raises(PermanentError, match=r"0\.5000 below the training eval at step 20 .*marked unpublished"):
-        scored_section(ServedSections.of(recipe), dict(unscored), run_dir, 20)
+        publish_scored(ServedSections.of(recipe), dict(unscored), run_dir, 20)
     assert (export / UNPUBLISHED).is_file() and (export / "config.json").is_file()  # kept on disk, marked
     recorded = json.loads(marker.read_text())
     assert recorded["published"] is False and recorded["eval"]["avg_at_n"] == served["avg_at_n"]  # same seeds
     summary.upsert_row("eval", {"step": 20, "avg_at_n": served["avg_at_n"] + 0.01})
-    again = scored_section(ServedSections.of(recipe), dict(unscored), run_dir, 20)
+    again = publish_scored(ServedSections.of(recipe), dict(unscored), run_dir, 20)
     assert again["published"] and again["eval"]["drop"] == pytest.approx(0.01) and not (export / UNPUBLISHED).exists()
     assert json.loads(marker.read_text()) == again
     assert "| published | **True** |" in export_report(again)

@@ -6,9 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from kimi_pipeline.engine.rollout_engine import Completion
-from kimi_pipeline.model.tokenizer import decode_responses, load_tokenizer
+from kimi_pipeline.model.tokenizer import load_tokenizer
 from kimi_pipeline.recipes import load_recipe
-from kimi_pipeline.reward import AnswerGrader
+from kimi_pipeline.reward import AnswerGrader, decode_responses
 from kimi_pipeline.rl.prompts import Prompt
 from kimi_pipeline.rl.rollout import generate_groups
 
