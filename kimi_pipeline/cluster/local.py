@@ -151,10 +151,10 @@ class LocalCluster:
         cluster.save()  # before the first process exists, so a crash mid-start is still cleaned up
         try:
             cluster._start_head(head, dashboard, timeout_s)
+            if owner_pid is not None:  # before the workers: a simulated 32-node start takes minutes to be killed in
+                cluster._start_watchdog(owner_pid)
             for i, w in enumerate(workers or [], start=1):
                 cluster._start_worker(w, i, timeout_s)
-            if owner_pid is not None:
-                cluster._start_watchdog(owner_pid)
         except BaseException:
             cluster.stop()
             raise

@@ -5,10 +5,12 @@ and stand-in actors with the real options land on the nodes the plan names (issu
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
 
+import psutil
 import pytest
 
 from kimi_pipeline.recipes import load_recipe
@@ -22,7 +24,8 @@ KIMI = ("kimi-k2-instruct", "kimi-k2-thinking", "kimi-k2.5")
 def cluster_32x8(tmp_path_factory):
     from kimi_pipeline.rl.rehearse import simulated_cluster
 
-    c = simulated_cluster(load_recipe("kimi-k2-instruct"), tmp_path_factory.mktemp("sim32"))
+    # owned by this test process: its watchdog stops the 32 nodes if the process dies before the teardown
+    c = simulated_cluster(load_recipe("kimi-k2-instruct"), tmp_path_factory.mktemp("sim32"), owner_pid=os.getpid())
     yield c
     c.stop()
 
@@ -68,3 +71,16 @@ def test_kimi_rehearse_cli_starts_and_stops_its_own_cluster(tmp_path):
     assert d["sglang_parser"] == "no SGLang commands (embedded engine)"
     state = json.loads((tmp_path / "tiny" / "rehearsal-cluster" / "cluster" / "state.json").read_text())
     assert state["stopped_at"] is not None  # nothing left running
+    # a killed `kimi rehearse` leaves nothing either: its cluster's watchdog (the one `kimi run`'s kill tests prove,
+    # test_reliability.py) watched the CLI's process, and went with the cluster
+    assert state["owner_pid"] is not None and state["watchdog_pid"] is not None, state
+    assert not _watchdog_running(state["watchdog_pid"], tmp_path / "tiny" / "rehearsal-cluster")
+
+
+def _watchdog_running(pid: int, run_dir) -> bool:
+    try:
+        p = psutil.Process(pid)
+        return p.status() != psutil.STATUS_ZOMBIE and "kimi_pipeline.cluster.watchdog" in p.cmdline() \
+            and str(run_dir) in p.cmdline()
+    except psutil.Error:
+        return False
