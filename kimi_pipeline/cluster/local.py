@@ -39,6 +39,15 @@ log = logging.getLogger(__name__)
 # the venv's Ray whatever PATH says: its `ray start`, less the CLI's `ray serve` group and the Ray Client server
 # (`ray_start`: neither is used)
 RAY_START = [sys.executable, "-m", "kimi_pipeline.cluster.ray_start"]
+# Every node of a LocalCluster is on this host, so its workers' and drivers' ports come from the kernel (port 0), the
+# one allocator that knows every port of the host. `ray start` would give each raylet Ray's fixed range 10002-19999
+# (ray/scripts/scripts.py:515-530), handed out in the same order by every raylet, each port checked free by a test
+# bind that it then closes (raylet/worker_pool.cc, `WorkerPool::GetNextFreePort`): two raylets on one host (a
+# simulated node, another run's cluster) can give one port to two workers, and the one that binds second aborts, a
+# driver with the process it runs in (core worker grpc_server.cc:134 "Failed to start the grpc server. The specified
+# port is 14455": a pytest worker of the suite, connecting to its new cluster while other tests' clusters ran). 0 for
+# both bounds is Ray's "random ports" (_private/parameter.py:375-396 accepts it, services.py:1852-1856 passes it on).
+KERNEL_WORKER_PORTS = ["--min-worker-port", "0", "--max-worker-port", "0"]
 START_TIMEOUT_S = 120.0
 
 
@@ -179,7 +188,7 @@ class LocalCluster:
         log_path = self.run_dir / "cluster" / f"{log_name}.log"
         with open(log_path, "w") as out:
             proc = subprocess.Popen(
-                [*(prefix or []), *RAY_START, *args, "--temp-dir", self.state["temp_dir"],
+                [*(prefix or []), *RAY_START, *args, *KERNEL_WORKER_PORTS, "--temp-dir", self.state["temp_dir"],
                  "--disable-usage-stats"],
                 env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
             )

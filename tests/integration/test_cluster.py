@@ -427,6 +427,10 @@ def test_the_one_host_cluster_listens_on_loopback_only(embedded):
     assert "ray.util.client.server" not in commands and not [c for c in running if "ray.util.client.server" in c]
     assert not [c for c in running if "log_monitor.py" in c]
     assert [x for x in found if not x.loopback] == []
+    # every port the kernel's, the workers' and the driver's too (`local.KERNEL_WORKER_PORTS`): none from Ray's fixed
+    # worker range, which each raylet of the host hands out in the same order
+    low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    assert [x for x in found if not low <= x.port <= high] == []
     with pytest.raises(ClusterConfigError, match="loopback"):
         cluster._start_worker(NodeSpec(num_cpus=1, num_gpus=0), 1, 60)
 
@@ -658,10 +662,12 @@ def test_infra_scripts_start_a_head_and_a_worker():
         return out
 
     try:
-        out = run("head.sh", f"--ray-client-server-port {client} --dashboard-agent-listen-port {head_agent}")
+        # two nodes on one host: worker ports from the kernel (infra/ray/README.md), not one range handed out twice
+        kernel_ports = "--min-worker-port 0 --max-worker-port 0"
+        out = run("head.sh", f"--ray-client-server-port {client} --dashboard-agent-listen-port {head_agent} {kernel_ports}")
         token = base / ".ray" / "auth_token"
         assert "created the cluster token" in out and oct(token.stat().st_mode & 0o777) == "0o600"
-        run("worker.sh", f"--dashboard-agent-listen-port {worker_agent}")
+        run("worker.sh", f"--dashboard-agent-listen-port {worker_agent} {kernel_ports}")
         names = {p.pid: p.name() for p in cluster_processes(marker, sids)}
         assert list(names.values()).count("raylet") == 2
         probe = (
