@@ -31,7 +31,7 @@ from kimi_pipeline.cluster.cluster_errors import ClusterConfigError, ClusterHeal
 from kimi_pipeline.cluster.readiness import ClusterFacts, NodeFacts, Requirements, wait_until_healthy
 from kimi_pipeline.cluster.kuberay import check_manifest, manifest_presets, render_manifest
 from kimi_pipeline.cluster.lifecycle import embedded_layout, resolve_address, stop_cluster
-from kimi_pipeline.cluster.local import LocalCluster
+from kimi_pipeline.cluster.local import KERNEL_WORKER_PORTS, LocalCluster
 from kimi_pipeline.cluster.placement import (
     GroupSpec,
     bundle_nodes,
@@ -662,9 +662,11 @@ def test_infra_scripts_start_a_head_and_a_worker():
         return out
 
     try:
-        # two nodes on one host: worker ports from the kernel (infra/ray/README.md), not one range handed out twice
-        kernel_ports = "--min-worker-port 0 --max-worker-port 0"
-        out = run("head.sh", f"--ray-client-server-port {client} --dashboard-agent-listen-port {head_agent} {kernel_ports}")
+        # two nodes on one host: worker ports from the kernel (infra/ray/README.md, as the embedded clusters'), not
+        # one range handed out twice
+        kernel_ports = " ".join(KERNEL_WORKER_PORTS)
+        out = run("head.sh", f"--ray-client-server-port {client} --dashboard-agent-listen-port {head_agent} "
+                             f"{kernel_ports}")
         token = base / ".ray" / "auth_token"
         assert "created the cluster token" in out and oct(token.stat().st_mode & 0o777) == "0o600"
         run("worker.sh", f"--dashboard-agent-listen-port {worker_agent} {kernel_ports}")
