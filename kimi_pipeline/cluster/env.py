@@ -130,11 +130,20 @@ def ensure_token() -> str:
 RAY_METRICS_VAR = "RAY_enable_metrics_collection"
 RAY_METRICS_OFF = {RAY_METRICS_VAR: "0"}
 
+# No idle workers started ahead of a run's drivers. When its first driver registers, a raylet starts as many Python
+# workers as it has CPUs (`--num_prestart_python_workers`, _private/services.py:2019-2021; Ray's
+# prestart_worker_first_driver, on by default: `strings .../ray/core/src/ray/raylet/raylet | grep prestart`). They
+# start without a runtime_env, and every actor and task of a run's drivers has one (`util.redact.ray_worker_setup`,
+# the actors' env_vars), so Ray never hands them work: measured on a one-node embedded cluster (2 CPUs, one driver,
+# two actors), two `ray::IDLE` processes of ~0.6 CPU-s each that lived as long as the cluster; the suite of
+# 2026-11-29 had 47 of them. Actors start their own workers either way.
+RAY_PRESTART_OFF = {"RAY_prestart_worker_first_driver": "0"}
+
 
 def ray_env(temp_dir: Path | None, mode: str | None = None) -> dict[str, str]:
     """Variables for the Ray processes we start and for drivers that connect to them."""
     mode = mode or auth_mode()
-    env = {"RAY_AUTH_MODE": mode, "RAY_USAGE_STATS_ENABLED": "0", **RAY_METRICS_OFF}
+    env = {"RAY_AUTH_MODE": mode, "RAY_USAGE_STATS_ENABLED": "0", **RAY_METRICS_OFF, **RAY_PRESTART_OFF}
     if temp_dir is not None:
         env["RAY_TMPDIR"] = str(temp_dir)
     return env

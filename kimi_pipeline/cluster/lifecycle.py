@@ -88,12 +88,13 @@ def embedded_layout(cluster: ClusterSpec) -> tuple[NodeSpec, list[NodeSpec]]:
                 "(the tiny recipe) or set cluster.address to a GPU cluster",
                 [f"GPU {have} < {cluster.gpus_per_node}"],
             )
-        return NodeSpec(num_gpus=cluster.gpus_per_node, log_monitor=cluster.keep), []
+        return NodeSpec(num_gpus=cluster.gpus_per_node, log_monitor=cluster.keep, autoscaler_monitor=cluster.keep), []
     cpus = int(req.cpus_per_node)
     if cluster.nodes == 1:  # Ray's CPUs are logical: oversubscribing a small host is slow, not wrong
-        return NodeSpec(num_cpus=max(os.cpu_count() or 1, cpus), num_gpus=0, log_monitor=cluster.keep), []
-    specs = [NodeSpec(num_cpus=cpus, num_gpus=0, resources={f"node_{i}": 1.0}, log_monitor=cluster.keep and i == 0)
-             for i in range(cluster.nodes)]
+        return NodeSpec(num_cpus=max(os.cpu_count() or 1, cpus), num_gpus=0, log_monitor=cluster.keep,
+                        autoscaler_monitor=cluster.keep), []
+    specs = [NodeSpec(num_cpus=cpus, num_gpus=0, resources={f"node_{i}": 1.0}, log_monitor=cluster.keep and i == 0,
+                      autoscaler_monitor=cluster.keep) for i in range(cluster.nodes)]
     return specs[0], specs[1:]
 
 

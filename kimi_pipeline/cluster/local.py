@@ -63,9 +63,16 @@ class NodeSpec:
     # own drivers never do (their actors log into the run dir), so only a cluster kept for users' drivers runs one,
     # on its head (simulated nodes share the head's log directory)
     log_monitor: bool = True
+    # Ray's autoscaler monitor (a head's autoscaler/_private/monitor.py) feeds `ray status` and scales a cluster that
+    # has a node provider; an embedded cluster's nodes are fixed, so only one kept for users' drivers (`kimi cluster
+    # up`) runs it. Elsewhere it cost ~0.6 CPU-s a head and, as it ignores SIGTERM, each teardown's 2 s wait before
+    # `procs.stop_processes` killed it. `ray start --no-monitor` (hidden; scripts.py:694-700, node.py:1654-1655)
+    autoscaler_monitor: bool = True
 
     def args(self) -> list[str]:
         out: list[str] = [] if self.log_monitor else ["--include-log-monitor", "false"]
+        if not self.autoscaler_monitor:
+            out.append("--no-monitor")
         if self.num_cpus is not None:
             out += ["--num-cpus", str(self.num_cpus)]
         if self.num_gpus is not None:

@@ -56,7 +56,8 @@ def simulated_cluster(recipe: Recipe, work_dir: Path, owner_pid: int | None = No
     gpus = cluster.gpus_per_node if cluster.device == "cuda" else 0
     cpus = max(cluster.gpus_per_node, 1) + 1  # the bundle's CPUs + one for the node's stand-in bookkeeping
     specs = [NodeSpec(num_cpus=cpus, num_gpus=gpus, resources={NODE_RESOURCE.format(i): 1.0},
-                      object_store_bytes=80 * 1024 * 1024, log_monitor=False) for i in range(cluster.nodes)]
+                      object_store_bytes=80 * 1024 * 1024, log_monitor=False, autoscaler_monitor=False)
+             for i in range(cluster.nodes)]
     return LocalCluster.start(work_dir, specs[0], specs[1:], owner_pid=owner_pid)
 
 

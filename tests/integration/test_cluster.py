@@ -416,16 +416,17 @@ def test_the_one_host_cluster_listens_on_loopback_only(embedded):
         found = listeners(session_members(sids) | with_descendants(sids) | with_descendants([os.getpid()]))
     print(f"{len(found)} listening sockets of {len({x.pid for x in found})} processes")
     commands = " ".join(x.command for x in found)
-    # the servers every cluster has from its start (the autoscaler's monitor.py opens its metrics port some seconds
-    # later: seen in one run of this test, not in another, so it is checked with the rest when present, not waited for)
+    # the servers every cluster has from its start, and the dashboard this one was started with
     for process in ("gcs_server", "raylet", "dashboard.py"):
         assert process in commands, (process, found)
     # no Ray Client server (`cluster.ray_start`): the pipeline refuses ray:// addresses, so it would only be a port.
-    # No log monitor: the run's drivers never stream the workers' output (`NodeSpec.log_monitor`). (A worker listed
-    # may exit before its command line is read: `cmdline` then gives [].)
+    # No log monitor: the run's drivers never stream the workers' output (`NodeSpec.log_monitor`). No autoscaler
+    # monitor (`NodeSpec.autoscaler_monitor`: the nodes are fixed). (A worker listed may exit before its command line
+    # is read: `cmdline` then gives [].)
     running = [" ".join(cmdline(p)) for p in cluster.processes()]
     assert "ray.util.client.server" not in commands and not [c for c in running if "ray.util.client.server" in c]
-    assert not [c for c in running if "log_monitor.py" in c]
+    for absent in ("log_monitor.py", "autoscaler/_private/monitor.py"):
+        assert not [c for c in running if absent in c], (absent, running)
     assert [x for x in found if not x.loopback] == []
     # every port the kernel's, the workers' and the driver's too (`local.KERNEL_WORKER_PORTS`): none from Ray's fixed
     # worker range, which each raylet of the host hands out in the same order
@@ -592,6 +593,14 @@ def test_simulated_four_node_cluster_strict_spread_and_impossible_groups():
         assert section["nodes"] == 4 and section["cpus"] == 4
         assert sorted(k for n in section["node_list"] for k in n["resources"]) == [f"node_{i}" for i in range(4)]
         assert list(pids.values()).count("raylet") == 4
+        # what a run's cluster leaves out: with the dashboard off no dashboard process (`cluster.ray_start`), no
+        # autoscaler or log monitor (`NodeSpec`), and no idle workers started ahead of a driver on any raylet
+        # (`env.RAY_PRESTART_OFF`: none could take a run's work, which always has a runtime_env)
+        running = [" ".join(cmdline(p)) for p in LocalCluster.load(run_dir).processes()]
+        for absent in ("dashboard/dashboard.py", "autoscaler/_private/monitor.py", "log_monitor.py"):
+            assert not [c for c in running if absent in c], (absent, running)
+        raylets = [psutil.Process(pid) for pid, name in pids.items() if name == "raylet"]
+        assert [p.environ().get("RAY_prestart_worker_first_driver") for p in raylets] == ["0"] * 4
         ray.init(address=section["address"], log_to_driver=False)
         plan = _placement(r)
         trainer = plan.group("trainer")

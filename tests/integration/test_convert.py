@@ -628,8 +628,8 @@ def test_conversion_runs_one_agent_per_node_of_a_ray_cluster(tiny_ckpt, tmp_path
     from kimi_pipeline.cluster.readiness import connected
     from kimi_pipeline.cluster.local import LocalCluster, NodeSpec
 
-    specs = [NodeSpec(num_cpus=1, resources={f"node_{i}": 1.0}, object_store_bytes=80 * 2**20, log_monitor=i == 0)
-             for i in range(4)]
+    specs = [NodeSpec(num_cpus=1, resources={f"node_{i}": 1.0}, object_store_bytes=80 * 2**20, log_monitor=i == 0,
+                      autoscaler_monitor=False) for i in range(4)]
     cluster = LocalCluster.start(tmp_path / "ray", specs[0], specs[1:])
     try:
         recipe = load_recipe("tiny", [f"cluster.address={cluster.address}"])  # convert: 4 nodes x 1 rank, pp2 x ep2
