@@ -202,4 +202,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
         sampler.stop()
         for line in sampler.table():
             terminalreporter.write_line(line)
+        every_kind = Path(config.rootpath, ".cache", "cpu-by-kind.txt")  # every kind, not the first 25 alone
+        every_kind.parent.mkdir(exist_ok=True)
+        every_kind.write_text("\n".join(sampler.table(top=None)) + "\n")
+        terminalreporter.write_line(f"every kind: {every_kind.relative_to(config.rootpath)}")
     return result

@@ -11,7 +11,7 @@ FROM ${CUDA_IMAGE}
 ARG TORCH_SPEC
 RUN test -n "${TORCH_SPEC}" || { echo "TORCH_SPEC is not set: build with make images" >&2; exit 1; }
 
-ENV DEBIAN_FRONTEND=noninteractive PIP_NO_CACHE_DIR=1
+ENV DEBIAN_FRONTEND=noninteractive PIP_NO_CACHE_DIR=1 UV_NO_CACHE=1
 RUN apt-get update \
  && apt-get install -y --no-install-recommends python3 python3-venv python3-dev build-essential git make cmake \
       ninja-build ca-certificates \

@@ -155,7 +155,8 @@ class CpuSampler:
                 count[k] += 1
         return cpu, count
 
-    def table(self, top: int = 25) -> list[str]:
+    def table(self, top: int | None = 25) -> list[str]:
+        """The CPU of the `top` most costly kinds (None: every kind), then the rest and what no sample saw."""
         if not self.supported:
             return ["CPU by kind of process: not measured (no /proc on this system)"]
         cpu, count = self.totals()
