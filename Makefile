@@ -13,7 +13,7 @@ WHEELS := $(wildcard /opt/wheels)
 PIP_FLAGS := --disable-pip-version-check $(if $(WHEELS),--find-links $(WHEELS))
 # The trainer's environment is installed by uv (pinned below, put into the venv by the venv's own pip): it resolves,
 # fetches and unpacks in parallel, where pip does one package after another. Measured on 2 cores (2026-11-29): torch
-# 3.3 s instead of 11.8, the ~190 other packages 9.6 s instead of 31.6 (an empty uv cache; fewer with a warm one),
+# 3.3 s instead of 11.8, the ~190 other packages 9.6 s instead of 31.6 (an empty uv cache; less with a warm one),
 # the same versions (`uv pip freeze` = `pip freeze`). pip stays in the venv for those who use it, and for SGLang's own
 # environment on GPU machines.
 UV_VERSION := 0.13.9
