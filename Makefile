@@ -10,7 +10,8 @@ TORCH_SPEC ?= torch==2.13.0
 CUDA_TORCH_SPEC := torch==2.14.1
 EXTRAS ?= dev
 WHEELS := $(wildcard /opt/wheels)
-PIP_FLAGS := --disable-pip-version-check $(if $(WHEELS),--find-links $(WHEELS))
+FIND_LINKS := $(if $(WHEELS),--find-links $(WHEELS))
+PIP_FLAGS := --disable-pip-version-check $(FIND_LINKS)
 # The trainer's environment is installed by uv (pinned below, put into the venv by the venv's own pip): it resolves,
 # fetches and unpacks in parallel, where pip does one package after another. Measured on 2 cores (2026-11-29): torch
 # 3.3 s instead of 11.8, the ~190 other packages 9.6 s instead of 31.6 (an empty uv cache; less with a warm one),
@@ -18,7 +19,7 @@ PIP_FLAGS := --disable-pip-version-check $(if $(WHEELS),--find-links $(WHEELS))
 # environment on GPU machines.
 UV_VERSION := 0.13.9
 UV := $(BIN)/uv
-UV_INSTALL := pip install -q -p $(BIN)/python $(if $(WHEELS),--find-links $(WHEELS))
+UV_INSTALL := pip install -q -p $(BIN)/python $(FIND_LINKS)
 # Neither installer byte-compiles here: each tree is compiled once with `compileall -j 0` (every core; pip did it
 # file by file in its one process, 50 of the 116 s its install took). Like pip, it skips a file this Python cannot
 # compile (torch ships a Python 3.12-only test helper): such a file is never imported here, so compileall's exit

@@ -588,7 +588,7 @@ def test_simulated_four_node_cluster_strict_spread_and_impossible_groups():
     run_dir = short_run_dir("four")
     r = load_recipe("tiny", ["cluster.nodes=4"])
     section = run_stage(CLUSTER, stages.cluster.run, r, run_dir)
-    pids, _ = _snapshot(run_dir)
+    pids, local = _snapshot(run_dir)
     try:
         assert section["nodes"] == 4 and section["cpus"] == 4
         assert sorted(k for n in section["node_list"] for k in n["resources"]) == [f"node_{i}" for i in range(4)]
@@ -596,7 +596,7 @@ def test_simulated_four_node_cluster_strict_spread_and_impossible_groups():
         # what a run's cluster leaves out: with the dashboard off no dashboard process (`cluster.ray_start`), no
         # autoscaler or log monitor (`NodeSpec`), and no idle workers started ahead of a driver on any raylet
         # (`env.RAY_PRESTART_OFF`: none could take a run's work, which always has a runtime_env)
-        running = [" ".join(cmdline(p)) for p in LocalCluster.load(run_dir).processes()]
+        running = [" ".join(cmdline(p)) for p in local.processes()]
         for absent in ("dashboard/dashboard.py", "autoscaler/_private/monitor.py", "log_monitor.py"):
             assert not [c for c in running if absent in c], (absent, running)
         raylets = [psutil.Process(pid) for pid, name in pids.items() if name == "raylet"]
