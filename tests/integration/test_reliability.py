@@ -43,6 +43,8 @@ from kimi_pipeline.cluster.procs import gone
 sys.path.insert(0, str(ROOT))
 
 HF_SENTINEL = "hf_ReliabilitySentinel0123456789ab"
+# on PYTHONPATH, arms `support.save_gate` in every process of a `kimi run` (the Ray actors inherit the driver's sys.path)
+SITE_HOOKS = Path(__file__).resolve().parents[1] / "support" / "site"
 
 
 def flip_byte(path: Path, offset: int = -100) -> None:
@@ -495,6 +497,25 @@ class _Started:
             time.sleep(0.5)
 
 
+def _arm_save_gate(gate: Path, step: int) -> None:
+    """Arm `support.save_gate` for `step`'s checkpoint, what an earlier run's writers left in it cleared."""
+    for f in gate.iterdir():
+        f.unlink()
+    (gate / "arm").write_text(str(step))
+
+
+def _held_writers(gate: Path, proc: subprocess.Popen, log: Path, each_poll=lambda: None) -> list[psutil.Process]:
+    """The processes `support.save_gate` holds in its armed step's checkpoint write, once one holds; disarmed then
+    (the held ones stay held). Fails with the run's log should `proc` end first."""
+    deadline = time.monotonic() + 600
+    while not (held := list(gate.glob("held-*"))):
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        each_poll()
+        time.sleep(0.2)
+    (gate / "arm").unlink()
+    return [psutil.Process(int(f.name.removeprefix("held-"))) for f in held]
+
+
 def _kimi_run(run_dir: Path, until: str, overrides: list[str], prefect_home: Path) -> tuple[list[str], dict[str, str]]:
     """`kimi run` of the tiny recipe on `run_dir` up to `until` with this module's Prefect home: (command, env)."""
     from support.learning import kimi_command
@@ -533,40 +554,49 @@ def test_kimi_run_killed_then_its_ray_head_lost_during_train_each_leaves_nothing
     """Issue 40 item 7, two faults of `kimi run`'s training on one run directory, each met by the next re-run (one
     download, validation and conversion for both: the faults are in training):
 
-    1. `kimi run` killed -9 while it trains (step 3's row written, the last checkpoint at step 2): nothing it started
-       is left (its Prefect API server and run guard, the Ray cluster with its engines and trainer actors), and
-       summary.json marks training interrupted.
+    1. `kimi run` killed -9 while it trains (step 3's row written, step 4's checkpoint half-written, the last whole
+       one at step 2): nothing it started is left (its Prefect API server and run guard, the Ray cluster with its
+       engines and trainer actors, the checkpoint's writer), and summary.json marks training interrupted.
     2. The re-run takes the dead run's lock over and resumes from the step-2 checkpoint: the step 3 it computes again
-       is the step 3 the killed run had computed uninterrupted, every non-timing key equal. Then its Ray head (GCS
-       server and head raylet, SIGKILL) dies: the run fails without retrying what a retry cannot fix; the error,
-       summary.json and FAILED.md name the head; nothing of the cluster is left.
+       is the step 3 the killed run had computed uninterrupted, every non-timing key equal. Then, while it writes
+       step 4's checkpoint, its Ray head (GCS server and head raylet, SIGKILL) dies: the run fails without retrying
+       what a retry cannot fix; the error, summary.json and FAILED.md name the head; nothing of the cluster is left.
     3. The next re-run brings a cluster up, resumes from step 2 again and completes: rows 1-2 as first written, step 3
-       again equal to the uninterrupted one, then step 4; FAILED.md gone."""
+       again equal to the uninterrupted one, then step 4; FAILED.md gone.
+
+    Each fault lands at a point of the run's own progress, not after a wait: `support.save_gate` (armed in the run's
+    processes by `support/site/sitecustomize.py`) holds the writer of step 4's checkpoint until the fault. Polling
+    for step 3's row instead once let a loaded box finish step 4's save before the kill (CI, 2026-11-29)."""
     from support.common import REPRODUCIBLE, TRAIN_SET, stable_row
+    from support.save_gate import GATE_ENV
 
     from kimi_pipeline.cluster.local import LocalCluster
+    from kimi_pipeline.model.checkpoint_dirs import latest_step
     from kimi_pipeline.report.metrics_log import read_jsonl
 
     run_dir = tmp_path / "run"
     cmd, env = _kimi_run(run_dir, "train", tiny_overrides(tiny_copy) + TRAIN_SET + REPRODUCIBLE, prefect_home)
+    gate = tmp_path / "save-gate"
+    gate.mkdir()
+    env = {**env, GATE_ENV: str(gate), "PYTHONPATH": os.pathsep.join(
+        p for p in (str(SITE_HOOKS), env.get("PYTHONPATH")) if p)}
     metrics = run_dir / "train" / "metrics.jsonl"
+    checkpoints = run_dir / "train" / "checkpoints"
 
-    # 1. kill -9 of `kimi run` after step 3's row
+    # 1. kill -9 of `kimi run` while step 4's checkpoint is being written (step 3's row is written before step 4)
     seen = _Started()
+    _arm_save_gate(gate, 4)
     with _in_background(cmd, env, tmp_path / "kimi-run-1.log") as proc:
         owner = psutil.Process(proc.pid)
         names = seen.names
-        deadline = time.monotonic() + 600
-        while not (metrics.is_file() and [r["step"] for r in read_jsonl(metrics)][-1:] == [3]):
-            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "kimi-run-1.log").read_text()[-3000:]
-            seen.look(owner)
-            time.sleep(0.2)
+        writers = _held_writers(gate, proc, tmp_path / "kimi-run-1.log", lambda: seen.look(owner))
         ray_processes = LocalCluster.load(run_dir).processes()
-        seen.add(ray_processes)  # named while they live: the actors go as soon as Ray sees their owner, the driver,
-        os.kill(proc.pid, signal.SIGKILL)  # gone
+        seen.add([*ray_processes, *writers])  # named while they live: the actors go as soon as Ray sees their owner,
+        os.kill(proc.pid, signal.SIGKILL)  # the driver, gone
         assert proc.wait(timeout=60) == -signal.SIGKILL
     killed = read_jsonl(metrics)
     assert [r["step"] for r in killed] == [1, 2, 3], killed
+    assert latest_step(checkpoints) == 2, sorted(p.name for p in checkpoints.iterdir())
     assert any("uvicorn" in c and "prefect.server" in c for c in names.values()), names  # the test saw the server
     assert any("run_guard" in c for c in names.values()), names
     assert any("ray::PolicyWorker" in names[p.pid] for p in ray_processes), [names[p.pid] for p in ray_processes]
@@ -576,13 +606,12 @@ def test_kimi_run_killed_then_its_ray_head_lost_during_train_each_leaves_nothing
     assert train["status"] == "failed" and train.get("interrupted") is True, train
     assert f"pid {proc.pid}" in train["error"] and "re-run with the same run directory" in train["error"], train
 
-    # 2. the re-run resumes; after its step 3 the Ray head dies
+    # 2. the re-run resumes; while it writes step 4's checkpoint the Ray head dies
     log_2 = tmp_path / "kimi-run-2.log"
+    _arm_save_gate(gate, 4)
     with _in_background(cmd, env, log_2) as proc_2:
-        deadline = time.monotonic() + 600
-        while "step 3/4" not in log_2.read_text():  # this run's own step 3 (its row is written before the line)
-            assert proc_2.poll() is None and time.monotonic() < deadline, log_2.read_text()[-3000:]
-            time.sleep(0.2)
+        _held_writers(gate, proc_2, log_2)
+        assert "step 3/4" in log_2.read_text(), log_2.read_text()[-3000:]  # this run's own step 3
         cluster = LocalCluster.load(run_dir)
         head = [p for p in cluster.processes() if p.name() in ("gcs_server", "raylet")]
         assert sorted(p.name() for p in head) == ["gcs_server", "raylet"], head
@@ -617,5 +646,5 @@ def test_kimi_run_killed_then_its_ray_head_lost_during_train_each_leaves_nothing
     stages = json.loads((run_dir / "summary.json").read_text())["stages"]
     assert stages["train"]["status"] == "completed" and "interrupted" not in stages["train"], stages
     assert not (run_dir / "FAILED.md").exists()
-    print(f"kill -9 after step 3: nothing left; head killed after the re-run's step 3: the run failed {fail_s:.1f} s "
+    print(f"kill -9 during step 4's save: nothing left; head killed during the re-run's: the run failed {fail_s:.1f} s "
           "later naming it; the next re-run resumed from step 2 to the uninterrupted metrics")
